@@ -1,0 +1,309 @@
+"""A simulated engine with a continuous-batching timing model, for load and fault tests.
+
+It is a simulator, never the default engine: it has no model and no tokenizer. Its tokens are drawn
+deterministically and its text comes from a tiny vocabulary of its own. What it does model faithfully is
+the shape of a real engine under load: one scheduler steps a batch, step time grows with batch size and
+newly admitted prompts, KV capacity holds requests back, and closing a stream frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import math
+import random
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+
+import msgspec
+
+from engines.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineLoad,
+    EngineOverloadedError,
+    EngineRequest,
+    EngineRequestError,
+    FinishReason,
+    Health,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "that", "it", "for", "as", "with", "was", "on", "be", "at", "by",
+    "this", "from", "or", "an", "are", "not", "but", "we", "all", "can", "one", "has", "more", "will", "if",
+    "so", "out", "up", "time", "new", "some", "them", "other", "like", "then", "now", "only", "into", "over",
+    "also", "back", "after", "use", "two", "how", "our", "work", "first", "well", "way", "even", "want",
+)  # fmt: skip
+
+
+class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Timing, capacity and fault-injection knobs of a `SimulatedEngine`."""
+
+    prefill_s_per_token: float = 0.0002  # prefill cost per prompt token of a newly admitted request
+    decode_step_s: float = 0.01  # time of one decode step with a batch of 1
+    decode_step_s_per_seq: float = 0.001  # extra step time per running sequence: big batches step slower
+    kv_capacity_tokens: int = 65536  # KV capacity; a running request reserves prompt + max_tokens
+    max_batch: int = 64  # most sequences decoded in one step
+    max_waiting: int = 1024  # beyond this many queued requests `generate` raises EngineOverloadedError
+    vocab_size: int = 32000  # token ids are drawn from range(vocab_size)
+    fail_after_tokens: int | None = None  # fault injection: every request fails after this many tokens
+    max_model_len: int = 2048  # longest prompt + max_tokens a request may ask for
+
+
+class _Seq:
+    """Scheduler-side state of one request."""
+
+    __slots__ = ("emitted", "order", "out", "req", "reserved", "rng", "text", "token_ids")
+
+    def __init__(self, req: EngineRequest, order: int, rng: random.Random) -> None:
+        self.req = req
+        self.order = order  # FIFO tie-break among equal priorities
+        self.rng = rng
+        self.out: asyncio.Queue[EngineDelta | EngineRequestError | EngineDeadError] = asyncio.Queue()
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.emitted = 0  # chars of `text` already sent; the rest may still turn out to be a stop string
+        self.reserved = 0  # KV tokens held while running
+
+    def key(self) -> tuple[int, int]:
+        """Admission order: lower priority value first, then arrival."""
+        return (self.req.priority, self.order)
+
+
+def _token_text(token_id: int) -> str:
+    return " " + _WORDS[token_id % len(_WORDS)]
+
+
+def _usage(seq: _Seq) -> Usage:
+    return Usage(prompt_tokens=len(seq.req.prompt_token_ids), completion_tokens=len(seq.token_ids))
+
+
+def _logprob(rank: int, jitter_from: int) -> float:
+    # Halving probabilities per rank keeps every value < 0 and the sum of exp() below 1.
+    return -(rank + 1) * math.log(2.0) - (jitter_from % 10) / 100.0
+
+
+class SimulatedEngine:
+    """An `Engine` that simulates continuous batching with an injectable clock, for tests only."""
+
+    def __init__(
+        self,
+        config: SimulatorConfig,
+        *,
+        replica_id: str = "sim-0",
+        model_name: str = "simulated",
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """Create a stopped engine; call `start()` before expecting any output."""
+        self.replica_id = replica_id
+        self.model_name = model_name
+        self.max_model_len = config.max_model_len
+        self._cfg = config
+        self._clock = clock
+        self._sleep = sleep
+        self._waiting: list[_Seq] = []  # kept sorted by _Seq.key
+        self._running: list[_Seq] = []
+        self._kv_used = 0
+        self._order = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._failure = ""
+
+    async def start(self) -> None:
+        """Start the scheduler task. Idempotent."""
+        if self._closed:
+            raise EngineDeadError(f"{self.replica_id} is shut down")
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"simulated-scheduler-{self.replica_id}")
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        """Stream one delta per scheduler step; closing the stream drops the request and frees its KV.
+
+        Refusals (too long, overloaded, shut down) raise on the first `anext()`. Requests queued before
+        `start()` wait for it.
+        """
+        self._check_alive()
+        cfg = self._cfg
+        prompt_len = len(req.prompt_token_ids)
+        need = prompt_len + req.sampling.max_tokens
+        if req.sampling.max_tokens < 1 or need > cfg.max_model_len:
+            raise EngineRequestError(
+                f"prompt {prompt_len} + max_tokens {req.sampling.max_tokens} > {self.max_model_len} tokens"
+            )
+        if need > cfg.kv_capacity_tokens:  # would wait forever, so refuse now
+            raise EngineRequestError(f"request needs {need} KV tokens, capacity is {cfg.kv_capacity_tokens}")
+        if len(self._waiting) >= cfg.max_waiting:
+            raise EngineOverloadedError(f"{len(self._waiting)} requests already waiting")
+        seq = _Seq(req, next(self._order), random.Random(self._seed_key(req)))
+        bisect.insort(self._waiting, seq, key=_Seq.key)
+        self._wake.set()
+        try:
+            while True:
+                item = await seq.out.get()
+                if not isinstance(item, EngineDelta):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._discard(seq)
+
+    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
+        """Fake top-k log-probabilities for the first generated token, after a simulated prefill."""
+        self._check_alive()
+        if top_k < 0 or len(prompt_token_ids) > self.max_model_len:
+            raise EngineRequestError(f"bad top_k {top_k} or prompt of {len(prompt_token_ids)} tokens")
+        await self._sleep(self._cfg.prefill_s_per_token * len(prompt_token_ids) + self._cfg.decode_step_s)
+        rng = random.Random(f"score:{list(prompt_token_ids)}")
+        ids = rng.sample(range(self._cfg.vocab_size), min(top_k, self._cfg.vocab_size))
+        return {tid: _logprob(rank, tid) for rank, tid in enumerate(ids)}
+
+    async def load(self) -> EngineLoad:
+        """The scheduler's live counts; KV used is what running requests have reserved."""
+        return EngineLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_tokens_used=self._kv_used,
+            kv_tokens_capacity=self._cfg.kv_capacity_tokens,
+        )
+
+    async def health(self) -> Health:
+        """Ready between `start()` and `shutdown()` while the scheduler is alive."""
+        if self._closed:
+            return Health(ready=False, detail=self._failure or "shut down")
+        if self._task is None:
+            return Health(ready=False, detail="not started")
+        return Health(ready=True)
+
+    async def shutdown(self) -> None:
+        """Abort every request in flight (finish_reason "abort") and stop the scheduler. Idempotent."""
+        self._closed = True
+        self._abort_all()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError(self._failure or f"{self.replica_id} is shut down")
+
+    def _seed_key(self, req: EngineRequest) -> str:
+        # Greedy output depends only on the prompt, a seed reproduces a sample, else every request differs.
+        if req.sampling.temperature == 0.0:
+            return f"greedy:{req.prompt_token_ids}"
+        if req.sampling.seed is not None:
+            return f"seed:{req.sampling.seed}:{req.prompt_token_ids}"
+        return f"id:{req.request_id}"
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._drop_expired()
+                prefill_tokens = self._admit()
+                if not self._running:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                cfg = self._cfg
+                step = cfg.decode_step_s + cfg.decode_step_s_per_seq * len(self._running)
+                await self._sleep(step + cfg.prefill_s_per_token * prefill_tokens)
+                for seq in list(self._running):  # a stream closed during the step is already gone
+                    self._advance(seq)
+        except Exception as exc:  # a broken simulator must fail its requests, not hang them
+            self._failure = f"scheduler crashed: {exc!r}"
+            self._closed = True
+            for seq in self._waiting + self._running:
+                seq.out.put_nowait(EngineDeadError(self._failure))
+            self._waiting.clear()
+            self._running.clear()
+            self._kv_used = 0
+
+    def _admit(self) -> int:
+        """Move waiting requests into the batch, strictly in order; returns their prompt tokens."""
+        prefill = 0
+        while self._waiting and len(self._running) < self._cfg.max_batch:
+            seq = self._waiting[0]
+            need = len(seq.req.prompt_token_ids) + seq.req.sampling.max_tokens
+            # Head-of-line blocking: skipping a big request for smaller ones would starve it.
+            if self._kv_used + need > self._cfg.kv_capacity_tokens:
+                break
+            self._waiting.pop(0)
+            seq.reserved = need
+            self._kv_used += need
+            self._running.append(seq)
+            prefill += len(seq.req.prompt_token_ids)
+        return prefill
+
+    def _drop_expired(self) -> None:
+        now = self._clock()
+        for seq in [s for s in self._waiting if s.req.deadline is not None and s.req.deadline < now]:
+            self._waiting.remove(seq)
+            seq.out.put_nowait(self._final(seq, "abort"))
+
+    def _advance(self, seq: _Seq) -> None:
+        """Give one running request its next token, finishing it on a stop string or max_tokens."""
+        cfg, sampling = self._cfg, seq.req.sampling
+        if cfg.fail_after_tokens is not None and len(seq.token_ids) >= cfg.fail_after_tokens:
+            self._discard(seq)
+            seq.out.put_nowait(EngineRequestError(f"injected failure after {len(seq.token_ids)} tokens"))
+            return
+        token_id = seq.rng.randrange(cfg.vocab_size)
+        seq.token_ids.append(token_id)
+        seq.text += _token_text(token_id)
+        finish: FinishReason | None = None
+        end = len(seq.text)
+        stops = [s for s in sampling.stop if s]
+        if stops:
+            # No stop string starts before `emitted`: the tail below is held back until it cannot.
+            hits = [i for i in (seq.text.find(s, seq.emitted) for s in stops) if i >= 0]
+            if hits:
+                finish, end = "stop", min(hits)
+            else:
+                # Hold back a tail that might still grow into a stop string spanning tokens.
+                end = max(seq.emitted, end - max(map(len, stops)) + 1)
+        if finish is None and len(seq.token_ids) >= sampling.max_tokens:
+            finish, end = "length", len(seq.text)
+        logprobs = None if sampling.logprobs is None else (self._token_logprob(token_id, sampling.logprobs),)
+        text, seq.emitted = seq.text[seq.emitted : end], max(seq.emitted, end)
+        usage = None
+        if finish is not None:
+            self._discard(seq)
+            usage = _usage(seq)
+        seq.out.put_nowait(
+            EngineDelta(
+                token_ids=(token_id,), text=text, logprobs=logprobs, finish_reason=finish, usage=usage
+            )
+        )
+
+    def _token_logprob(self, token_id: int, n: int) -> TokenLogprob:
+        # The chosen token ranks first; alternatives step by a prime so they are distinct ids.
+        ids = [(token_id + rank * 7919) % self._cfg.vocab_size for rank in range(n)]
+        top = tuple(TopLogprob(i, _token_text(i), _logprob(rank, token_id)) for rank, i in enumerate(ids))
+        return TokenLogprob(token_id, _token_text(token_id), _logprob(0, token_id), top)
+
+    def _final(self, seq: _Seq, reason: FinishReason) -> EngineDelta:
+        return EngineDelta(token_ids=(), text="", finish_reason=reason, usage=_usage(seq))
+
+    def _discard(self, seq: _Seq) -> None:
+        """Forget a request wherever it is and free its KV; safe to call twice."""
+        if seq in self._running:
+            self._running.remove(seq)
+            self._kv_used -= seq.reserved
+            seq.reserved = 0
+            self._wake.set()  # room freed: admission may proceed
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+
+    def _abort_all(self) -> None:
+        for seq in self._waiting + self._running:
+            seq.out.put_nowait(self._final(seq, "abort"))
+        for seq in self._waiting + self._running:
+            self._discard(seq)

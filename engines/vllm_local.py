@@ -1,0 +1,266 @@
+"""vLLM's `AsyncLLM` (V1) inside the gateway process; its engine core runs in a child process, as vLLM does.
+
+vLLM starts its engine core with `spawn`: build this engine inside a function (the app lifespan, a fixture),
+never at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from engines.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineLoad,
+    EngineRequest,
+    EngineRequestError,
+    FinishReason,
+    Health,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def offline_environment(data_dir: Path) -> dict[str, str]:
+    """Environment that keeps vLLM off the network and its caches inside the project's data directory."""
+    cache = data_dir.expanduser() / "cache"
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # Otherwise the engine probes a public address to learn its own IP.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        # The first logprobs request would otherwise trigger a ~20 s compile; scores are identical without it.
+        "TORCHDYNAMO_DISABLE": "1",
+    }
+
+
+class _SchedulerStats:
+    """Keeps the newest scheduler figures the engine core reported (a vLLM stat logger)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    sink.running = scheduler_stats.num_running_reqs
+                    sink.waiting = scheduler_stats.num_waiting_reqs
+                    sink.kv_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+class VllmLocalEngine:
+    """An `Engine` backed by vLLM's in-process `AsyncLLM`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        model_name: str,
+        max_model_len: int,
+        dtype: str = "bfloat16",
+        kv_cache_bytes: int = 256 << 20,
+        max_logprobs: int = 20,
+        enforce_eager: bool = True,
+        replica_id: str = "vllm-local-0",
+    ) -> None:
+        self.replica_id = replica_id
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._model_dir = model_dir
+        self._dtype = dtype
+        self._kv_cache_bytes = kv_cache_bytes
+        self._max_logprobs = max_logprobs
+        self._enforce_eager = enforce_eager
+        self._stats = _SchedulerStats()
+        self._llm: Any = None
+        self._kv_capacity = 0
+
+    @property
+    def llm(self) -> Any:
+        """The underlying `AsyncLLM` (tests read vLLM's own state through it)."""
+        if self._llm is None:
+            raise EngineDeadError("the vLLM engine is not started")
+        return self._llm
+
+    async def start(self) -> None:
+        """Start the engine core (blocking work runs in a thread; about 20-30 s on CPU)."""
+        os.environ.update(offline_environment(self._model_dir.parent))
+        self._llm = await asyncio.to_thread(self._build)
+        cache = self._llm.vllm_config.cache_config
+        self._kv_capacity = int((cache.num_gpu_blocks or 0) * cache.block_size)
+
+    def _build(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(self._model_dir),
+            dtype=self._dtype,
+            max_model_len=self.max_model_len,
+            enforce_eager=self._enforce_eager,
+            max_logprobs=self._max_logprobs,
+            kv_cache_memory_bytes=self._kv_cache_bytes,
+            scheduling_policy="priority",
+            disable_log_stats=False,
+            enable_log_requests=False,
+        )
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+
+    def _sampling_params(self, req: EngineRequest) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = req.sampling
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            logprobs=s.logprobs,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        """Stream deltas from vLLM. Closing this iterator aborts the request in the engine core."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
+                f"exceeds the context of {self.max_model_len} tokens"
+            )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        stream = self.llm.generate(prompt, self._sampling_params(req), req.request_id, priority=req.priority)
+        completion_tokens = 0
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                token_ids = tuple(completion.token_ids)
+                completion_tokens += len(token_ids)
+                finish: FinishReason | None = None
+                usage = None
+                if out.finished:
+                    finish = _FINISH.get(completion.finish_reason or "", "stop")
+                    usage = Usage(
+                        prompt_tokens=len(req.prompt_token_ids),
+                        completion_tokens=completion_tokens,
+                        cached_tokens=out.num_cached_tokens or 0,
+                    )
+                yield EngineDelta(
+                    token_ids=token_ids,
+                    text=completion.text,
+                    logprobs=_logprobs(token_ids, completion.logprobs, req.sampling.logprobs),
+                    finish_reason=finish,
+                    usage=usage,
+                )
+        except VllmDeadError as exc:
+            raise EngineDeadError(str(exc)) from exc
+        except (VLLMClientError, EngineGenerateError, ValueError) as exc:
+            raise EngineRequestError(str(exc) or type(exc).__name__) from exc
+        finally:
+            # vLLM aborts on GeneratorExit/CancelledError itself; closing it here makes that happen now.
+            await stream.aclose()
+
+    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
+        """Log-probabilities of the top-k first tokens (one decode step with logprobs)."""
+        from engines.base import SamplingSpec
+
+        req = EngineRequest(
+            request_id=f"score-{os.urandom(8).hex()}",
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=SamplingSpec(max_tokens=1, temperature=0.0, logprobs=top_k),
+        )
+        scores: dict[int, float] = {}
+        async for delta in self.generate(req):
+            for entry in delta.logprobs or ():
+                scores.update({alt.token_id: alt.logprob for alt in entry.top})
+        if not scores:
+            raise EngineRequestError("the engine returned no logprobs")
+        return scores
+
+    async def load(self) -> EngineLoad:
+        """Load from vLLM's scheduler stats; an engine with no unfinished request is idle."""
+        if self._llm is None or self._llm.get_num_unfinished_requests() == 0:
+            return EngineLoad(running=0, waiting=0, kv_tokens_used=0, kv_tokens_capacity=self._kv_capacity)
+        return EngineLoad(
+            running=self._stats.running,
+            waiting=self._stats.waiting,
+            kv_tokens_used=int(self._stats.kv_usage * self._kv_capacity),
+            kv_tokens_capacity=self._kv_capacity,
+        )
+
+    async def health(self) -> Health:
+        """Ready once started, until the engine core dies or is shut down."""
+        if self._llm is None:
+            return Health(ready=False, detail="not started")
+        if self._llm.errored:
+            return Health(ready=False, detail="engine core is dead")
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
+
+        try:
+            await self._llm.check_health()
+        except VllmDeadError as exc:
+            return Health(ready=False, detail=f"{type(exc).__name__}: {exc}")
+        return Health(ready=True)
+
+    async def shutdown(self) -> None:
+        """Abort every request and stop the engine core and its worker processes."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        unfinished = list(llm.output_processor.request_states)
+        if unfinished:
+            await llm.abort(unfinished)
+        await asyncio.to_thread(llm.shutdown)
+
+
+def _logprobs(token_ids: tuple[int, ...], raw: Any, top_n: int | None) -> tuple[TokenLogprob, ...] | None:
+    """Convert vLLM's per-position {token_id: Logprob} dicts, keeping the top `top_n` by rank."""
+    if top_n is None or raw is None:
+        return None
+    result = []
+    for token_id, alternatives in zip(token_ids, raw, strict=False):
+        chosen = alternatives[token_id]
+        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
+        result.append(
+            TokenLogprob(
+                token_id=token_id,
+                token=chosen.decoded_token or "",
+                logprob=max(chosen.logprob, -9999.0),
+                top=tuple(
+                    TopLogprob(token_id=tid, token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0))
+                    for tid, lp in ranked
+                ),
+            )
+        )
+    return tuple(result)

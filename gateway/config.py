@@ -1,0 +1,159 @@
+"""Typed configuration: one TOML file, `LOCKGATE_*` environment overrides, defaults for everything.
+
+With no file at all the result is the embedded default: one in-process vLLM engine serving the default model.
+Environment overrides name a section and a field joined by a double underscore, for example
+`LOCKGATE_SERVER__PORT=9000` or `LOCKGATE_ENGINE__KIND=simulated`; values are read as TOML values when they
+parse as one (numbers, booleans) and as plain strings otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from engines.simulated import SimulatorConfig
+
+ENV_PREFIX = "LOCKGATE_"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(Exception):
+    """A configuration value is wrong; the message names the field."""
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The HTTP listener and per-request limits."""
+
+    # Address to listen on. Keep it on loopback unless a proxy in front terminates TLS.
+    host: str = "127.0.0.1"
+    # TCP port to listen on.
+    port: int = 8080
+    # Largest request body accepted, in bytes; larger bodies get 413.
+    max_body_bytes: int = 1_048_576
+    # Seconds that in-flight requests may keep running after SIGTERM before they are aborted.
+    drain_timeout: float = 30.0
+    # Engine deltas buffered per stream between engine and client; bounds memory per stream.
+    stream_buffer: int = 64
+    # Seconds a client may leave a full stream buffer undrained before it is cut off and its request aborted.
+    stream_stall_timeout: float = 30.0
+    # Uvicorn log level.
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The served model."""
+
+    # Public model name clients put in `model`.
+    name: str = DEFAULT_MODEL_NAME
+    # Directory holding prepared models (`lockgate models prepare` writes there).
+    data_dir: str = "~/.cache/lockgate/models"
+    # Explicit model directory; empty means `<data_dir>/<name>`.
+    path: str = ""
+    # Context length in tokens (prompt + completion).
+    max_model_len: int = 2048
+    # `max_tokens` used when a request gives none: the rest of the context, capped at this.
+    default_max_tokens: int = 512
+
+    def model_dir(self) -> Path:
+        """Directory of the served model's weights, tokenizer and chat template."""
+        if self.path:
+            return Path(self.path).expanduser()
+        return Path(self.data_dir).expanduser() / self.name
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine behind the gateway."""
+
+    # `vllm_local`: vLLM's AsyncLLM in this process (its engine core in a child process).
+    # `simulated`: a timing-model simulator for load and fault tests; never for real traffic.
+    kind: Literal["vllm_local", "simulated"] = "vllm_local"
+    # Weight dtype for vLLM.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Bytes of KV cache vLLM may allocate.
+    kv_cache_bytes: int = 268_435_456
+    # Largest `top_logprobs` / `logprobs` a request may ask for.
+    max_logprobs: int = 20
+    # Skip CUDA graphs / compilation (faster start, the only choice on CPU).
+    enforce_eager: bool = True
+    # Simulator settings, used only with kind = "simulated".
+    simulator: SimulatorConfig = msgspec.field(default_factory=SimulatorConfig)
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole gateway configuration."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+
+
+def _error_path(message: str) -> str:
+    match = _AT.search(message)
+    return match.group("path") if match else ""
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__")]
+        if len(parts) < 2 or not all(parts):
+            continue
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: `{'.'.join(parts)}` is not a section")
+            node = child
+        try:
+            node[parts[-1]] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            node[parts[-1]] = value
+
+
+def _check(config: Config) -> None:
+    positive = {
+        "server.max_body_bytes": config.server.max_body_bytes,
+        "server.drain_timeout": config.server.drain_timeout,
+        "server.stream_buffer": config.server.stream_buffer,
+        "server.stream_stall_timeout": config.server.stream_stall_timeout,
+        "model.max_model_len": config.model.max_model_len,
+        "model.default_max_tokens": config.model.default_max_tokens,
+        "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"`{name}` must be > 0, got {value}")
+    if not 0 < config.server.port < 65536:
+        raise ConfigError(f"`server.port` must be in 1..65535, got {config.server.port}")
+    if config.engine.max_logprobs < 0:
+        raise ConfigError(f"`engine.max_logprobs` must be >= 0, got {config.engine.max_logprobs}")
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read the TOML file (if any), apply `LOCKGATE_*` overrides from `env`, validate, and return the config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    _apply_env(raw, os.environ if env is None else env)
+    try:
+        config = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        where = _error_path(str(exc))
+        raise ConfigError(f"bad configuration value at `{where}`: {exc}" if where else str(exc)) from exc
+    _check(config)
+    return config

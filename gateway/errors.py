@@ -1,0 +1,147 @@
+"""Errors the gateway answers with, always in the OpenAI error shape.
+
+Exceptions::
+
+    APIError                      status + OpenAI `type`, `param`, `code`
+    ├── InvalidRequestError       400 invalid_request_error (names the field in `param`)
+    ├── NotFoundError             404 not_found_error
+    ├── PayloadTooLargeError      413 invalid_request_error
+    ├── EngineUnavailableError    503 service_unavailable (no engine can take the request now)
+    └── EngineFailedError         502 engine_error (the engine failed this request)
+
+Litestar's own HTTP exceptions (unknown route, wrong method, body over the size limit) are rendered in the
+same shape by `exception_handlers()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("lockgate.errors")
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """The inner object of an OpenAI error response."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """`{"error": {...}}` as OpenAI sends it."""
+
+    error: ErrorBody
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-shaped HTTP response."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        """The response body."""
+        return ErrorResponse(
+            error=ErrorBody(message=self.message, type=self.error_type, param=self.param, code=self.code)
+        )
+
+
+class InvalidRequestError(APIError):
+    """The request is malformed or asks for something unsupported; `param` names the field."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFoundError(APIError):
+    """The named resource (route, model) does not exist."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLargeError(APIError):
+    """The body is over the configured limit."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class EngineUnavailableError(APIError):
+    """No engine can take the request now."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class EngineFailedError(APIError):
+    """The engine failed while serving the request."""
+
+    status_code = 502
+    error_type = "engine_error"
+
+
+def error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> Response[bytes]:
+    """Render an `APIError` as a Litestar response."""
+    return Response(
+        content=msgspec.json.encode(exc.body()),
+        status_code=exc.status_code,
+        media_type=MediaType.JSON,
+        headers=dict(headers or {}),
+    )
+
+
+_HTTP_TYPES = {
+    400: InvalidRequestError,
+    404: NotFoundError,
+    413: PayloadTooLargeError,
+    503: EngineUnavailableError,
+}
+
+
+def _on_api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[bytes]:
+    return error_response(exc)
+
+
+def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    status = exc.status_code
+    if status == 413:
+        api: APIError = PayloadTooLargeError("request body is larger than the configured limit", code="body_too_large")
+    elif status == 405:
+        api = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
+        api.status_code = 405
+    elif status == 404:
+        api = NotFoundError(f"no route {request.method} {request.url.path}")
+    else:
+        api = _HTTP_TYPES.get(status, APIError)(exc.detail)
+        api.status_code = status
+    return error_response(api, exc.headers)
+
+
+def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    # Still a bug: logged with its traceback, answered without internals.
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError("internal error; the request id names it in the server log"))
+
+
+def exception_handlers() -> dict[type[Exception] | int, Any]:
+    """Handlers that render every error in the OpenAI shape."""
+    return {
+        APIError: _on_api_error,
+        HTTPException: _on_http_exception,
+        Exception: _on_unexpected,
+    }

@@ -1,0 +1,220 @@
+"""OpenAI wire schemas (msgspec Structs): requests we accept and responses we send.
+
+Requests forbid unknown fields: a field we do not support is refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the request structs."""
+
+
+class TextPart(_Request):
+    """One text part of a multi-part message content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One chat message."""
+
+    role: Role
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Request):
+    """`stream_options`."""
+
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by both completion endpoints."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`. One prompt: a string or a list of token ids."""
+
+    prompt: str | list[int | str]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+
+
+class _Response(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the response structs."""
+
+
+class PromptTokensDetails(_Response):
+    """`usage.prompt_tokens_details`."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    """`usage`."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprobEntry(_Response):
+    """One alternative in chat `top_logprobs`."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(_Response):
+    """One generated token in chat `logprobs.content`."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(_Response):
+    """Chat `choices[].logprobs`."""
+
+    content: list[ChatLogprobEntry]
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions `choices[].logprobs`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(_Response):
+    """The answer of a non-streaming chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+
+
+class ChatChoice(_Response):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(_Response):
+    """A non-streaming chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(_Response, omit_defaults=True):
+    """The incremental message of a chat chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    """One choice of a chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE event of a streaming chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChoice(_Response):
+    """One choice of a completion (also used in its stream chunks)."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Response):
+    """A completion, or one chunk of a streaming completion (OpenAI uses one object type for both)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(_Response):
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    created: int
+    owned_by: str = "lockgate"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(_Response):
+    """`GET /v1/models`."""
+
+    data: list[ModelCard]
+    object: Literal["list"] = "list"

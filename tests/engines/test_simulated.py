@@ -1,0 +1,312 @@
+"""Simulator-specific behaviour: timing model, admission, capacity, faults. All timing is virtual."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+
+from engines.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineOverloadedError,
+    EngineRequest,
+    EngineRequestError,
+    SamplingSpec,
+)
+from engines.simulated import SimulatedEngine, SimulatorConfig
+
+PROMPT = tuple(range(100, 110))
+
+
+class VirtualClock:
+    """A clock that only moves when the engine sleeps, so step times are exact and tests never wait."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)  # let consumers and the test run, as a real sleep would
+
+
+Make = Callable[[SimulatorConfig], Awaitable[tuple[SimulatedEngine, VirtualClock]]]
+
+
+@pytest_asyncio.fixture
+async def make() -> AsyncIterator[Make]:
+    """Build started engines on virtual clocks; shut them all down after the test."""
+    engines: list[SimulatedEngine] = []
+
+    async def build(config: SimulatorConfig) -> tuple[SimulatedEngine, VirtualClock]:
+        clock = VirtualClock()
+        engine = SimulatedEngine(config, clock=clock, sleep=clock.sleep)
+        await engine.start()
+        engines.append(engine)
+        return engine, clock
+
+    yield build
+    for engine in engines:
+        await engine.shutdown()
+
+
+def req(
+    rid: str | None = None,
+    *,
+    prompt: tuple[int, ...] = PROMPT,
+    priority: int = 0,
+    deadline: float | None = None,
+    **sampling: object,
+) -> EngineRequest:
+    spec = SamplingSpec(**{"max_tokens": 5, **sampling})  # type: ignore[arg-type]
+    rid = rid or uuid.uuid4().hex
+    return EngineRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=spec, priority=priority, deadline=deadline
+    )
+
+
+async def collect(engine: SimulatedEngine, request: EngineRequest) -> list[EngineDelta]:
+    return [d async for d in engine.generate(request)]
+
+
+def token_ids(deltas: list[EngineDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+    for _ in range(1000):
+        if await condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_step_time_grows_with_batch_size(make: Make) -> None:
+    config = SimulatorConfig(decode_step_s=0.01, decode_step_s_per_seq=0.001, prefill_s_per_token=0.0)
+    engine, clock = await make(config)
+    await collect(engine, req(max_tokens=5))
+    assert clock.sleeps == pytest.approx([0.011] * 5)
+
+    clock.sleeps.clear()
+    start = clock.now
+    await asyncio.gather(*(collect(engine, req(max_tokens=5)) for _ in range(8)))
+    assert clock.sleeps == pytest.approx([0.018] * 5)
+    assert clock.now - start == pytest.approx(5 * 0.018)
+
+
+async def test_prefill_charged_on_admission_step(make: Make) -> None:
+    config = SimulatorConfig(decode_step_s=0.01, decode_step_s_per_seq=0.0, prefill_s_per_token=0.001)
+    engine, clock = await make(config)
+    await collect(engine, req(max_tokens=3))
+    assert clock.sleeps == pytest.approx([0.01 + 0.001 * len(PROMPT), 0.01, 0.01])
+
+
+async def test_admission_is_fifo_by_priority(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(max_batch=1))
+    finished: list[str] = []
+
+    async def run(rid: str, priority: int) -> None:
+        await collect(engine, req(rid, priority=priority, max_tokens=2))
+        finished.append(rid)
+
+    blocker = engine.generate(req("a", max_tokens=100))
+    await anext(blocker)
+    tasks = [asyncio.create_task(run(rid, prio)) for rid, prio in [("b", 0), ("c", -1), ("d", 0)]]
+
+    async def all_waiting() -> bool:
+        return (await engine.load()).waiting == 3
+
+    await until(all_waiting)
+    assert (await engine.load()).running == 1
+    async for _ in blocker:
+        pass
+    await asyncio.gather(*tasks)
+    assert finished == ["c", "b", "d"]
+
+
+async def test_kv_capacity_makes_requests_wait(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(kv_capacity_tokens=100, max_model_len=200))
+    events: list[str] = []
+
+    async def run(rid: str, request: EngineRequest) -> None:
+        async for delta in engine.generate(request):
+            if f"{rid}-first" not in events:
+                events.append(f"{rid}-first")
+            if delta.finish_reason is not None:
+                events.append(f"{rid}-done")
+
+    big = asyncio.create_task(run("big", req(prompt=tuple(range(40)), max_tokens=40)))  # reserves 80
+    small = asyncio.create_task(run("small", req(prompt=tuple(range(10)), max_tokens=15)))  # 25 > 20 left
+
+    async def one_waits() -> bool:
+        load = await engine.load()
+        return (load.running, load.waiting, load.kv_tokens_used) == (1, 1, 80)
+
+    await until(one_waits)
+    await asyncio.gather(big, small)
+    assert events == ["big-first", "big-done", "small-first", "small-done"]
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used, load.kv_tokens_capacity) == (0, 0, 0, 100)
+    with pytest.raises(EngineRequestError):  # could never fit, so it must not wait forever
+        await collect(engine, req(prompt=tuple(range(60)), max_tokens=50))
+
+
+async def test_waiting_request_past_deadline_is_aborted(make: Make) -> None:
+    engine, clock = await make(SimulatorConfig(max_batch=1))
+    blocker = asyncio.create_task(collect(engine, req(max_tokens=20)))
+    await asyncio.sleep(0)
+    late = await collect(engine, req(deadline=clock.now + 0.05))
+    assert [(d.token_ids, d.finish_reason) for d in late] == [((), "abort")]
+    assert late[0].usage is not None
+    assert late[0].usage.completion_tokens == 0
+    assert (await blocker)[-1].finish_reason == "length"
+
+
+async def test_fail_after_tokens_raises(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(fail_after_tokens=3))
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for delta in engine.generate(req(max_tokens=10)):
+            seen.extend(delta.token_ids)
+
+    with pytest.raises(EngineRequestError):
+        await consume()
+    assert len(seen) == 3
+    load = await engine.load()
+    assert (load.running, load.kv_tokens_used) == (0, 0)
+
+
+async def test_overload_raises(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(max_batch=1, max_waiting=2))
+    blocker = engine.generate(req(max_tokens=100))
+    await anext(blocker)
+    queued = [asyncio.create_task(collect(engine, req())) for _ in range(2)]
+
+    async def queue_full() -> bool:
+        return (await engine.load()).waiting == 2
+
+    await until(queue_full)
+    with pytest.raises(EngineOverloadedError):
+        await anext(engine.generate(req()))
+    await blocker.aclose()
+    await asyncio.gather(*queued)
+
+
+async def test_seeded_output_is_deterministic(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    a = token_ids(await collect(engine, req(max_tokens=10, seed=42)))
+    b = token_ids(await collect(engine, req(max_tokens=10, seed=42)))
+    c = token_ids(await collect(engine, req(max_tokens=10, seed=43)))
+    assert a == b
+    assert a != c
+    # Without a seed the request id decides.
+    same = [token_ids(await collect(engine, req("fixed", max_tokens=10))) for _ in range(2)]
+    other = token_ids(await collect(engine, req("other", max_tokens=10)))
+    assert same[0] == same[1] != other
+
+
+async def test_stop_strings(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    full = await collect(engine, req(max_tokens=12, temperature=0.0))
+    full_text = "".join(d.text for d in full)
+    # One stop that is a whole token and one that spans two tokens.
+    for stop in (full[3].text, full[2].text[-2:] + full[3].text[:3]):
+        deltas = await collect(engine, req(max_tokens=12, temperature=0.0, stop=(stop,)))
+        text = "".join(d.text for d in deltas)
+        assert text == full_text[: full_text.index(stop)]
+        assert deltas[-1].finish_reason == "stop"
+        assert token_ids(deltas) == token_ids(full)[: len(token_ids(deltas))]
+    assert full[-1].finish_reason == "length"
+
+
+async def test_logprobs_shape(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    deltas = await collect(engine, req(max_tokens=6, logprobs=3))
+    for delta in deltas:
+        assert delta.logprobs is not None
+        (lp,) = delta.logprobs
+        assert lp.token_id == delta.token_ids[0]
+        assert len(lp.top) == 3
+        assert (lp.top[0].token_id, lp.top[0].logprob) == (lp.token_id, lp.logprob)
+        values = [alt.logprob for alt in lp.top]
+        assert values == sorted(values, reverse=True)
+        assert all(v <= 0.0 for v in values)
+        assert sum(math.exp(v) for v in values) <= 1.0
+    assert all(d.logprobs is None for d in await collect(engine, req(max_tokens=3)))
+
+
+async def test_closing_or_cancelling_frees_at_once(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(max_batch=1))
+    running = engine.generate(req(max_tokens=100))
+    await anext(running)
+    waiting = asyncio.create_task(collect(engine, req()))
+
+    async def queued() -> bool:
+        return (await engine.load()).waiting == 1
+
+    await until(queued)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert (await engine.load()).waiting == 0
+    await running.aclose()
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+
+
+async def test_too_long_is_refused(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(max_model_len=64))
+    with pytest.raises(EngineRequestError):
+        await collect(engine, req(prompt=tuple(range(65)), max_tokens=1))
+    with pytest.raises(EngineRequestError):
+        await collect(engine, req(prompt=tuple(range(60)), max_tokens=5))
+
+
+async def test_score_next_token(make: Make) -> None:
+    engine, clock = await make(SimulatorConfig())
+    scores = await engine.score_next_token(list(PROMPT), 4)
+    assert scores == await engine.score_next_token(list(PROMPT), 4)
+    assert len(scores) == 4
+    assert all(v <= 0.0 for v in scores.values())
+    assert sum(math.exp(v) for v in scores.values()) <= 1.0
+    assert clock.now > 0.0  # the prefill took simulated time
+
+
+async def test_shutdown_aborts_in_flight(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(max_batch=1))
+    assert (await engine.health()).ready
+    tasks = [asyncio.create_task(collect(engine, req(max_tokens=1000))) for _ in range(2)]
+
+    async def one_each() -> bool:
+        load = await engine.load()
+        return (load.running, load.waiting) == (1, 1)
+
+    await until(one_each)
+    await engine.shutdown()
+    for deltas in await asyncio.gather(*tasks):
+        assert deltas[-1].finish_reason == "abort"
+    assert not (await engine.health()).ready
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+    with pytest.raises(EngineDeadError):
+        await collect(engine, req())
+    with pytest.raises(EngineDeadError):
+        await engine.score_next_token(list(PROMPT), 2)
+
+
+async def test_not_ready_before_start() -> None:
+    engine = SimulatedEngine(SimulatorConfig())
+    assert not (await engine.health()).ready
+    await engine.start()
+    assert (await engine.health()).ready
+    await engine.shutdown()
