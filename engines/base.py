@@ -139,6 +139,10 @@ class Engine(Protocol):
         """Whether the engine can serve requests now."""
         ...
 
+    async def start(self) -> None:
+        """Bring the engine up; `health()` is ready once this returns."""
+        ...
+
     async def shutdown(self) -> None:
         """Abort everything in flight and release the engine's processes and memory."""
         ...

@@ -41,7 +41,7 @@ _WORDS = (
 )  # fmt: skip
 
 
-class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True):
+class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Timing, capacity and fault-injection knobs of a `SimulatedEngine`."""
 
     prefill_s_per_token: float = 0.0002  # prefill cost per prompt token of a newly admitted request

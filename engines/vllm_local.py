@@ -162,6 +162,7 @@ class VllmLocalEngine:
             prompt["cache_salt"] = req.cache_salt
         stream = self.llm.generate(prompt, self._sampling_params(req), req.request_id, priority=req.priority)
         completion_tokens = 0
+        finished = False
         try:
             async for out in stream:
                 completion = out.outputs[0]
@@ -170,6 +171,7 @@ class VllmLocalEngine:
                 finish: FinishReason | None = None
                 usage = None
                 if out.finished:
+                    finished = True
                     finish = _FINISH.get(completion.finish_reason or "", "stop")
                     usage = Usage(
                         prompt_tokens=len(req.prompt_token_ids),
@@ -188,7 +190,10 @@ class VllmLocalEngine:
         except (VLLMClientError, EngineGenerateError, ValueError) as exc:
             raise EngineRequestError(str(exc) or type(exc).__name__) from exc
         finally:
-            # vLLM aborts on GeneratorExit/CancelledError itself; closing it here makes that happen now.
+            if not finished:
+                # Closed or cancelled early, possibly while vLLM was still adding the request (when its own
+                # generator cannot abort it yet). Aborting an id vLLM no longer knows is a no-op.
+                await self.llm.abort(req.request_id)
             await stream.aclose()
 
     async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:

@@ -1,0 +1,124 @@
+"""Engine output on its way to the client: tracking, bounded buffering, and racing client disconnects.
+
+Every path ends the engine stream with `aclose()`, which aborts the engine request if it has not finished, and
+reports the request's outcome (with the usage it had by then) exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
+
+from litestar.types import Receive
+
+from engines.base import EngineDelta, EngineError
+from gateway.tracking import RequestTracker
+
+T = TypeVar("T")
+_END = object()
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before the response could be sent."""
+
+
+class TaskSet:
+    """Background tasks that must stay referenced until they finish (asyncio keeps only weak references)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Start `coro` as a task and keep it until it is done."""
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def cancel_all(self) -> None:
+        """Cancel every task and wait for them to finish."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def tracked(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
+) -> AsyncGenerator[EngineDelta, None]:
+    """Pass deltas through, counting them; record how the stream ended; abort the engine request if early."""
+    try:
+        async for delta in source:
+            tracker.observe(delta)
+            yield delta
+    except EngineError:
+        tracker.finish("error")
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        tracker.finish("cancelled")
+        raise
+    finally:
+        await source.aclose()
+    tracker.finish("completed")
+
+
+async def collect(source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker) -> list[EngineDelta]:
+    """All deltas of a request (non-streaming responses)."""
+    async with contextlib.aclosing(tracked(source, tracker)) as deltas:
+        return [delta async for delta in deltas]
+
+
+async def _produce(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, queue: asyncio.Queue[object]
+) -> None:
+    try:
+        async with contextlib.aclosing(tracked(source, tracker)) as deltas:
+            async for delta in deltas:
+                await queue.put(delta)
+        await queue.put(_END)
+    except EngineError as exc:
+        await queue.put(exc)
+
+
+async def pump(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, tasks: TaskSet, maxsize: int
+) -> AsyncGenerator[EngineDelta, None]:
+    """Yield the engine's deltas through a queue of at most `maxsize` items, filled by a producer task.
+
+    When the queue is full the producer stops pulling the engine stream, so memory per stream stays bounded
+    whatever the client does. Closing this generator cancels the producer, which aborts the engine request.
+    """
+    queue: asyncio.Queue[object] = asyncio.Queue(maxsize)
+    producer = tasks.spawn(_produce(source, tracker, queue))
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, EngineError):
+                raise item
+            assert isinstance(item, EngineDelta)
+            yield item
+    finally:
+        # Not awaited: this may run inside a cancelled scope; the producer records the outcome itself.
+        producer.cancel()
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnectedError
+    return task.result()

@@ -1,0 +1,50 @@
+"""Rendering chat messages with the model's own chat template and counting prompt tokens exactly.
+
+The gateway tokenizes, not the engine: quotas, admission and the context check need exact counts before the
+engine sees the request. Tokenizing is CPU work, so it runs in a small thread pool off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+
+class PromptRenderer:
+    """The served model's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor) -> None:
+        self._tokenizer = tokenizer
+        self._executor = executor
+        self.vocab_size: int = len(tokenizer)
+
+    @classmethod
+    async def load(cls, model_dir: Path, executor: ThreadPoolExecutor) -> PromptRenderer:
+        """Load the tokenizer from a prepared model directory (never from the network)."""
+        from transformers import AutoTokenizer
+
+        loop = asyncio.get_running_loop()
+        tokenizer = await loop.run_in_executor(
+            executor, lambda: AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        )
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{model_dir} has no chat template")
+        return cls(tokenizer, executor)
+
+    def _chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already wrote every special token the model expects.
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _text(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template and a generation prompt."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._chat, messages)
+
+    async def text(self, text: str) -> list[int]:
+        """Token ids of a plain completion prompt."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._text, text)

@@ -1,0 +1,96 @@
+"""What happened to one generation request, known however it ended.
+
+The tracker counts what the engine produced as it arrives, so a request that ends early (client gone, stalled
+reader, engine error, shutdown) still has exact usage: later stages charge it to quotas and audit it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from engines.base import EngineDelta, FinishReason, Usage
+
+log = logging.getLogger("lockgate.requests")
+
+Status = Literal["completed", "cancelled", "stalled", "error", "shutdown"]
+
+
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    """The end of one request: how it ended and the usage it had by then."""
+
+    request_id: str
+    model: str
+    status: Status
+    finish_reason: FinishReason | None
+    usage: Usage
+    stream: bool
+
+
+OutcomeSink = Callable[[Outcome], None]
+
+
+def log_outcome(outcome: Outcome) -> None:
+    """Default sink: one log line per request (never the prompt)."""
+    log.info(
+        "request %s %s finish=%s prompt=%d completion=%d cached=%d",
+        outcome.request_id,
+        outcome.status,
+        outcome.finish_reason,
+        outcome.usage.prompt_tokens,
+        outcome.usage.completion_tokens,
+        outcome.usage.cached_tokens,
+    )
+
+
+class RequestTracker:
+    """Counts one request's output and reports its `Outcome` exactly once."""
+
+    def __init__(self, request_id: str, model: str, prompt_tokens: int, stream: bool, sink: OutcomeSink) -> None:
+        self.request_id = request_id
+        self._model = model
+        self._prompt_tokens = prompt_tokens
+        self._stream = stream
+        self._sink = sink
+        self._completion_tokens = 0
+        self._final: Usage | None = None
+        self._finish: FinishReason | None = None
+        self._stalled = False
+        self.outcome: Outcome | None = None
+
+    def observe(self, delta: EngineDelta) -> None:
+        """Count a delta as the engine produced it."""
+        self._completion_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+            self._final = delta.usage
+
+    def mark_stalled(self) -> None:
+        """The client stopped reading; the coming cancellation is a stall, not a disconnect."""
+        self._stalled = True
+
+    def usage(self) -> Usage:
+        """Usage so far: the engine's final figures when it sent them, else what was counted."""
+        if self._final is not None:
+            return self._final
+        return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens)
+
+    def finish(self, status: Status) -> Outcome:
+        """Record how the request ended (the first call wins) and hand the outcome to the sink."""
+        if self.outcome is not None:
+            return self.outcome
+        if status == "cancelled" and self._stalled:
+            status = "stalled"
+        self.outcome = Outcome(
+            request_id=self.request_id,
+            model=self._model,
+            status=status,
+            finish_reason=self._finish,
+            usage=self.usage(),
+            stream=self._stream,
+        )
+        self._sink(self.outcome)
+        return self.outcome
