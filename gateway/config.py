@@ -2,8 +2,8 @@
 
 With no file at all the result is the embedded default: one in-process vLLM engine serving the default model.
 Environment overrides name a section and a field joined by a double underscore, for example
-`LOCKGATE_SERVER__PORT=9000` or `LOCKGATE_ENGINE__KIND=simulated`; values are read as TOML values when they
-parse as one (numbers, booleans) and as plain strings otherwise.
+`LOCKGATE_SERVER__PORT=9000` or `LOCKGATE_ENGINE__KIND=simulated`; values are strings converted to the field's
+type (`9000`, `0.5`, `true`, `null`), so `LOCKGATE_MODEL__NAME=2024` stays the string "2024".
 """
 
 from __future__ import annotations
@@ -94,14 +94,28 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`")
 
 
-def _error_path(message: str) -> str:
+def _describe(exc: msgspec.ValidationError, sources: Mapping[str, str]) -> str:
+    """A message naming the dotted field path (and the environment variable that set it, if one did)."""
+    message = str(exc)
     match = _AT.search(message)
-    return match.group("path") if match else ""
+    where = match.group("path") if match else ""
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        field = f"{where}.{unknown.group('field')}" if where else unknown.group("field")
+        text = f"unknown configuration field `{field}`"
+    else:
+        field = where
+        text = f"bad configuration value at `{where}`: {message}" if where else message
+    source = sources.get(field)
+    return f"{text} (set by {source})" if source else text
 
 
-def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Write `LOCKGATE_*` overrides into `raw`; return which variable set each dotted field."""
+    sources: dict[str, str] = {}
     for key, value in env.items():
         if not key.startswith(ENV_PREFIX):
             continue
@@ -114,10 +128,10 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
             if not isinstance(child, dict):
                 raise ConfigError(f"{key}: `{'.'.join(parts)}` is not a section")
             node = child
-        try:
-            node[parts[-1]] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            node[parts[-1]] = value
+        # Kept as a string: msgspec's lax conversion turns it into the field's own type.
+        node[parts[-1]] = value
+        sources[".".join(parts)] = key
+    return sources
 
 
 def _check(config: Config) -> None:
@@ -140,7 +154,7 @@ def _check(config: Config) -> None:
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
-    """Read the TOML file (if any), apply `LOCKGATE_*` overrides from `env`, validate, and return the config."""
+    """Read the TOML file (if any), apply `LOCKGATE_*` overrides from `env` (or os.environ), validate."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -149,11 +163,10 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
-    _apply_env(raw, os.environ if env is None else env)
+    sources = _apply_env(raw, os.environ if env is None else env)
     try:
         config = msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as exc:
-        where = _error_path(str(exc))
-        raise ConfigError(f"bad configuration value at `{where}`: {exc}" if where else str(exc)) from exc
+        raise ConfigError(_describe(exc, sources)) from exc
     _check(config)
     return config

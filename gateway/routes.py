@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, get, post
+from litestar.di import NamedDependency
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from gateway.planning import plan_chat, plan_completion
@@ -14,7 +15,7 @@ from gateway.service import Services
 
 
 @post("/v1/chat/completions", status_code=HTTP_200_OK)
-async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
     """OpenAI chat completions, whole or streamed."""
     req = services.chat_decoder.decode(await request.body())
     plan = await plan_chat(req, request_id_of(request), services.renderer, services.limits)
@@ -22,7 +23,7 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
 
 
 @post("/v1/completions", status_code=HTTP_200_OK)
-async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+async def completions(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
     """OpenAI legacy completions, whole or streamed."""
     req = services.completion_decoder.decode(await request.body())
     plan = await plan_completion(req, request_id_of(request), services.renderer, services.limits)
@@ -30,7 +31,7 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
 
 
 @get("/v1/models")
-async def list_models(services: Services) -> ModelList:
+async def list_models(services: NamedDependency[Services]) -> ModelList:
     """The served models."""
     limits = services.limits
     return ModelList(data=[ModelCard(id=limits.model_name, created=services.started, max_model_len=limits.max_model_len)])
@@ -43,7 +44,7 @@ async def healthz() -> dict[str, str]:
 
 
 @get("/readyz")
-async def readyz(services: Services) -> Response[dict[str, Any]]:
+async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
     """Every engine is ready to serve."""
     health = await services.engine.health()
     body = {"status": "ready" if health.ready else "not_ready", "engines": {services.engine.replica_id: health.ready}}

@@ -1,0 +1,154 @@
+"""Shared fixtures: the prepared default model, one real vLLM engine per test session, in-process servers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+from litestar import Litestar
+
+from engines.base import Engine
+from engines.simulated import SimulatedEngine, SimulatorConfig
+from engines.vllm_local import VllmLocalEngine, offline_environment
+from gateway.config import Config, ModelConfig, ServerConfig
+from gateway.prompts import PromptRenderer
+from gateway.tracking import Outcome
+from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+
+DATA_DIR = Path(os.environ.get("LOCKGATE_MODEL__DATA_DIR", "~/.cache/lockgate/models")).expanduser()
+MODEL = DEFAULT_MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The prepared default model (built once if missing; offline)."""
+    path, _ = prepare_default_model(DATA_DIR, say=lambda _line: None)
+    return path
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(model_dir: Path) -> AsyncIterator[VllmLocalEngine]:
+    """One real vLLM engine (AsyncLLM, engine core in a child process) for the whole test session."""
+    os.environ.update(offline_environment(model_dir.parent))
+    engine = VllmLocalEngine(model_dir, model_name=MODEL, max_model_len=2048, kv_cache_bytes=256 << 20)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def renderer(model_dir: Path) -> AsyncIterator[PromptRenderer]:
+    """The default model's tokenizer and chat template."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    yield await PromptRenderer.load(model_dir, executor)
+    executor.shutdown()
+
+
+@pytest.fixture
+async def sim_engine() -> AsyncIterator[SimulatedEngine]:
+    """A fresh simulated engine (fast steps) named like the default model."""
+    engine = SimulatedEngine(SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+class OutcomeLog:
+    """Collects request outcomes reported by the app."""
+
+    def __init__(self) -> None:
+        self.items: list[Outcome] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, outcome: Outcome) -> None:
+        self.items.append(outcome)
+        self._changed.set()
+
+    async def wait_count(self, count: int, timeout: float = 10.0) -> list[Outcome]:
+        """Wait until at least `count` outcomes were reported."""
+        async with asyncio.timeout(timeout):
+            while len(self.items) < count:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.items
+
+    async def wait_for(self, request_id: str, timeout: float = 10.0) -> Outcome:
+        """The outcome of `request_id`, waiting for it to be reported."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for item in self.items:
+                    if item.request_id == request_id:
+                        return item
+                self._changed.clear()
+                await self._changed.wait()
+
+
+@pytest.fixture
+def outcomes() -> OutcomeLog:
+    """A sink that records every request outcome."""
+    return OutcomeLog()
+
+
+def make_config(**server: float | int) -> Config:
+    """A config for in-process servers (server fields overridable)."""
+    return Config(server=ServerConfig(**server), model=ModelConfig(data_dir=str(DATA_DIR)))  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def serving(app: Litestar) -> AsyncIterator[str]:
+    """Run `app` under uvicorn in this event loop on a free loopback port; yield its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(30):
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@asynccontextmanager
+async def lifespan(app: Litestar) -> AsyncIterator[None]:
+    """Run the app's ASGI lifespan in this event loop (Litestar's test clients use a thread of their own)."""
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, inbox.get, outbox.put))  # type: ignore[arg-type]
+    message = await outbox.get()
+    assert message["type"] == "lifespan.startup.complete", message
+    try:
+        yield
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        assert (await outbox.get())["type"] == "lifespan.shutdown.complete"
+        await task
+
+
+async def wait_engine_idle(engine: Engine, timeout: float = 5.0) -> None:
+    """Wait until the engine itself reports no running or waiting request."""
+    async with asyncio.timeout(timeout):
+        while True:
+            load = await engine.load()
+            if load.running == 0 and load.waiting == 0:
+                return
+            await asyncio.sleep(0.02)

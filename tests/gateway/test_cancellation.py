@@ -1,0 +1,175 @@
+"""Cancellation and backpressure on a real vLLM engine: clients that leave or stop reading free the engine.
+
+Idleness is checked in vLLM's own state: its front end has no unfinished request, and its engine core can
+reset the prefix cache, which it refuses while any running request still holds KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from litestar import Litestar
+
+from engines.vllm_local import VllmLocalEngine
+from gateway.app import create_app
+from gateway.prompts import PromptRenderer
+from tests.conftest import MODEL, OutcomeLog, lifespan, make_config, serving
+
+LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
+
+
+async def assert_vllm_idle(engine: VllmLocalEngine) -> None:
+    """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core."""
+    async with asyncio.timeout(5):
+        while engine.llm.get_num_unfinished_requests():
+            await asyncio.sleep(0.01)
+        while not await engine.llm.reset_prefix_cache():
+            await asyncio.sleep(0.01)
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+
+
+def body(stream: bool, max_tokens: int = LONG, content: str = "Write a very long story about the sea.") -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "temperature": 0.8,
+        }
+    ).encode()
+
+
+@pytest.fixture
+async def served(
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> AsyncIterator[str]:
+    app = create_app(make_config(), engine=vllm_engine, renderer=renderer, sink=outcomes)
+    async with serving(app) as url:
+        yield url
+
+
+async def raw_post(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def test_disconnect_mid_stream_aborts_the_engine_request(
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+) -> None:
+    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
+        async with http.stream("POST", "/v1/chat/completions", content=body(True)) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            seen = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    seen += 1
+                if seen == 3:
+                    break
+    # Leaving the block closes the connection mid-stream.
+    outcome = await outcomes.wait_for(request_id)
+    assert outcome.status == "cancelled"
+    assert 3 <= outcome.usage.completion_tokens < LONG
+    await assert_vllm_idle(vllm_engine)
+
+
+async def test_disconnect_before_the_first_token(
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+) -> None:
+    # A long prompt makes prefill take a while; the client leaves right after sending it.
+    _, writer = await raw_post(served, body(True, max_tokens=200, content="word " * 1500))
+    writer.close()
+    [outcome] = await outcomes.wait_count(1)
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens < 200
+    await assert_vllm_idle(vllm_engine)
+
+
+async def test_non_streaming_request_is_aborted_when_the_client_leaves(
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+) -> None:
+    _, writer = await raw_post(served, body(False))
+    async with asyncio.timeout(10):
+        while vllm_engine.llm.get_num_unfinished_requests() == 0:
+            await asyncio.sleep(0.01)
+    writer.close()
+    [outcome] = await outcomes.wait_count(1)
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens < LONG
+    await assert_vllm_idle(vllm_engine)
+
+
+class StalledClient:
+    """An ASGI client that sends one request, reads the headers and one body chunk, then never reads again."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.sent_request = False
+        self.status: int | None = None
+        self.chunks: list[bytes] = []
+        self._never = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.sent_request:
+            self.sent_request = True
+            return {"type": "http.request", "body": self.payload, "more_body": False}
+        await self._never.wait()  # connected, silent
+        raise AssertionError("unreachable")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            if self.chunks:
+                await self._never.wait()  # the socket buffer is full: this send never completes
+            self.chunks.append(message["body"])
+
+
+def http_scope(path: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+
+
+async def test_stalled_reader_is_cut_off_and_its_request_aborted(
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> None:
+    config = make_config(stream_stall_timeout=0.5, stream_buffer=4)
+    app: Litestar = create_app(config, engine=vllm_engine, renderer=renderer, sink=outcomes)
+    client = StalledClient(body(True))
+    async with lifespan(app):
+        async with asyncio.timeout(20):
+            await app(http_scope("/v1/chat/completions"), client.receive, client.send)  # type: ignore[arg-type]
+    assert client.status == 200
+    assert len(client.chunks) == 1
+    [outcome] = await outcomes.wait_count(1)
+    assert outcome.status == "stalled"
+    # Bounded: the engine was not pulled much beyond what the buffer holds while the client stalled.
+    assert outcome.usage.completion_tokens < LONG
+    await assert_vllm_idle(vllm_engine)
