@@ -10,7 +10,7 @@ import asyncio
 import os
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engines.base import (
     EngineDeadError,
@@ -83,7 +83,7 @@ class VllmLocalEngine:
         *,
         model_name: str,
         max_model_len: int,
-        dtype: str = "bfloat16",
+        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
         kv_cache_bytes: int = 256 << 20,
         max_logprobs: int = 20,
         enforce_eager: bool = True,

@@ -82,12 +82,15 @@ def create_app(
                 await active.shutdown()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    return Litestar(
+    app = Litestar(
         route_handlers=ROUTES,
         lifespan=[lifespan],
         dependencies={"services": Provide(_services, sync_to_thread=False)},
         exception_handlers=exception_handlers(),
-        middleware=[request_id_middleware],
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=None,
     )
+    # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
+    # (unknown route, wrong method), and those responses need an `x-request-id` too.
+    app.asgi_handler = request_id_middleware(app.asgi_handler)
+    return app

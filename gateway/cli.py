@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,9 @@ def _serve(config: Config) -> int:
     from gateway.app import create_app
 
     os.environ.update(offline_environment(Path(config.model.data_dir)))
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
@@ -29,7 +32,7 @@ def _serve(config: Config) -> int:
             lifespan="on",
             # SIGTERM: stop accepting, let in-flight requests run this long, then cancel them (the lifespan
             # shutdown then aborts what is left in the engine and stops it).
-            timeout_graceful_shutdown=config.server.drain_timeout,
+            timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
         )
     )
     server.run()
@@ -41,7 +44,9 @@ def _prepare(config: Config) -> int:
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        prepare_default_model(Path(config.model.data_dir), say=lambda line: print(f"[models prepare] {line}", flush=True))
+        prepare_default_model(
+            Path(config.model.data_dir), say=lambda line: print(f"[models prepare] {line}", flush=True)
+        )
     except PrepareError as exc:
         print(f"lockgate models prepare: {exc}", file=sys.stderr)
         return 1

@@ -52,4 +52,6 @@ class Decoder(Generic[T]):
                 message = f"{message}: this field is unknown or not supported by this gateway"
             raise InvalidRequestError(message, param=param, code=code) from exc
         except msgspec.DecodeError as exc:
-            raise InvalidRequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+            raise InvalidRequestError(
+                f"the request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc

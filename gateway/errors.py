@@ -120,7 +120,9 @@ def _on_api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[by
 def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
     status = exc.status_code
     if status == 413:
-        api: APIError = PayloadTooLargeError("request body is larger than the configured limit", code="body_too_large")
+        api: APIError = PayloadTooLargeError(
+            "request body is larger than the configured limit", code="body_too_large"
+        )
     elif status == 405:
         api = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
         api.status_code = 405

@@ -50,7 +50,9 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest, limits: Limits
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_value")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
-        raise InvalidRequestError("temperature must be between 0 and 2", param="temperature", code="invalid_value")
+        raise InvalidRequestError(
+            "temperature must be between 0 and 2", param="temperature", code="invalid_value"
+        )
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise InvalidRequestError("top_p must be in (0, 1]", param="top_p", code="invalid_value")
     if req.seed is not None and not 0 <= req.seed < 2**63:
@@ -74,7 +76,9 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _max_tokens(asked: int | None, field: str, prompt_len: int, default: int, limits: Limits, where: str) -> int:
+def _max_tokens(
+    asked: int | None, field: str, prompt_len: int, default: int, limits: Limits, where: str
+) -> int:
     room = limits.max_model_len - prompt_len
     if room <= 0:
         raise InvalidRequestError(
@@ -185,11 +189,15 @@ async def plan_completion(
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
         raise InvalidRequestError(f"logprobs must be between 0 and {limits.max_logprobs}", param="logprobs")
     prompt = await _completion_prompt(req.prompt, renderer)
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens", len(prompt), COMPLETIONS_DEFAULT_MAX_TOKENS, limits, "prompt")
+    max_tokens = _max_tokens(
+        req.max_tokens, "max_tokens", len(prompt), COMPLETIONS_DEFAULT_MAX_TOKENS, limits, "prompt"
+    )
     return Plan(
         kind="completion",
         engine_request=EngineRequest(
-            request_id=request_id, prompt_token_ids=tuple(prompt), sampling=_sampling(req, max_tokens, req.logprobs)
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            sampling=_sampling(req, max_tokens, req.logprobs),
         ),
         stream=req.stream,
         include_usage=_include_usage(req),

@@ -7,6 +7,7 @@ from typing import Any
 
 from litestar import Request
 from litestar.datastructures import MutableScopeHeaders
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = "x-request-id"
@@ -28,11 +29,11 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
     """Give each HTTP request an id and add it to the response headers (errors included)."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await app(scope, receive, send)
             return
         request_id = new_request_id()
-        scope.setdefault("state", {})[_STATE_KEY] = request_id  # type: ignore[typeddict-item]
+        scope.setdefault("state", {})[_STATE_KEY] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

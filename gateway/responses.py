@@ -1,4 +1,4 @@
-"""Engine output in OpenAI's response shapes: whole responses and SSE chunks, for chat and legacy completions."""
+"""Engine output in OpenAI's response shapes: whole responses and SSE chunks, chat and legacy completions."""
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ def _chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatLogprobs:
                 token=e.token,
                 logprob=e.logprob,
                 bytes=list(e.token.encode()),
-                top_logprobs=[TopLogprobEntry(token=t.token, logprob=t.logprob, bytes=list(t.token.encode())) for t in e.top],
+                top_logprobs=[
+                    TopLogprobEntry(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+                    for t in e.top
+                ],
             )
             for e in entries
         ]
@@ -88,9 +91,13 @@ class Formatter:
 
     # ---- streaming ----
 
-    def _chat_chunk(self, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None) -> bytes:
+    def _chat_chunk(
+        self, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None
+    ) -> bytes:
         choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return sse(ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice]))
+        return sse(
+            ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice])
+        )
 
     def opening(self) -> list[bytes]:
         """Events sent before the first token (chat announces the assistant role)."""
@@ -112,9 +119,11 @@ class Formatter:
             if finish is not None:
                 out.append(self._chat_chunk(ChatDelta(), finish))
             return out
-        logprobs = _completion_logprobs(entries, self._offset) if self._plan.logprobs else None
+        completion_logprobs = _completion_logprobs(entries, self._offset) if self._plan.logprobs else None
         self._offset += len(delta.text)
-        choice = CompletionChoice(index=0, text=delta.text, finish_reason=finish, logprobs=logprobs)
+        choice = CompletionChoice(
+            index=0, text=delta.text, finish_reason=finish, logprobs=completion_logprobs
+        )
         return [sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))]
 
     def closing(self, usage: Usage) -> list[bytes]:
@@ -123,9 +132,21 @@ class Formatter:
         if self._plan.include_usage:
             info = usage_info(usage)
             if self._plan.kind == "chat":
-                out.append(sse(ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[], usage=info)))
+                out.append(
+                    sse(
+                        ChatCompletionChunk(
+                            id=self._id, created=self._created, model=self._model, choices=[], usage=info
+                        )
+                    )
+                )
             else:
-                out.append(sse(Completion(id=self._id, created=self._created, model=self._model, choices=[], usage=info)))
+                out.append(
+                    sse(
+                        Completion(
+                            id=self._id, created=self._created, model=self._model, choices=[], usage=info
+                        )
+                    )
+                )
         out.append(DONE)
         return out
 
@@ -143,11 +164,23 @@ class Formatter:
                 finish_reason=finish,
                 logprobs=_chat_logprobs(entries) if self._plan.logprobs else None,
             )
-            return ChatCompletion(id=self._id, created=self._created, model=self._model, choices=[choice], usage=usage_info(usage))
+            return ChatCompletion(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[choice],
+                usage=usage_info(usage),
+            )
         completion = CompletionChoice(
             index=0,
             text=text,
             finish_reason=finish,
             logprobs=_completion_logprobs(entries, 0) if self._plan.logprobs else None,
         )
-        return Completion(id=self._id, created=self._created, model=self._model, choices=[completion], usage=usage_info(usage))
+        return Completion(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=[completion],
+            usage=usage_info(usage),
+        )

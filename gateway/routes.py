@@ -15,7 +15,9 @@ from gateway.service import Services
 
 
 @post("/v1/chat/completions", status_code=HTTP_200_OK)
-async def chat_completions(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
+async def chat_completions(
+    request: Request[Any, Any, Any], services: NamedDependency[Services]
+) -> Response[Any]:
     """OpenAI chat completions, whole or streamed."""
     req = services.chat_decoder.decode(await request.body())
     plan = await plan_chat(req, request_id_of(request), services.renderer, services.limits)
@@ -34,7 +36,9 @@ async def completions(request: Request[Any, Any, Any], services: NamedDependency
 async def list_models(services: NamedDependency[Services]) -> ModelList:
     """The served models."""
     limits = services.limits
-    return ModelList(data=[ModelCard(id=limits.model_name, created=services.started, max_model_len=limits.max_model_len)])
+    return ModelList(
+        data=[ModelCard(id=limits.model_name, created=services.started, max_model_len=limits.max_model_len)]
+    )
 
 
 @get("/healthz")
@@ -47,7 +51,10 @@ async def healthz() -> dict[str, str]:
 async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
     """Every engine is ready to serve."""
     health = await services.engine.health()
-    body = {"status": "ready" if health.ready else "not_ready", "engines": {services.engine.replica_id: health.ready}}
+    body = {
+        "status": "ready" if health.ready else "not_ready",
+        "engines": {services.engine.replica_id: health.ready},
+    }
     if not health.ready:
         body["detail"] = health.detail
     return Response(content=body, status_code=HTTP_200_OK if health.ready else HTTP_503_SERVICE_UNAVAILABLE)

@@ -16,14 +16,14 @@ class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Base of the request structs."""
 
 
-class TextPart(_Request, kw_only=True):
+class TextPart(_Request, frozen=True, kw_only=True):
     """One text part of a multi-part message content."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request, kw_only=True):
+class ChatMessage(_Request, frozen=True, kw_only=True):
     """One chat message."""
 
     role: Role
@@ -37,13 +37,13 @@ class ChatMessage(_Request, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Request, kw_only=True):
+class StreamOptions(_Request, frozen=True, kw_only=True):
     """`stream_options`."""
 
     include_usage: bool = False
 
 
-class _Sampling(_Request, kw_only=True):
+class _Sampling(_Request, frozen=True, kw_only=True):
     """Fields shared by both completion endpoints."""
 
     model: str
@@ -58,7 +58,7 @@ class _Sampling(_Request, kw_only=True):
     user: str | None = None
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage]
@@ -67,7 +67,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     """`POST /v1/completions`. One prompt: a string or a list of token ids."""
 
     prompt: str | list[int | str]
@@ -82,13 +82,13 @@ class _Response(msgspec.Struct, frozen=True, kw_only=True):
     """Base of the response structs."""
 
 
-class PromptTokensDetails(_Response, kw_only=True):
+class PromptTokensDetails(_Response, frozen=True, kw_only=True):
     """`usage.prompt_tokens_details`."""
 
     cached_tokens: int = 0
 
 
-class UsageInfo(_Response, kw_only=True):
+class UsageInfo(_Response, frozen=True, kw_only=True):
     """`usage`."""
 
     prompt_tokens: int
@@ -97,7 +97,7 @@ class UsageInfo(_Response, kw_only=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class TopLogprobEntry(_Response, kw_only=True):
+class TopLogprobEntry(_Response, frozen=True, kw_only=True):
     """One alternative in chat `top_logprobs`."""
 
     token: str
@@ -105,7 +105,7 @@ class TopLogprobEntry(_Response, kw_only=True):
     bytes: list[int]
 
 
-class ChatLogprobEntry(_Response, kw_only=True):
+class ChatLogprobEntry(_Response, frozen=True, kw_only=True):
     """One generated token in chat `logprobs.content`."""
 
     token: str
@@ -114,13 +114,13 @@ class ChatLogprobEntry(_Response, kw_only=True):
     top_logprobs: list[TopLogprobEntry]
 
 
-class ChatLogprobs(_Response, kw_only=True):
+class ChatLogprobs(_Response, frozen=True, kw_only=True):
     """Chat `choices[].logprobs`."""
 
     content: list[ChatLogprobEntry]
 
 
-class CompletionLogprobs(_Response, kw_only=True):
+class CompletionLogprobs(_Response, frozen=True, kw_only=True):
     """Legacy completions `choices[].logprobs`."""
 
     tokens: list[str]
@@ -129,14 +129,14 @@ class CompletionLogprobs(_Response, kw_only=True):
     text_offset: list[int]
 
 
-class AssistantMessage(_Response, kw_only=True):
+class AssistantMessage(_Response, frozen=True, kw_only=True):
     """The answer of a non-streaming chat completion."""
 
     role: Literal["assistant"] = "assistant"
     content: str = ""
 
 
-class ChatChoice(_Response, kw_only=True):
+class ChatChoice(_Response, frozen=True, kw_only=True):
     """One choice of a chat completion."""
 
     index: int
@@ -145,7 +145,7 @@ class ChatChoice(_Response, kw_only=True):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(_Response, kw_only=True):
+class ChatCompletion(_Response, frozen=True, kw_only=True):
     """A non-streaming chat completion."""
 
     id: str
@@ -156,14 +156,14 @@ class ChatCompletion(_Response, kw_only=True):
     object: Literal["chat.completion"] = "chat.completion"
 
 
-class ChatDelta(_Response, kw_only=True, omit_defaults=True):
+class ChatDelta(_Response, frozen=True, kw_only=True, omit_defaults=True):
     """The incremental message of a chat chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(_Response, kw_only=True):
+class ChatChunkChoice(_Response, frozen=True, kw_only=True):
     """One choice of a chat chunk."""
 
     index: int
@@ -172,7 +172,7 @@ class ChatChunkChoice(_Response, kw_only=True):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(_Response, kw_only=True):
+class ChatCompletionChunk(_Response, frozen=True, kw_only=True):
     """One SSE event of a streaming chat completion."""
 
     id: str
@@ -183,7 +183,7 @@ class ChatCompletionChunk(_Response, kw_only=True):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
-class CompletionChoice(_Response, kw_only=True):
+class CompletionChoice(_Response, frozen=True, kw_only=True):
     """One choice of a completion (also used in its stream chunks)."""
 
     index: int
@@ -192,7 +192,7 @@ class CompletionChoice(_Response, kw_only=True):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(_Response, kw_only=True):
+class Completion(_Response, frozen=True, kw_only=True):
     """A completion, or one chunk of a streaming completion (OpenAI uses one object type for both)."""
 
     id: str
@@ -203,7 +203,7 @@ class Completion(_Response, kw_only=True):
     object: Literal["text_completion"] = "text_completion"
 
 
-class ModelCard(_Response, kw_only=True):
+class ModelCard(_Response, frozen=True, kw_only=True):
     """One entry of `GET /v1/models`."""
 
     id: str
@@ -213,7 +213,7 @@ class ModelCard(_Response, kw_only=True):
     object: Literal["model"] = "model"
 
 
-class ModelList(_Response, kw_only=True):
+class ModelList(_Response, frozen=True, kw_only=True):
     """`GET /v1/models`."""
 
     data: list[ModelCard]

@@ -74,7 +74,9 @@ class Services:
     async def run(self, plan: Plan, request: Request[Any, Any, Any]) -> Response[Any]:
         """Generate for `plan` and answer: one JSON body, or an SSE stream."""
         req = plan.engine_request
-        tracker = RequestTracker(req.request_id, self.limits.model_name, len(req.prompt_token_ids), plan.stream, self.sink)
+        tracker = RequestTracker(
+            req.request_id, self.limits.model_name, len(req.prompt_token_ids), plan.stream, self.sink
+        )
         prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
         formatter = Formatter(plan, prefix + req.request_id, self.limits.model_name, int(time.time()))
         source = self.engine.generate(req)
@@ -92,7 +94,9 @@ class Services:
         except EngineError as exc:
             raise engine_api_error(exc) from exc
         except StopAsyncIteration as exc:
-            raise EngineFailedError("the engine ended the request without output", code="engine_error") from exc
+            raise EngineFailedError(
+                "the engine ended the request without output", code="engine_error"
+            ) from exc
         except ClientDisconnectedError:
             # Idempotent: the tracked stream has normally recorded it already.
             tracker.finish("cancelled")

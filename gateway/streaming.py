@@ -18,6 +18,7 @@ from litestar.enums import MediaType
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
+
 class _StallGuardedResponse(ASGIStreamingResponse):
     """Litestar's streaming response, with a time limit on each send."""
 
@@ -70,7 +71,7 @@ class SSEResponse(Response[AsyncIterator[bytes]]):
         self._stall_timeout = stall_timeout
         self._on_stall = on_stall
 
-    def to_asgi_response(  # type: ignore[override]
+    def to_asgi_response(
         self, app: Any, request: Request[Any, Any, Any], **kwargs: Any
     ) -> ASGIStreamingResponse:
         """Build the stall-guarded ASGI response."""

@@ -49,7 +49,9 @@ def log_outcome(outcome: Outcome) -> None:
 class RequestTracker:
     """Counts one request's output and reports its `Outcome` exactly once."""
 
-    def __init__(self, request_id: str, model: str, prompt_tokens: int, stream: bool, sink: OutcomeSink) -> None:
+    def __init__(
+        self, request_id: str, model: str, prompt_tokens: int, stream: bool, sink: OutcomeSink
+    ) -> None:
         self.request_id = request_id
         self._model = model
         self._prompt_tokens = prompt_tokens

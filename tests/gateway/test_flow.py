@@ -1,0 +1,120 @@
+"""The flow pieces on the simulator: bounded buffering, outcome tracking, racing a disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.base import EngineDelta, EngineRequest, SamplingSpec
+from engines.simulated import SimulatedEngine
+from gateway.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
+from gateway.tracking import Outcome, RequestTracker
+from tests.conftest import eventually
+
+
+def request(max_tokens: int, request_id: str = "r1") -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id, prompt_token_ids=tuple(range(100, 120)), sampling=SamplingSpec(max_tokens=max_tokens)
+    )
+
+
+class Counting:
+    """A tracker that also counts the deltas it observes, with the outcomes it reported."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+        self.tracker = _CountingTracker("r1", "m", 20, True, self.outcomes.append)
+
+    @property
+    def seen(self) -> int:
+        return self.tracker.seen
+
+
+class _CountingTracker(RequestTracker):
+    seen = 0
+
+    def observe(self, delta: EngineDelta) -> None:
+        self.seen += 1
+        super().observe(delta)
+
+
+async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(sim_engine: SimulatedEngine) -> None:
+    counting = Counting()
+    tasks = TaskSet()
+    stream = pump(sim_engine.generate(request(1000)), counting.tracker, tasks, maxsize=3)
+    first = await anext(stream)
+    assert first.token_ids
+
+    async def buffer_full() -> bool:
+        return counting.seen >= 5
+
+    # 1 delivered + 3 queued + 1 waiting to be queued: the producer then stops pulling the engine.
+    await eventually(buffer_full)
+    await asyncio.sleep(0.1)  # give the producer every chance to overrun (the simulator steps every 2 ms)
+    assert counting.seen == 5
+    await stream.aclose()
+    await tasks.cancel_all()
+    [outcome] = counting.outcomes
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens == 5
+    load = await sim_engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+
+
+async def test_pump_delivers_everything_and_reports_completion(sim_engine: SimulatedEngine) -> None:
+    counting = Counting()
+    tasks = TaskSet()
+    deltas = [d async for d in pump(sim_engine.generate(request(12)), counting.tracker, tasks, maxsize=2)]
+    assert sum(len(d.token_ids) for d in deltas) == 12
+    assert deltas[-1].finish_reason == "length"
+    await tasks.cancel_all()
+    [outcome] = counting.outcomes
+    assert (outcome.status, outcome.finish_reason, outcome.usage.completion_tokens) == ("completed", "length", 12)
+
+
+async def test_tracker_reports_once_and_marks_stalls() -> None:
+    seen: list[Outcome] = []
+    tracker = RequestTracker("r", "m", 7, True, seen.append)
+    tracker.mark_stalled()
+    first = tracker.finish("cancelled")
+    again = tracker.finish("completed")
+    assert first is again
+    assert [o.status for o in seen] == ["stalled"]
+    assert seen[0].usage.prompt_tokens == 7
+
+
+async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(sim_engine: SimulatedEngine) -> None:
+    counting = Counting()
+    disconnect = asyncio.Event()
+
+    async def receive() -> dict[str, str]:
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    work = collect(sim_engine.generate(request(1000)), counting.tracker)
+    racing = asyncio.create_task(race_disconnect(work, receive))  # type: ignore[arg-type]
+
+    async def generating() -> bool:
+        return counting.seen > 0
+
+    await eventually(generating)
+    disconnect.set()
+    with pytest.raises(ClientDisconnectedError):
+        await racing
+    assert [o.status for o in counting.outcomes] == ["cancelled"]
+    load = await sim_engine.load()
+    assert (load.running, load.waiting) == (0, 0)
+
+
+async def test_race_disconnect_returns_the_result_when_the_client_stays(sim_engine: SimulatedEngine) -> None:
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, str]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    counting = Counting()
+    deltas = await race_disconnect(collect(sim_engine.generate(request(4)), counting.tracker), receive)  # type: ignore[arg-type]
+    assert sum(len(d.token_ids) for d in deltas) == 4
+    assert [o.status for o in counting.outcomes] == ["completed"]
