@@ -1,0 +1,79 @@
+"""Tenants, API keys, roles and admin change records (msgspec Structs stored and sent as they are)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["consumer", "policy_admin", "reviewer", "operator"]
+ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator")
+FailMode = Literal["open", "closed"]
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Token-bucket limits of one scope (a tenant, or each of its keys). Bursts are bucket capacities."""
+
+    requests_per_second: float
+    request_burst: float
+    tokens_per_second: float
+    token_burst: float
+
+
+class Quotas(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tenant's buckets: shared by all its keys, and per key. None = no bucket at that scope."""
+
+    tenant: Limits | None = None
+    per_key: Limits | None = None
+    # While the quota store (Redis) is unreachable: "open" admits unmetered, "closed" refuses with 503.
+    fail_mode: FailMode = "closed"
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An API consumer organisation."""
+
+    tenant_id: str
+    display_name: str
+    # Fairness weight in admission (a tenant of weight 2 gets twice the share of a tenant of weight 1).
+    weight: float = 1.0
+    quotas: Quotas = msgspec.field(default_factory=Quotas)
+    # Name of the safety policy the tenant is bound to (versioned by the registry later).
+    policy: str = "default"
+    # Whether prompts and completions may be retained in logs and audit records.
+    retain_prompts: bool = False
+    created_at: float = 0.0
+
+
+class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
+    """An API key's metadata. The secret itself is never stored; only its hash is."""
+
+    key_id: str
+    tenant_id: str
+    roles: tuple[Role, ...]
+    label: str = ""
+    created_at: float = 0.0
+    expires_at: float | None = None
+    revoked_at: float | None = None
+
+    def active(self, now: float) -> bool:
+        """Not revoked and not expired at `now`."""
+        return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
+
+
+class StoredKey(msgspec.Struct, frozen=True, kw_only=True):
+    """A key as stored: metadata plus the hash of its secret."""
+
+    key: ApiKey
+    secret_hash: str
+
+
+class AdminChange(msgspec.Struct, frozen=True, kw_only=True):
+    """One recorded admin change: who did what to which object, and the object before and after."""
+
+    change_id: int
+    at: float
+    actor: str
+    action: str
+    target: str
+    before: str | None
+    after: str | None
