@@ -73,7 +73,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 class QuotaStore(Protocol):
     """Token-bucket state shared by every gateway replica that uses the same store."""
 
-    async def reserve(self, buckets: Sequence[BucketSpec], amounts: Sequence[float], now: float) -> Reservation:
+    async def reserve(
+        self, buckets: Sequence[BucketSpec], amounts: Sequence[float], now: float
+    ) -> Reservation:
         """Debit `amounts` from `buckets` at time `now`, all or nothing.
 
         Raises QuotaExceededError (with the wait until it fits), QuotaImpossibleError, QuotaBackendError."""
