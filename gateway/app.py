@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 
 from engines.base import Engine
+from gateway.admin import ADMIN_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.flow import TaskSet
 from gateway.prompts import PromptRenderer
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
+from gateway.security import provide_principal
 from gateway.service import Services
 from gateway.tracking import OutcomeSink, log_outcome
+from policy.auth import Authenticator, Clock
+from policy.quota.base import QuotaStore
+from policy.quota.meter import QuotaMeter
+from policy.tenants.base import TenantStore
 
 
 class ModelNotPreparedError(Exception):
@@ -49,6 +58,43 @@ def build_engine(config: Config) -> Engine:
     )
 
 
+async def open_tenant_store(config: Config) -> TenantStore:
+    """The tenant store the configuration names (SQLite file or PostgreSQL)."""
+    if config.storage.backend == "postgres":
+        from policy.tenants.postgres import PostgresTenantStore
+
+        return await PostgresTenantStore.open(
+            config.storage.postgres_dsn, schema=config.storage.postgres_schema
+        )
+    from policy.tenants.sqlite import SqliteTenantStore
+
+    return await SqliteTenantStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+
+
+def _sqlite_file(raw: str) -> Path:
+    path = Path(raw).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def open_quota_store(config: Config) -> QuotaStore:
+    """The quota store the configuration names (in memory, or Redis shared by replicas)."""
+    if config.quota.backend == "redis":
+        import redis.asyncio
+
+        from policy.quota.redis import RedisQuotaStore
+
+        client = redis.asyncio.Redis.from_url(
+            config.quota.redis_url,
+            socket_timeout=config.quota.op_timeout,
+            socket_connect_timeout=config.quota.op_timeout,
+        )
+        return RedisQuotaStore(client, op_timeout=config.quota.op_timeout)
+    from policy.quota.memory import MemoryQuotaStore
+
+    return MemoryQuotaStore()
+
+
 def _services(state: State) -> Services:
     services: Services = state.services
     return services
@@ -59,33 +105,60 @@ def create_app(
     *,
     engine: Engine | None = None,
     renderer: PromptRenderer | None = None,
+    tenants: TenantStore | None = None,
+    quota: QuotaStore | None = None,
+    clock: Clock = time.time,
     sink: OutcomeSink = log_outcome,
 ) -> Litestar:
-    """Build the app. An `engine` passed in is used as is (already started) and not shut down by the app."""
+    """Build the app. Backends passed in (engine already started) are used as they are and not closed by the
+    app; the others are built from `config` in the lifespan and closed at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lockgate-tokenize")
         tasks = TaskSet()
-        own_engine = engine is None
-        active = build_engine(config) if engine is None else engine
-        try:
-            prompts = renderer or await PromptRenderer.load(config.model.model_dir(), executor)
-            if own_engine:
+        async with AsyncExitStack() as owned:
+            owned.callback(executor.shutdown, wait=False, cancel_futures=True)
+            store = tenants
+            if store is None:
+                store = await open_tenant_store(config)
+                owned.push_async_callback(store.close)
+            buckets = quota
+            if buckets is None:
+                buckets = open_quota_store(config)
+                owned.push_async_callback(buckets.close)
+            active = engine
+            if active is None:
+                active = build_engine(config)
                 await active.start()
-            app.state.services = Services(config, active, prompts, sink, tasks)
-            yield
-        finally:
-            # In-flight requests outlived the drain timeout: abort them, then stop the engine.
-            await tasks.cancel_all()
-            if own_engine:
-                await active.shutdown()
-            executor.shutdown(wait=False, cancel_futures=True)
+                owned.push_async_callback(active.shutdown)
+            prompts = renderer or await PromptRenderer.load(config.model.model_dir(), executor)
+            app.state.services = Services(
+                config=config,
+                engine=active,
+                renderer=prompts,
+                sink=sink,
+                tasks=tasks,
+                tenants=store,
+                auth=Authenticator(store, clock, config.auth.cache_ttl),
+                meter=QuotaMeter(buckets, clock),
+                clock=clock,
+            )
+            try:
+                yield
+            finally:
+                # In-flight requests outlived the drain timeout: abort them, let their quota settle, then the
+                # exit stack stops the engine and closes the stores.
+                await tasks.cancel_all()
+                await tasks.wait_all()
 
     app = Litestar(
-        route_handlers=ROUTES,
+        route_handlers=[*ROUTES, *ADMIN_ROUTES],
         lifespan=[lifespan],
-        dependencies={"services": Provide(_services, sync_to_thread=False)},
+        dependencies={
+            "services": Provide(_services, sync_to_thread=False),
+            "principal": Provide(provide_principal),
+        },
         exception_handlers=exception_handlers(),
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=None,

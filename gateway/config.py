@@ -85,12 +85,47 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     simulator: SimulatorConfig = msgspec.field(default_factory=SimulatorConfig)
 
 
+class StorageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where tenants, keys and admin changes live."""
+
+    # `sqlite`: one file, for the embedded single-process default. `postgres`: shared by gateway replicas.
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    # SQLite database file.
+    sqlite_path: str = "~/.local/share/lockgate/lockgate.sqlite3"
+    # PostgreSQL connection string, e.g. "postgresql://lockgate@127.0.0.1:5432/lockgate".
+    postgres_dsn: str = ""
+    # PostgreSQL schema holding Lockgate's tables.
+    postgres_schema: str = "public"
+
+
+class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where token buckets live."""
+
+    # `memory`: in this process (embedded default). `redis`: shared by every gateway replica.
+    backend: Literal["memory", "redis"] = "memory"
+    # Redis URL for the `redis` backend.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Seconds one Redis operation may take before the tenant's quota fail mode decides.
+    op_timeout: float = 0.25
+
+
+class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """API key authentication."""
+
+    # Seconds a verified key stays cached: a revocation made on another replica takes effect within this bound
+    # (on the replica that revokes, at once).
+    cache_ttl: float = 5.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+    quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -143,12 +178,16 @@ def _check(config: Config) -> None:
         "model.max_model_len": config.model.max_model_len,
         "model.default_max_tokens": config.model.default_max_tokens,
         "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
+        "quota.op_timeout": config.quota.op_timeout,
+        "auth.cache_ttl": config.auth.cache_ttl,
     }
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"`{name}` must be > 0, got {value}")
     if not 0 < config.server.port < 65536:
         raise ConfigError(f"`server.port` must be in 1..65535, got {config.server.port}")
+    if config.storage.backend == "postgres" and not config.storage.postgres_dsn:
+        raise ConfigError("`storage.postgres_dsn` must be set when `storage.backend` is postgres")
     if config.engine.max_logprobs < 0:
         raise ConfigError(f"`engine.max_logprobs` must be >= 0, got {config.engine.max_logprobs}")
 

@@ -7,11 +7,13 @@ location becomes the OpenAI error's `param`.
 from __future__ import annotations
 
 import re
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
+from litestar import Request
+from litestar.exceptions import InternalServerException
 
-from gateway.errors import InvalidRequestError
+from gateway.errors import ClientClosedError, InvalidRequestError
 
 T = TypeVar("T")
 
@@ -31,6 +33,17 @@ def _param(message: str) -> tuple[str | None, str]:
         name = field.group("field")
         path = f"{path}.{name}" if path else name
     return (path or None), message
+
+
+async def read_body(request: Request[Any, Any, Any]) -> bytes:
+    """The whole body (over the size limit: 413), or ClientClosedError if the client left first."""
+    try:
+        return await request.body()
+    except InternalServerException as exc:
+        # Litestar's way of saying the client disconnected before the body was complete.
+        if "disconnected" in str(exc.detail):
+            raise ClientClosedError("the client disconnected before sending its whole request") from exc
+        raise
 
 
 class Decoder(Generic[T]):

@@ -5,7 +5,10 @@ Exceptions::
     APIError                      status + OpenAI `type`, `param`, `code`
     ├── InvalidRequestError       400 invalid_request_error (names the field in `param`)
     ├── NotFoundError             404 not_found_error
+    ├── AuthenticationError       401 authentication_error (missing, unknown, expired, revoked key)
+    ├── PermissionDeniedError     403 permission_error (missing role, or another tenant's object)
     ├── PayloadTooLargeError      413 invalid_request_error
+    ├── RateLimitedError          429 rate_limit_exceeded (with Retry-After)
     ├── EngineUnavailableError    503 service_unavailable (no engine can take the request now)
     └── EngineFailedError         502 engine_error (the engine failed this request)
 
@@ -47,11 +50,19 @@ class APIError(Exception):
     status_code = 500
     error_type = "server_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> ErrorResponse:
         """The response body."""
@@ -65,6 +76,34 @@ class InvalidRequestError(APIError):
 
     status_code = 400
     error_type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    """No valid API key."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(APIError):
+    """The key may not do this."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
+class RateLimitedError(APIError):
+    """A quota bucket is short; `Retry-After` says when the request would fit."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+class ClientClosedError(APIError):
+    """The client went away before its request was read (nginx's 499: logged, never seen by anyone)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 class NotFoundError(APIError):
@@ -107,6 +146,8 @@ def error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> R
 
 _HTTP_TYPES = {
     400: InvalidRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
     404: NotFoundError,
     413: PayloadTooLargeError,
     503: EngineUnavailableError,
@@ -114,7 +155,7 @@ _HTTP_TYPES = {
 
 
 def _on_api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[bytes]:
-    return error_response(exc)
+    return error_response(exc, exc.headers)
 
 
 def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:

@@ -44,6 +44,11 @@ class TaskSet:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def wait_all(self) -> None:
+        """Wait for every task, including those started while waiting (each must bound its own time)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
 
 async def tracked(
     source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker

@@ -6,6 +6,7 @@ completions share one path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -26,12 +27,16 @@ from gateway.config import Config
 from gateway.decoding import Decoder
 from gateway.errors import APIError, EngineFailedError, EngineUnavailableError
 from gateway.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
+from gateway.metering import charge_headers, reserve
 from gateway.planning import Limits, Plan
 from gateway.prompts import PromptRenderer
 from gateway.responses import Formatter, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.streaming import SSEResponse
-from gateway.tracking import OutcomeSink, RequestTracker
+from gateway.tracking import Outcome, OutcomeSink, RequestTracker
+from policy.auth import Authenticator, Clock, Principal
+from policy.quota.meter import Charge, QuotaMeter
+from policy.tenants.base import TenantStore
 
 _encoder = msgspec.json.Encoder()
 
@@ -54,13 +59,27 @@ class Services:
     """Everything a request needs, built once in the app lifespan."""
 
     def __init__(
-        self, config: Config, engine: Engine, renderer: PromptRenderer, sink: OutcomeSink, tasks: TaskSet
+        self,
+        *,
+        config: Config,
+        engine: Engine,
+        renderer: PromptRenderer,
+        sink: OutcomeSink,
+        tasks: TaskSet,
+        tenants: TenantStore,
+        auth: Authenticator,
+        meter: QuotaMeter,
+        clock: Clock,
     ) -> None:
         self.config = config
         self.engine = engine
         self.renderer = renderer
         self.sink = sink
         self.tasks = tasks
+        self.tenants = tenants
+        self.auth = auth
+        self.meter = meter
+        self.clock = clock
         self.limits = Limits(
             model_name=config.model.name,
             max_model_len=min(config.model.max_model_len, engine.max_model_len),
@@ -71,11 +90,27 @@ class Services:
         self.completion_decoder = Decoder(CompletionRequest)
         self.started = int(time.time())
 
-    async def run(self, plan: Plan, request: Request[Any, Any, Any]) -> Response[Any]:
-        """Generate for `plan` and answer: one JSON body, or an SSE stream."""
+    def _settle_on_outcome(self, charge: Charge) -> OutcomeSink:
+        """The sink for one request: report the outcome, then settle its quota with the usage it had."""
+
+        def sink(outcome: Outcome) -> None:
+            self.sink(outcome)
+            used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+            self.tasks.spawn(self.meter.settle(charge, used))
+
+        return sink
+
+    async def run(self, plan: Plan, request: Request[Any, Any, Any], principal: Principal) -> Response[Any]:
+        """Reserve quota, generate for `plan`, and answer: one JSON body, or an SSE stream."""
         req = plan.engine_request
+        charge = await reserve(self.meter, principal, plan)
+        headers = charge_headers(charge)
         tracker = RequestTracker(
-            req.request_id, self.limits.model_name, len(req.prompt_token_ids), plan.stream, self.sink
+            req.request_id,
+            self.limits.model_name,
+            len(req.prompt_token_ids),
+            plan.stream,
+            self._settle_on_outcome(charge),
         )
         prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
         formatter = Formatter(plan, prefix + req.request_id, self.limits.model_name, int(time.time()))
@@ -83,7 +118,8 @@ class Services:
         try:
             if not plan.stream:
                 deltas = await race_disconnect(collect(source, tracker), request.receive)
-                return Response(content=formatter.whole(deltas, tracker.usage()), media_type=MediaType.JSON)
+                body = formatter.whole(deltas, tracker.usage())
+                return Response(content=body, media_type=MediaType.JSON, headers=headers)
             stream = pump(source, tracker, self.tasks, self.config.server.stream_buffer)
             # Wait for the first delta before answering, so that an engine refusal is still an HTTP error.
             try:
@@ -91,20 +127,28 @@ class Services:
             except BaseException:
                 await stream.aclose()
                 raise
-        except EngineError as exc:
-            raise engine_api_error(exc) from exc
-        except StopAsyncIteration as exc:
-            raise EngineFailedError(
-                "the engine ended the request without output", code="engine_error"
-            ) from exc
         except ClientDisconnectedError:
             # Idempotent: the tracked stream has normally recorded it already.
             tracker.finish("cancelled")
             return Response(content=b"", status_code=CLIENT_CLOSED)
+        except asyncio.CancelledError:
+            tracker.finish("cancelled")
+            raise
+        except BaseException as exc:
+            # However it failed, the outcome is recorded and the reservation settled (first call wins).
+            tracker.finish("error")
+            if isinstance(exc, EngineError):
+                raise engine_api_error(exc) from exc
+            if isinstance(exc, StopAsyncIteration):
+                raise EngineFailedError(
+                    "the engine ended the request without output", code="engine_error"
+                ) from exc
+            raise
         return SSEResponse(
             _events(formatter, first, stream, tracker),
             stall_timeout=self.config.server.stream_stall_timeout,
             on_stall=tracker.mark_stalled,
+            headers=headers,
         )
 
 

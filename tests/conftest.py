@@ -20,6 +20,10 @@ from gateway.config import Config, ModelConfig, ServerConfig
 from gateway.prompts import PromptRenderer
 from gateway.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+from policy.auth import SYSTEM_TENANT
+from policy.tenants import keys
+from policy.tenants.models import ApiKey, Role, Tenant
+from policy.tenants.sqlite import SqliteTenantStore
 
 DATA_DIR = Path(os.environ.get("LOCKGATE_MODEL__DATA_DIR", "~/.cache/lockgate/models")).expanduser()
 MODEL = DEFAULT_MODEL_NAME
@@ -59,6 +63,45 @@ async def sim_engine() -> AsyncIterator[SimulatedEngine]:
     await engine.start()
     yield engine
     await engine.shutdown()
+
+
+class Tenancy:
+    """A tenant store with one consumer tenant and the operator tenant, and a key of each."""
+
+    def __init__(self, store: SqliteTenantStore, consumer: str, admin: str) -> None:
+        self.store = store
+        self.consumer = consumer
+        self.admin = admin
+
+    @property
+    def consumer_headers(self) -> dict[str, str]:
+        """Authorization of the consumer key."""
+        return {"authorization": f"Bearer {self.consumer}"}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """Authorization of the operator's policy administrator key."""
+        return {"authorization": f"Bearer {self.admin}"}
+
+
+async def add_key(store: SqliteTenantStore, tenant_id: str, roles: tuple[Role, ...], now: float = 0.0) -> str:
+    """Create a key in the store; return its plaintext."""
+    plaintext, key_id, secret_hash = keys.new_key()
+    key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles, created_at=now)
+    await store.add_key(key, secret_hash, actor="test", now=now)
+    return plaintext
+
+
+@pytest.fixture
+async def tenancy(tmp_path: Path) -> AsyncIterator[Tenancy]:
+    """Tenant `acme` (no quotas) with a consumer key, and the operator tenant with a policy_admin key."""
+    store = await SqliteTenantStore.open(tmp_path / "tenants.sqlite3")
+    await store.create_tenant(Tenant(tenant_id="acme", display_name="Acme"), actor="test", now=0.0)
+    await store.create_tenant(Tenant(tenant_id=SYSTEM_TENANT, display_name="Operator"), actor="test", now=0.0)
+    consumer = await add_key(store, "acme", ("consumer",))
+    admin = await add_key(store, SYSTEM_TENANT, ("policy_admin",))
+    yield Tenancy(store, consumer, admin)
+    await store.close()
 
 
 class OutcomeLog:

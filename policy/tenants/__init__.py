@@ -1,0 +1,42 @@
+"""Tenants and API keys: the `TenantStore` protocol, its SQLite and PostgreSQL backends, and key material."""
+
+from policy.tenants.base import ConflictError, NotFoundError, TenantStore, TenantStoreError
+from policy.tenants.keys import hash_secret, new_key, parse_key, verify
+from policy.tenants.migrations import MIGRATIONS, Migration
+from policy.tenants.models import (
+    ROLES,
+    AdminChange,
+    ApiKey,
+    FailMode,
+    Limits,
+    Quotas,
+    Role,
+    StoredKey,
+    Tenant,
+)
+from policy.tenants.postgres import PostgresTenantStore
+from policy.tenants.sqlite import SqliteTenantStore
+
+__all__ = [
+    "MIGRATIONS",
+    "ROLES",
+    "AdminChange",
+    "ApiKey",
+    "ConflictError",
+    "FailMode",
+    "Limits",
+    "Migration",
+    "NotFoundError",
+    "PostgresTenantStore",
+    "Quotas",
+    "Role",
+    "SqliteTenantStore",
+    "StoredKey",
+    "Tenant",
+    "TenantStore",
+    "TenantStoreError",
+    "hash_secret",
+    "new_key",
+    "parse_key",
+    "verify",
+]

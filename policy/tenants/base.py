@@ -1,13 +1,17 @@
 """The `TenantStore` protocol: tenants, hashed API keys and the record of every admin change.
 
 Every mutating call names its `actor` (the key id of the administrator, or "bootstrap" for the CLI) and
-records an `AdminChange` (who, what, before, after) in the same transaction as the change itself.
+records an `AdminChange` (who, what, before, after) in the same transaction as the change itself. Actions are
+"tenant.create", "tenant.update", "key.add", "key.revoke" and "key.set_roles"; targets are
+"tenant:<tenant_id>" and "key:<key_id>"; `before` and `after` are the object as JSON (None before a create;
+a key's JSON never holds its hash). A call that changes nothing (a second revoke, the same roles again)
+records nothing.
 
 Exceptions::
 
     TenantStoreError            base
     ├── NotFoundError           no such tenant or key
-    └── ConflictError           the tenant id is taken
+    └── ConflictError           the tenant or key id is taken
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ class TenantStore(Protocol):
         ...
 
     async def add_key(self, key: ApiKey, secret_hash: str, *, actor: str, now: float) -> ApiKey:
-        """Store a new key with the hash of its secret. NotFoundError if its tenant does not exist."""
+        """Store a new key (its `created_at` set to `now`) with the hash of its secret.
+
+        NotFoundError if its tenant does not exist; ConflictError if the key id is taken.
+        """
         ...
 
     async def get_key(self, key_id: str) -> StoredKey:
@@ -61,11 +68,11 @@ class TenantStore(Protocol):
         ...
 
     async def revoke_key(self, key_id: str, *, actor: str, now: float) -> ApiKey:
-        """Mark a key revoked at `now` (idempotent: a second call keeps the first time)."""
+        """Mark a key revoked at `now`; a second call keeps the first time. NotFoundError if absent."""
         ...
 
     async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
-        """Replace a key's roles."""
+        """Replace a key's roles. NotFoundError if absent."""
         ...
 
     async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:

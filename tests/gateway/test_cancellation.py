@@ -18,7 +18,7 @@ from litestar import Litestar
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, eventually, lifespan, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
 
 LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
 
@@ -52,18 +52,21 @@ def body(
 
 @pytest.fixture
 async def served(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> AsyncIterator[str]:
-    app = create_app(make_config(), engine=vllm_engine, renderer=renderer, sink=outcomes)
+    app = create_app(
+        make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
     async with serving(app) as url:
         yield url
 
 
-async def raw_post(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def raw_post(url: str, key: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {key}\r\n".encode()
         + f"content-length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
@@ -72,10 +75,10 @@ async def raw_post(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyn
 
 
 async def test_disconnect_mid_stream_aborts_the_engine_request(
-    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     async with (
-        httpx.AsyncClient(base_url=served, timeout=30) as http,
+        httpx.AsyncClient(base_url=served, timeout=30, headers=tenancy.consumer_headers) as http,
         http.stream("POST", "/v1/chat/completions", content=body(True)) as response,
     ):
         assert response.status_code == 200
@@ -94,10 +97,15 @@ async def test_disconnect_mid_stream_aborts_the_engine_request(
 
 
 async def test_disconnect_before_the_first_token(
-    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
-    # A long prompt makes prefill take a while; the client leaves right after sending it.
-    _, writer = await raw_post(served, body(True, max_tokens=200, content="word " * 1500))
+    # A long prompt makes prefill take a while; the client leaves as soon as the engine has the request.
+    _, writer = await raw_post(served, tenancy.consumer, body(True, max_tokens=200, content="word " * 1500))
+
+    async def engine_has_it() -> bool:
+        return bool(vllm_engine.llm.get_num_unfinished_requests() > 0)
+
+    await eventually(engine_has_it, within=10)
     writer.close()
     [outcome] = await outcomes.wait_count(1)
     assert outcome.status == "cancelled"
@@ -105,10 +113,31 @@ async def test_disconnect_before_the_first_token(
     await assert_vllm_idle(vllm_engine)
 
 
-async def test_non_streaming_request_is_aborted_when_the_client_leaves(
-    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
+async def test_client_leaving_before_its_request_is_read_reaches_no_engine(
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
-    _, writer = await raw_post(served, body(False))
+    payload = body(True)
+    host, port = served.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    # Announces the whole body, sends half of it, and leaves.
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {tenancy.consumer}\r\ncontent-length: {len(payload)}\r\n\r\n".encode()
+        + payload[: len(payload) // 2]
+    )
+    await writer.drain()
+    writer.close()
+    async with httpx.AsyncClient(base_url=served, headers=tenancy.consumer_headers) as http:
+        # The server is still fine, and nothing was sent to the engine for the half request.
+        assert (await http.get("/v1/models")).status_code == 200
+    assert outcomes.items == []
+    await assert_vllm_idle(vllm_engine)
+
+
+async def test_non_streaming_request_is_aborted_when_the_client_leaves(
+    served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    _, writer = await raw_post(served, tenancy.consumer, body(False))
 
     async def engine_has_it() -> bool:
         return bool(vllm_engine.llm.get_num_unfinished_requests() > 0)
@@ -147,7 +176,7 @@ class StalledClient:
             self.chunks.append(message["body"])
 
 
-def http_scope(path: str) -> dict[str, Any]:
+def http_scope(path: str, key: str) -> dict[str, Any]:
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -158,7 +187,11 @@ def http_scope(path: str) -> dict[str, Any]:
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"host", b"test"),
+            (b"authorization", f"Bearer {key}".encode()),
+        ],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
         "state": {},
@@ -166,14 +199,16 @@ def http_scope(path: str) -> dict[str, Any]:
 
 
 async def test_stalled_reader_is_cut_off_and_its_request_aborted(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     config = make_config(stream_stall_timeout=0.5, stream_buffer=4)
-    app: Litestar = create_app(config, engine=vllm_engine, renderer=renderer, sink=outcomes)
+    app: Litestar = create_app(
+        config, engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
     client = StalledClient(body(True))
     async with lifespan(app):
         async with asyncio.timeout(20):
-            await app(http_scope("/v1/chat/completions"), client.receive, client.send)  # type: ignore[arg-type]
+            await app(http_scope("/v1/chat/completions", tenancy.consumer), client.receive, client.send)  # type: ignore[arg-type]
     assert client.status == 200
     assert len(client.chunks) == 1
     [outcome] = await outcomes.wait_count(1)

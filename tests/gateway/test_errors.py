@@ -14,7 +14,7 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -164,27 +164,32 @@ CASES = [
 
 @asynccontextmanager
 async def client_for(
-    engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, **server: int
+    engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy, **server: int
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client to the gateway on `engine`, served in-process with the given server settings."""
-    app = create_app(make_config(**server), engine=engine, renderer=renderer, sink=outcomes)
-    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+    """An HTTP client (with a consumer key) to the gateway on `engine`, served in-process."""
+    app = create_app(
+        make_config(**server), engine=engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, timeout=30, headers=tenancy.consumer_headers) as http,
+    ):
         yield http
 
 
 @pytest.fixture
 async def client(
-    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> AsyncIterator[httpx.AsyncClient]:
-    async with client_for(sim_engine, renderer, outcomes) as http:
+    async with client_for(sim_engine, renderer, outcomes, tenancy) as http:
         yield http
 
 
 @pytest.fixture
 async def small_body_client(
-    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> AsyncIterator[httpx.AsyncClient]:
-    async with client_for(sim_engine, renderer, outcomes, max_body_bytes=MAX_BODY) as http:
+    async with client_for(sim_engine, renderer, outcomes, tenancy, max_body_bytes=MAX_BODY) as http:
         yield http
 
 

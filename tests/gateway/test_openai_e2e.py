@@ -11,19 +11,21 @@ from openai.types.chat import ChatCompletionMessageParam
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture
 async def client(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> AsyncIterator[openai.AsyncOpenAI]:
-    app = create_app(make_config(), engine=vllm_engine, renderer=renderer, sink=outcomes)
+    app = create_app(
+        make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
     async with (
         serving(app) as url,
-        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
     ):
         yield sdk
 

@@ -29,16 +29,37 @@ STREAM_BODY = {
 
 @asynccontextmanager
 async def lockgate_serve(
-    model_dir: Path, **env: str
-) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    model_dir: Path, tmp_path: Path, **env: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, dict[str, str]]]:
+    """`lockgate serve` in a child process; yields it, its URL and the headers of a consumer key."""
     port = free_port()
     environ = {
         **os.environ,
         "LOCKGATE_MODEL__DATA_DIR": str(model_dir.parent),
+        "LOCKGATE_STORAGE__SQLITE_PATH": str(tmp_path / "lockgate.sqlite3"),
         "LOCKGATE_SERVER__PORT": str(port),
         "LOCKGATE_SERVER__LOG_LEVEL": "warning",
         **env,
     }
+    bootstrap = await asyncio.create_subprocess_exec(
+        *(
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "admin",
+            "create-key",
+            "--tenant",
+            "acme",
+            "--role",
+            "consumer",
+        ),
+        env=environ,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    key = (await bootstrap.communicate())[0].decode().strip()
+    assert bootstrap.returncode == 0
+    headers = {"authorization": f"Bearer {key}"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", env=environ, stdout=asyncio.subprocess.DEVNULL
     )
@@ -54,7 +75,7 @@ async def lockgate_serve(
                     return False
 
             await eventually(ready, within=120)
-        yield proc, url
+        yield proc, url, headers
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -80,13 +101,19 @@ async def read_stream(response: httpx.Response, events: list[str]) -> None:
             events.append(line.removeprefix("data: "))
 
 
-async def test_sigterm_drains_in_flight_streams_and_leaves_no_process(model_dir: Path) -> None:
-    async with lockgate_serve(model_dir, LOCKGATE_SERVER__DRAIN_TIMEOUT="60") as (proc, url):
+async def test_sigterm_drains_in_flight_streams_and_leaves_no_process(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    async with lockgate_serve(model_dir, tmp_path, LOCKGATE_SERVER__DRAIN_TIMEOUT="60") as (
+        proc,
+        url,
+        headers,
+    ):
         children = descendants(proc.pid)
         assert children, "vLLM's engine core runs in a child process"
         events: list[str] = []
         async with (
-            httpx.AsyncClient(base_url=url, timeout=60) as http,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http,
             http.stream("POST", "/v1/chat/completions", json={**STREAM_BODY, "max_tokens": 60}) as response,
         ):
             reader = asyncio.create_task(read_stream(response, events))
@@ -110,16 +137,16 @@ async def _at_least(events: list[str], count: int) -> bool:
     return len(events) >= count
 
 
-async def test_sigterm_aborts_what_outlives_the_drain_timeout(model_dir: Path) -> None:
+async def test_sigterm_aborts_what_outlives_the_drain_timeout(model_dir: Path, tmp_path: Path) -> None:
     env = {
         "LOCKGATE_ENGINE__KIND": "simulated",
         "LOCKGATE_ENGINE__SIMULATOR__DECODE_STEP_S": "0.05",
         "LOCKGATE_SERVER__DRAIN_TIMEOUT": "1",
     }
-    async with lockgate_serve(model_dir, **env) as (proc, url):
+    async with lockgate_serve(model_dir, tmp_path, **env) as (proc, url, headers):
         events: list[str] = []
         async with (
-            httpx.AsyncClient(base_url=url, timeout=60) as http,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http,
             http.stream("POST", "/v1/chat/completions", json={**STREAM_BODY, "max_tokens": 1500}) as response,
         ):
             reader = asyncio.create_task(read_stream(response, events))

@@ -1,0 +1,294 @@
+"""Admin API for policy administrators: tenants, their quotas, and API keys (`/admin/...`).
+
+Policy administrators of the operating organisation (tenant `lockgate`) administer every tenant. A
+`policy_admin` key of another tenant may read its own tenant and manage its own keys, never another tenant's,
+and may not change its own quotas or weight. Every change is recorded by the store (who, what, before, after).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, get, patch, post, put
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
+
+from gateway.decoding import Decoder, read_body
+from gateway.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
+from gateway.security import allow_operator, allow_tenant
+from gateway.service import Services
+from policy.auth import Principal
+from policy.tenants import keys
+from policy.tenants.base import ConflictError
+from policy.tenants.base import NotFoundError as StoreNotFoundError
+from policy.tenants.models import AdminChange, ApiKey, Limits, Quotas, Role, Tenant
+
+T = TypeVar("T")
+_TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class ConflictAPIError(APIError):
+    """The object already exists."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class TenantCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /admin/tenants`."""
+
+    tenant_id: str
+    display_name: str
+    weight: float = 1.0
+    quotas: Quotas = msgspec.field(default_factory=Quotas)
+    policy: str = "default"
+    retain_prompts: bool = False
+
+
+class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`PATCH /admin/tenants/{id}`: the fields to change."""
+
+    display_name: str | None = None
+    weight: float | None = None
+    quotas: Quotas | None = None
+    policy: str | None = None
+    retain_prompts: bool | None = None
+
+
+class KeyCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /admin/tenants/{id}/keys`."""
+
+    roles: list[Role] = msgspec.field(default_factory=lambda: ["consumer"])
+    label: str = ""
+    # Lifetime in seconds from now; None = no expiry.
+    expires_in: float | None = None
+
+
+class KeyCreated(msgspec.Struct, frozen=True, kw_only=True):
+    """A new key: `key` is the secret, shown this once and never again."""
+
+    key: str
+    key_id: str
+    tenant_id: str
+    roles: tuple[Role, ...]
+    label: str
+    created_at: float
+    expires_at: float | None
+
+
+_tenant_create = Decoder(TenantCreate)
+_tenant_update = Decoder(TenantUpdate)
+_key_create = Decoder(KeyCreate)
+_quotas = Decoder(Quotas)
+
+
+def _check_limits(limits: Limits | None, where: str) -> None:
+    if limits is None:
+        return
+    for field in ("requests_per_second", "request_burst", "tokens_per_second", "token_burst"):
+        if getattr(limits, field) <= 0:
+            raise InvalidRequestError(
+                f"{where}.{field} must be > 0", param=f"{where}.{field}", code="invalid_value"
+            )
+
+
+def _check_tenant(tenant: Tenant, prefix: str = "") -> None:
+    if not _TENANT_ID.match(tenant.tenant_id):
+        raise InvalidRequestError(
+            "tenant_id must be 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit",
+            param="tenant_id",
+            code="invalid_value",
+        )
+    if tenant.weight <= 0:
+        raise InvalidRequestError("weight must be > 0", param="weight", code="invalid_value")
+    _check_limits(tenant.quotas.tenant, f"{prefix}quotas.tenant")
+    _check_limits(tenant.quotas.per_key, f"{prefix}quotas.per_key")
+
+
+async def _store(call: Awaitable[T]) -> T:
+    """Run a store call, mapping its errors to HTTP ones."""
+    try:
+        return await call
+    except StoreNotFoundError as exc:
+        raise NotFoundError(str(exc), code="not_found") from exc
+    except ConflictError as exc:
+        raise ConflictAPIError(str(exc), code="already_exists") from exc
+
+
+def _forget(services: Services, tenant_id: str) -> None:
+    # This replica applies the change at once; others within auth.cache_ttl.
+    services.auth.forget(tenant_id=tenant_id)
+
+
+@post("/admin/tenants", status_code=HTTP_201_CREATED)
+async def create_tenant(
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Tenant:
+    """Create a tenant (operator administrators only)."""
+    allow_operator(principal)
+    body = _tenant_create.decode(await read_body(request))
+    tenant = Tenant(**msgspec.structs.asdict(body))
+    _check_tenant(tenant)
+    return await _store(
+        services.tenants.create_tenant(tenant, actor=principal.key.key_id, now=services.clock())
+    )
+
+
+@get("/admin/tenants")
+async def list_tenants(
+    services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> list[Tenant]:
+    """Every tenant (operator administrators) or the caller's own."""
+    allow_tenant(principal, principal.tenant.tenant_id)
+    if principal.is_operator_admin:
+        return await services.tenants.list_tenants()
+    return [await _store(services.tenants.get_tenant(principal.tenant.tenant_id))]
+
+
+@get("/admin/tenants/{tenant_id:str}")
+async def get_tenant(
+    tenant_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> Tenant:
+    """One tenant."""
+    allow_tenant(principal, tenant_id)
+    return await _store(services.tenants.get_tenant(tenant_id))
+
+
+async def _update(
+    services: Services, principal: Principal, tenant_id: str, changes: dict[str, Any]
+) -> Tenant:
+    allow_operator(principal)
+    current = await _store(services.tenants.get_tenant(tenant_id))
+    updated = msgspec.structs.replace(current, **changes)
+    _check_tenant(updated)
+    result = await _store(
+        services.tenants.update_tenant(updated, actor=principal.key.key_id, now=services.clock())
+    )
+    _forget(services, tenant_id)
+    return result
+
+
+@patch("/admin/tenants/{tenant_id:str}", status_code=HTTP_200_OK)
+async def update_tenant(
+    tenant_id: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Tenant:
+    """Change a tenant's name, weight, quotas, policy or retention (operator administrators only)."""
+    body = _tenant_update.decode(await read_body(request))
+    changes = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
+    return await _update(services, principal, tenant_id, changes)
+
+
+@put("/admin/tenants/{tenant_id:str}/quotas", status_code=HTTP_200_OK)
+async def set_quotas(
+    tenant_id: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Tenant:
+    """Replace a tenant's quotas (operator administrators only)."""
+    quotas = _quotas.decode(await read_body(request))
+    return await _update(services, principal, tenant_id, {"quotas": quotas})
+
+
+@post("/admin/tenants/{tenant_id:str}/keys", status_code=HTTP_201_CREATED)
+async def create_key(
+    tenant_id: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> KeyCreated:
+    """Create an API key for a tenant; the response is the only time its secret is shown."""
+    allow_tenant(principal, tenant_id)
+    body = _key_create.decode(await read_body(request))
+    roles = tuple(dict.fromkeys(body.roles))
+    if not roles:
+        raise InvalidRequestError("a key needs at least one role", param="roles", code="invalid_value")
+    if not principal.is_operator_admin and not set(roles) <= set(principal.key.roles):
+        raise PermissionDeniedError("a key may not be given roles its creator lacks", code="role_escalation")
+    if body.expires_in is not None and body.expires_in <= 0:
+        raise InvalidRequestError("expires_in must be > 0 seconds", param="expires_in", code="invalid_value")
+    now = services.clock()
+    plaintext, key_id, secret_hash = keys.new_key()
+    key = ApiKey(
+        key_id=key_id,
+        tenant_id=tenant_id,
+        roles=roles,
+        label=body.label,
+        created_at=now,
+        expires_at=None if body.expires_in is None else now + body.expires_in,
+    )
+    stored = await _store(services.tenants.add_key(key, secret_hash, actor=principal.key.key_id, now=now))
+    return KeyCreated(
+        key=plaintext,
+        key_id=stored.key_id,
+        tenant_id=stored.tenant_id,
+        roles=stored.roles,
+        label=stored.label,
+        created_at=stored.created_at,
+        expires_at=stored.expires_at,
+    )
+
+
+@get("/admin/tenants/{tenant_id:str}/keys")
+async def list_keys(
+    tenant_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> list[ApiKey]:
+    """A tenant's keys (never their secrets)."""
+    allow_tenant(principal, tenant_id)
+    await _store(services.tenants.get_tenant(tenant_id))
+    return await services.tenants.list_keys(tenant_id)
+
+
+@post("/admin/keys/{key_id:str}/revoke", status_code=HTTP_200_OK)
+async def revoke_key(
+    key_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> ApiKey:
+    """Revoke a key: at once on this replica, within `auth.cache_ttl` seconds on every other."""
+    try:
+        stored = await services.tenants.get_key(key_id)
+    except StoreNotFoundError:
+        # Same answer as for another tenant's key, so that key ids cannot be probed.
+        allow_operator(principal)
+        raise NotFoundError(f"no key {key_id}", code="not_found") from None
+    allow_tenant(principal, stored.key.tenant_id)
+    revoked = await _store(
+        services.tenants.revoke_key(key_id, actor=principal.key.key_id, now=services.clock())
+    )
+    services.auth.forget(key_id=key_id)
+    return revoked
+
+
+@get("/admin/changes")
+async def list_changes(
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    limit: FromQuery[int] = 100,
+    target: FromQuery[str | None] = None,
+) -> list[AdminChange]:
+    """The record of admin changes, newest first (operator administrators only)."""
+    allow_operator(principal)
+    if not 1 <= limit <= 1000:
+        raise InvalidRequestError("limit must be in 1..1000", param="limit", code="invalid_value")
+    return await services.tenants.changes(limit, target=target)
+
+
+ADMIN_ROUTES = [
+    create_tenant,
+    list_tenants,
+    get_tenant,
+    update_tenant,
+    set_quotas,
+    create_key,
+    list_keys,
+    revoke_key,
+    list_changes,
+]

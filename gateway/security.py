@@ -1,0 +1,48 @@
+"""Authentication and authorization at the HTTP edge: the `principal` dependency and role checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request
+from litestar.datastructures import State
+
+from gateway.errors import AuthenticationError, PermissionDeniedError
+from policy.auth import AuthError, ForbiddenError, Principal, require_role
+from policy.tenants.models import Role
+
+
+async def provide_principal(request: Request[Any, Any, Any], state: State) -> Principal:
+    """The caller's principal from `Authorization: Bearer <key>`, or 401."""
+    try:
+        principal: Principal = await state.services.auth.authenticate(request.headers.get("authorization"))
+    except AuthError as exc:
+        raise AuthenticationError(
+            str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        ) from exc
+    return principal
+
+
+def allow(principal: Principal, role: Role) -> None:
+    """403 unless the key has `role`."""
+    try:
+        require_role(principal, role)
+    except ForbiddenError as exc:
+        raise PermissionDeniedError(str(exc), code="missing_role") from exc
+
+
+def allow_tenant(principal: Principal, tenant_id: str) -> None:
+    """403 unless the caller administers every tenant or this tenant is its own (same answer for absent ones,
+    so that ids of other tenants cannot be probed)."""
+    allow(principal, "policy_admin")
+    if not principal.is_operator_admin and principal.tenant.tenant_id != tenant_id:
+        raise PermissionDeniedError("this key may only administer its own tenant", code="other_tenant")
+
+
+def allow_operator(principal: Principal) -> None:
+    """403 unless the caller is a policy administrator of the operating organisation."""
+    allow(principal, "policy_admin")
+    if not principal.is_operator_admin:
+        raise PermissionDeniedError(
+            "only policy administrators of the operating organisation may do this", code="operator_only"
+        )

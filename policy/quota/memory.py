@@ -1,0 +1,139 @@
+"""In-process token buckets: the embedded default, for a single gateway replica.
+
+Every method runs to completion without an `await`, so under asyncio each reserve or reconcile is one
+indivisible step of the event loop: no lock is needed for check-then-debit to be atomic.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from policy.quota.base import (
+    BucketSpec,
+    QuotaExceededError,
+    QuotaImpossibleError,
+    Reservation,
+)
+
+# How long a settled reservation id is remembered, in seconds of the caller's clock. A reservation is
+# reconciled within one request's lifetime; an hour leaves a wide margin for retries of a reconcile.
+SETTLED_TTL = 3600.0
+
+
+class _Bucket:
+    """Mutable state of one bucket: `level` tokens as of time `ts`."""
+
+    __slots__ = ("level", "ts")
+
+    def __init__(self, level: float, ts: float) -> None:
+        self.level = level
+        self.ts = ts
+
+
+def check_request(buckets: Sequence[BucketSpec], amounts: Sequence[float]) -> None:
+    """Reject malformed requests and those that can never fit, before touching any state."""
+    if len(buckets) != len(amounts):
+        raise ValueError(f"{len(buckets)} buckets but {len(amounts)} amounts")
+    if len({b.key for b in buckets}) != len(buckets):
+        # One script pass reads each key once; a repeated key would be debited against a stale level.
+        raise ValueError("a bucket key appears twice in one request")
+    for bucket, amount in zip(buckets, amounts, strict=True):
+        if not amount >= 0 or math.isinf(amount):
+            raise ValueError(f"amount for bucket {bucket.key} must be finite and >= 0, got {amount!r}")
+        if amount > bucket.capacity:
+            raise QuotaImpossibleError(bucket.key, amount, bucket.capacity)
+
+
+def check_actual(reservation: Reservation, actual: Sequence[float]) -> None:
+    """Reject reconcile amounts that do not match the reservation's buckets."""
+    if len(actual) != len(reservation.buckets):
+        raise ValueError(f"{len(reservation.buckets)} buckets but {len(actual)} actual amounts")
+    if any(not a >= 0 or math.isinf(a) for a in actual):
+        raise ValueError(f"actual amounts must be finite and >= 0, got {tuple(actual)!r}")
+
+
+def new_reservation_id() -> str:
+    """A reservation id unique across replicas (the exactly-once marker is keyed by it)."""
+    return uuid.uuid4().hex
+
+
+class MemoryQuotaStore:
+    """`QuotaStore` kept in this process's memory; state is lost on restart and not shared."""
+
+    def __init__(self, *, settled_ttl: float = SETTLED_TTL) -> None:
+        self._buckets: dict[str, _Bucket] = {}
+        # Reservation id -> `now` at settlement, oldest first (insertion order): expiry pops from the front.
+        self._settled: OrderedDict[str, float] = OrderedDict()
+        self._settled_ttl = settled_ttl
+
+    def _refilled(self, spec: BucketSpec, now: float) -> tuple[float, float]:
+        """(level, ts) of a bucket refilled up to `now`; a bucket never seen is full."""
+        state = self._buckets.get(spec.key)
+        if state is None:
+            return spec.capacity, now
+        # A clock that goes backwards (another replica's skew) must not mint tokens: time only moves forward.
+        ts = max(now, state.ts)
+        # Invariant: level <= capacity after every refill.
+        return min(spec.capacity, state.level + spec.rate * (ts - state.ts)), ts
+
+    async def reserve(
+        self, buckets: Sequence[BucketSpec], amounts: Sequence[float], now: float
+    ) -> Reservation:
+        """Debit `amounts` from `buckets` at `now`, all or nothing (see `QuotaStore.reserve`)."""
+        check_request(buckets, amounts)
+        refilled = [self._refilled(spec, now) for spec in buckets]
+        worst, worst_wait = -1, -1.0
+        for i, (spec, amount, (level, ts)) in enumerate(zip(buckets, amounts, refilled, strict=True)):
+            if level < amount:
+                # A bucket whose clock is ahead of ours refills only once our clock catches up with it.
+                wait = (amount - level) / spec.rate + (ts - now) if spec.rate > 0 else math.inf
+                if wait > worst_wait:
+                    worst, worst_wait = i, wait
+        if worst >= 0:
+            # Denied: nothing is written, so every bucket is exactly as it was.
+            raise QuotaExceededError(buckets[worst].key, worst_wait, [level for level, _ in refilled])
+        levels = []
+        for spec, amount, (level, ts) in zip(buckets, amounts, refilled, strict=True):
+            # Invariant: a debit only lowers the level, so level <= capacity still holds.
+            self._buckets[spec.key] = _Bucket(level - amount, ts)
+            levels.append(level - amount)
+        return Reservation(
+            reservation_id=new_reservation_id(),
+            buckets=tuple(buckets),
+            amounts=tuple(amounts),
+            levels=tuple(levels),
+        )
+
+    async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
+        """Refund or charge the difference between reserved and actual; False if already settled."""
+        check_actual(reservation, actual)
+        self._forget_settled(now)
+        if reservation.reservation_id in self._settled:
+            return False
+        self._settled[reservation.reservation_id] = now
+        for spec, reserved, used in zip(reservation.buckets, reservation.amounts, actual, strict=True):
+            level, ts = self._refilled(spec, now)
+            # Invariant: a refund is capped at capacity; an overrun may leave debt (a negative level).
+            self._buckets[spec.key] = _Bucket(min(spec.capacity, level + (reserved - used)), ts)
+        return True
+
+    async def levels(self, buckets: Sequence[BucketSpec], now: float) -> tuple[float, ...]:
+        """Each bucket's level refilled to `now`; nothing is written."""
+        return tuple(self._refilled(spec, now)[0] for spec in buckets)
+
+    async def close(self) -> None:
+        """Nothing to release; drops the state."""
+        self._buckets.clear()
+        self._settled.clear()
+
+    def _forget_settled(self, now: float) -> None:
+        """Drop ids settled more than the TTL ago, so the set stays bounded by the settle rate x TTL."""
+        horizon = now - self._settled_ttl
+        while self._settled:
+            oldest_id, settled_at = next(iter(self._settled.items()))
+            if settled_at >= horizon:
+                break
+            del self._settled[oldest_id]

@@ -1,0 +1,204 @@
+"""`PostgresTenantStore`: tenants and keys in PostgreSQL, shared by gateway replicas (asyncpg pool).
+
+Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
+migrates on `open`. Concurrent replicas starting at once take turns on an advisory lock while migrating.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import msgspec
+
+from policy.tenants.base import ConflictError, NotFoundError
+from policy.tenants.migrations import (
+    CHANGE_COLUMNS,
+    CREATE_MIGRATIONS_TABLE,
+    KEY_COLUMNS,
+    RECORD_COLUMNS,
+    TENANT_COLUMNS,
+    change_from_row,
+    change_row,
+    encode_roles,
+    key_row,
+    pending,
+    stored_key_from_row,
+    tenant_from_row,
+    tenant_row,
+)
+from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+
+# Plain lower-case identifiers only, so the name never needs quoting in DDL or in `search_path`.
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# Arbitrary but fixed: every Lockgate replica migrating any schema of this database waits on the same lock.
+_MIGRATION_LOCK = 0x4C6B6774_656E616E
+# Ids sort by code point, as on SQLite, whatever the database's default collation.
+_BY_KEY = 'ORDER BY created_at, key_id COLLATE "C"'
+
+_RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"
+
+
+class PostgresTenantStore:
+    """A `TenantStore` in one PostgreSQL schema."""
+
+    def __init__(self, pool: Any) -> None:
+        """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
+        self._pool = pool
+
+    @classmethod
+    async def open(
+        cls, dsn: str, *, schema: str = "public", min_size: int = 1, max_size: int = 10
+    ) -> PostgresTenantStore:
+        """Connect to `dsn`, create `schema` if missing, and migrate it."""
+        if not _SCHEMA.fullmatch(schema):
+            raise ValueError(f"schema {schema!r} must match {_SCHEMA.pattern}")
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
+        )
+        try:
+            async with pool.acquire() as conn:
+                await _migrate(conn, schema)
+        except BaseException:
+            await pool.close()
+            raise
+        return cls(pool)
+
+    async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
+        """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
+        stored = msgspec.structs.replace(tenant, created_at=now)
+        async with self._pool.acquire() as conn, conn.transaction():
+            inserted = await conn.fetchval(
+                f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
+                " ON CONFLICT (tenant_id) DO NOTHING RETURNING 1",
+                *tenant_row(stored),
+            )
+            if inserted is None:
+                raise ConflictError(f"tenant {tenant.tenant_id!r} exists")
+            await conn.execute(_RECORD, *change_row(now, actor, "tenant.create", None, stored))
+        return stored
+
+    async def get_tenant(self, tenant_id: str) -> Tenant:
+        """One tenant, or NotFoundError."""
+        async with self._pool.acquire() as conn:
+            return await _tenant(conn, tenant_id)
+
+    async def list_tenants(self) -> list[Tenant]:
+        """All tenants, ordered by id."""
+        rows = await self._pool.fetch(f'SELECT {TENANT_COLUMNS} FROM tenants ORDER BY tenant_id COLLATE "C"')
+        return [tenant_from_row(row) for row in rows]
+
+    async def update_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
+        """Replace a tenant's fields (its id and created_at stay). NotFoundError if absent."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            before = await _tenant(conn, tenant.tenant_id, lock=True)
+            after = msgspec.structs.replace(tenant, created_at=before.created_at)
+            if after != before:
+                await conn.execute(
+                    "UPDATE tenants SET display_name = $1, weight = $2, quotas = $3, policy = $4,"
+                    " retain_prompts = $5 WHERE tenant_id = $6",
+                    *tenant_row(after)[1:6],
+                    tenant.tenant_id,
+                )
+                await conn.execute(_RECORD, *change_row(now, actor, "tenant.update", before, after))
+        return after
+
+    async def add_key(self, key: ApiKey, secret_hash: str, *, actor: str, now: float) -> ApiKey:
+        """Store a new key (its `created_at` set to `now`). NotFoundError without its tenant."""
+        stored = msgspec.structs.replace(key, created_at=now)
+        async with self._pool.acquire() as conn, conn.transaction():
+            # Tenants are never deleted, so the tenant cannot vanish between this check and the insert.
+            await _tenant(conn, key.tenant_id)
+            inserted = await conn.fetchval(
+                f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+                " ON CONFLICT (key_id) DO NOTHING RETURNING 1",
+                *key_row(stored, secret_hash),
+            )
+            if inserted is None:
+                raise ConflictError(f"key {key.key_id!r} exists")
+            await conn.execute(_RECORD, *change_row(now, actor, "key.add", None, stored))
+        return stored
+
+    async def get_key(self, key_id: str) -> StoredKey:
+        """A key with its secret hash (for authentication), or NotFoundError."""
+        async with self._pool.acquire() as conn:
+            return await _key(conn, key_id)
+
+    async def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]:
+        """Keys (of one tenant, or all), ordered by creation time; never their hashes."""
+        if tenant_id is None:
+            rows = await self._pool.fetch(f"SELECT {KEY_COLUMNS} FROM api_keys {_BY_KEY}")
+        else:
+            sql = f"SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 {_BY_KEY}"
+            rows = await self._pool.fetch(sql, tenant_id)
+        return [stored_key_from_row(row).key for row in rows]
+
+    async def revoke_key(self, key_id: str, *, actor: str, now: float) -> ApiKey:
+        """Mark a key revoked at `now`; a second call keeps (and records nothing beyond) the first."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            before = (await _key(conn, key_id, lock=True)).key
+            if before.revoked_at is not None:
+                return before
+            after = msgspec.structs.replace(before, revoked_at=now)
+            await conn.execute("UPDATE api_keys SET revoked_at = $1 WHERE key_id = $2", float(now), key_id)
+            await conn.execute(_RECORD, *change_row(now, actor, "key.revoke", before, after))
+        return after
+
+    async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
+        """Replace a key's roles. NotFoundError if absent."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            before = (await _key(conn, key_id, lock=True)).key
+            after = msgspec.structs.replace(before, roles=tuple(roles))
+            if after != before:
+                sql = "UPDATE api_keys SET roles = $1 WHERE key_id = $2"
+                await conn.execute(sql, encode_roles(roles), key_id)
+                await conn.execute(_RECORD, *change_row(now, actor, "key.set_roles", before, after))
+        return after
+
+    async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:
+        """The newest admin changes first (optionally only those on one target, e.g. "tenant:acme")."""
+        if target is None:
+            sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes ORDER BY id DESC LIMIT $1"
+            rows = await self._pool.fetch(sql, limit)
+        else:
+            sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes WHERE target = $1 ORDER BY id DESC LIMIT $2"
+            rows = await self._pool.fetch(sql, target, limit)
+        return [change_from_row(row) for row in rows]
+
+    async def close(self) -> None:
+        """Close the pool (waiting for connections in use to be released)."""
+        await self._pool.close()
+
+
+async def _migrate(conn: Any, schema: str) -> None:
+    await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
+    try:
+        # Inside the lock: two replicas creating the same schema at once would otherwise collide.
+        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+        await conn.execute(CREATE_MIGRATIONS_TABLE)
+        applied = {row[0] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+        for migration in pending(applied):
+            async with conn.transaction():
+                for sql in migration.statements("postgres"):
+                    await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", migration.version)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
+
+
+async def _tenant(conn: Any, tenant_id: str, *, lock: bool = False) -> Tenant:
+    # FOR UPDATE holds the row until commit, so concurrent read-modify-writes of it run one after the other.
+    sql = f"SELECT {TENANT_COLUMNS} FROM tenants WHERE tenant_id = $1" + (" FOR UPDATE" if lock else "")
+    row = await conn.fetchrow(sql, tenant_id)
+    if row is None:
+        raise NotFoundError(f"no tenant {tenant_id!r}")
+    return tenant_from_row(row)
+
+
+async def _key(conn: Any, key_id: str, *, lock: bool = False) -> StoredKey:
+    sql = f"SELECT {KEY_COLUMNS} FROM api_keys WHERE key_id = $1" + (" FOR UPDATE" if lock else "")
+    row = await conn.fetchrow(sql, key_id)
+    if row is None:
+        raise NotFoundError(f"no key {key_id!r}")
+    return stored_key_from_row(row)

@@ -1,0 +1,244 @@
+"""`SqliteTenantStore`: the embedded default, on the stdlib `sqlite3` module and one worker thread.
+
+sqlite3 calls block, so every call runs on a single dedicated thread, which also owns the connection (it is
+created there, and `check_same_thread` enforces that it is used nowhere else). One thread serialises the
+calls, so no two transactions of this process interleave on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError
+from policy.tenants.migrations import (
+    CHANGE_COLUMNS,
+    CREATE_MIGRATIONS_TABLE,
+    KEY_COLUMNS,
+    RECORD_COLUMNS,
+    TENANT_COLUMNS,
+    change_from_row,
+    change_row,
+    encode_roles,
+    key_row,
+    pending,
+    stored_key_from_row,
+    tenant_from_row,
+    tenant_row,
+)
+from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+
+T = TypeVar("T")
+Conn = sqlite3.Connection
+
+_RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
+
+
+class SqliteTenantStore:
+    """A `TenantStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
+
+    def __init__(self, executor: ThreadPoolExecutor, conn: Conn) -> None:
+        """Use `open`; this takes a connection already owned by `executor`'s only thread."""
+        self._executor = executor
+        self._conn: Conn | None = conn
+
+    @classmethod
+    async def open(cls, path: str | Path) -> SqliteTenantStore:
+        """Open (creating if needed) and migrate the database at `path`."""
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-tenants-sqlite")
+        try:
+            conn = await asyncio.get_running_loop().run_in_executor(executor, _connect, str(path))
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(executor, conn)
+
+    async def _run(self, fn: Callable[[Conn], T]) -> T:
+        if self._conn is None:
+            raise TenantStoreError("the tenant store is closed")
+        # If the caller is cancelled, the call still finishes on the worker, so a transaction is never cut
+        # in half; only its result is dropped.
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._conn)
+
+    async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
+        """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
+        stored = msgspec.structs.replace(tenant, created_at=now)
+
+        def create(conn: Conn) -> Tenant:
+            with _transaction(conn):
+                inserted = conn.execute(
+                    f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (tenant_id) DO NOTHING",
+                    tenant_row(stored),
+                ).rowcount
+                if inserted == 0:
+                    raise ConflictError(f"tenant {tenant.tenant_id!r} exists")
+                conn.execute(_RECORD, change_row(now, actor, "tenant.create", None, stored))
+            return stored
+
+        return await self._run(create)
+
+    async def get_tenant(self, tenant_id: str) -> Tenant:
+        """One tenant, or NotFoundError."""
+        return await self._run(lambda conn: _tenant(conn, tenant_id))
+
+    async def list_tenants(self) -> list[Tenant]:
+        """All tenants, ordered by id."""
+        sql = f"SELECT {TENANT_COLUMNS} FROM tenants ORDER BY tenant_id"
+        return await self._run(lambda conn: [tenant_from_row(row) for row in conn.execute(sql)])
+
+    async def update_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
+        """Replace a tenant's fields (its id and created_at stay). NotFoundError if absent."""
+
+        def update(conn: Conn) -> Tenant:
+            with _transaction(conn):
+                before = _tenant(conn, tenant.tenant_id)
+                after = msgspec.structs.replace(tenant, created_at=before.created_at)
+                if after != before:
+                    conn.execute(
+                        "UPDATE tenants SET display_name = ?, weight = ?, quotas = ?, policy = ?,"
+                        " retain_prompts = ? WHERE tenant_id = ?",
+                        (*tenant_row(after)[1:6], tenant.tenant_id),
+                    )
+                    conn.execute(_RECORD, change_row(now, actor, "tenant.update", before, after))
+            return after
+
+        return await self._run(update)
+
+    async def add_key(self, key: ApiKey, secret_hash: str, *, actor: str, now: float) -> ApiKey:
+        """Store a new key (its `created_at` set to `now`). NotFoundError without its tenant."""
+        stored = msgspec.structs.replace(key, created_at=now)
+
+        def add(conn: Conn) -> ApiKey:
+            with _transaction(conn):
+                _tenant(conn, key.tenant_id)
+                inserted = conn.execute(
+                    f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (key_id) DO NOTHING",
+                    key_row(stored, secret_hash),
+                ).rowcount
+                if inserted == 0:
+                    raise ConflictError(f"key {key.key_id!r} exists")
+                conn.execute(_RECORD, change_row(now, actor, "key.add", None, stored))
+            return stored
+
+        return await self._run(add)
+
+    async def get_key(self, key_id: str) -> StoredKey:
+        """A key with its secret hash (for authentication), or NotFoundError."""
+        return await self._run(lambda conn: _key(conn, key_id))
+
+    async def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]:
+        """Keys (of one tenant, or all), ordered by creation time; never their hashes."""
+        where, args = ("", ()) if tenant_id is None else (" WHERE tenant_id = ?", (tenant_id,))
+        sql = f"SELECT {KEY_COLUMNS} FROM api_keys{where} ORDER BY created_at, key_id"
+        return await self._run(lambda conn: [stored_key_from_row(row).key for row in conn.execute(sql, args)])
+
+    async def revoke_key(self, key_id: str, *, actor: str, now: float) -> ApiKey:
+        """Mark a key revoked at `now`; a second call keeps (and records nothing beyond) the first."""
+
+        def revoke(conn: Conn) -> ApiKey:
+            with _transaction(conn):
+                before = _key(conn, key_id).key
+                if before.revoked_at is not None:
+                    return before
+                after = msgspec.structs.replace(before, revoked_at=now)
+                conn.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (now, key_id))
+                conn.execute(_RECORD, change_row(now, actor, "key.revoke", before, after))
+            return after
+
+        return await self._run(revoke)
+
+    async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
+        """Replace a key's roles. NotFoundError if absent."""
+
+        def set_roles(conn: Conn) -> ApiKey:
+            with _transaction(conn):
+                before = _key(conn, key_id).key
+                after = msgspec.structs.replace(before, roles=tuple(roles))
+                if after != before:
+                    sql = "UPDATE api_keys SET roles = ? WHERE key_id = ?"
+                    conn.execute(sql, (encode_roles(roles), key_id))
+                    conn.execute(_RECORD, change_row(now, actor, "key.set_roles", before, after))
+            return after
+
+        return await self._run(set_roles)
+
+    async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:
+        """The newest admin changes first (optionally only those on one target, e.g. "tenant:acme")."""
+        where, args = ("", (limit,)) if target is None else (" WHERE target = ?", (target, limit))
+        sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes{where} ORDER BY id DESC LIMIT ?"
+        return await self._run(lambda conn: [change_from_row(row) for row in conn.execute(sql, args)])
+
+    async def close(self) -> None:
+        """Close the connection and let the worker thread end. Safe to call twice."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
+        # The queue is empty now, so not waiting for the thread loses nothing and never blocks the loop.
+        self._executor.shutdown(wait=False)
+
+
+def _connect(path: str) -> Conn:
+    # isolation_level=None: no implicit transactions; `_transaction` opens them explicitly.
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        if path != ":memory:":
+            # WAL lets readers (other processes, e.g. the CLI) proceed while a write is in progress.
+            conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        # Another process holding the write lock makes us wait on the worker thread, not fail at once.
+        conn.execute("PRAGMA busy_timeout = 5000")
+        _migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _migrate(conn: Conn) -> None:
+    conn.execute(CREATE_MIGRATIONS_TABLE)
+    applied = {version for (version,) in conn.execute("SELECT version FROM schema_migrations")}
+    for migration in pending(applied):
+        with _transaction(conn):
+            # Checked again under the write lock: another process may have applied it since we looked.
+            done = conn.execute("SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,))
+            if done.fetchone() is not None:
+                continue
+            for sql in migration.statements("sqlite"):
+                conn.execute(sql)
+            conn.execute("INSERT INTO schema_migrations (version) VALUES (?)", (migration.version,))
+
+
+@contextmanager
+def _transaction(conn: Conn) -> Iterator[None]:
+    # IMMEDIATE takes the write lock up front, so a read-then-write cannot be overtaken by another writer.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _tenant(conn: Conn, tenant_id: str) -> Tenant:
+    row = conn.execute(f"SELECT {TENANT_COLUMNS} FROM tenants WHERE tenant_id = ?", (tenant_id,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"no tenant {tenant_id!r}")
+    return tenant_from_row(row)
+
+
+def _key(conn: Conn, key_id: str) -> StoredKey:
+    row = conn.execute(f"SELECT {KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"no key {key_id!r}")
+    return stored_key_from_row(row)
