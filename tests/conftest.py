@@ -22,6 +22,7 @@ from gateway.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
+from policy.tenants.base import TenantStore
 from policy.tenants.models import ApiKey, Role, Tenant
 from policy.tenants.sqlite import SqliteTenantStore
 
@@ -84,7 +85,7 @@ class Tenancy:
         return {"authorization": f"Bearer {self.admin}"}
 
 
-async def add_key(store: SqliteTenantStore, tenant_id: str, roles: tuple[Role, ...], now: float = 0.0) -> str:
+async def add_key(store: TenantStore, tenant_id: str, roles: tuple[Role, ...], now: float = 0.0) -> str:
     """Create a key in the store; return its plaintext."""
     plaintext, key_id, secret_hash = keys.new_key()
     key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles, created_at=now)
