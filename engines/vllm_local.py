@@ -146,6 +146,17 @@ class VllmLocalEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
+    async def _engine_input(self, req: EngineRequest) -> Any:
+        """The token prompt through vLLM's renderer (passing raw prompt dicts to generate() is deprecated)."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        parsed = parse_model_prompt(self.llm.model_config, prompt)
+        (engine_input,) = await self.llm.renderer.render_cmpl_async([parsed])
+        return engine_input
+
     async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         """Stream deltas from vLLM. Closing this iterator aborts the request in the engine core."""
         from vllm.exceptions import VLLMClientError
@@ -157,10 +168,13 @@ class VllmLocalEngine:
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
                 f"exceeds the context of {self.max_model_len} tokens"
             )
-        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
-        if req.cache_salt:
-            prompt["cache_salt"] = req.cache_salt
-        stream = self.llm.generate(prompt, self._sampling_params(req), req.request_id, priority=req.priority)
+        try:
+            engine_input = await self._engine_input(req)
+        except (VLLMClientError, ValueError) as exc:
+            raise EngineRequestError(str(exc) or type(exc).__name__) from exc
+        stream = self.llm.generate(
+            engine_input, self._sampling_params(req), req.request_id, priority=req.priority
+        )
         completion_tokens = 0
         finished = False
         try:
