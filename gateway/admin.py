@@ -38,17 +38,6 @@ class ConflictAPIError(APIError):
     error_type = "conflict_error"
 
 
-class TenantCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`POST /admin/tenants`."""
-
-    tenant_id: str
-    display_name: str
-    weight: float = 1.0
-    quotas: Quotas = msgspec.field(default_factory=Quotas)
-    policy: str = "default"
-    retain_prompts: bool = False
-
-
 class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`PATCH /admin/tenants/{id}`: the fields to change."""
 
@@ -80,7 +69,8 @@ class KeyCreated(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float | None
 
 
-_tenant_create = Decoder(TenantCreate)
+# The store sets created_at; a value sent for it is ignored.
+_tenant_create = Decoder(Tenant)
 _tenant_update = Decoder(TenantUpdate)
 _key_create = Decoder(KeyCreate)
 _quotas = Decoder(Quotas)
@@ -132,8 +122,7 @@ async def create_tenant(
 ) -> Tenant:
     """Create a tenant (operator administrators only)."""
     allow_operator(principal)
-    body = _tenant_create.decode(await read_body(request))
-    tenant = Tenant(**msgspec.structs.asdict(body))
+    tenant = _tenant_create.decode(await read_body(request))
     _check_tenant(tenant)
     return await _store(
         services.tenants.create_tenant(tenant, actor=principal.key.key_id, now=services.clock())

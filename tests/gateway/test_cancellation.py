@@ -36,6 +36,15 @@ async def assert_vllm_idle(engine: VllmLocalEngine) -> None:
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
 
 
+async def engine_has_a_request(engine: VllmLocalEngine) -> None:
+    """Wait until vLLM has accepted a request."""
+
+    async def has_one() -> bool:
+        return bool(engine.llm.get_num_unfinished_requests() > 0)
+
+    await eventually(has_one, within=10)
+
+
 def body(
     stream: bool, max_tokens: int = LONG, content: str = "Write a very long story about the sea."
 ) -> bytes:
@@ -101,11 +110,7 @@ async def test_disconnect_before_the_first_token(
 ) -> None:
     # A long prompt makes prefill take a while; the client leaves as soon as the engine has the request.
     _, writer = await raw_post(served, tenancy.consumer, body(True, max_tokens=200, content="word " * 1500))
-
-    async def engine_has_it() -> bool:
-        return bool(vllm_engine.llm.get_num_unfinished_requests() > 0)
-
-    await eventually(engine_has_it, within=10)
+    await engine_has_a_request(vllm_engine)
     writer.close()
     [outcome] = await outcomes.wait_count(1)
     assert outcome.status == "cancelled"
@@ -138,11 +143,7 @@ async def test_non_streaming_request_is_aborted_when_the_client_leaves(
     served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     _, writer = await raw_post(served, tenancy.consumer, body(False))
-
-    async def engine_has_it() -> bool:
-        return bool(vllm_engine.llm.get_num_unfinished_requests() > 0)
-
-    await eventually(engine_has_it, within=10)
+    await engine_has_a_request(vllm_engine)
     writer.close()
     [outcome] = await outcomes.wait_count(1)
     assert outcome.status == "cancelled"
