@@ -184,7 +184,11 @@ async def set_quotas(
     principal: NamedDependency[Principal],
 ) -> Tenant:
     """Replace a tenant's quotas (operator administrators only)."""
+    allow_operator(principal)
     quotas = _quotas.decode(await read_body(request))
+    # `param` names the field as it is in this body (`tenant.request_burst`), like decoding errors do.
+    _check_limits(quotas.tenant, "tenant")
+    _check_limits(quotas.per_key, "per_key")
     return await _update(services, principal, tenant_id, {"quotas": quotas})
 
 

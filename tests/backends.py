@@ -48,7 +48,9 @@ class Backends:
 
 
 @asynccontextmanager
-async def redis_quota(prefix: str, op_timeout: float = 5.0, url: str = REDIS_URL) -> AsyncIterator[RedisQuotaStore]:
+async def redis_quota(
+    prefix: str, op_timeout: float = 5.0, url: str = REDIS_URL
+) -> AsyncIterator[RedisQuotaStore]:
     """A Redis quota store under `prefix`; its keys are deleted afterwards."""
     client = redis.asyncio.Redis.from_url(url)
     store = RedisQuotaStore(client, prefix=prefix, op_timeout=op_timeout)
