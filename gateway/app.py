@@ -28,6 +28,10 @@ from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.tenants.base import TenantStore
+from registry.base import RegistryStore
+from registry.default_model import register_default_model
+from registry.manifest import apply_manifest_file
+from registry.service import Registry
 
 
 class ModelNotPreparedError(Exception):
@@ -77,6 +81,32 @@ def _sqlite_file(raw: str) -> Path:
     return path
 
 
+async def open_registry_store(config: Config) -> RegistryStore:
+    """The registry store, in the same database as the tenant store."""
+    if config.storage.backend == "postgres":
+        from registry.postgres import PostgresRegistryStore
+
+        return await PostgresRegistryStore.open(
+            config.storage.postgres_dsn, schema=config.storage.postgres_schema
+        )
+    from registry.sqlite import SqliteRegistryStore
+
+    return await SqliteRegistryStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+
+
+async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:
+    """Load the registry, register the served model directory, apply the manifest, and refresh the view."""
+    registry = await Registry.load(store, clock, config.registry.refresh_interval)
+    await register_default_model(
+        registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
+    )
+    if config.registry.manifest:
+        path = await asyncio.to_thread(lambda: Path(config.registry.manifest).expanduser())
+        await apply_manifest_file(registry, path, actor="manifest")
+    await registry.refresh()
+    return registry
+
+
 def open_quota_store(config: Config) -> QuotaStore:
     """The quota store the configuration names (in memory, or Redis shared by replicas)."""
     if config.quota.backend == "redis":
@@ -95,6 +125,11 @@ def open_quota_store(config: Config) -> QuotaStore:
     return MemoryQuotaStore()
 
 
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def _services(state: State) -> Services:
     services: Services = state.services
     return services
@@ -107,6 +142,7 @@ def create_app(
     renderer: PromptRenderer | None = None,
     tenants: TenantStore | None = None,
     quota: QuotaStore | None = None,
+    registry: RegistryStore | None = None,
     clock: Clock = time.time,
     sink: OutcomeSink = log_outcome,
 ) -> Litestar:
@@ -127,6 +163,12 @@ def create_app(
             if buckets is None:
                 buckets = open_quota_store(config)
                 owned.push_async_callback(buckets.close)
+            versions = registry
+            if versions is None:
+                versions = await open_registry_store(config)
+                owned.push_async_callback(versions.close)
+            live_registry = await _start_registry(config, versions, clock)
+            owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
             active = engine
             if active is None:
                 active = build_engine(config)
@@ -142,6 +184,7 @@ def create_app(
                 tenants=store,
                 auth=Authenticator(store, clock, config.auth.cache_ttl),
                 meter=QuotaMeter(buckets, clock),
+                registry=live_registry,
                 clock=clock,
             )
             try:

@@ -117,6 +117,15 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cache_ttl: float = 5.0
 
 
+class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The versioned registry (kept in the same database as tenants, see [storage])."""
+
+    # TOML manifest of versions and aliases applied at start-up (idempotent); empty for none.
+    manifest: str = ""
+    # Seconds between checks for changes made by other replicas: the bound on how long they take to show here.
+    refresh_interval: float = 1.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
@@ -126,6 +135,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -180,6 +190,7 @@ def _check(config: Config) -> None:
         "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
         "quota.op_timeout": config.quota.op_timeout,
         "auth.cache_ttl": config.auth.cache_ttl,
+        "registry.refresh_interval": config.registry.refresh_interval,
     }
     for name, value in positive.items():
         if value <= 0:

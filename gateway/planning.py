@@ -11,9 +11,11 @@ from typing import Literal
 import msgspec
 
 from engines.base import EngineRequest, SamplingSpec
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError
 from gateway.prompts import PromptRenderer
+from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from registry.view import ResolvedModel
 
 # OpenAI's default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -21,9 +23,8 @@ MAX_STOP_SEQUENCES = 4
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
-    """What the served model and the configuration allow."""
+    """What the resolved model version, its engine and the configuration allow."""
 
-    model_name: str
     max_model_len: int
     default_max_tokens: int
     max_logprobs: int
@@ -33,6 +34,11 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """A validated request, ready for the engine, plus what the response needs to know."""
 
     kind: Literal["chat", "completion"]
+    # The gateway's request id (x-request-id); the engine request has a unique id derived from it.
+    request_id: str
+    # The model as the client named it, and the exact versions it resolved to.
+    model_name: str
+    model: ResolvedModel
     engine_request: EngineRequest
     stream: bool
     include_usage: bool
@@ -40,13 +46,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool
 
 
-def _check_common(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
-    if req.model != limits.model_name:
-        raise NotFoundError(
-            f"model `{req.model}` does not exist; this gateway serves `{limits.model_name}`",
-            param="model",
-            code="model_not_found",
-        )
+def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_value")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
@@ -119,10 +119,14 @@ def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
 
 
 async def plan_chat(
-    req: ChatCompletionRequest, request_id: str, renderer: PromptRenderer, limits: Limits
+    req: ChatCompletionRequest,
+    request_id: str,
+    model: ResolvedModel,
+    renderer: PromptRenderer,
+    limits: Limits,
 ) -> Plan:
     """Validate a chat request and render its messages with the model's chat template."""
-    _check_common(req, limits)
+    _check_common(req)
     if not req.messages:
         raise InvalidRequestError("messages must contain at least one message", param="messages")
     top: int | None = None
@@ -145,8 +149,13 @@ async def plan_chat(
     max_tokens = _max_tokens(asked, field, len(prompt), limits.default_max_tokens, limits, "messages")
     return Plan(
         kind="chat",
+        request_id=request_id,
+        model_name=req.model,
+        model=model,
         engine_request=EngineRequest(
-            request_id=request_id, prompt_token_ids=tuple(prompt), sampling=_sampling(req, max_tokens, top)
+            request_id=engine_request_id(request_id),
+            prompt_token_ids=tuple(prompt),
+            sampling=_sampling(req, max_tokens, top),
         ),
         stream=req.stream,
         include_usage=_include_usage(req),
@@ -180,10 +189,10 @@ async def _completion_prompt(prompt: str | list[int | str], renderer: PromptRend
 
 
 async def plan_completion(
-    req: CompletionRequest, request_id: str, renderer: PromptRenderer, limits: Limits
+    req: CompletionRequest, request_id: str, model: ResolvedModel, renderer: PromptRenderer, limits: Limits
 ) -> Plan:
     """Validate a legacy completion request and tokenize its prompt."""
-    _check_common(req, limits)
+    _check_common(req)
     if req.echo:
         raise InvalidRequestError("echo is not supported", param="echo", code="unsupported_value")
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
@@ -194,8 +203,11 @@ async def plan_completion(
     )
     return Plan(
         kind="completion",
+        request_id=request_id,
+        model_name=req.model,
+        model=model,
         engine_request=EngineRequest(
-            request_id=request_id,
+            request_id=engine_request_id(request_id),
             prompt_token_ids=tuple(prompt),
             sampling=_sampling(req, max_tokens, req.logprobs),
         ),

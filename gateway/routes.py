@@ -11,7 +11,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from gateway.decoding import read_body
 from gateway.planning import plan_chat, plan_completion
 from gateway.requestid import request_id_of
-from gateway.schemas import ModelCard, ModelList
+from gateway.schemas import AliasTargetCard, ModelCard, ModelList
 from gateway.security import allow
 from gateway.service import Services
 from policy.auth import Principal
@@ -26,7 +26,9 @@ async def chat_completions(
     """OpenAI chat completions, whole or streamed."""
     allow(principal, "consumer")
     req = services.chat_decoder.decode(await read_body(request))
-    plan = await plan_chat(req, request_id_of(request), services.renderer, services.limits)
+    request_id = request_id_of(request)
+    model, limits = services.target(req.model, request_id)
+    plan = await plan_chat(req, request_id, model, services.renderer, limits)
     return await services.run(plan, request, principal)
 
 
@@ -39,7 +41,9 @@ async def completions(
     """OpenAI legacy completions, whole or streamed."""
     allow(principal, "consumer")
     req = services.completion_decoder.decode(await read_body(request))
-    plan = await plan_completion(req, request_id_of(request), services.renderer, services.limits)
+    request_id = request_id_of(request)
+    model, limits = services.target(req.model, request_id)
+    plan = await plan_completion(req, request_id, model, services.renderer, limits)
     return await services.run(plan, request, principal)
 
 
@@ -49,10 +53,34 @@ async def list_models(
 ) -> ModelList:
     """The served models."""
     allow(principal, "consumer")
-    limits = services.limits
-    return ModelList(
-        data=[ModelCard(id=limits.model_name, created=services.started, max_model_len=limits.max_model_len)]
-    )
+    view = services.registry.view
+    cards = [
+        ModelCard(
+            id=alias.name,
+            created=int(alias.updated_at),
+            kind="alias",
+            targets=[
+                AliasTargetCard(model=f"{alias.name}@{t.version}", weight=t.weight) for t in alias.targets
+            ],
+        )
+        for alias in view.aliases("model")
+    ]
+    for alias in view.aliases("model"):
+        for version in view.versions("model", alias.name):
+            model = view.resolve_model(version.ref, request_id="")
+            cards.append(
+                ModelCard(
+                    id=model.ref,
+                    created=int(version.published_at),
+                    kind="version",
+                    max_model_len=model.spec.arch.max_context,
+                    tokenizer=model.tokenizer.ref,
+                    chat_template=model.chat_template.ref,
+                    weights_sha256=model.spec.weights_sha256,
+                    kv_bytes_per_token=model.kv_bytes_per_token,
+                )
+            )
+    return ModelList(data=cards)
 
 
 @get("/healthz")

@@ -203,14 +203,28 @@ class Completion(_Response, frozen=True, kw_only=True):
     object: Literal["text_completion"] = "text_completion"
 
 
+class AliasTargetCard(_Response, frozen=True, kw_only=True):
+    """One version an alias routes to, with its share of requests."""
+
+    model: str
+    weight: float
+
+
 class ModelCard(_Response, frozen=True, kw_only=True):
-    """One entry of `GET /v1/models`."""
+    """One entry of `GET /v1/models`: an alias (what clients usually name) or a pinnable `name@version`."""
 
     id: str
     created: int
     owned_by: str = "lockgate"
-    max_model_len: int | None = None
     object: Literal["model"] = "model"
+    # Lockgate's extensions.
+    kind: Literal["alias", "version"] = "alias"
+    targets: list[AliasTargetCard] | None = None
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    weights_sha256: str | None = None
+    kv_bytes_per_token: int | None = None
 
 
 class ModelList(_Response, frozen=True, kw_only=True):

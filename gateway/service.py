@@ -25,7 +25,13 @@ from engines.base import (
 )
 from gateway.config import Config
 from gateway.decoding import Decoder
-from gateway.errors import APIError, EngineFailedError, EngineUnavailableError
+from gateway.errors import (
+    APIError,
+    EngineFailedError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from gateway.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
 from gateway.metering import charge_headers, reserve
 from gateway.planning import Limits, Plan
@@ -37,8 +43,16 @@ from gateway.tracking import Outcome, OutcomeSink, RequestTracker
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
 from policy.tenants.base import TenantStore
+from registry.base import InvalidError as RegistryInvalidError
+from registry.base import NotFoundError as RegistryNotFoundError
+from registry.service import Registry
+from registry.view import ResolvedModel
 
 _encoder = msgspec.json.Encoder()
+
+DEFAULT_POOL = "default"
+# Names the exact model version (name@version) that served a response.
+MODEL_HEADER = "x-lockgate-model"
 
 # nginx's code for "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED = 499
@@ -69,26 +83,50 @@ class Services:
         tenants: TenantStore,
         auth: Authenticator,
         meter: QuotaMeter,
+        registry: Registry,
         clock: Clock,
     ) -> None:
         self.config = config
         self.engine = engine
+        # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
+        self.pools: dict[str, Engine] = {DEFAULT_POOL: engine}
         self.renderer = renderer
         self.sink = sink
         self.tasks = tasks
         self.tenants = tenants
         self.auth = auth
         self.meter = meter
+        self.registry = registry
         self.clock = clock
-        self.limits = Limits(
-            model_name=config.model.name,
-            max_model_len=min(config.model.max_model_len, engine.max_model_len),
-            default_max_tokens=config.model.default_max_tokens,
-            max_logprobs=config.engine.max_logprobs,
-        )
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
         self.started = int(time.time())
+
+    def target(self, model_name: str, request_id: str) -> tuple[ResolvedModel, Limits]:
+        """The model version `model_name` means for this request (one registry view), and its limits."""
+        try:
+            model = self.registry.view.resolve_model(model_name, request_id)
+        except RegistryNotFoundError as exc:
+            raise NotFoundError(
+                f"model `{model_name}` does not exist: {exc}", param="model", code="model_not_found"
+            ) from exc
+        except RegistryInvalidError as exc:
+            raise InvalidRequestError(
+                f"bad model reference: {exc}", param="model", code="invalid_value"
+            ) from exc
+        engine = self.pools.get(model.spec.engine_pool)
+        if engine is None:
+            raise EngineUnavailableError(
+                f"no engine serves pool `{model.spec.engine_pool}` of {model.ref}", code="no_engine_for_pool"
+            )
+        limits = Limits(
+            max_model_len=min(
+                self.config.model.max_model_len, engine.max_model_len, model.spec.arch.max_context
+            ),
+            default_max_tokens=self.config.model.default_max_tokens,
+            max_logprobs=self.config.engine.max_logprobs,
+        )
+        return model, limits
 
     def _settle_on_outcome(self, charge: Charge) -> OutcomeSink:
         """The sink for one request: report the outcome, then settle its quota with the usage it had."""
@@ -105,16 +143,19 @@ class Services:
         req = plan.engine_request
         charge = await reserve(self.meter, principal, plan)
         headers = charge_headers(charge)
+        headers[MODEL_HEADER] = plan.model.ref
         tracker = RequestTracker(
-            req.request_id,
-            self.limits.model_name,
+            plan.request_id,
+            plan.model.ref,
             len(req.prompt_token_ids),
             plan.stream,
             self._settle_on_outcome(charge),
+            tokenizer=plan.model.tokenizer.ref,
+            chat_template=plan.model.chat_template.ref,
         )
         prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
-        formatter = Formatter(plan, prefix + req.request_id, self.limits.model_name, int(time.time()))
-        source = self.engine.generate(req)
+        formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()))
+        source = self.pools[plan.model.spec.engine_pool].generate(req)
         try:
             if not plan.stream:
                 deltas = await race_disconnect(collect(source, tracker), request.receive)

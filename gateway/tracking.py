@@ -23,11 +23,14 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     """The end of one request: how it ended and the usage it had by then."""
 
     request_id: str
+    # name@version of the model, tokenizer and chat template versions that served the request.
     model: str
     status: Status
     finish_reason: FinishReason | None
     usage: Usage
     stream: bool
+    tokenizer: str = ""
+    chat_template: str = ""
 
 
 OutcomeSink = Callable[[Outcome], None]
@@ -50,10 +53,20 @@ class RequestTracker:
     """Counts one request's output and reports its `Outcome` exactly once."""
 
     def __init__(
-        self, request_id: str, model: str, prompt_tokens: int, stream: bool, sink: OutcomeSink
+        self,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        stream: bool,
+        sink: OutcomeSink,
+        *,
+        tokenizer: str = "",
+        chat_template: str = "",
     ) -> None:
         self.request_id = request_id
         self._model = model
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
         self._prompt_tokens = prompt_tokens
         self._stream = stream
         self._sink = sink
@@ -93,6 +106,8 @@ class RequestTracker:
             finish_reason=self._finish,
             usage=self.usage(),
             stream=self._stream,
+            tokenizer=self._tokenizer,
+            chat_template=self._chat_template,
         )
         self._sink(self.outcome)
         return self.outcome

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from litestar import Litestar
 
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
-from gateway.config import Config, ModelConfig, ServerConfig
+from gateway.config import Config, ModelConfig, ServerConfig, StorageConfig
 from gateway.prompts import PromptRenderer
 from gateway.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
@@ -28,6 +29,7 @@ from policy.tenants.sqlite import SqliteTenantStore
 
 DATA_DIR = Path(os.environ.get("LOCKGATE_MODEL__DATA_DIR", "~/.cache/lockgate/models")).expanduser()
 MODEL = DEFAULT_MODEL_NAME
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="lockgate-tests-"))
 
 
 @pytest.fixture(scope="session")
@@ -142,8 +144,13 @@ def outcomes() -> OutcomeLog:
 
 
 def make_config(**server: float | int) -> Config:
-    """A config for in-process servers (server fields overridable)."""
-    return Config(server=ServerConfig(**server), model=ModelConfig(data_dir=str(DATA_DIR)))  # type: ignore[arg-type]
+    """A config for in-process servers (server fields overridable). Stores that a test does not pass in
+    (e.g. the registry) live in a temporary directory of the test session, never in the user's home."""
+    return Config(
+        server=ServerConfig(**server),  # type: ignore[arg-type]
+        model=ModelConfig(data_dir=str(DATA_DIR)),
+        storage=StorageConfig(sqlite_path=str(SESSION_DIR / "lockgate.sqlite3")),
+    )
 
 
 def free_port() -> int:

@@ -30,9 +30,26 @@ async def client(
         yield sdk
 
 
-async def test_models_lists_the_default_model(client: openai.AsyncOpenAI) -> None:
+async def test_models_lists_the_alias_and_its_version(client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    alias, version = models.data
+    assert alias.id == MODEL
+    assert version.id.startswith(f"{MODEL}@")
+    extra = version.model_extra or {}
+    assert extra["kind"] == "version"
+    # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 head dim x 2 bytes (bf16).
+    assert extra["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert (alias.model_extra or {})["targets"] == [{"model": version.id, "weight": 1.0}]
+
+
+async def test_answers_name_the_exact_model_version(client: openai.AsyncOpenAI) -> None:
+    [version] = [m.id for m in (await client.models.list()).data if "@" in m.id]
+    raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=3)
+    assert raw.headers["x-lockgate-model"] == version
+    pinned = await client.chat.completions.with_raw_response.create(
+        model=version, messages=QUESTION, max_tokens=3
+    )
+    assert pinned.headers["x-lockgate-model"] == version
 
 
 async def test_chat_answers_and_counts_usage_exactly(

@@ -1,0 +1,94 @@
+"""The registry's schema: ordered migrations for SQLite and PostgreSQL.
+
+Tables::
+
+    registry_schema_migrations(version)      applied migrations (own table: the tenant store may share the
+                                             database, and its version numbers would collide with ours)
+    registry_versions(kind, name, version PK, content_hash, spec JSON, published_at, actor)   immutable
+    registry_aliases(kind, name PK, targets JSON, revision, updated_at, actor)
+    registry_alias_history(id PK, kind, name, action, targets JSON, previous JSON, parent_id, at, actor)
+                                             append-only; `revision` of an alias is the id of its entry here
+    registry_generation(id = 1 PK, value)    one row: bumped in the same transaction as every change
+
+`Migration` (and its `{id_pk}` expansion) is the tenant store's; the runners are small and per-store
+because the tenant store's are bound to its own migration list and table. The statements that use these
+tables are in `registry.sql`. Never edit a released migration: append a new one.
+"""
+
+from __future__ import annotations
+
+from policy.tenants.migrations import Dialect, Migration
+
+__all__ = ["MIGRATIONS", "Dialect", "Migration"]
+
+CREATE_MIGRATIONS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS registry_schema_migrations (version INTEGER PRIMARY KEY)"
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        version=1,
+        summary="registry_versions, registry_aliases, registry_alias_history, registry_generation",
+        shared=(
+            """CREATE TABLE registry_versions (
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                version TEXT NOT NULL,
+                content_hash TEXT NOT NULL,
+                spec TEXT NOT NULL,
+                published_at DOUBLE PRECISION NOT NULL,
+                actor TEXT NOT NULL,
+                PRIMARY KEY (kind, name, version)
+            )""",
+            """CREATE TABLE registry_aliases (
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                targets TEXT NOT NULL,
+                revision BIGINT NOT NULL,
+                updated_at DOUBLE PRECISION NOT NULL,
+                actor TEXT NOT NULL,
+                PRIMARY KEY (kind, name)
+            )""",
+            """CREATE TABLE registry_alias_history (
+                id {id_pk},
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                action TEXT NOT NULL,
+                targets TEXT NOT NULL,
+                previous TEXT,
+                parent_id BIGINT,
+                at DOUBLE PRECISION NOT NULL,
+                actor TEXT NOT NULL
+            )""",
+            "CREATE INDEX registry_alias_history_by_alias ON registry_alias_history (kind, name, id)",
+            """CREATE TABLE registry_generation (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                value BIGINT NOT NULL
+            )""",
+            "INSERT INTO registry_generation (id, value) VALUES (1, 0)",
+        ),
+        # A published version and the alias history are evidence for audit records: the database refuses
+        # to change them, not just the code.
+        sqlite=tuple(
+            f"""CREATE TRIGGER {table}_no_{op.lower()} BEFORE {op} ON {table}
+                BEGIN SELECT RAISE(ABORT, '{table} is {what}'); END"""
+            for table, what in (("registry_versions", "immutable"), ("registry_alias_history", "append-only"))
+            for op in ("UPDATE", "DELETE")
+        ),
+        postgres=tuple(
+            statement
+            for table, what in (("registry_versions", "immutable"), ("registry_alias_history", "append-only"))
+            for statement in (
+                f"""CREATE FUNCTION {table}_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                    BEGIN RAISE EXCEPTION '{table} is {what}'; END $$""",
+                f"""CREATE TRIGGER {table}_refuse BEFORE UPDATE OR DELETE ON {table}
+                    FOR EACH ROW EXECUTE FUNCTION {table}_refuse()""",
+            )
+        ),
+    ),
+)
+
+
+def pending(applied: set[int]) -> list[Migration]:
+    """The migrations not yet applied, in version order."""
+    return [m for m in sorted(MIGRATIONS, key=lambda m: m.version) if m.version not in applied]

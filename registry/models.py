@@ -1,0 +1,223 @@
+"""What the registry stores: the spec of each kind of version, published versions, aliases, snapshots.
+
+Specs are input (from the admin API and manifests), so they forbid unknown fields; their numeric bounds are
+checked when the registry decodes them (msgspec validates on decode, not on construction). A published
+version is identified by `name@version` within its kind and never changes; its `content_hash` is the
+canonical hash of its spec (see `registry.hashing`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from policy.tenants.models import FailMode
+from registry.base import InvalidError
+
+Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy"]
+KINDS: tuple[Kind, ...] = ("model", "tokenizer", "chat_template", "guard_model", "policy")
+Severity = Literal["low", "medium", "high", "critical"]
+
+Sha256 = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+Positive = Annotated[int, Meta(ge=1)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+# Names may hold "/" (e.g. "meta-llama/Llama-3-8B"); never "@", which separates name and version.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:+-]{0,127}")
+
+
+class _Input(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of specs: immutable, keyword-only, and strict about the fields it accepts.
+
+    msgspec passes these options on to subclasses; subclasses repeat `frozen` and `kw_only` only because
+    mypy's dataclass_transform does not inherit them.
+    """
+
+
+class ModelArch(_Input, frozen=True, kw_only=True):
+    """The shape of a model that fixes its KV cache size."""
+
+    layers: Positive
+    # KV heads (num_key_value_heads), not query heads: grouped-query attention shares KV between heads.
+    kv_heads: Positive
+    head_dim: Positive
+    kv_dtype_bytes: Positive
+    max_context: Positive
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes: a key and a value per layer, KV head and head dimension."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+class ModelSpec(_Input, frozen=True, kw_only=True):
+    """A model version: its weights, architecture, and the tokenizer and template versions it needs."""
+
+    artifact: str
+    weights_sha256: Sha256
+    arch: ModelArch
+    tokenizer: str  # "name@version" of a tokenizer version
+    chat_template: str  # "name@version" of a chat template version
+    engine_pool: str = "default"
+
+
+class TokenizerSpec(_Input, frozen=True, kw_only=True):
+    """A tokenizer version: the sha256 of its tokenizer.json."""
+
+    content_hash: Sha256
+
+
+class ChatTemplateSpec(_Input, frozen=True, kw_only=True):
+    """A chat template version (Jinja text)."""
+
+    text: str
+
+    def text_sha256(self) -> str:
+        """sha256 of the template text itself, to compare with a file on disk."""
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+class GuardModelSpec(_Input, frozen=True, kw_only=True):
+    """A guard model version: a model version, its classification prompt, and its label token variants."""
+
+    model: str  # "name@version" of a model version
+    prompt_template: str
+    safe_tokens: tuple[str, ...]
+    unsafe_tokens: tuple[str, ...]
+
+
+class PolicyCategory(_Input, frozen=True, kw_only=True):
+    """A harm category of a policy."""
+
+    name: str
+    severity: Severity
+
+
+class CascadeStage(_Input, frozen=True, kw_only=True):
+    """One guard stage: allow below one score, block above another, pass on to the next stage between."""
+
+    guard: str  # "name@version" of a guard model version: pinned, so the policy hash fixes the guards
+    allow_below: Fraction
+    block_above: Fraction
+
+
+class PolicySpec(_Input, frozen=True, kw_only=True):
+    """A safety policy version."""
+
+    categories: tuple[PolicyCategory, ...]
+    stages: tuple[CascadeStage, ...]
+    past_last_stage: Literal["escalate", "block"]
+    fail_modes: dict[str, FailMode]  # by category name
+    hold_back_tokens: Annotated[int, Meta(ge=0)]
+    retention: Literal["none", "hash", "full"]
+
+
+Spec = ModelSpec | TokenizerSpec | ChatTemplateSpec | GuardModelSpec | PolicySpec
+S = TypeVar("S", ModelSpec, TokenizerSpec, ChatTemplateSpec, GuardModelSpec, PolicySpec)
+SPEC_TYPES: dict[Kind, type[Spec]] = {
+    "model": ModelSpec,
+    "tokenizer": TokenizerSpec,
+    "chat_template": ChatTemplateSpec,
+    "guard_model": GuardModelSpec,
+    "policy": PolicySpec,
+}
+# Built once: decoders validate every bound declared above.
+_DECODERS = {kind: msgspec.json.Decoder(spec_type) for kind, spec_type in SPEC_TYPES.items()}
+
+
+def decode_spec(kind: Kind, spec_json: str | bytes) -> Spec:
+    """The spec of a `kind` version from its JSON; InvalidError (with msgspec's location) if it is not one."""
+    try:
+        spec: Spec = _DECODERS[kind].decode(spec_json)
+    except msgspec.ValidationError as exc:
+        raise InvalidError(f"invalid {kind} spec: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidError(f"invalid {kind} spec JSON: {exc}") from exc
+    return spec
+
+
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """A published, immutable version. `spec_json` is the canonical JSON its `content_hash` covers."""
+
+    kind: Kind
+    name: str
+    version: str
+    content_hash: str
+    spec_json: str
+    published_at: float
+    actor: str
+
+    @property
+    def ref(self) -> str:
+        """`name@version`."""
+        return f"{self.name}@{self.version}"
+
+    def spec(self) -> Spec:
+        """The spec, decoded into the Struct of this version's kind."""
+        return decode_spec(self.kind, self.spec_json)
+
+    def spec_as(self, spec_type: type[S]) -> S:
+        """The spec as `spec_type`; InvalidError if this version is of another kind."""
+        spec = self.spec()
+        if not isinstance(spec, spec_type):
+            raise InvalidError(f"{self.kind} {self.ref} is not a {spec_type.__name__}")
+        return spec
+
+
+class AliasTarget(_Input, frozen=True, kw_only=True):
+    """One version an alias points at, with the share of requests it gets."""
+
+    version: str
+    weight: float = 1.0
+
+
+class Alias(msgspec.Struct, frozen=True, kw_only=True):
+    """A public name of a kind mapped to one version, or to two with canary weights."""
+
+    kind: Kind
+    name: str
+    targets: tuple[AliasTarget, ...]
+    updated_at: float
+    actor: str
+    revision: int  # id of the alias history entry that set these targets
+
+
+class AliasChange(msgspec.Struct, frozen=True, kw_only=True):
+    """An entry of an alias's append-only history."""
+
+    change_id: int
+    kind: Kind
+    name: str
+    action: Literal["set", "rollback"]
+    targets: tuple[AliasTarget, ...]
+    previous: tuple[AliasTarget, ...] | None
+    # The entry a rollback returns to: the one that was current before this one was set. Rollbacks follow
+    # these links, so repeated rollbacks walk further back instead of toggling between two states.
+    parent_id: int | None
+    at: float
+    actor: str
+
+
+class RegistrySnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to resolve names, read in one consistent transaction."""
+
+    generation: int
+    versions: tuple[Published, ...]
+    aliases: tuple[Alias, ...]
+
+
+def check_name(what: str, value: str) -> str:
+    """`value` if it is a valid name or version string, else InvalidError naming `what`."""
+    if not NAME_PATTERN.fullmatch(value):
+        raise InvalidError(f"{what} {value!r} must match {NAME_PATTERN.pattern} (and never contain '@')")
+    return value
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """Split `name@version`; InvalidError if it is not exactly that."""
+    name, at, version = ref.partition("@")
+    if not at:
+        raise InvalidError(f"{ref!r} is not a reference: expected name@version")
+    return check_name("name", name), check_name("version", version)

@@ -1,0 +1,244 @@
+"""`SqliteRegistryStore`: the embedded default, on the stdlib `sqlite3` module and one worker thread.
+
+As in the tenant store, sqlite3 calls block, so every call runs on one dedicated thread that also owns the
+connection; one thread serialises the calls, so no two transactions of this process interleave. Writers
+take the write lock up front (BEGIN IMMEDIATE); `snapshot` reads inside one transaction, which WAL turns
+into one consistent view even while another process writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from registry import sql
+from registry.base import NotFoundError, RegistryError, UnavailableError
+from registry.migrations import CREATE_MIGRATIONS_TABLE, pending
+from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
+
+T = TypeVar("T")
+Conn = sqlite3.Connection
+
+
+class SqliteRegistryStore:
+    """A `RegistryStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
+
+    def __init__(self, executor: ThreadPoolExecutor, conn: Conn) -> None:
+        """Use `open`; this takes a connection already owned by `executor`'s only thread."""
+        self._executor = executor
+        self._conn: Conn | None = conn
+
+    @classmethod
+    async def open(cls, path: str | Path) -> SqliteRegistryStore:
+        """Open (creating if needed) and migrate the database at `path`."""
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-registry-sqlite")
+        try:
+            conn = await asyncio.get_running_loop().run_in_executor(executor, _connect, str(path))
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(executor, conn)
+
+    async def _run(self, fn: Callable[[Conn], T]) -> T:
+        if self._conn is None:
+            raise RegistryError("the registry store is closed")
+        try:
+            # A cancelled caller does not cut a transaction in half: the call finishes on the worker.
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._conn)
+        except sqlite3.OperationalError as exc:
+            # Locked past busy_timeout, disk errors: the caller keeps its last view and tries again later.
+            raise UnavailableError(f"the registry database is unavailable: {exc}") from exc
+
+    async def publish(
+        self,
+        kind: Kind,
+        name: str,
+        version: str,
+        spec_json: str,
+        content_hash: str,
+        *,
+        actor: str,
+        now: float,
+    ) -> Published:
+        """Store a version; identical content again is a no-op, other content a ConflictError."""
+        new = sql.new_version(kind, name, version, spec_json, content_hash, actor=actor, now=now)
+
+        def publish(conn: Conn) -> Published:
+            with _transaction(conn):
+                if conn.execute(sql.INSERT_VERSION, sql.version_row(new)).rowcount == 0:
+                    return sql.same_or_conflict(_version(conn, kind, name, version), content_hash)
+                conn.execute(sql.BUMP_GENERATION)
+            return new
+
+        return await self._run(publish)
+
+    async def get(self, kind: Kind, name: str, version: str) -> Published:
+        """One version, or NotFoundError."""
+        return await self._run(lambda conn: _version(conn, kind, name, version))
+
+    async def versions(self, kind: Kind, name: str) -> list[Published]:
+        """All versions of a name, oldest first."""
+        query = sql.SELECT_VERSIONS + " ORDER BY published_at, version"
+        return await self._run(
+            lambda conn: [sql.version_from_row(r) for r in conn.execute(query, (kind, name))]
+        )
+
+    async def set_alias(
+        self, kind: Kind, name: str, targets: Sequence[AliasTarget], *, actor: str, now: float
+    ) -> Alias:
+        """Point an alias at `targets`, recording the change; the same targets again change nothing."""
+        wanted = sql.normalize(targets)
+
+        def set_alias(conn: Conn) -> Alias:
+            with _transaction(conn):
+                found = {t.version for t in wanted if _row(conn, sql.SELECT_VERSION, kind, name, t.version)}
+                sql.check_found(kind, name, wanted, found)
+                move = sql.plan_set(
+                    kind, name, wanted, _alias_or_none(conn, kind, name), actor=actor, now=now
+                )
+                return move if isinstance(move, Alias) else _write(conn, move)
+
+        return await self._run(set_alias)
+
+    async def get_alias(self, kind: Kind, name: str) -> Alias:
+        """One alias, or NotFoundError."""
+        return await self._run(lambda conn: _alias(conn, kind, name))
+
+    async def aliases(self, kind: Kind | None = None) -> list[Alias]:
+        """All aliases (of one kind, or all), ordered by kind and name."""
+        where, args = ("", ()) if kind is None else (" WHERE kind = ?", (kind,))
+        query = f"{sql.SELECT_ALIASES}{where} ORDER BY kind, name"
+        return await self._run(lambda conn: [sql.alias_from_row(r) for r in conn.execute(query, args)])
+
+    async def alias_history(self, kind: Kind, name: str, limit: int = 100) -> list[AliasChange]:
+        """The newest changes of one alias first."""
+        args = (kind, name, limit)
+        return await self._run(
+            lambda conn: [sql.change_from_row(r) for r in conn.execute(sql.SELECT_HISTORY, args)]
+        )
+
+    async def rollback(self, kind: Kind, name: str, *, actor: str, now: float) -> Alias:
+        """Move an alias back to the targets it had before its current ones."""
+
+        def rollback(conn: Conn) -> Alias:
+            with _transaction(conn):
+                current = _alias(conn, kind, name)
+                head = _entry(conn, current.revision)
+                back = None if head.parent_id is None else _entry(conn, head.parent_id)
+                return _write(conn, sql.plan_rollback(current, head, back, actor=actor, now=now))
+
+        return await self._run(rollback)
+
+    async def generation(self) -> int:
+        """The change counter."""
+        return await self._run(lambda conn: int(conn.execute(sql.SELECT_GENERATION).fetchone()[0]))
+
+    async def snapshot(self) -> RegistrySnapshot:
+        """All versions, all aliases and the generation, from one read transaction."""
+
+        def snapshot(conn: Conn) -> RegistrySnapshot:
+            conn.execute("BEGIN")
+            try:
+                return RegistrySnapshot(
+                    generation=int(conn.execute(sql.SELECT_GENERATION).fetchone()[0]),
+                    versions=tuple(sql.version_from_row(r) for r in conn.execute(sql.SELECT_ALL_VERSIONS)),
+                    aliases=tuple(sql.alias_from_row(r) for r in conn.execute(sql.SELECT_ALIASES)),
+                )
+            finally:
+                conn.execute("COMMIT")
+
+        return await self._run(snapshot)
+
+    async def close(self) -> None:
+        """Close the connection and let the worker thread end. Safe to call twice."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
+        # The queue is empty now, so not waiting for the thread loses nothing and never blocks the loop.
+        self._executor.shutdown(wait=False)
+
+
+def _connect(path: str) -> Conn:
+    # isolation_level=None: no implicit transactions; they are opened explicitly.
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        if path != ":memory:":
+            # WAL: other processes (replicas on one host, the CLI) read while one writes.
+            conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA busy_timeout = 5000")
+        _migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _migrate(conn: Conn) -> None:
+    conn.execute(CREATE_MIGRATIONS_TABLE)
+    applied = {v for (v,) in conn.execute("SELECT version FROM registry_schema_migrations")}
+    for migration in pending(applied):
+        with _transaction(conn):
+            # Checked again under the write lock: another process may have applied it since we looked.
+            query = "SELECT 1 FROM registry_schema_migrations WHERE version = ?"
+            if conn.execute(query, (migration.version,)).fetchone() is not None:
+                continue
+            for statement in migration.statements("sqlite"):
+                conn.execute(statement)
+            conn.execute("INSERT INTO registry_schema_migrations (version) VALUES (?)", (migration.version,))
+
+
+@contextmanager
+def _transaction(conn: Conn) -> Iterator[None]:
+    # IMMEDIATE takes the write lock up front, so a read-then-write cannot be overtaken by another writer.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _write(conn: Conn, move: sql.AliasMove) -> Alias:
+    """Record an alias change, point the alias at its targets, and bump the generation."""
+    revision = int(conn.execute(sql.INSERT_HISTORY, move.history_args()).fetchone()[0])
+    conn.execute(sql.UPSERT_ALIAS, move.alias_args(revision))
+    conn.execute(sql.BUMP_GENERATION)
+    return move.alias(revision)
+
+
+def _row(conn: Conn, query: str, *args: object) -> tuple[object, ...] | None:
+    row: tuple[object, ...] | None = conn.execute(query, args).fetchone()
+    return row
+
+
+def _version(conn: Conn, kind: Kind, name: str, version: str) -> Published:
+    row = _row(conn, sql.SELECT_VERSION, kind, name, version)
+    if row is None:
+        raise NotFoundError(f"no {kind} version {name}@{version}")
+    return sql.version_from_row(row)
+
+
+def _alias_or_none(conn: Conn, kind: Kind, name: str) -> Alias | None:
+    row = _row(conn, sql.SELECT_ALIAS, kind, name)
+    return None if row is None else sql.alias_from_row(row)
+
+
+def _alias(conn: Conn, kind: Kind, name: str) -> Alias:
+    alias = _alias_or_none(conn, kind, name)
+    if alias is None:
+        raise NotFoundError(f"no {kind} alias {name!r}")
+    return alias
+
+
+def _entry(conn: Conn, change_id: int) -> AliasChange:
+    row = _row(conn, sql.SELECT_HISTORY_ENTRY, change_id)
+    if row is None:
+        raise NotFoundError(f"no alias history entry {change_id}")
+    return sql.change_from_row(row)

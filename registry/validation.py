@@ -1,0 +1,152 @@
+"""The registry's rules about content, as pure functions over a spec and what is already published.
+
+Each failure raises an error whose message names the alias, version or field at fault: `InvalidError` for
+a broken rule, `NotFoundError` for a reference to a version that is not published. Numeric bounds declared
+on the Structs (0 <= threshold <= 1, positive layer counts) are enforced by decoding, in `decode_spec`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from registry.base import InvalidError, NotFoundError
+from registry.models import (
+    AliasTarget,
+    GuardModelSpec,
+    Kind,
+    ModelSpec,
+    PolicySpec,
+    Spec,
+    TokenizerSpec,
+    parse_ref,
+)
+
+# Weights are floats written by people ("0.9" and "0.1"): their sum is 1 only within rounding.
+WEIGHT_TOLERANCE = 1e-9
+MAX_TARGETS = 2
+
+
+class Known(Protocol):
+    """What validation needs to know about published versions (a `RegistryView` is one)."""
+
+    def has(self, kind: Kind, name: str, version: str) -> bool:
+        """Whether `name@version` of `kind` is published."""
+        ...
+
+
+def check_targets(
+    kind: Kind, name: str, targets: Sequence[AliasTarget], known: Known
+) -> tuple[AliasTarget, ...]:
+    """The targets of alias `kind:name`, checked: one version, or two with weights summing to 1."""
+    where = f"alias {kind}:{name}"
+    if not 1 <= len(targets) <= MAX_TARGETS:
+        raise InvalidError(f"{where}: {len(targets)} targets; an alias has 1 target, or 2 for a canary")
+    versions = [t.version for t in targets]
+    if len(set(versions)) != len(versions):
+        raise InvalidError(f"{where}: target version {versions[0]!r} is listed twice")
+    for target in targets:
+        # Written so that NaN fails too.
+        if not (0.0 < target.weight <= 1.0):
+            raise InvalidError(f"{where}: weight {target.weight} of {name}@{target.version} is not in (0, 1]")
+    total = math.fsum(t.weight for t in targets)
+    if abs(total - 1.0) > WEIGHT_TOLERANCE:
+        weights = " + ".join(str(t.weight) for t in targets)
+        raise InvalidError(f"{where}: canary weights {weights} sum to {total}, not 1")
+    for target in targets:
+        if not known.has(kind, name, target.version):
+            raise NotFoundError(f"{where} -> {name}@{target.version}: no such {kind} version")
+    return tuple(targets)
+
+
+def check_spec(kind: Kind, ref: str, spec: Spec, known: Known) -> None:
+    """The rules of `spec` (published as `ref` of `kind`) that involve more than one field or version."""
+    if isinstance(spec, ModelSpec):
+        check_model(ref, spec, known)
+    elif isinstance(spec, GuardModelSpec):
+        check_guard(ref, spec, known)
+    elif isinstance(spec, PolicySpec):
+        check_policy(ref, spec, known)
+
+
+def check_reference(owner: str, kind: Kind, ref: str, known: Known) -> None:
+    """`ref` is a published `name@version` of `kind`; `owner` (e.g. "model chat@1") is named on failure."""
+    try:
+        name, version = parse_ref(ref)
+    except InvalidError as exc:
+        raise InvalidError(f"{owner}: {kind} reference {exc}") from exc
+    if not known.has(kind, name, version):
+        raise NotFoundError(f"{owner} requires {kind} {ref}, which is not published")
+
+
+def check_model(ref: str, spec: ModelSpec, known: Known) -> None:
+    """A model's tokenizer and chat template versions exist."""
+    owner = f"model {ref}"
+    if not spec.artifact:
+        raise InvalidError(f"{owner}: artifact is empty")
+    check_reference(owner, "tokenizer", spec.tokenizer, known)
+    check_reference(owner, "chat_template", spec.chat_template, known)
+
+
+def check_guard(ref: str, spec: GuardModelSpec, known: Known) -> None:
+    """A guard model's model version exists and its label token lists are non-empty and disjoint."""
+    owner = f"guard_model {ref}"
+    check_reference(owner, "model", spec.model, known)
+    for field, tokens in (("safe_tokens", spec.safe_tokens), ("unsafe_tokens", spec.unsafe_tokens)):
+        if not tokens:
+            raise InvalidError(f"{owner}: {field} is empty; list every variant of the label token")
+        if "" in tokens:
+            raise InvalidError(f"{owner}: {field} holds an empty token")
+    both = sorted(set(spec.safe_tokens) & set(spec.unsafe_tokens))
+    if both:
+        raise InvalidError(f"{owner}: tokens {both} are both safe and unsafe")
+
+
+def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
+    """Categories are unique, each has exactly one fail mode, stage thresholds are ordered, guards exist."""
+    owner = f"policy {ref}"
+    names = [c.name for c in spec.categories]
+    if len(set(names)) != len(names) or "" in names:
+        raise InvalidError(f"{owner}: category names must be non-empty and unique, got {names}")
+    missing = [n for n in names if n not in spec.fail_modes]
+    if missing:
+        raise InvalidError(f"{owner}: no fail mode for categories {missing}")
+    unknown = sorted(set(spec.fail_modes) - set(names))
+    if unknown:
+        raise InvalidError(f"{owner}: fail modes for unknown categories {unknown}")
+    for i, stage in enumerate(spec.stages):
+        if not (0.0 <= stage.allow_below <= stage.block_above <= 1.0):
+            raise InvalidError(
+                f"{owner}: stages[{i}] needs 0 <= allow_below <= block_above <= 1, "
+                f"got allow_below={stage.allow_below}, block_above={stage.block_above}"
+            )
+        check_reference(f"{owner} stages[{i}]", "guard_model", stage.guard, known)
+
+
+def check_tokenizer(
+    model_ref: str,
+    model: ModelSpec,
+    *,
+    supplied: str | None = None,
+    tokenizer: TokenizerSpec | None = None,
+    file_sha256: str | None = None,
+) -> None:
+    """InvalidError if a tokenizer does not match model `model_ref`.
+
+    It does not match when `supplied` (a tokenizer ref a caller brings) is not the one the model declares,
+    or when `file_sha256` (of a model directory's tokenizer.json) differs from `tokenizer`'s content hash.
+    """
+    if supplied is not None and supplied != model.tokenizer:
+        raise InvalidError(
+            f"tokenizer {supplied} does not match model {model_ref}, "
+            f"which requires tokenizer {model.tokenizer}"
+        )
+    if file_sha256 is not None:
+        if tokenizer is None:
+            raise ValueError("file_sha256 needs the tokenizer version to compare with")
+        if file_sha256 != tokenizer.content_hash:
+            raise InvalidError(
+                f"tokenizer.json (sha256 {file_sha256}) does not match tokenizer {model.tokenizer} of model "
+                f"{model_ref} (content hash {tokenizer.content_hash})"
+            )

@@ -1,0 +1,130 @@
+"""The registry's rules: bad aliases, canary weights, references, guards, policies, tokenizers."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from registry import (
+    AliasTarget,
+    ConflictError,
+    InvalidError,
+    Kind,
+    NotFoundError,
+    PolicySpec,
+    Registry,
+    Spec,
+    check_tokenizer,
+    parse_ref,
+)
+from tests.registry import specs
+from tests.registry.specs import canary
+
+
+async def test_alias_validation(registry: Registry) -> None:
+    await specs.seed(registry, "1", "2", "3")
+    generation = registry.view.generation
+    bad: list[tuple[str | list[AliasTarget], type[Exception], str]] = [
+        ("9", NotFoundError, r"alias model:chat -> chat@9: no such model version"),
+        (canary("1", "9", 0.5), NotFoundError, "chat@9"),
+        (
+            [AliasTarget(version="1", weight=0.5), AliasTarget(version="2", weight=0.4)],
+            InvalidError,
+            r"weights 0.5 \+ 0.4 sum to 0.9, not 1",
+        ),
+        (
+            [AliasTarget(version=v, weight=1 / 3) for v in ("1", "2", "3")],
+            InvalidError,
+            "3 targets; an alias has 1 target, or 2 for a canary",
+        ),
+        ([], InvalidError, "0 targets"),
+        (
+            [AliasTarget(version="1", weight=0.0), AliasTarget(version="2", weight=1.0)],
+            InvalidError,
+            r"\(0, 1\]",
+        ),
+        ([AliasTarget(version="1", weight=float("nan"))], InvalidError, "nan"),
+        ([AliasTarget(version="1", weight=0.5), AliasTarget(version="1", weight=0.5)], InvalidError, "twice"),
+    ]
+    for targets, error, message in bad:
+        with pytest.raises(error, match=message):
+            await registry.set_alias("model", "chat", targets, actor="ops")
+    with pytest.raises(InvalidError, match="never contain '@'"):
+        await registry.set_alias("model", "chat@1", "1", actor="ops")
+    # 0.9 + 0.1 is not exactly 1.0 in floating point: accepted within the tolerance.
+    await registry.set_alias("model", "chat", canary("1", "2", 0.1), actor="ops")
+    assert registry.view.generation == generation + 1
+
+
+async def test_publish_validation(registry: Registry) -> None:
+    await specs.seed(registry, "1")
+    cases: list[tuple[Kind, Spec, type[Exception], str]] = [
+        ("model", specs.model(tok="tok@9"), NotFoundError, "model chat@5 requires tokenizer tok@9"),
+        ("model", specs.model(tpl="tpl@9"), NotFoundError, "requires chat_template tpl@9"),
+        ("model", specs.model(tok="tok"), InvalidError, "tokenizer reference 'tok' is not a reference"),
+        ("guard_model", specs.guard("chat@9"), NotFoundError, "guard_model chat@5 requires model chat@9"),
+        ("guard_model", specs.guard(safe=()), InvalidError, "safe_tokens is empty"),
+        ("guard_model", specs.guard(safe=("safe", "unsafe")), InvalidError, r"\['unsafe'\] are both"),
+        ("policy", specs.policy("guard@9"), NotFoundError, r"stages\[0\] requires guard_model guard@9"),
+        ("tokenizer", specs.template(), InvalidError, "needs a TokenizerSpec, got ChatTemplateSpec"),
+        (
+            "tokenizer",
+            msgspec.structs.replace(specs.tokenizer(), content_hash="xyz"),
+            InvalidError,
+            r"\$.content_hash",
+        ),
+    ]
+    for kind, spec, error, message in cases:
+        with pytest.raises(error, match=message):
+            await registry.publish(kind, "chat", "5", spec, actor="t")
+    await registry.publish("guard_model", "guard", "1", specs.guard(), actor="t")
+    arch = msgspec.structs.replace(specs.LLAMA3_8B, kv_heads=0)
+    with pytest.raises(InvalidError, match=r"model chat@5: .*\$.arch.kv_heads"):
+        await registry.publish("model", "chat", "5", specs.model(arch=arch), actor="t")
+    policies: list[tuple[PolicySpec, str]] = [
+        (specs.policy(allow_below=0.9, block_above=0.1), "allow_below <= block_above"),
+        (specs.policy(block_above=1.5), r"<= 1.0 - at `\$.stages\[0\].block_above`"),
+        (msgspec.structs.replace(specs.policy(), fail_modes={"spam": "open"}), r"no fail mode.*violence"),
+        (
+            msgspec.structs.replace(
+                specs.policy(), fail_modes={"spam": "open", "violence": "open", "x": "open"}
+            ),
+            r"unknown categories \['x'\]",
+        ),
+        (msgspec.structs.replace(specs.policy(), hold_back_tokens=-1), "hold_back_tokens"),
+    ]
+    for policy_spec, message in policies:
+        with pytest.raises(InvalidError, match=message):
+            await registry.publish("policy", "strict", "1", policy_spec, actor="t")
+    with pytest.raises(InvalidError, match="version"):
+        await registry.publish("tokenizer", "tok", "1@2", specs.tokenizer(), actor="t")
+    with pytest.raises(ConflictError, match="tokenizer tok@1 is already published"):
+        await registry.publish("tokenizer", "tok", "1", specs.tokenizer("changed"), actor="t")
+    assert not registry.view.has("policy", "strict", "1")
+
+
+async def test_publish_normalizes_numbers(registry: Registry) -> None:
+    await specs.seed(registry, "1")
+    await registry.publish("guard_model", "guard", "1", specs.guard(), actor="t")
+    first = await registry.publish("policy", "p", "1", specs.policy(allow_below=0, block_above=1), actor="t")
+    again = await registry.publish(
+        "policy", "p", "1", specs.policy(allow_below=0.0, block_above=1.0), actor="t"
+    )
+    assert again == first
+    assert '"allow_below":0.0' in first.spec_json
+
+
+def test_parse_ref_and_check_tokenizer() -> None:
+    assert parse_ref("meta-llama/Llama-3-8B@2024.1") == ("meta-llama/Llama-3-8B", "2024.1")
+    for bad in ("chat", "chat@", "@1", "a@b@c", "a b@1"):
+        with pytest.raises(InvalidError):
+            parse_ref(bad)
+    model = specs.model(tok="tok@1")
+    tok = specs.tokenizer("tok1")
+    check_tokenizer("chat@1", model, supplied="tok@1", tokenizer=tok, file_sha256=specs.sha("tok1"))
+    with pytest.raises(InvalidError, match="tokenizer tok@2 does not match model chat@1, which requires tok"):
+        check_tokenizer("chat@1", model, supplied="tok@2")
+    with pytest.raises(
+        InvalidError, match=r"tokenizer.json \(sha256 [0-9a-f]{64}\) does not match tokenizer tok@1"
+    ):
+        check_tokenizer("chat@1", model, tokenizer=tok, file_sha256=specs.sha("other"))
