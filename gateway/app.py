@@ -15,6 +15,7 @@ from litestar.di import Provide
 
 from engines.base import Engine
 from gateway.admin import ADMIN_ROUTES
+from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.flow import TaskSet
@@ -196,7 +197,7 @@ def create_app(
                 await tasks.wait_all()
 
     app = Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES],
         lifespan=[lifespan],
         dependencies={
             "services": Provide(_services, sync_to_thread=False),

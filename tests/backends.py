@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
@@ -18,6 +18,9 @@ from policy.quota.redis import RedisQuotaStore
 from policy.tenants.base import TenantStore
 from policy.tenants.postgres import PostgresTenantStore
 from policy.tenants.sqlite import SqliteTenantStore
+from registry.base import RegistryStore
+from registry.postgres import PostgresRegistryStore
+from registry.sqlite import SqliteRegistryStore
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -39,12 +42,17 @@ class FakeClock:
 
 
 class Backends:
-    """A tenant store and a quota store of one deployment."""
+    """The tenant, quota and registry stores of one deployment."""
 
-    def __init__(self, name: str, tenants: TenantStore, quota: QuotaStore) -> None:
+    def __init__(
+        self, name: str, tenants: TenantStore, quota: QuotaStore, registry: RegistryStore, schema: str = ""
+    ) -> None:
         self.name = name
         self.tenants = tenants
         self.quota = quota
+        self.registry = registry
+        # The PostgreSQL schema of the redis+postgres deployment (another replica opens its own stores on it).
+        self.schema = schema
 
 
 @asynccontextmanager
@@ -63,31 +71,36 @@ async def redis_quota(
 
 
 @asynccontextmanager
-async def postgres_tenants() -> AsyncIterator[PostgresTenantStore]:
-    """A PostgreSQL tenant store in a fresh schema, dropped afterwards."""
+async def postgres_schema() -> AsyncIterator[str]:
+    """A fresh PostgreSQL schema name, dropped (with everything in it) afterwards."""
     schema = f"test_{secrets.token_hex(6)}"
     try:
         admin = await asyncpg.connect(PG_DSN, timeout=10)
     except (OSError, asyncpg.PostgresError) as exc:
         pytest.fail(f"PostgreSQL is required and unreachable at {PG_DSN}: {exc!r}")
-    store = await PostgresTenantStore.open(PG_DSN, schema=schema)
     try:
-        yield store
+        yield schema
     finally:
-        await store.close()
         await admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         await admin.close()
 
 
 @asynccontextmanager
 async def deployment(name: str, tmp_path: Path) -> AsyncIterator[Backends]:
-    """The stores of deployment `name` (one of DEPLOYMENTS)."""
-    if name == "memory+sqlite":
-        tenants = await SqliteTenantStore.open(tmp_path / "tenants.sqlite3")
-        try:
-            yield Backends(name, tenants, MemoryQuotaStore())
-        finally:
-            await tenants.close()
-        return
-    async with postgres_tenants() as pg, redis_quota(f"lockgate:test:{secrets.token_hex(6)}:") as quota:
-        yield Backends(name, pg, quota)
+    """The stores of deployment `name` (one of DEPLOYMENTS); tenants and registry share one database."""
+    async with AsyncExitStack() as stack:
+        if name == "memory+sqlite":
+            path = tmp_path / "lockgate.sqlite3"
+            tenants: TenantStore = await SqliteTenantStore.open(path)
+            stack.push_async_callback(tenants.close)
+            registry: RegistryStore = await SqliteRegistryStore.open(path)
+            stack.push_async_callback(registry.close)
+            yield Backends(name, tenants, MemoryQuotaStore(), registry)
+            return
+        schema = await stack.enter_async_context(postgres_schema())
+        tenants = await PostgresTenantStore.open(PG_DSN, schema=schema)
+        stack.push_async_callback(tenants.close)
+        registry = await PostgresRegistryStore.open(PG_DSN, schema=schema)
+        stack.push_async_callback(registry.close)
+        quota = await stack.enter_async_context(redis_quota(f"lockgate:test:{secrets.token_hex(6)}:"))
+        yield Backends(name, tenants, quota, registry, schema)

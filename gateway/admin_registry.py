@@ -1,0 +1,194 @@
+"""Admin API of the versioned registry (`/admin/registry/...`): publish versions, move aliases, roll back.
+
+Policy administrators of the operating organisation may change the registry; any `policy_admin` may read it.
+A change is served by this replica at once and by every other replica within `registry.refresh_interval`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, TypeVar, get_args
+
+import msgspec
+from litestar import Request, get, post, put
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
+
+from gateway.decoding import Decoder, read_body
+from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
+from gateway.security import allow, allow_operator
+from gateway.service import Services
+from policy.auth import Principal
+from registry.base import ConflictError, InvalidError, RegistryError, UnavailableError
+from registry.base import NotFoundError as RegistryNotFoundError
+from registry.models import SPEC_TYPES, Alias, AliasChange, AliasTarget, Kind, Published, Spec
+
+T = TypeVar("T")
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+class RegistryConflictError(APIError):
+    """The version exists with other content."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class PublishBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /admin/registry/{kind}/{name}/versions`."""
+
+    version: str
+    spec: msgspec.Raw
+
+
+class AliasBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`PUT /admin/registry/{kind}/{name}/alias`: one version, or canary targets whose weights sum to 1."""
+
+    targets: list[AliasTarget]
+
+
+class PublishedView(msgspec.Struct, frozen=True, kw_only=True):
+    """A published version as the admin API shows it (the spec decoded)."""
+
+    ref: str
+    kind: Kind
+    name: str
+    version: str
+    content_hash: str
+    published_at: float
+    actor: str
+    spec: Any
+
+
+_publish = Decoder(PublishBody)
+_alias = Decoder(AliasBody)
+
+
+def _kind(kind: str) -> Kind:
+    if kind not in KINDS:
+        raise NotFoundError(f"no registry kind `{kind}`; kinds are {', '.join(KINDS)}", param="kind")
+    return kind  # type: ignore[return-value]
+
+
+def _shown(p: Published) -> PublishedView:
+    return PublishedView(
+        ref=p.ref,
+        kind=p.kind,
+        name=p.name,
+        version=p.version,
+        content_hash=p.content_hash,
+        published_at=p.published_at,
+        actor=p.actor,
+        spec=msgspec.json.decode(p.spec_json),
+    )
+
+
+async def _call(call: Awaitable[T]) -> T:
+    """Run a registry call, mapping its errors to HTTP ones that name the problem."""
+    try:
+        return await call
+    except RegistryNotFoundError as exc:
+        raise NotFoundError(str(exc), code="not_found") from exc
+    except ConflictError as exc:
+        raise RegistryConflictError(str(exc), code="version_conflict") from exc
+    except InvalidError as exc:
+        raise InvalidRequestError(str(exc), code="invalid_registry_change") from exc
+    except UnavailableError as exc:
+        raise EngineUnavailableError(str(exc), code="registry_unavailable") from exc
+    except RegistryError as exc:
+        raise InvalidRequestError(str(exc), code="registry_error") from exc
+
+
+def _spec(kind: Kind, raw: msgspec.Raw) -> Spec:
+    try:
+        spec: Spec = msgspec.json.decode(raw, type=SPEC_TYPES[kind])
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"spec: {exc}", param="spec", code="invalid_value") from exc
+    return spec
+
+
+@post("/admin/registry/{kind:str}/{name:str}/versions", status_code=HTTP_201_CREATED)
+async def publish_version(
+    kind: FromPath[str],
+    name: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> PublishedView:
+    """Publish an immutable version (identical content again is accepted; other content is 409)."""
+    allow_operator(principal)
+    checked = _kind(kind)
+    body = _publish.decode(await read_body(request))
+    spec = _spec(checked, body.spec)
+    registry = services.registry
+    published = await _call(registry.publish(checked, name, body.version, spec, actor=principal.key.key_id))
+    return _shown(published)
+
+
+@get("/admin/registry/{kind:str}/{name:str}/versions")
+async def list_versions(
+    kind: FromPath[str],
+    name: FromPath[str],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> list[PublishedView]:
+    """The versions of one name, oldest first."""
+    allow(principal, "policy_admin")
+    return [_shown(p) for p in services.registry.view.versions(_kind(kind), name)]
+
+
+@put("/admin/registry/{kind:str}/{name:str}/alias", status_code=HTTP_200_OK)
+async def set_alias(
+    kind: FromPath[str],
+    name: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Alias:
+    """Point an alias at one version, or split it between two (canary, deterministic per request id)."""
+    allow_operator(principal)
+    checked = _kind(kind)
+    body = _alias.decode(await read_body(request))
+    return await _call(services.registry.set_alias(checked, name, body.targets, actor=principal.key.key_id))
+
+
+@post("/admin/registry/{kind:str}/{name:str}/rollback", status_code=HTTP_200_OK)
+async def rollback(
+    kind: FromPath[str],
+    name: FromPath[str],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Alias:
+    """Move an alias back to what it pointed at before its last change, in one call."""
+    allow_operator(principal)
+    return await _call(services.registry.rollback(_kind(kind), name, actor=principal.key.key_id))
+
+
+@get("/admin/registry/{kind:str}/{name:str}/history")
+async def alias_history(
+    kind: FromPath[str],
+    name: FromPath[str],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    limit: FromQuery[int] = 100,
+) -> list[AliasChange]:
+    """Every change of an alias, newest first."""
+    allow(principal, "policy_admin")
+    if not 1 <= limit <= 1000:
+        raise InvalidRequestError("limit must be in 1..1000", param="limit", code="invalid_value")
+    return await _call(services.registry.store.alias_history(_kind(kind), name, limit))
+
+
+@get("/admin/registry/aliases")
+async def list_aliases(
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    kind: FromQuery[str | None] = None,
+) -> list[Alias]:
+    """Every alias (of one kind) as this replica serves it now."""
+    allow(principal, "policy_admin")
+    return services.registry.view.aliases(None if kind is None else _kind(kind))
+
+
+REGISTRY_ROUTES = [publish_version, list_versions, set_alias, rollback, alias_history, list_aliases]

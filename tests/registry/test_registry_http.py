@@ -1,0 +1,246 @@
+"""The registry through the HTTP API, on both deployments: versions on the wire, canary, rollback in one call,
+streams that outlive an alias move, bad input, and replicas that see each other's changes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.config import Config, RegistryConfig
+from gateway.prompts import PromptRenderer
+from policy.auth import SYSTEM_TENANT
+from policy.tenants.models import Tenant
+from registry.postgres import PostgresRegistryStore
+from tests.backends import DEPLOYMENTS, PG_DSN, Backends, FakeClock, deployment
+from tests.conftest import MODEL, OutcomeLog, add_key, eventually, make_config, serving
+
+CHAT = "/v1/chat/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Replica:
+    """One gateway app on a deployment, with an operator admin key and a consumer key."""
+
+    def __init__(self, http: httpx.AsyncClient, admin: str, consumer: str) -> None:
+        self.http = http
+        self.admin = {"authorization": f"Bearer {admin}"}
+        self.consumer = {"authorization": f"Bearer {consumer}"}
+
+    async def ask(self, request_id: str | None = None, model: str = MODEL) -> httpx.Response:
+        headers = dict(self.consumer)
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        body = {"model": model, "messages": QUESTION, "max_tokens": 3}
+        return await self.http.post(CHAT, json=body, headers=headers)
+
+    async def served(self, request_id: str | None = None) -> str:
+        response = await self.ask(request_id)
+        assert response.status_code == 200, response.text
+        return response.headers["x-lockgate-model"]
+
+    async def admin_call(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        return await self.http.request(
+            method, f"/admin/registry/model/{MODEL}{path}", json=body, headers=self.admin
+        )
+
+
+def config(refresh_interval: float = 1.0) -> Config:
+    return msgspec.structs.replace(make_config(), registry=RegistryConfig(refresh_interval=refresh_interval))
+
+
+async def keys(backends: Backends, clock: FakeClock) -> tuple[str, str]:
+    for tenant_id in ("acme", SYSTEM_TENANT):
+        await backends.tenants.create_tenant(
+            Tenant(tenant_id=tenant_id, display_name=tenant_id), actor="t", now=clock()
+        )
+    admin = await add_key(backends.tenants, SYSTEM_TENANT, ("policy_admin",), now=clock())
+    consumer = await add_key(backends.tenants, "acme", ("consumer",), now=clock())
+    return admin, consumer
+
+
+@pytest.fixture(params=DEPLOYMENTS)
+async def backends(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backends]:
+    async with deployment(request.param, tmp_path) as stores:
+        yield stores
+
+
+@pytest.fixture
+async def replica(
+    backends: Backends, sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> AsyncIterator[Replica]:
+    clock = FakeClock()
+    admin, consumer = await keys(backends, clock)
+    app = create_app(
+        config(),
+        engine=sim_engine,
+        renderer=renderer,
+        tenants=backends.tenants,
+        quota=backends.quota,
+        registry=backends.registry,
+        clock=clock,
+        sink=outcomes,
+    )
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield Replica(http, admin, consumer)
+
+
+async def publish_v2(replica: Replica) -> tuple[str, str]:
+    """Publish a second version of the default model (same tokenizer and template); return (v1, v2) refs."""
+    v1 = await replica.served()
+    [current] = (await replica.admin_call("GET", "/versions")).json()
+    spec = dict(current["spec"], artifact="v2/model.safetensors")
+    created = await replica.admin_call("POST", "/versions", {"version": "v2", "spec": spec})
+    assert created.status_code == 201, created.text
+    assert created.json()["ref"] == f"{MODEL}@v2"
+    assert len(created.json()["content_hash"]) == 64
+    return v1, f"{MODEL}@v2"
+
+
+async def test_versions_on_the_wire_canary_and_one_call_rollback(
+    replica: Replica, outcomes: OutcomeLog
+) -> None:
+    v1, v2 = await publish_v2(replica)
+    # Publishing adds a version; the alias still serves v1. Pinning name@version bypasses the alias.
+    assert await replica.served() == v1
+    pinned = await replica.ask(model=v2)
+    assert pinned.headers["x-lockgate-model"] == v2
+    outcome = await outcomes.wait_for(pinned.headers["x-request-id"])
+    assert outcome.model == v2
+    assert outcome.tokenizer.startswith(f"{MODEL}@")
+    assert outcome.chat_template.startswith(f"{MODEL}@")
+
+    canary = await replica.admin_call(
+        "PUT",
+        "/alias",
+        {"targets": [{"version": v1.split("@")[1], "weight": 0.5}, {"version": "v2", "weight": 0.5}]},
+    )
+    assert canary.status_code == 200, canary.text
+    # Deterministic per request id: a retry with the same id lands on the same version.
+    for request_id in ("retry-a", "retry-b", "retry-c"):
+        first = await replica.served(request_id)
+        assert [await replica.served(request_id) for _ in range(3)] == [first] * 3
+    seen = {await replica.served(f"spread-{i}") for i in range(30)}
+    assert seen == {v1, v2}
+    listed = (await replica.http.get("/v1/models", headers=replica.consumer)).json()["data"]
+    [alias] = [m for m in listed if m["id"] == MODEL]
+    assert {t["model"] for t in alias["targets"]} == {v1, v2}
+
+    assert (await replica.admin_call("PUT", "/alias", {"targets": [{"version": "v2"}]})).status_code == 200
+    assert {await replica.served(f"all-{i}") for i in range(5)} == {v2}
+    # One call undoes the bad rollout: back to the canary; another, back to v1 alone.
+    assert (await replica.admin_call("POST", "/rollback")).status_code == 200
+    assert {await replica.served(f"spread-{i}") for i in range(30)} == {v1, v2}
+    assert (await replica.admin_call("POST", "/rollback")).status_code == 200
+    assert {await replica.served(f"spread-{i}") for i in range(10)} == {v1}
+    history = (await replica.admin_call("GET", "/history")).json()
+    assert [h["action"] for h in history[:4]] == ["rollback", "rollback", "set", "set"]
+
+
+async def test_bad_registry_input_is_a_4xx_naming_the_problem(replica: Replica) -> None:
+    v1, _ = await publish_v2(replica)
+    [first, _second] = (await replica.admin_call("GET", "/versions")).json()
+    changed = dict(first["spec"], artifact="elsewhere/model.safetensors")
+    conflict = await replica.admin_call("POST", "/versions", {"version": first["version"], "spec": changed})
+    assert conflict.status_code == 409
+    assert first["version"] in conflict.json()["error"]["message"]
+    # The same content again is fine (idempotent).
+    again = await replica.admin_call(
+        "POST", "/versions", {"version": first["version"], "spec": first["spec"]}
+    )
+    assert again.status_code == 201
+    assert again.json()["content_hash"] == first["content_hash"]
+
+    missing = await replica.admin_call("PUT", "/alias", {"targets": [{"version": "nope"}]})
+    assert missing.status_code in (400, 404)
+    assert "nope" in missing.json()["error"]["message"]
+    uneven = [{"version": "v2", "weight": 0.7}, {"version": first["version"], "weight": 0.2}]
+    bad_weights = await replica.admin_call("PUT", "/alias", {"targets": uneven})
+    assert bad_weights.status_code == 400
+    assert "1" in bad_weights.json()["error"]["message"]
+    no_tokenizer = dict(first["spec"], tokenizer=f"{MODEL}@missing")
+    refused = await replica.admin_call("POST", "/versions", {"version": "v3", "spec": no_tokenizer})
+    assert refused.status_code in (400, 404)
+    assert "missing" in refused.json()["error"]["message"]
+    typo = await replica.admin_call(
+        "POST", "/versions", {"version": "v4", "spec": dict(first["spec"], layers=3)}
+    )
+    assert typo.status_code == 400
+    assert typo.json()["error"]["param"] == "spec"
+    # Nothing of that changed what is served.
+    assert await replica.served() == v1
+    unknown = await replica.ask(model=f"{MODEL}@nope")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["param"] == "model"
+
+
+async def test_a_stream_started_before_an_alias_move_finishes_on_its_version(
+    replica: Replica, outcomes: OutcomeLog
+) -> None:
+    v1, v2 = await publish_v2(replica)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 300, "stream": True}
+    async with replica.http.stream("POST", CHAT, json=body, headers=replica.consumer) as response:
+        assert response.headers["x-lockgate-model"] == v1
+        lines = response.aiter_lines()
+        assert (await anext(lines)).startswith("data: ")
+        moved = await replica.admin_call("PUT", "/alias", {"targets": [{"version": "v2"}]})
+        assert moved.status_code == 200
+        assert await replica.served() == v2
+        rest = [line async for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    outcome = await outcomes.wait_for(response.headers["x-request-id"])
+    assert (outcome.status, outcome.model, outcome.usage.completion_tokens) == ("completed", v1, 300)
+
+
+async def test_two_replicas_on_one_postgresql_see_each_others_changes(
+    tmp_path: Path, sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> None:
+    async with deployment("redis+postgres", tmp_path) as backends:
+        await _two_replicas(backends, sim_engine, renderer, outcomes)
+
+
+async def _two_replicas(
+    backends: Backends, sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog
+) -> None:
+    clock = FakeClock()
+    admin, consumer = await keys(backends, clock)
+    interval = 0.05
+    # Replica B opens a registry store of its own on the same schema, as another process would.
+    other_store = await PostgresRegistryStore.open(PG_DSN, schema=backends.schema)
+    apps = [
+        create_app(
+            config(interval),
+            engine=sim_engine,
+            renderer=renderer,
+            tenants=backends.tenants,
+            quota=backends.quota,
+            registry=store,
+            clock=clock,
+            sink=outcomes,
+        )
+        for store in (backends.registry, other_store)
+    ]
+    async with (
+        serving(apps[0]) as url_a,
+        serving(apps[1]) as url_b,
+        httpx.AsyncClient(base_url=url_a, timeout=30) as http_a,
+        httpx.AsyncClient(base_url=url_b, timeout=30) as http_b,
+    ):
+        a, b = Replica(http_a, admin, consumer), Replica(http_b, admin, consumer)
+        v1, v2 = await publish_v2(a)
+        assert await b.served() == v1
+        assert (await a.admin_call("PUT", "/alias", {"targets": [{"version": "v2"}]})).status_code == 200
+        assert await a.served() == v2  # at once on the replica that made the change
+
+        async def b_serves_v2() -> bool:
+            return await b.served() == v2
+
+        # Within the refresh interval (plus one snapshot read) on the other; a generous limit for a busy CI.
+        await eventually(b_serves_v2, within=interval * 100)
+    await other_store.close()
