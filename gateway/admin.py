@@ -26,6 +26,7 @@ from policy.tenants import keys
 from policy.tenants.base import ConflictError
 from policy.tenants.base import NotFoundError as StoreNotFoundError
 from policy.tenants.models import AdminChange, ApiKey, Limits, Quotas, Role, Tenant
+from registry.base import RegistryError
 
 T = TypeVar("T")
 _TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -99,6 +100,16 @@ def _check_tenant(tenant: Tenant, prefix: str = "") -> None:
     _check_limits(tenant.quotas.per_key, f"{prefix}quotas.per_key")
 
 
+def _check_policy(services: Services, policy: str) -> None:
+    """A tenant binds to a policy alias (follows it) or a pinned `name@version`; either must resolve."""
+    try:
+        services.registry.view.resolve_policy(policy, request_id="")
+    except RegistryError as exc:
+        raise InvalidRequestError(
+            f"policy `{policy}` does not resolve: {exc}", param="policy", code="unknown_policy"
+        ) from exc
+
+
 async def _store(call: Awaitable[T]) -> T:
     """Run a store call, mapping its errors to HTTP ones."""
     try:
@@ -124,6 +135,7 @@ async def create_tenant(
     allow_operator(principal)
     tenant = _tenant_create.decode(await read_body(request))
     _check_tenant(tenant)
+    _check_policy(services, tenant.policy)
     return await _store(
         services.tenants.create_tenant(tenant, actor=principal.key.key_id, now=services.clock())
     )
@@ -156,6 +168,7 @@ async def _update(
     current = await _store(services.tenants.get_tenant(tenant_id))
     updated = msgspec.structs.replace(current, **changes)
     _check_tenant(updated)
+    _check_policy(services, updated.policy)
     result = await _store(
         services.tenants.update_tenant(updated, actor=principal.key.key_id, now=services.clock())
     )

@@ -31,6 +31,7 @@ from policy.quota.meter import QuotaMeter
 from policy.tenants.base import TenantStore
 from registry.base import RegistryStore
 from registry.default_model import register_default_model
+from registry.default_policy import register_default_policy
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
 
@@ -96,11 +97,12 @@ async def open_registry_store(config: Config) -> RegistryStore:
 
 
 async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:
-    """Load the registry, register the served model directory, apply the manifest, and refresh the view."""
+    """Load the registry, register the served model directory and the default policy, apply the manifest."""
     registry = await Registry.load(store, clock, config.registry.refresh_interval)
     await register_default_model(
         registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
     )
+    await register_default_policy(registry, actor="startup")
     if config.registry.manifest:
         path = await asyncio.to_thread(lambda: Path(config.registry.manifest).expanduser())
         await apply_manifest_file(registry, path, actor="manifest")

@@ -18,6 +18,7 @@ from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.base import TenantStore
 from policy.tenants.models import ApiKey, Role, Tenant
+from registry.default_policy import DEFAULT_POLICY_SPEC
 from tests.backends import DEPLOYMENTS, FakeClock, deployment
 from tests.conftest import MODEL, OutcomeLog, make_config, serving
 
@@ -102,10 +103,15 @@ async def admin(
             renderer=renderer,
             tenants=store,
             quota=backends.quota,
+            registry=backends.registry,
             clock=clock,
             sink=outcomes,
         )
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            # Tenants bind to policies that exist: publish the one the tests bind to.
+            strict = msgspec.structs.replace(DEFAULT_POLICY_SPEC, retention="hash")
+            await app.state.services.registry.publish("policy", "strict", "1", strict, actor="test")
+            await app.state.services.registry.set_alias("policy", "strict", "1", actor="test")
             yield Admin(http, store, clock, key, key_id)
 
 

@@ -244,3 +244,89 @@ async def _two_replicas(
         # Within the refresh interval (plus one snapshot read) on the other; a generous limit for a busy CI.
         await eventually(b_serves_v2, within=interval * 100)
     await other_store.close()
+
+
+async def test_tenants_bind_to_a_policy_alias_or_a_pinned_version_that_resolves(replica: Replica) -> None:
+    async def create(tenant_id: str, policy: str) -> httpx.Response:
+        body = {"tenant_id": tenant_id, "display_name": tenant_id, "policy": policy}
+        return await replica.http.post("/admin/tenants", json=body, headers=replica.admin)
+
+    follows = await create("follows", "default")
+    assert follows.status_code == 201, follows.text
+    assert (await create("pinned", "default@1")).status_code == 201
+    for policy in ("nope", "default@7"):
+        refused = await create(f"bad-{policy.replace('@', '-')}", policy)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("policy", "unknown_policy")
+    patched = await replica.http.patch(
+        "/admin/tenants/pinned", json={"policy": "nope"}, headers=replica.admin
+    )
+    assert patched.status_code == 400
+    versions = await replica.http.get("/admin/registry/policy/default/versions", headers=replica.admin)
+    [default] = versions.json()
+    assert (default["ref"], default["spec"]["stages"]) == ("default@1", [])
+
+
+MANIFEST = """
+[[tokenizer]]
+name = "tiny"
+version = "t1"
+content_hash = "%(hash)s"
+
+[[chat_template]]
+name = "tiny"
+version = "c1"
+text = "{%% for m in messages %%}{{ m.content }}{%% endfor %%}"
+
+[[model]]
+name = "tiny"
+version = "1"
+artifact = "tiny/model.safetensors"
+weights_sha256 = "%(hash)s"
+tokenizer = "tiny@t1"
+chat_template = "tiny@c1"
+engine_pool = "default"
+arch = { layers = 2, kv_heads = 1, head_dim = 8, kv_dtype_bytes = 2, max_context = 512 }
+
+[[alias]]
+kind = "model"
+name = "tiny"
+targets = [{ version = "1", weight = 1.0 }]
+"""
+
+
+async def test_a_manifest_is_applied_at_start_up_idempotently(
+    backends: Backends,
+    tmp_path: Path,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+) -> None:
+    manifest = tmp_path / "registry.toml"
+    manifest.write_text(MANIFEST % {"hash": "ab" * 32}, encoding="utf-8")
+    clock = FakeClock()
+    admin, consumer = await keys(backends, clock)
+    conf = msgspec.structs.replace(make_config(), registry=RegistryConfig(manifest=str(manifest)))
+    for _restart in range(2):
+        app = create_app(
+            conf,
+            engine=sim_engine,
+            renderer=renderer,
+            tenants=backends.tenants,
+            quota=backends.quota,
+            registry=backends.registry,
+            clock=clock,
+            sink=outcomes,
+        )
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            replica = Replica(http, admin, consumer)
+            answer = await replica.ask(model="tiny")
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-lockgate-model"] == "tiny@1"
+            models = (await http.get("/v1/models", headers=replica.consumer)).json()["data"]
+            [tiny] = [m for m in models if m["id"] == "tiny@1"]
+            assert tiny["kv_bytes_per_token"] == 2 * 2 * 1 * 8 * 2
+            history = await http.get("/admin/registry/model/tiny/history", headers=replica.admin)
+            # The second start changed nothing: still one alias change.
+            assert len(history.json()) == 1
