@@ -10,20 +10,22 @@ Tables::
                                              append-only; `revision` of an alias is the id of its entry here
     registry_generation(id = 1 PK, value)    one row: bumped in the same transaction as every change
 
-`Migration` (and its `{id_pk}` expansion) is the tenant store's; the runners are small and per-store
-because the tenant store's are bound to its own migration list and table. The statements that use these
-tables are in `registry.sql`. Never edit a released migration: append a new one.
+`Migration` (and its `{id_pk}` expansion) and the runners, given this list and table, are the shared ones
+of `registry.db`. The statements that use these tables are in `registry.sql`. Never edit a released
+migration: append a new one.
 """
 
 from __future__ import annotations
 
-from policy.tenants.migrations import Dialect, Migration
+from registry.db import migrations as db
+from registry.db.migrations import Dialect, Migration
 
 __all__ = ["MIGRATIONS", "Dialect", "Migration"]
 
-CREATE_MIGRATIONS_TABLE = (
-    "CREATE TABLE IF NOT EXISTS registry_schema_migrations (version INTEGER PRIMARY KEY)"
-)
+MIGRATIONS_TABLE = "registry_schema_migrations"
+# The runners of `registry.db` take MIGRATIONS and MIGRATIONS_TABLE; this statement and `pending` stay
+# public here for anyone inspecting the schema from this module.
+CREATE_MIGRATIONS_TABLE = db.create_table_sql(MIGRATIONS_TABLE)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -91,4 +93,4 @@ MIGRATIONS: tuple[Migration, ...] = (
 
 def pending(applied: set[int]) -> list[Migration]:
     """The migrations not yet applied, in version order."""
-    return [m for m in sorted(MIGRATIONS, key=lambda m: m.version) if m.version not in applied]
+    return db.pending(MIGRATIONS, applied)

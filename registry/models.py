@@ -15,9 +15,10 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from policy.tenants.models import FailMode
 from registry.base import InvalidError
 
+# What a guard failure does in a category: allow (audited as fail_open) or refuse.
+FailMode = Literal["open", "closed"]
 Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy"]
 KINDS: tuple[Kind, ...] = ("model", "tokenizer", "chat_template", "guard_model", "policy")
 Severity = Literal["low", "medium", "high", "critical"]

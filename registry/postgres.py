@@ -1,29 +1,31 @@
 """`PostgresRegistryStore`: the registry in PostgreSQL, shared by gateway replicas (asyncpg pool).
 
 Each store works in one schema (`search_path` on every pooled connection), created and migrated on `open`
-under an advisory lock so replicas starting together take turns. Every write first locks the single
-generation row, so writes run one at a time and generations follow commit order; `snapshot` reads in one
-REPEATABLE READ transaction, so the versions and aliases it returns are exactly those of its generation.
+(`registry.db.postgres.open_pool`) under an advisory lock so replicas starting together take turns. Every
+write first locks the single generation row, so writes run one at a time and generations follow commit
+order; `snapshot` reads in one REPEATABLE READ transaction, so the versions and aliases it returns are
+exactly those of its generation.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 
 from registry import sql
 from registry.base import NotFoundError, UnavailableError
-from registry.migrations import CREATE_MIGRATIONS_TABLE, pending
+from registry.db.postgres import open_pool
+from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
 
-# Plain lower-case identifiers only, so the name never needs quoting in DDL or in `search_path`.
-_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # Fixed and distinct from the tenant store's ("Lkgtregi"): registry migrations wait only on each other.
 _MIGRATION_LOCK = 0x4C6B6774_72656769
+# This store's pools: its own migrations, recorded in its own table, applied under its own lock.
+_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
 _LOCK_GENERATION = "SELECT value FROM registry_generation WHERE id = 1 FOR UPDATE"
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
 _BY_ALIAS = ' ORDER BY kind COLLATE "C", name COLLATE "C"'
@@ -63,18 +65,7 @@ class PostgresRegistryStore:
         cls, dsn: str, *, schema: str = "public", min_size: int = 1, max_size: int = 5
     ) -> PostgresRegistryStore:
         """Connect to `dsn`, create `schema` if missing, and migrate it."""
-        if not _SCHEMA.fullmatch(schema):
-            raise ValueError(f"schema {schema!r} must match {_SCHEMA.pattern}")
-        pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
-        )
-        try:
-            async with pool.acquire() as conn:
-                await _migrate(conn, schema)
-        except BaseException:
-            await pool.close()
-            raise
-        return cls(pool)
+        return cls(await _open_pool(dsn, schema=schema, min_size=min_size, max_size=max_size))
 
     @asynccontextmanager
     async def _tx(self, *, write: bool) -> AsyncIterator[Any]:
@@ -179,23 +170,6 @@ class PostgresRegistryStore:
     async def close(self) -> None:
         """Close the pool (waiting for connections in use to be released)."""
         await self._pool.close()
-
-
-async def _migrate(conn: Any, schema: str) -> None:
-    await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
-    try:
-        # Inside the lock: two replicas creating the same schema at once would otherwise collide.
-        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-        await conn.execute(CREATE_MIGRATIONS_TABLE)
-        applied = {row[0] for row in await conn.fetch("SELECT version FROM registry_schema_migrations")}
-        for migration in pending(applied):
-            async with conn.transaction():
-                for sql in migration.statements("postgres"):
-                    await conn.execute(sql)
-                sql = "INSERT INTO registry_schema_migrations (version) VALUES ($1)"
-                await conn.execute(sql, migration.version)
-    finally:
-        await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
 
 
 async def _write(conn: Any, move: sql.AliasMove) -> Alias:

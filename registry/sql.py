@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from registry.base import ConflictError, InvalidError, NotFoundError
+from registry.db import Row
 from registry.models import Alias, AliasChange, AliasTarget, Kind, Published
 
-Row = Sequence[Any]
 VERSION_COLUMNS = "kind, name, version, content_hash, spec, published_at, actor"
 ALIAS_COLUMNS = "kind, name, targets, revision, updated_at, actor"
 HISTORY_COLUMNS = "id, kind, name, action, targets, previous, parent_id, at, actor"

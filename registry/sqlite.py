@@ -1,55 +1,47 @@
 """`SqliteRegistryStore`: the embedded default, on the stdlib `sqlite3` module and one worker thread.
 
-As in the tenant store, sqlite3 calls block, so every call runs on one dedicated thread that also owns the
-connection; one thread serialises the calls, so no two transactions of this process interleave. Writers
-take the write lock up front (BEGIN IMMEDIATE); `snapshot` reads inside one transaction, which WAL turns
-into one consistent view even while another process writes.
+sqlite3 calls block, so every call runs on the one dedicated thread of a `registry.db.sqlite.SqliteWorker`,
+which also owns the connection; one thread serialises the calls, so no two transactions of this process
+interleave. Writers take the write lock up front (BEGIN IMMEDIATE); `snapshot` reads inside one
+transaction, which WAL turns into one consistent view even while another process writes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from registry import sql
 from registry.base import NotFoundError, RegistryError, UnavailableError
-from registry.migrations import CREATE_MIGRATIONS_TABLE, pending
+from registry.db.sqlite import Conn, SqliteWorker, transaction
+from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
 
 T = TypeVar("T")
-Conn = sqlite3.Connection
 
 
 class SqliteRegistryStore:
     """A `RegistryStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, executor: ThreadPoolExecutor, conn: Conn) -> None:
-        """Use `open`; this takes a connection already owned by `executor`'s only thread."""
-        self._executor = executor
-        self._conn: Conn | None = conn
+    def __init__(self, db: SqliteWorker) -> None:
+        """Use `open`; this takes a worker whose database is already migrated."""
+        self._db = db
 
     @classmethod
     async def open(cls, path: str | Path) -> SqliteRegistryStore:
         """Open (creating if needed) and migrate the database at `path`."""
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-registry-sqlite")
-        try:
-            conn = await asyncio.get_running_loop().run_in_executor(executor, _connect, str(path))
-        except BaseException:
-            executor.shutdown(wait=False)
-            raise
-        return cls(executor, conn)
+        db = await SqliteWorker.open(
+            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=False, name="registry"
+        )
+        return cls(db)
 
     async def _run(self, fn: Callable[[Conn], T]) -> T:
-        if self._conn is None:
+        if self._db.closed:
             raise RegistryError("the registry store is closed")
         try:
-            # A cancelled caller does not cut a transaction in half: the call finishes on the worker.
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._conn)
+            return await self._db.run(fn)
         except sqlite3.OperationalError as exc:
             # Locked past busy_timeout, disk errors: the caller keeps its last view and tries again later.
             raise UnavailableError(f"the registry database is unavailable: {exc}") from exc
@@ -69,7 +61,7 @@ class SqliteRegistryStore:
         new = sql.new_version(kind, name, version, spec_json, content_hash, actor=actor, now=now)
 
         def publish(conn: Conn) -> Published:
-            with _transaction(conn):
+            with transaction(conn):
                 if conn.execute(sql.INSERT_VERSION, sql.version_row(new)).rowcount == 0:
                     return sql.same_or_conflict(_version(conn, kind, name, version), content_hash)
                 conn.execute(sql.BUMP_GENERATION)
@@ -95,7 +87,7 @@ class SqliteRegistryStore:
         wanted = sql.normalize(targets)
 
         def set_alias(conn: Conn) -> Alias:
-            with _transaction(conn):
+            with transaction(conn):
                 found = {t.version for t in wanted if _row(conn, sql.SELECT_VERSION, kind, name, t.version)}
                 sql.check_found(kind, name, wanted, found)
                 move = sql.plan_set(
@@ -126,7 +118,7 @@ class SqliteRegistryStore:
         """Move an alias back to the targets it had before its current ones."""
 
         def rollback(conn: Conn) -> Alias:
-            with _transaction(conn):
+            with transaction(conn):
                 current = _alias(conn, kind, name)
                 head = _entry(conn, current.revision)
                 back = None if head.parent_id is None else _entry(conn, head.parent_id)
@@ -156,53 +148,7 @@ class SqliteRegistryStore:
 
     async def close(self) -> None:
         """Close the connection and let the worker thread end. Safe to call twice."""
-        if self._conn is None:
-            return
-        conn, self._conn = self._conn, None
-        await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
-        # The queue is empty now, so not waiting for the thread loses nothing and never blocks the loop.
-        self._executor.shutdown(wait=False)
-
-
-def _connect(path: str) -> Conn:
-    # isolation_level=None: no implicit transactions; they are opened explicitly.
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        if path != ":memory:":
-            # WAL: other processes (replicas on one host, the CLI) read while one writes.
-            conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA busy_timeout = 5000")
-        _migrate(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _migrate(conn: Conn) -> None:
-    conn.execute(CREATE_MIGRATIONS_TABLE)
-    applied = {v for (v,) in conn.execute("SELECT version FROM registry_schema_migrations")}
-    for migration in pending(applied):
-        with _transaction(conn):
-            # Checked again under the write lock: another process may have applied it since we looked.
-            query = "SELECT 1 FROM registry_schema_migrations WHERE version = ?"
-            if conn.execute(query, (migration.version,)).fetchone() is not None:
-                continue
-            for statement in migration.statements("sqlite"):
-                conn.execute(statement)
-            conn.execute("INSERT INTO registry_schema_migrations (version) VALUES (?)", (migration.version,))
-
-
-@contextmanager
-def _transaction(conn: Conn) -> Iterator[None]:
-    # IMMEDIATE takes the write lock up front, so a read-then-write cannot be overtaken by another writer.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+        await self._db.close()
 
 
 def _write(conn: Conn, move: sql.AliasMove) -> Alias:

@@ -8,46 +8,27 @@ Tables::
     admin_changes(id PK, at, actor, action, target, before JSON, after JSON)    append-only
 
 The SQL is shared wherever one statement serves both dialects; `Migration.statements` adds the few
-per-dialect pieces (the auto-increment id, the append-only triggers). A backend applies, in one transaction
-each, the migrations whose version `schema_migrations` lacks, so applying is idempotent. Never edit a
-released migration: append a new one.
+per-dialect pieces (the auto-increment id, the append-only triggers). The runners of `registry.db` apply,
+in one transaction each, the migrations whose version `schema_migrations` lacks, so applying is
+idempotent. Never edit a released migration: append a new one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
-
 import msgspec
 
 from policy.tenants.models import AdminChange, ApiKey, Quotas, Role, StoredKey, Tenant
+from registry.db import Row
+from registry.db import migrations as db
 
-Dialect = Literal["sqlite", "postgres"]
+# Re-exported under their old names here (`Migration` is public in `policy.tenants`): the types are shared.
+from registry.db.migrations import Dialect as Dialect
+from registry.db.migrations import Migration as Migration
 
-_ID_PK: dict[Dialect, str] = {
-    # Without AUTOINCREMENT SQLite may reuse the largest id after a delete; the table is append-only, so
-    # ids still only grow, and the plain rowid alias is cheaper.
-    "sqlite": "INTEGER PRIMARY KEY",
-    "postgres": "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
-}
-
-
-class Migration(msgspec.Struct, frozen=True, kw_only=True):
-    """One schema step: SQL shared by both dialects, then each dialect's own."""
-
-    version: int
-    summary: str
-    shared: tuple[str, ...] = ()
-    sqlite: tuple[str, ...] = ()
-    postgres: tuple[str, ...] = ()
-
-    def statements(self, dialect: Dialect) -> tuple[str, ...]:
-        """The statements to run on `dialect`, in order."""
-        own = self.sqlite if dialect == "sqlite" else self.postgres
-        return tuple(sql.replace("{id_pk}", _ID_PK[dialect]) for sql in self.shared) + own
-
-
-CREATE_MIGRATIONS_TABLE = "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)"
+MIGRATIONS_TABLE = "schema_migrations"
+# The runners of `registry.db` take MIGRATIONS and MIGRATIONS_TABLE; this statement and `pending` stay
+# public here for anyone inspecting the schema from this module.
+CREATE_MIGRATIONS_TABLE = db.create_table_sql(MIGRATIONS_TABLE)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -108,11 +89,10 @@ MIGRATIONS: tuple[Migration, ...] = (
 
 def pending(applied: set[int]) -> list[Migration]:
     """The migrations not yet applied, in version order."""
-    return [m for m in sorted(MIGRATIONS, key=lambda m: m.version) if m.version not in applied]
+    return db.pending(MIGRATIONS, applied)
 
 
 # Row codecs. Column lists are fixed so rows decode by position on both drivers.
-Row = Sequence[Any]
 TENANT_COLUMNS = "tenant_id, display_name, weight, quotas, policy, retain_prompts, created_at"
 KEY_COLUMNS = "key_id, tenant_id, roles, label, created_at, expires_at, revoked_at, secret_hash"
 CHANGE_COLUMNS = "id, at, actor, action, target, before, after"

@@ -1,39 +1,40 @@
 """`PostgresTenantStore`: tenants and keys in PostgreSQL, shared by gateway replicas (asyncpg pool).
 
 Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
-migrates on `open`. Concurrent replicas starting at once take turns on an advisory lock while migrating.
+migrates on `open` (`registry.db.postgres.open_pool`). Concurrent replicas starting at once take turns on
+an advisory lock while migrating.
 """
 
 from __future__ import annotations
 
-import re
+from functools import partial
 from typing import Any
 
-import asyncpg  # type: ignore[import-untyped]
 import msgspec
 
 from policy.tenants.base import ConflictError, NotFoundError
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
-    CREATE_MIGRATIONS_TABLE,
     KEY_COLUMNS,
+    MIGRATIONS,
+    MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     TENANT_COLUMNS,
     change_from_row,
     change_row,
     encode_roles,
     key_row,
-    pending,
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+from registry.db.postgres import open_pool
 
-# Plain lower-case identifiers only, so the name never needs quoting in DDL or in `search_path`.
-_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # Arbitrary but fixed: every Lockgate replica migrating any schema of this database waits on the same lock.
 _MIGRATION_LOCK = 0x4C6B6774_656E616E
+# This store's pools: its own migrations, recorded in its own table, applied under its own lock.
+_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
 _BY_KEY = 'ORDER BY created_at, key_id COLLATE "C"'
 
@@ -52,18 +53,7 @@ class PostgresTenantStore:
         cls, dsn: str, *, schema: str = "public", min_size: int = 1, max_size: int = 10
     ) -> PostgresTenantStore:
         """Connect to `dsn`, create `schema` if missing, and migrate it."""
-        if not _SCHEMA.fullmatch(schema):
-            raise ValueError(f"schema {schema!r} must match {_SCHEMA.pattern}")
-        pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
-        )
-        try:
-            async with pool.acquire() as conn:
-                await _migrate(conn, schema)
-        except BaseException:
-            await pool.close()
-            raise
-        return cls(pool)
+        return cls(await _open_pool(dsn, schema=schema, min_size=min_size, max_size=max_size))
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
@@ -169,22 +159,6 @@ class PostgresTenantStore:
     async def close(self) -> None:
         """Close the pool (waiting for connections in use to be released)."""
         await self._pool.close()
-
-
-async def _migrate(conn: Any, schema: str) -> None:
-    await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
-    try:
-        # Inside the lock: two replicas creating the same schema at once would otherwise collide.
-        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-        await conn.execute(CREATE_MIGRATIONS_TABLE)
-        applied = {row[0] for row in await conn.fetch("SELECT version FROM schema_migrations")}
-        for migration in pending(applied):
-            async with conn.transaction():
-                for sql in migration.statements("postgres"):
-                    await conn.execute(sql)
-                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", migration.version)
-    finally:
-        await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
 
 
 async def _tenant(conn: Any, tenant_id: str, *, lock: bool = False) -> Tenant:

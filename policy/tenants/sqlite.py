@@ -1,17 +1,13 @@
 """`SqliteTenantStore`: the embedded default, on the stdlib `sqlite3` module and one worker thread.
 
-sqlite3 calls block, so every call runs on a single dedicated thread, which also owns the connection (it is
-created there, and `check_same_thread` enforces that it is used nowhere else). One thread serialises the
-calls, so no two transactions of this process interleave on the connection.
+sqlite3 calls block, so every call runs on the single dedicated thread of a `registry.db.sqlite.SqliteWorker`,
+which also owns the connection. One thread serialises the calls, so no two transactions of this process
+interleave on the connection.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,23 +16,23 @@ import msgspec
 from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
-    CREATE_MIGRATIONS_TABLE,
     KEY_COLUMNS,
+    MIGRATIONS,
+    MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     TENANT_COLUMNS,
     change_from_row,
     change_row,
     encode_roles,
     key_row,
-    pending,
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+from registry.db.sqlite import Conn, SqliteWorker, transaction
 
 T = TypeVar("T")
-Conn = sqlite3.Connection
 
 _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
 
@@ -44,35 +40,30 @@ _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, 
 class SqliteTenantStore:
     """A `TenantStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, executor: ThreadPoolExecutor, conn: Conn) -> None:
-        """Use `open`; this takes a connection already owned by `executor`'s only thread."""
-        self._executor = executor
-        self._conn: Conn | None = conn
+    def __init__(self, db: SqliteWorker) -> None:
+        """Use `open`; this takes a worker whose database is already migrated."""
+        self._db = db
 
     @classmethod
     async def open(cls, path: str | Path) -> SqliteTenantStore:
         """Open (creating if needed) and migrate the database at `path`."""
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-tenants-sqlite")
-        try:
-            conn = await asyncio.get_running_loop().run_in_executor(executor, _connect, str(path))
-        except BaseException:
-            executor.shutdown(wait=False)
-            raise
-        return cls(executor, conn)
+        # foreign_keys: a key must name an existing tenant (api_keys.tenant_id REFERENCES tenants).
+        db = await SqliteWorker.open(
+            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=True, name="tenants"
+        )
+        return cls(db)
 
     async def _run(self, fn: Callable[[Conn], T]) -> T:
-        if self._conn is None:
+        if self._db.closed:
             raise TenantStoreError("the tenant store is closed")
-        # If the caller is cancelled, the call still finishes on the worker, so a transaction is never cut
-        # in half; only its result is dropped.
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._conn)
+        return await self._db.run(fn)
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
         stored = msgspec.structs.replace(tenant, created_at=now)
 
         def create(conn: Conn) -> Tenant:
-            with _transaction(conn):
+            with transaction(conn):
                 inserted = conn.execute(
                     f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT (tenant_id) DO NOTHING",
@@ -98,7 +89,7 @@ class SqliteTenantStore:
         """Replace a tenant's fields (its id and created_at stay). NotFoundError if absent."""
 
         def update(conn: Conn) -> Tenant:
-            with _transaction(conn):
+            with transaction(conn):
                 before = _tenant(conn, tenant.tenant_id)
                 after = msgspec.structs.replace(tenant, created_at=before.created_at)
                 if after != before:
@@ -117,7 +108,7 @@ class SqliteTenantStore:
         stored = msgspec.structs.replace(key, created_at=now)
 
         def add(conn: Conn) -> ApiKey:
-            with _transaction(conn):
+            with transaction(conn):
                 _tenant(conn, key.tenant_id)
                 inserted = conn.execute(
                     f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -145,7 +136,7 @@ class SqliteTenantStore:
         """Mark a key revoked at `now`; a second call keeps (and records nothing beyond) the first."""
 
         def revoke(conn: Conn) -> ApiKey:
-            with _transaction(conn):
+            with transaction(conn):
                 before = _key(conn, key_id).key
                 if before.revoked_at is not None:
                     return before
@@ -160,7 +151,7 @@ class SqliteTenantStore:
         """Replace a key's roles. NotFoundError if absent."""
 
         def set_roles(conn: Conn) -> ApiKey:
-            with _transaction(conn):
+            with transaction(conn):
                 before = _key(conn, key_id).key
                 after = msgspec.structs.replace(before, roles=tuple(roles))
                 if after != before:
@@ -179,55 +170,7 @@ class SqliteTenantStore:
 
     async def close(self) -> None:
         """Close the connection and let the worker thread end. Safe to call twice."""
-        if self._conn is None:
-            return
-        conn, self._conn = self._conn, None
-        await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
-        # The queue is empty now, so not waiting for the thread loses nothing and never blocks the loop.
-        self._executor.shutdown(wait=False)
-
-
-def _connect(path: str) -> Conn:
-    # isolation_level=None: no implicit transactions; `_transaction` opens them explicitly.
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        if path != ":memory:":
-            # WAL lets readers (other processes, e.g. the CLI) proceed while a write is in progress.
-            conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        # Another process holding the write lock makes us wait on the worker thread, not fail at once.
-        conn.execute("PRAGMA busy_timeout = 5000")
-        _migrate(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _migrate(conn: Conn) -> None:
-    conn.execute(CREATE_MIGRATIONS_TABLE)
-    applied = {version for (version,) in conn.execute("SELECT version FROM schema_migrations")}
-    for migration in pending(applied):
-        with _transaction(conn):
-            # Checked again under the write lock: another process may have applied it since we looked.
-            done = conn.execute("SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,))
-            if done.fetchone() is not None:
-                continue
-            for sql in migration.statements("sqlite"):
-                conn.execute(sql)
-            conn.execute("INSERT INTO schema_migrations (version) VALUES (?)", (migration.version,))
-
-
-@contextmanager
-def _transaction(conn: Conn) -> Iterator[None]:
-    # IMMEDIATE takes the write lock up front, so a read-then-write cannot be overtaken by another writer.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+        await self._db.close()
 
 
 def _tenant(conn: Conn, tenant_id: str) -> Tenant:
