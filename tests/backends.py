@@ -3,10 +3,14 @@ PostgreSQL (multi-replica), with an injected clock. Both services are required: 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, closing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -71,18 +75,84 @@ async def redis_quota(
 
 
 @asynccontextmanager
-async def postgres_schema() -> AsyncIterator[str]:
-    """A fresh PostgreSQL schema name, dropped (with everything in it) afterwards."""
+async def postgres_schema() -> AsyncIterator[tuple[str, Any]]:
+    """A fresh PostgreSQL schema name and an admin connection; the schema is dropped afterwards."""
     schema = f"test_{secrets.token_hex(6)}"
     try:
         admin = await asyncpg.connect(PG_DSN, timeout=10)
-    except (OSError, asyncpg.PostgresError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         pytest.fail(f"PostgreSQL is required and unreachable at {PG_DSN}: {exc!r}")
     try:
-        yield schema
+        yield schema, admin
     finally:
         await admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         await admin.close()
+
+
+class Closable(Protocol):
+    """A store."""
+
+    async def close(self) -> None: ...
+
+
+StoreT = TypeVar("StoreT", bound=Closable)
+
+
+@dataclass
+class SqlBackend(Generic[StoreT]):
+    """One database location: open stores on it (closed after the test) and run raw SQL on it.
+
+    Raw SQL names tables as `{schema}.table`: the test's schema on PostgreSQL, nothing on SQLite.
+    """
+
+    name: str
+    open: Callable[[], Awaitable[StoreT]]
+    raw: Callable[[str], Awaitable[list[tuple[Any, ...]]]]
+    location: str  # the SQLite path or the PostgreSQL schema
+
+
+@asynccontextmanager
+async def sql_backend(
+    name: str,
+    tmp_path: Path,
+    sqlite: Callable[[Path], Awaitable[StoreT]],
+    postgres: Callable[[str], Awaitable[StoreT]],
+) -> AsyncIterator[SqlBackend[StoreT]]:
+    """A SQLite file in tmp_path ("sqlite") or a fresh PostgreSQL schema ("postgres"); stores opened through
+    it are closed afterwards. No PostgreSQL is a failure, never a skip."""
+    opened: list[StoreT] = []
+    async with AsyncExitStack() as stack:
+
+        async def close_all() -> None:
+            for store in opened:
+                await store.close()
+
+        if name == "sqlite":
+            path = tmp_path / "store.sqlite3"
+            stack.push_async_callback(close_all)
+
+            async def open_sqlite() -> StoreT:
+                opened.append(await sqlite(path))
+                return opened[-1]
+
+            def query(sql: str) -> list[tuple[Any, ...]]:
+                with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+                    return conn.execute(sql.replace("{schema}.", "")).fetchall()
+
+            yield SqlBackend(name, open_sqlite, lambda sql: asyncio.to_thread(query, sql), str(path))
+            return
+        schema, admin = await stack.enter_async_context(postgres_schema())
+        # Registered after the schema: runs before the schema is dropped.
+        stack.push_async_callback(close_all)
+
+        async def open_postgres() -> StoreT:
+            opened.append(await postgres(schema))
+            return opened[-1]
+
+        async def raw(sql: str) -> list[tuple[Any, ...]]:
+            return [tuple(row) for row in await admin.fetch(sql.replace("{schema}", schema))]
+
+        yield SqlBackend(name, open_postgres, raw, schema)
 
 
 @asynccontextmanager
@@ -97,7 +167,7 @@ async def deployment(name: str, tmp_path: Path) -> AsyncIterator[Backends]:
             stack.push_async_callback(registry.close)
             yield Backends(name, tenants, MemoryQuotaStore(), registry)
             return
-        schema = await stack.enter_async_context(postgres_schema())
+        schema, _admin = await stack.enter_async_context(postgres_schema())
         tenants = await PostgresTenantStore.open(PG_DSN, schema=schema)
         stack.push_async_callback(tenants.close)
         registry = await PostgresRegistryStore.open(PG_DSN, schema=schema)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import closing
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import msgspec
@@ -34,8 +30,8 @@ from policy.tenants import (
     parse_key,
     verify,
 )
+from tests.backends import PG_DSN, SqlBackend, sql_backend
 
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 QUOTAS = Quotas(
     tenant=Limits(requests_per_second=0.1, request_burst=3.0, tokens_per_second=1234.5678, token_burst=1e6),
     per_key=Limits(requests_per_second=1 / 3, request_burst=1.5, tokens_per_second=0.007, token_burst=2.2),
@@ -46,57 +42,18 @@ ACME = Tenant(
 )
 
 
-@dataclass
-class Backend:
-    """One database location: open stores on it (closed after the test) and run raw SQL on it.
-
-    Raw SQL names tables as `{schema}.table`: the test's schema on PostgreSQL, nothing on SQLite.
-    """
-
-    open: Callable[[], Awaitable[TenantStore]]
-    raw: Callable[[str], Awaitable[list[tuple[Any, ...]]]]
+Backend = SqlBackend[TenantStore]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """A SQLite file in tmp_path, or a fresh PostgreSQL schema dropped afterwards. No PostgreSQL = failure."""
-    opened: list[TenantStore] = []
-    if request.param == "sqlite":
-        path = tmp_path / "tenants.db"
 
-        async def open_sqlite() -> TenantStore:
-            opened.append(await SqliteTenantStore.open(path))
-            return opened[-1]
+    async def postgres(schema: str) -> TenantStore:
+        return await PostgresTenantStore.open(PG_DSN, schema=schema)
 
-        def query(sql: str) -> list[tuple[Any, ...]]:
-            with closing(sqlite3.connect(path, isolation_level=None)) as conn:
-                return conn.execute(sql.replace("{schema}.", "")).fetchall()
-
-        yield Backend(open=open_sqlite, raw=lambda sql: asyncio.to_thread(query, sql))
-    else:
-        schema = f"test_tenants_{secrets.token_hex(6)}"
-        try:
-            admin = await asyncpg.connect(PG_DSN, timeout=10)
-        except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-            pytest.fail(f"PostgreSQL is required and unreachable at {PG_DSN}: {exc!r}")
-
-        async def open_postgres() -> TenantStore:
-            opened.append(await PostgresTenantStore.open(PG_DSN, schema=schema))
-            return opened[-1]
-
-        async def raw(sql: str) -> list[tuple[Any, ...]]:
-            return [tuple(row) for row in await admin.fetch(sql.replace("{schema}", schema))]
-
-        try:
-            yield Backend(open=open_postgres, raw=raw)
-        finally:
-            for store in opened:
-                await store.close()
-            opened.clear()
-            await admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-            await admin.close()
-    for store in opened:
-        await store.close()
+    async with sql_backend(request.param, tmp_path, SqliteTenantStore.open, postgres) as opened:
+        yield opened
 
 
 @pytest.fixture
