@@ -29,11 +29,13 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
         spec = applicable(principal.tenant, principal.key)
         names = tuple(name for name, _, _ in spec)
         buckets = tuple(bucket for _, bucket, _ in spec)
-        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        # A bucket that never refills (rate 0) waits forever; say a day rather than overflow.
+        wait = min(exc.retry_after, 86_400.0)
+        headers = {"Retry-After": str(max(1, math.ceil(wait)))}
         headers.update(rate_limit_headers(names, buckets, exc.levels))
         name = next((n for n, b, _ in spec if b.key == exc.bucket), exc.bucket)
         raise RateLimitedError(
-            f"rate limit reached on `{name}`; this request fits again in {exc.retry_after:.2f} s",
+            f"rate limit reached on `{name}`; this request fits again in {wait:.2f} s",
             code="rate_limit_exceeded",
             headers=headers,
         ) from exc
