@@ -1,4 +1,8 @@
-"""Quota at the HTTP edge: reserve for a planned request; denials become 429, 400 or 503 with headers."""
+"""Quota at the HTTP edge: reserve for a planned request; denials become 429, 400 or 503 with headers.
+
+503 `quota_unavailable`: the store is unreachable and the tenant fails closed. 503 `quota_busy`: every
+connection of our own pool stayed busy past `quota.pool_timeout` (gateway overload; whatever the fail mode).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import math
 from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimitedError
 from gateway.planning import Plan
 from policy.auth import Principal
-from policy.quota.base import QuotaExceededError, QuotaImpossibleError
+from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
 from policy.quota.meter import Charge, QuotaMeter, QuotaUnavailableError, applicable, rate_limit_headers
 
 
@@ -53,4 +57,10 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
     except QuotaUnavailableError as exc:
         raise EngineUnavailableError(
             str(exc), code="quota_unavailable", headers={"Retry-After": "1"}
+        ) from exc
+    except QuotaBusyError as exc:
+        raise EngineUnavailableError(
+            "the gateway is overloaded (quota checks are queued); retry shortly",
+            code="quota_busy",
+            headers={"Retry-After": "1"},
         ) from exc

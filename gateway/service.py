@@ -134,7 +134,8 @@ class Services:
         def sink(outcome: Outcome) -> None:
             self.sink(outcome)
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
-            self.tasks.spawn(self.meter.settle(charge, used))
+            # The meter's own task, not the request TaskSet: shutdown cancels those, and drains these.
+            self.meter.settle_later(charge, used)
 
         return sink
 

@@ -3,23 +3,30 @@
 from policy.quota.base import (
     BucketSpec,
     QuotaBackendError,
+    QuotaBusyError,
     QuotaError,
     QuotaExceededError,
     QuotaImpossibleError,
     QuotaStore,
     Reservation,
+    ReservationClosedError,
 )
 from policy.quota.memory import MemoryQuotaStore
 from policy.quota.redis import RedisQuotaStore
+from policy.quota.settle import SettlePolicy, Settler
 
 __all__ = [
     "BucketSpec",
     "MemoryQuotaStore",
     "QuotaBackendError",
+    "QuotaBusyError",
     "QuotaError",
     "QuotaExceededError",
     "QuotaImpossibleError",
     "QuotaStore",
     "RedisQuotaStore",
     "Reservation",
+    "ReservationClosedError",
+    "SettlePolicy",
+    "Settler",
 ]

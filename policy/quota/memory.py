@@ -16,10 +16,11 @@ from policy.quota.base import (
     QuotaExceededError,
     QuotaImpossibleError,
     Reservation,
+    ReservationClosedError,
 )
 
-# How long a settled reservation id is remembered, in seconds of the caller's clock. A reservation is
-# reconciled within one request's lifetime; an hour leaves a wide margin for retries of a reconcile.
+# How long a reservation id is remembered (granted, settled or voided), in seconds of the caller's clock. A
+# reservation is reconciled within one request's lifetime; an hour leaves a wide margin for retries.
 SETTLED_TTL = 3600.0
 
 
@@ -65,8 +66,9 @@ class MemoryQuotaStore:
 
     def __init__(self, *, settled_ttl: float = SETTLED_TTL) -> None:
         self._buckets: dict[str, _Bucket] = {}
-        # Reservation id -> `now` at settlement, oldest first (insertion order): expiry pops from the front.
-        self._settled: OrderedDict[str, float] = OrderedDict()
+        # Reservation id -> (`now` when last written, the granted reservation or None once settled/voided),
+        # oldest first: expiry pops from the front.
+        self._records: OrderedDict[str, tuple[float, Reservation | None]] = OrderedDict()
         self._settled_ttl = settled_ttl
 
     def _refilled(self, spec: BucketSpec, now: float) -> tuple[float, float]:
@@ -80,10 +82,21 @@ class MemoryQuotaStore:
         return min(spec.capacity, state.level + spec.rate * (ts - state.ts)), ts
 
     async def reserve(
-        self, buckets: Sequence[BucketSpec], amounts: Sequence[float], now: float
+        self,
+        buckets: Sequence[BucketSpec],
+        amounts: Sequence[float],
+        now: float,
+        reservation_id: str | None = None,
     ) -> Reservation:
         """Debit `amounts` from `buckets` at `now`, all or nothing (see `QuotaStore.reserve`)."""
         check_request(buckets, amounts)
+        self._forget_settled(now)
+        rid = reservation_id or new_reservation_id()
+        if rid in self._records:
+            granted = self._records[rid][1]
+            if granted is None:
+                raise ReservationClosedError(rid)
+            return granted  # A retry of a granted reserve: the same outcome, debited once.
         refilled = [self._refilled(spec, now) for spec in buckets]
         worst, worst_wait = -1, -1.0
         for i, (spec, amount, (level, ts)) in enumerate(zip(buckets, amounts, refilled, strict=True)):
@@ -100,20 +113,22 @@ class MemoryQuotaStore:
             # Invariant: a debit only lowers the level, so level <= capacity still holds.
             self._buckets[spec.key] = _Bucket(level - amount, ts)
             levels.append(level - amount)
-        return Reservation(
-            reservation_id=new_reservation_id(),
-            buckets=tuple(buckets),
-            amounts=tuple(amounts),
-            levels=tuple(levels),
+        reservation = Reservation(
+            reservation_id=rid, buckets=tuple(buckets), amounts=tuple(amounts), levels=tuple(levels)
         )
+        self._records[rid] = (now, reservation)
+        return reservation
 
     async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
         """Refund or charge the difference between reserved and actual; False if already settled."""
         check_actual(reservation, actual)
         self._forget_settled(now)
-        if reservation.reservation_id in self._settled:
+        rid = reservation.reservation_id
+        record = self._records.pop(rid, None)
+        # Settled, voided or never granted alike: from now on the id is closed (a tombstone).
+        self._records[rid] = (now, None)
+        if record is None or record[1] is None:
             return False
-        self._settled[reservation.reservation_id] = now
         for spec, reserved, used in zip(reservation.buckets, reservation.amounts, actual, strict=True):
             level, ts = self._refilled(spec, now)
             # Invariant: a refund is capped at capacity; an overrun may leave debt (a negative level).
@@ -127,13 +142,13 @@ class MemoryQuotaStore:
     async def close(self) -> None:
         """Nothing to release; drops the state."""
         self._buckets.clear()
-        self._settled.clear()
+        self._records.clear()
 
     def _forget_settled(self, now: float) -> None:
-        """Drop ids settled more than the TTL ago, so the set stays bounded by the settle rate x TTL."""
+        """Drop ids written more than the TTL ago, so the records stay bounded by the request rate x TTL."""
         horizon = now - self._settled_ttl
-        while self._settled:
-            oldest_id, settled_at = next(iter(self._settled.items()))
-            if settled_at >= horizon:
+        while self._records:
+            oldest_id, (written_at, _) = next(iter(self._records.items()))
+            if written_at >= horizon:
                 break
-            del self._settled[oldest_id]
+            del self._records[oldest_id]

@@ -1,13 +1,30 @@
 """Per-request quota policy: which buckets apply, reserve before, settle after, and fail-open/closed.
 
 Each request reserves 1 request and `prompt_tokens + max_tokens` tokens on every bucket that applies (tenant
-and key scopes), atomically. When it ends, however it ended, `settle` refunds what it did not use. While the
-store is unreachable the tenant's `fail_mode` decides: `open` admits unmetered (logged and counted), `closed`
-refuses (QuotaUnavailableError).
+and key scopes), atomically. When it ends, however it ended, `settle_later` refunds what it did not use, in
+the settler's own tasks (retried, drained at shutdown: see `policy.quota.settle`). While the store is
+unreachable the tenant's `fail_mode` decides: `open` admits unmetered (logged and counted), `closed` refuses
+(QuotaUnavailableError). Our own connection pool staying busy is not the store being unreachable: it is
+counted as `pool_exhausted` and refused as QuotaBusyError whatever the fail mode.
+
+The meter picks each reservation id before it calls the store. A reserve that fails as unreachable may still
+have run (the reply was lost, or the command is still queued in a stalled Redis), so its outcome is unknown:
+the meter settles that id anyway, by id, with what the request used (nothing when it was refused). If the
+reserve had been granted, that refunds it (or charges the usage of a fail-open request); if it had not run
+yet, the id is closed and a late arrival of it debits nothing. No path leaves tokens debited for good.
+
+Bucket keys carry the tenant as a Redis Cluster hash tag (`tenant:{acme}:tok`, `key:{acme}:<key id>:tok`), so
+every key of one request, and its reservation record, live in one cluster slot.
+
+Counters: `reserved` (granted), `reserve_unknown` (outcome unknown, settled by id), `fail_open`,
+`fail_closed`, `pool_exhausted`, and the settler's `settled`, `settle_noop`, `settle_retried`,
+`settle_given_up`. Once every settlement has finished:
+reserved + reserve_unknown == settled + settle_noop + settle_given_up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import Counter
@@ -15,7 +32,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from policy.quota.base import BucketSpec, QuotaBackendError, QuotaStore, Reservation
+from policy.quota.base import BucketSpec, QuotaBackendError, QuotaBusyError, QuotaStore, Reservation
+from policy.quota.memory import new_reservation_id
+from policy.quota.settle import SettlePolicy, Settler, Sleep
 from policy.tenants.models import ApiKey, Limits, Tenant
 
 log = logging.getLogger("lockgate.quota")
@@ -34,10 +53,13 @@ class Charge(msgspec.Struct, frozen=True, kw_only=True):
     # Per bucket: whether it counts tokens (else requests).
     counts_tokens: tuple[bool, ...]
     fail_open: bool = False
+    # A fail-open request whose reserve may have run after all: settled by id like a granted one.
+    pending: Reservation | None = None
 
 
 def _buckets(scope: str, ident: str, limits: Limits | None) -> list[tuple[str, BucketSpec, bool]]:
-    """(header name, bucket, counts tokens) for one scope's request and token buckets."""
+    """(header name, bucket, counts tokens) for one scope's request and token buckets; `ident` carries the
+    tenant's hash tag."""
     if limits is None:
         return []
     return [
@@ -59,20 +81,29 @@ def _buckets(scope: str, ident: str, limits: Limits | None) -> list[tuple[str, B
 
 
 def applicable(tenant: Tenant, key: ApiKey) -> list[tuple[str, BucketSpec, bool]]:
-    """Every bucket a request of this key draws from."""
-    return _buckets("tenant", tenant.tenant_id, tenant.quotas.tenant) + _buckets(
-        "key", key.key_id, tenant.quotas.per_key
+    """Every bucket a request of this key draws from, all under the tenant's hash tag `{tenant}`."""
+    tag = f"{{{tenant.tenant_id}}}"
+    return _buckets("tenant", tag, tenant.quotas.tenant) + _buckets(
+        "key", f"{tag}:{key.key_id}", tenant.quotas.per_key
     )
 
 
 class QuotaMeter:
     """Reserves and settles one request's quota against a `QuotaStore`."""
 
-    def __init__(self, store: QuotaStore, clock: Clock) -> None:
+    def __init__(
+        self,
+        store: QuotaStore,
+        clock: Clock,
+        *,
+        settle_policy: SettlePolicy | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
         self.store = store
         self._clock = clock
-        # Fail-open / fail-closed decisions and settle failures, by name (exported as metrics later).
+        # Reservations, fail-open / fail-closed decisions and settlements, by name (see the module docstring).
         self.counters: Counter[str] = Counter()
+        self.settler = Settler(store, clock, self.counters, policy=settle_policy, sleep=sleep)
 
     async def reserve(self, tenant: Tenant, key: ApiKey, tokens: int) -> Charge:
         """Reserve 1 request and `tokens` tokens on every applicable bucket, or raise.
@@ -83,11 +114,19 @@ class QuotaMeter:
         counts_tokens = tuple(flag for _, _, flag in spec)
         if not spec:
             return Charge(reservation=None, names=(), counts_tokens=())
-        buckets = [bucket for _, bucket, _ in spec]
-        amounts = [float(tokens) if flag else 1.0 for flag in counts_tokens]
+        buckets = tuple(bucket for _, bucket, _ in spec)
+        amounts = tuple(float(tokens) if flag else 1.0 for flag in counts_tokens)
+        # Chosen here, before the call: if the reply is lost, this id still names whatever the store did.
+        rid = new_reservation_id()
         try:
-            reservation = await self.store.reserve(buckets, amounts, self._clock())
+            reservation = await self.store.reserve(buckets, amounts, self._clock(), rid)
+        except QuotaBusyError:
+            # Nothing was sent: there is nothing to settle, and Redis is not unreachable.
+            self.counters["pool_exhausted"] += 1
+            raise
         except QuotaBackendError as exc:
+            self.counters["reserve_unknown"] += 1
+            unknown = Reservation(reservation_id=rid, buckets=buckets, amounts=amounts, levels=())
             if tenant.quotas.fail_mode == "open":
                 self.counters["fail_open"] += 1
                 log.warning(
@@ -95,26 +134,42 @@ class QuotaMeter:
                     exc,
                     tenant.tenant_id,
                 )
-                return Charge(reservation=None, names=names, counts_tokens=counts_tokens, fail_open=True)
+                return Charge(
+                    reservation=None,
+                    names=names,
+                    counts_tokens=counts_tokens,
+                    fail_open=True,
+                    pending=unknown,
+                )
             self.counters["fail_closed"] += 1
             log.warning(
                 "quota store unreachable (%s): tenant %s fails closed, request refused", exc, tenant.tenant_id
             )
+            # Refused: if the reserve ran after all, refund all of it (the request never ran).
+            self.settler.submit(unknown, [0.0] * len(amounts))
             raise QuotaUnavailableError("the quota service is unavailable; retry shortly") from exc
+        self.counters["reserved"] += 1
         return Charge(reservation=reservation, names=names, counts_tokens=counts_tokens)
 
+    def _actual(self, charge: Charge, used_tokens: int) -> list[float]:
+        return [float(used_tokens) if flag else 1.0 for flag in charge.counts_tokens]
+
+    def settle_later(self, charge: Charge, used_tokens: int) -> None:
+        """Settle with what the request used (1 request, `used_tokens` tokens) in the settler's own task:
+        safe to call from a task that is being cancelled; retried on failure; drained at shutdown."""
+        reservation = charge.reservation or charge.pending
+        if reservation is not None:
+            self.settler.submit(reservation, self._actual(charge, used_tokens))
+
     async def settle(self, charge: Charge, used_tokens: int) -> None:
-        """Reconcile with what the request used: 1 request, `used_tokens` tokens (exactly once)."""
-        reservation = charge.reservation
-        if reservation is None:
-            return
-        actual = [float(used_tokens) if flag else 1.0 for flag in charge.counts_tokens]
-        try:
-            await self.store.reconcile(reservation, actual, self._clock())
-        except QuotaBackendError as exc:
-            # The reservation stays charged in full: the tenant is never under-charged by an outage.
-            self.counters["settle_failed"] += 1
-            log.warning("could not settle reservation %s: %s", reservation.reservation_id, exc)
+        """Like `settle_later`, awaited here (retries included)."""
+        reservation = charge.reservation or charge.pending
+        if reservation is not None:
+            await self.settler.settle(reservation, self._actual(charge, used_tokens))
+
+    async def drain(self, within: float) -> None:
+        """Wait up to `within` seconds for every settlement in flight (shutdown, before the store closes)."""
+        await self.settler.drain(within)
 
 
 def rate_limit_headers(

@@ -2,12 +2,25 @@
 
 Keys (all under `prefix`)::
 
-    bucket:<spec.key>        hash {level, ts}; expires once the bucket would be full again (a missing key is
-                             a full bucket, so expiry loses nothing)
-    settled:<reservation id> string; SET NX EX 3600 makes reconcile exactly-once
+    bucket:<spec.key>         hash {level, ts}; expires once the bucket would be full again (a missing key is
+                              a full bucket, so expiry loses nothing)
+    res:{<tag>}:<id>          hash {s, lv}: the reservation record, EX 3600. s = "r" granted (lv: the levels
+                              after the debit, replayed to a retried reserve), s = "x" settled or voided (a
+                              tombstone: reserve refuses the id, reconcile is a no-op)
+
+`<tag>` is the Redis Cluster hash tag of the first bucket key (the meter names every bucket of a tenant
+`...{tenant}...`), so all keys one script touches live in one cluster slot.
+
+Time: by default the scripts read the Redis server's clock (`TIME`), so gateway replicas with skewed clocks
+cannot refill a bucket faster; `server_time=False` uses the caller's `now` (deterministic tests). Redis >= 5
+replicates script effects, so `TIME` before writes is allowed.
 
 Numbers cross the Lua boundary as strings formatted with %.17g: Redis would truncate a Lua number reply to an
 integer, and Lua's own tostring keeps only 14 digits; 17 significant digits round-trip a double exactly.
+
+Connections: at most `pool_size` operations are in flight; the next waits up to `pool_timeout` for a free
+slot and then fails as QuotaBusyError (our own load), never as QuotaBackendError (Redis unreachable), and
+`op_timeout` bounds only the round trip itself, not the wait for a slot.
 """
 
 from __future__ import annotations
@@ -23,14 +36,22 @@ from redis.commands.core import AsyncScript
 from policy.quota.base import (
     BucketSpec,
     QuotaBackendError,
+    QuotaBusyError,
     QuotaExceededError,
     Reservation,
+    ReservationClosedError,
 )
 from policy.quota.memory import SETTLED_TTL, check_actual, check_request, new_reservation_id
 
-# Shared by the scripts below: refill one bucket to `now` and persist it with an expiry.
+# Shared by the scripts below: the clock, and refill one bucket to `now` and persist it with an expiry.
 _LUA_COMMON = """
 local function fmt(x) return string.format('%.17g', x) end
+-- The caller's time, or (empty argument) the server's: one clock for every replica.
+local function clock(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
 -- Returns level, ts of KEYS[i] refilled to now. A missing key is a full bucket.
 local function refill(key, cap, rate, now)
   local state = redis.call('HMGET', key, 'level', 'ts')
@@ -52,16 +73,27 @@ local function store(key, cap, rate, level, ts)
 end
 """
 
-# KEYS = buckets; ARGV = now, then capacity, rate, amount per bucket.
-# Returns {1, 0, '0', levels after debit...} or {0, limiting bucket (1-based), wait, refilled levels...}.
+# KEYS = buckets, then the reservation record; ARGV = now ('' = server time), record ttl, then capacity,
+# rate, amount per bucket. Returns {1, 0, '0', levels after debit...} (granted now), {2, 0, '0', levels...}
+# (granted before: replayed, nothing debited), {-1, 0, '0'} (id closed), or {0, limiting bucket (1-based),
+# wait, refilled levels...} (denied).
 _RESERVE = (
     _LUA_COMMON
     + """
-local now = tonumber(ARGV[1])
+local n = #KEYS - 1
+local rec = KEYS[n+1]
+local seen = redis.call('HMGET', rec, 's', 'lv')
+if seen[1] == 'x' then return {-1, 0, '0'} end
+if seen[1] == 'r' then
+  local out = {2, 0, '0'}
+  for lv in string.gmatch(seen[2], '[^,]+') do out[#out+1] = lv end
+  return out
+end
+local now = clock(ARGV[1])
 local levels, stamps, out = {}, {}, {}
 local worst, worst_wait = 0, -1
-for i = 1, #KEYS do
-  local cap, rate, amount = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+for i = 1, n do
+  local cap, rate, amount = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   levels[i], stamps[i] = refill(KEYS[i], cap, rate, now)
   if levels[i] < amount then
     local wait = math.huge
@@ -71,28 +103,39 @@ for i = 1, #KEYS do
   end
 end
 if worst > 0 then
-  -- Denied: nothing is written, so every bucket is exactly as it was.
-  for i = 1, #KEYS do out[i] = fmt(levels[i]) end
+  -- Denied: nothing is written (not even the record), so every bucket is exactly as it was.
+  for i = 1, n do out[i] = fmt(levels[i]) end
   return {0, worst, fmt(worst_wait), unpack(out)}
 end
-for i = 1, #KEYS do
-  local cap, rate, amount = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+for i = 1, n do
+  local cap, rate, amount = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   -- Invariant: a debit only lowers the level, so level <= cap still holds.
   store(KEYS[i], cap, rate, levels[i] - amount, stamps[i])
   out[i] = fmt(levels[i] - amount)
 end
+redis.call('HSET', rec, 's', 'r', 'lv', table.concat(out, ','))
+redis.call('EXPIRE', rec, ARGV[2])
 return {1, 0, '0', unpack(out)}
 """
 )
 
-# KEYS = buckets + settled marker; ARGV = now, marker ttl, then capacity, rate, delta (reserved - actual).
-# Returns 1 if settled now, 0 if it was settled before.
+# KEYS = buckets, then the reservation record; ARGV = now ('' = server time), record ttl, then capacity,
+# rate, delta (reserved - actual) per bucket. Returns 1 if a granted reservation was settled now, 0 if it was
+# settled before or never granted (the record becomes a tombstone either way).
 _RECONCILE = (
     _LUA_COMMON
     + """
 local n = #KEYS - 1
-local now = tonumber(ARGV[1])
-if not redis.call('SET', KEYS[n+1], '1', 'NX', 'EX', ARGV[2]) then return 0 end
+local rec = KEYS[n+1]
+local state = redis.call('HGET', rec, 's')
+if state == 'x' then return 0 end
+redis.call('HSET', rec, 's', 'x')
+redis.call('HDEL', rec, 'lv')
+redis.call('EXPIRE', rec, ARGV[2])
+-- Never granted (a reserve that timed out before it ran, or ran and was denied): nothing to refund, and the
+-- tombstone makes a late arrival of that reserve a no-op.
+if state ~= 'r' then return 0 end
+local now = clock(ARGV[1])
 for i = 1, n do
   local cap, rate, delta = tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1]), tonumber(ARGV[3*i+2])
   local level, ts = refill(KEYS[i], cap, rate, now)
@@ -103,11 +146,11 @@ return 1
 """
 )
 
-# KEYS = buckets; ARGV = now, then capacity, rate per bucket. Read-only.
+# KEYS = buckets; ARGV = now ('' = server time), then capacity, rate per bucket. Read-only.
 _LEVELS = (
     _LUA_COMMON
     + """
-local now, out = tonumber(ARGV[1]), {}
+local now, out = clock(ARGV[1]), {}
 for i = 1, #KEYS do
   out[i] = fmt((refill(KEYS[i], tonumber(ARGV[2*i]), tonumber(ARGV[2*i+1]), now)))
 end
@@ -118,66 +161,172 @@ return out
 # What a dead, unreachable or stalled Redis raises; anything else (a script bug) is not the backend's health.
 _BACKEND_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, TimeoutError)
 
+Client = redis.asyncio.Redis | redis.asyncio.RedisCluster
+
+
+def hash_tag(key: str) -> str | None:
+    """The part of `key` Redis Cluster hashes when it has one: between the first `{` and the next `}`."""
+    start = key.find("{")
+    if start < 0:
+        return None
+    end = key.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return key[start + 1 : end]
+
 
 class RedisQuotaStore:
-    """`QuotaStore` in Redis; every call is bounded by `op_timeout` seconds and fails as QuotaBackendError.
+    """`QuotaStore` in Redis (one server or a Redis Cluster); every round trip is bounded by `op_timeout`
+    seconds and fails as QuotaBackendError.
 
     The store owns `client`: `close` closes it."""
 
     def __init__(
-        self, client: redis.asyncio.Redis, *, prefix: str = "lockgate:quota:", op_timeout: float = 0.25
+        self,
+        client: Client,
+        *,
+        prefix: str = "lockgate:quota:",
+        op_timeout: float = 0.25,
+        pool_size: int | None = None,
+        pool_timeout: float = 1.0,
+        server_time: bool = True,
     ) -> None:
         self._client = client
         self._prefix = prefix
         self._op_timeout = op_timeout
+        # At most `pool_size` scripts in flight, so the client's own pool never has to refuse or block: the
+        # wait for a slot is ours, bounded by `pool_timeout` and separate from `op_timeout`.
+        self._slots = asyncio.Semaphore(pool_size) if pool_size else None
+        self._pool_timeout = pool_timeout
+        self._server_time = server_time
+        self._cluster = isinstance(client, redis.asyncio.RedisCluster)
         self._reserve = client.register_script(_RESERVE)
         self._reconcile = client.register_script(_RECONCILE)
         self._levels = client.register_script(_LEVELS)
 
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        pool_size: int = 50,
+        pool_timeout: float = 1.0,
+        op_timeout: float = 0.25,
+        prefix: str = "lockgate:quota:",
+        server_time: bool = True,
+    ) -> RedisQuotaStore:
+        """A store with a client of its own: a blocking pool of `pool_size` connections to one server, or a
+        Redis Cluster client (`cluster`, `url` naming any node) with up to `pool_size` per node."""
+        client: Client
+        if cluster:
+            client = redis.asyncio.RedisCluster.from_url(
+                url,
+                max_connections=pool_size,
+                socket_timeout=op_timeout,
+                socket_connect_timeout=op_timeout,
+            )
+        else:
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                url,
+                max_connections=pool_size,
+                timeout=pool_timeout,
+                socket_timeout=op_timeout,
+                socket_connect_timeout=op_timeout,
+            )
+            client = redis.asyncio.Redis.from_pool(pool)
+        return cls(
+            client,
+            prefix=prefix,
+            op_timeout=op_timeout,
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
+            server_time=server_time,
+        )
+
     def _key(self, spec: BucketSpec) -> str:
         return f"{self._prefix}bucket:{spec.key}"
 
+    def _keys(self, buckets: Sequence[BucketSpec], reservation_id: str) -> list[str]:
+        """The bucket keys and the reservation record's key, all under the first bucket's hash tag."""
+        keys = [self._key(b) for b in buckets]
+        tag = hash_tag(keys[0]) if keys else None
+        if tag is None:
+            keys.append(f"{self._prefix}res:{reservation_id}")
+        else:
+            keys.append(f"{self._prefix}res:{{{tag}}}:{reservation_id}")
+        if self._cluster and (tag is None or any(hash_tag(k) != tag for k in keys)):
+            # One script must stay in one cluster slot; Redis would refuse it with CROSSSLOT.
+            raise ValueError(f"keys {keys} do not share one hash tag: they cannot run on Redis Cluster")
+        return keys
+
+    def _now(self, now: float) -> float | str:
+        return "" if self._server_time else now
+
     async def _run(self, script: AsyncScript, keys: list[str], args: list[float | str]) -> Any:
-        """Run one script, bounded by `op_timeout`; a dead Redis must never hang a request."""
+        """Run one script: wait (bounded) for a connection slot, then one round trip bounded by `op_timeout`;
+        a dead Redis must never hang a request, and our own pool must never look like a dead Redis."""
+        if self._slots is not None:
+            try:
+                async with asyncio.timeout(self._pool_timeout):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise QuotaBusyError(
+                    f"no Redis connection came free within {self._pool_timeout:g} s"
+                ) from None
         try:
             async with asyncio.timeout(self._op_timeout):
                 return await script(keys=keys, args=args)
+        except redis.exceptions.MaxConnectionsError as exc:
+            # The client's own pool is full (shared beyond `pool_size`): our load, not Redis's health.
+            raise QuotaBusyError(f"Redis connection pool exhausted: {exc!r}") from exc
         except _BACKEND_ERRORS as exc:
             raise QuotaBackendError(f"quota store unavailable: {exc!r}") from exc
+        finally:
+            if self._slots is not None:
+                self._slots.release()
 
     async def reserve(
-        self, buckets: Sequence[BucketSpec], amounts: Sequence[float], now: float
+        self,
+        buckets: Sequence[BucketSpec],
+        amounts: Sequence[float],
+        now: float,
+        reservation_id: str | None = None,
     ) -> Reservation:
-        """Debit `amounts` from `buckets` at `now`, all or nothing (see `QuotaStore.reserve`)."""
+        """Debit `amounts` from `buckets`, all or nothing, idempotent by `reservation_id` (see
+        `QuotaStore.reserve`); at Redis server time unless the store was made with `server_time=False`."""
         check_request(buckets, amounts)
-        args: list[float | str] = [now]
+        rid = reservation_id or new_reservation_id()
+        args: list[float | str] = [self._now(now), str(int(SETTLED_TTL))]
         for spec, amount in zip(buckets, amounts, strict=True):
             args += [spec.capacity, spec.rate, amount]
-        granted, worst, wait, *levels = await self._run(self._reserve, [self._key(b) for b in buckets], args)
-        if not int(granted):
+        code, worst, wait, *levels = await self._run(self._reserve, self._keys(buckets, rid), args)
+        if int(code) == -1:
+            raise ReservationClosedError(rid)
+        if int(code) == 0:
             raise QuotaExceededError(buckets[int(worst) - 1].key, float(wait), [float(x) for x in levels])
         return Reservation(
-            reservation_id=new_reservation_id(),
+            reservation_id=rid,
             buckets=tuple(buckets),
             amounts=tuple(amounts),
             levels=tuple(float(x) for x in levels),
         )
 
     async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
-        """Refund or charge the difference between reserved and actual; False if already settled."""
+        """Refund or charge the difference between reserved and actual; False if already settled or never
+        granted (see `QuotaStore.reconcile`)."""
         check_actual(reservation, actual)
-        keys = [self._key(b) for b in reservation.buckets]
-        keys.append(f"{self._prefix}settled:{reservation.reservation_id}")
-        args: list[float | str] = [now, str(int(SETTLED_TTL))]
+        keys = self._keys(reservation.buckets, reservation.reservation_id)
+        args: list[float | str] = [self._now(now), str(int(SETTLED_TTL))]
         for spec, reserved, used in zip(reservation.buckets, reservation.amounts, actual, strict=True):
             args += [spec.capacity, spec.rate, reserved - used]
         return bool(int(await self._run(self._reconcile, keys, args)))
 
     async def levels(self, buckets: Sequence[BucketSpec], now: float) -> tuple[float, ...]:
-        """Each bucket's level refilled to `now`; nothing is written."""
+        """Each bucket's level refilled to now (server or caller time); nothing is written."""
         if not buckets:
             return ()
-        args: list[float | str] = [now]
+        args: list[float | str] = [self._now(now)]
         for spec in buckets:
             args += [spec.capacity, spec.rate]
         return tuple(float(x) for x in await self._run(self._levels, [self._key(b) for b in buckets], args))

@@ -39,8 +39,10 @@ async def redis_store() -> tuple[RedisQuotaStore, redis.asyncio.Redis, str]:
         await client.aclose()
         pytest.fail(f"the Redis quota contract needs Redis at {REDIS_URL}: {exc}")
     prefix = f"lockgate:test:{uuid.uuid4().hex}:"
-    # Generous timeout: a loaded CI machine must not turn a slow reply into a flaky failure.
-    return RedisQuotaStore(client, prefix=prefix, op_timeout=5.0), client, prefix
+    # Generous timeout: a loaded CI machine must not turn a slow reply into a flaky failure. The caller's
+    # (injected) clock, not the server's: the suite drives time itself.
+    store = RedisQuotaStore(client, prefix=prefix, op_timeout=5.0, server_time=False)
+    return store, client, prefix
 
 
 async def drop_redis_store(store: RedisQuotaStore, client: redis.asyncio.Redis, prefix: str) -> None:

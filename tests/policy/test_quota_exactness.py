@@ -38,7 +38,10 @@ def replica(prefix: str, seed: int, start: Barrier, results: Queue[Outcome]) -> 
     """One stand-in gateway replica (its own process and connection): reserve as fast as it can."""
 
     async def hammer() -> tuple[list[Grant], int]:
-        store = RedisQuotaStore(redis.asyncio.Redis.from_url(REDIS_URL), prefix=prefix, op_timeout=5.0)
+        # Client time: the bound below is computed from the `now` each grant passed.
+        store = RedisQuotaStore(
+            redis.asyncio.Redis.from_url(REDIS_URL), prefix=prefix, op_timeout=5.0, server_time=False
+        )
         rng = random.Random(seed)
         grants: list[Grant] = []
         denials = 0
@@ -132,13 +135,17 @@ async def test_stalled_redis_times_out() -> None:
 async def test_keys_expire_once_the_bucket_would_be_full_again() -> None:
     prefix = f"lockgate:test:{uuid.uuid4().hex}:"
     client = redis.asyncio.Redis.from_url(REDIS_URL)
-    store = RedisQuotaStore(redis.asyncio.Redis.from_url(REDIS_URL), prefix=prefix, op_timeout=5.0)
-    spec = BucketSpec(key="t", capacity=100.0, rate=10.0)
+    store = RedisQuotaStore(
+        redis.asyncio.Redis.from_url(REDIS_URL), prefix=prefix, op_timeout=5.0, server_time=False
+    )
+    spec = BucketSpec(key="{acme}:t", capacity=100.0, rate=10.0)
     reservation = await store.reserve([spec], [60.0], T0)
-    assert 60 < await client.ttl(f"{prefix}bucket:t") <= 66  # (100 - 40) / 10 s to full, plus 60 s slack.
+    record = f"{prefix}res:{{acme}}:{reservation.reservation_id}"  # Under the bucket's hash tag.
+    assert 3590 < await client.ttl(record) <= 3600
+    assert 60 < await client.ttl(f"{prefix}bucket:{{acme}}:t") <= 66  # (100 - 40) / 10 s to full, + 60 s.
     assert await store.reconcile(reservation, [150.0], T0)  # Debt of 50 takes longer to pay back.
-    assert 70 < await client.ttl(f"{prefix}bucket:t") <= 75
-    assert 3590 < await client.ttl(f"{prefix}settled:{reservation.reservation_id}") <= 3600
+    assert 70 < await client.ttl(f"{prefix}bucket:{{acme}}:t") <= 75
+    assert 3590 < await client.ttl(record) <= 3600  # Now a tombstone: the id is never granted again.
     await store.close()
     await drop_prefix(prefix)
     await client.aclose()
