@@ -70,7 +70,10 @@ async def open_tenant_store(config: Config) -> TenantStore:
         from policy.tenants.postgres import PostgresTenantStore
 
         return await PostgresTenantStore.open(
-            config.storage.postgres_dsn, schema=config.storage.postgres_schema
+            config.storage.postgres_dsn,
+            schema=config.storage.postgres_schema,
+            connect_timeout=config.storage.postgres_connect_timeout,
+            command_timeout=config.storage.postgres_command_timeout,
         )
     from policy.tenants.sqlite import SqliteTenantStore
 
@@ -89,7 +92,10 @@ async def open_registry_store(config: Config) -> RegistryStore:
         from registry.postgres import PostgresRegistryStore
 
         return await PostgresRegistryStore.open(
-            config.storage.postgres_dsn, schema=config.storage.postgres_schema
+            config.storage.postgres_dsn,
+            schema=config.storage.postgres_schema,
+            connect_timeout=config.storage.postgres_connect_timeout,
+            command_timeout=config.storage.postgres_command_timeout,
         )
     from registry.sqlite import SqliteRegistryStore
 
@@ -98,7 +104,9 @@ async def open_registry_store(config: Config) -> RegistryStore:
 
 async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:
     """Load the registry, register the served model directory and the default policy, apply the manifest."""
-    registry = await Registry.load(store, clock, config.registry.refresh_interval)
+    registry = await Registry.load(
+        store, clock, config.registry.refresh_interval, refresh_timeout=config.registry.refresh_timeout
+    )
     await register_default_model(
         registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
     )
@@ -185,7 +193,14 @@ def create_app(
                 sink=sink,
                 tasks=tasks,
                 tenants=store,
-                auth=Authenticator(store, clock, config.auth.cache_ttl),
+                auth=Authenticator(
+                    store,
+                    clock,
+                    config.auth.cache_ttl,
+                    store_timeout=config.auth.store_timeout,
+                    stale_grace=config.auth.stale_grace,
+                    negative_ttl=config.auth.negative_ttl,
+                ),
                 meter=QuotaMeter(buckets, clock),
                 registry=live_registry,
                 clock=clock,

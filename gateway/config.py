@@ -96,6 +96,10 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     postgres_dsn: str = ""
     # PostgreSQL schema holding Lockgate's tables.
     postgres_schema: str = "public"
+    # Seconds one attempt to open a PostgreSQL connection may take (a server that is down or paused).
+    postgres_connect_timeout: float = 5.0
+    # Seconds one PostgreSQL statement may take before it is cancelled and reported as unreachable.
+    postgres_command_timeout: float = 10.0
 
 
 class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +119,15 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Seconds a verified key stays cached: a revocation made on another replica takes effect within this bound
     # (on the replica that revokes, at once).
     cache_ttl: float = 5.0
+    # Seconds a key lookup in the tenant store may take on a cache miss; past it, or when the store is
+    # unreachable, a key that is not cached gets 503 `store_unavailable` with Retry-After.
+    store_timeout: float = 1.0
+    # Seconds past `cache_ttl` that a cached key keeps working while the tenant store is unreachable (0: not
+    # at all). During an outage, and only then, a revocation made elsewhere takes up to
+    # cache_ttl + stale_grace to show here.
+    stale_grace: float = 60.0
+    # Seconds an unknown key id is refused without asking the store again (0: not remembered).
+    negative_ttl: float = 2.0
 
 
 class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,6 +137,10 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     manifest: str = ""
     # Seconds between checks for changes made by other replicas: the bound on how long they take to show here.
     refresh_interval: float = 1.0
+    # Seconds one refresh may take before it counts as failed (the last view stays in use).
+    refresh_timeout: float = 5.0
+    # Seconds since the last successful refresh after which `/readyz` reports the registry stale (503).
+    max_staleness: float = 30.0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -191,6 +208,11 @@ def _check(config: Config) -> None:
         "quota.op_timeout": config.quota.op_timeout,
         "auth.cache_ttl": config.auth.cache_ttl,
         "registry.refresh_interval": config.registry.refresh_interval,
+        "auth.store_timeout": config.auth.store_timeout,
+        "registry.refresh_timeout": config.registry.refresh_timeout,
+        "registry.max_staleness": config.registry.max_staleness,
+        "storage.postgres_connect_timeout": config.storage.postgres_connect_timeout,
+        "storage.postgres_command_timeout": config.storage.postgres_command_timeout,
     }
     for name, value in positive.items():
         if value <= 0:
@@ -199,6 +221,12 @@ def _check(config: Config) -> None:
         raise ConfigError(f"`server.port` must be in 1..65535, got {config.server.port}")
     if config.storage.backend == "postgres" and not config.storage.postgres_dsn:
         raise ConfigError("`storage.postgres_dsn` must be set when `storage.backend` is postgres")
+    for name, value in {
+        "auth.stale_grace": config.auth.stale_grace,
+        "auth.negative_ttl": config.auth.negative_ttl,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"`{name}` must be >= 0, got {value}")
     if config.engine.max_logprobs < 0:
         raise ConfigError(f"`engine.max_logprobs` must be >= 0, got {config.engine.max_logprobs}")
 

@@ -10,6 +10,8 @@ Exceptions::
     ├── PayloadTooLargeError      413 invalid_request_error
     ├── RateLimitedError          429 rate_limit_exceeded (with Retry-After)
     ├── EngineUnavailableError    503 service_unavailable (no engine can take the request now)
+    ├── StoreUnavailableError     503 service_unavailable, code store_unavailable (the tenant store cannot
+    │                             answer now and the key is not cached; with Retry-After)
     └── EngineFailedError         502 engine_error (the engine failed this request)
 
 Litestar's own HTTP exceptions (unknown route, wrong method, body over the size limit) are rendered in the
@@ -125,6 +127,16 @@ class EngineUnavailableError(APIError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class StoreUnavailableError(APIError):
+    """A store the request needs (the tenant store, for a key that is not cached) cannot answer now."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int, code: str = "store_unavailable") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
 
 
 class EngineFailedError(APIError):

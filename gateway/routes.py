@@ -91,15 +91,28 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz")
 async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
-    """Every engine is ready to serve."""
+    """Every engine is ready to serve, and the registry view is fresh (refreshed within
+    `registry.max_staleness` seconds, its refresher running)."""
     health = await services.engine.health()
+    # The registry part: "stale" with the view's age while refreshes keep failing (the last view is still
+    # served, but a replica that cannot see rollouts should leave the load balancer's rotation).
+    registry = services.registry.health(services.config.registry.max_staleness)
+    ready = health.ready and registry.ready
     body = {
-        "status": "ready" if health.ready else "not_ready",
+        "status": "ready" if ready else "not_ready",
         "engines": {services.engine.replica_id: health.ready},
+        "registry": {
+            "status": "fresh" if registry.ready else "stale",
+            "age_s": round(registry.age_s, 3),
+            "generation": registry.generation,
+            "refresher": registry.refresher,
+            "consecutive_failures": registry.consecutive_failures,
+            "last_error": registry.last_error,
+        },
     }
     if not health.ready:
         body["detail"] = health.detail
-    return Response(content=body, status_code=HTTP_200_OK if health.ready else HTTP_503_SERVICE_UNAVAILABLE)
+    return Response(content=body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 
 ROUTES = [chat_completions, completions, list_models, healthz, readyz]

@@ -7,19 +7,23 @@ from typing import Any
 from litestar import Request
 from litestar.datastructures import State
 
-from gateway.errors import AuthenticationError, PermissionDeniedError
+from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
 from policy.auth import AuthError, ForbiddenError, Principal, require_role
+from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 from policy.tenants.models import Role
 
 
 async def provide_principal(request: Request[Any, Any, Any], state: State) -> Principal:
-    """The caller's principal from `Authorization: Bearer <key>`, or 401."""
+    """The caller's principal from `Authorization: Bearer <key>`, or 401; 503 `store_unavailable` (with
+    Retry-After) when the key is not cached and the tenant store cannot answer now."""
     try:
         principal: Principal = await state.services.auth.authenticate(request.headers.get("authorization"))
     except AuthError as exc:
         raise AuthenticationError(
             str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         ) from exc
+    except KeyStoreUnavailableError as exc:
+        raise StoreUnavailableError(str(exc), retry_after=exc.retry_after) from exc
     return principal
 
 

@@ -1,27 +1,49 @@
-"""API key authentication and role checks, with a short-lived cache so the key store is not the hot spot.
+"""API key authentication and role checks, with a cache so that the key store is neither the hot spot nor a
+single point of failure.
 
-A verified key is cached for `cache_ttl` seconds (clock injected). That is the bound on how long a key revoked
-on another replica keeps working here; a key revoked through this process is dropped from its cache at once.
+Revocation bound. A verified key is cached for `cache_ttl` seconds (clock injected). While the store answers,
+that is the bound on how long a key revoked on another replica keeps working here; a key revoked through this
+process is dropped from its cache at once. While the store cannot be reached (a lookup fails, or takes longer
+than `store_timeout`), a cached key keeps working for up to `stale_grace` seconds past its TTL: during an
+outage, and only then, the bound is `cache_ttl + stale_grace`. Once a lookup has failed, such stale entries
+are served at once (no wait on the store) while a background lookup renews them; the first lookup that gets
+an answer ends the outage. A key that is not cached gets `StoreUnavailableError` (503) within
+`store_timeout`, never a hang and never a 500.
+
+Negative cache. A key id the store does not know is remembered for `negative_ttl` seconds, so repeating a bad
+key costs no lookup; concurrent lookups of one key id share one store call, so a flood of one bad key costs
+one lookup per `negative_ttl`. Distinct bad ids cost one lookup each, at most as many at once as the store's
+connection pool allows. Each cache holds at most `max_entries` ids (the oldest dropped first). Key ids are
+random, so a new key is never refused for an id remembered before it existed.
+
 The secret is checked against the stored hash on every request (constant-time compare), cached or not.
 
 Exceptions::
 
     AuthError                401: missing, malformed, unknown, expired or revoked key
     ForbiddenError           403: the key lacks the role the route needs
+    StoreUnavailableError    503: the key is not cached and the store cannot answer now (retry later)
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
-from policy.tenants.base import NotFoundError, TenantStore
+from policy.tenants.base import NotFoundError, TenantStore, UnavailableError
 from policy.tenants.keys import parse_key, verify
 from policy.tenants.models import ApiKey, Role, StoredKey, Tenant
 
 Clock = Callable[[], float]
+_V = TypeVar("_V")
 SYSTEM_TENANT = "lockgate"
+
+log = logging.getLogger("lockgate.auth")
 
 
 class AuthError(Exception):
@@ -30,6 +52,14 @@ class AuthError(Exception):
 
 class ForbiddenError(Exception):
     """The key is valid but lacks the role the route needs."""
+
+
+class StoreUnavailableError(Exception):
+    """The key is not cached and the tenant store cannot answer now; `retry_after` is in seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Principal(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,20 +81,55 @@ class _Entry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Authenticator:
-    """Turns an `Authorization` header into a `Principal`."""
+    """Turns an `Authorization` header into a `Principal`; the module docstring states its bounds."""
 
-    def __init__(self, store: TenantStore, clock: Clock, cache_ttl: float, max_entries: int = 10_000) -> None:
+    def __init__(
+        self,
+        store: TenantStore,
+        clock: Clock,
+        cache_ttl: float,
+        max_entries: int = 10_000,
+        *,
+        store_timeout: float = 1.0,
+        stale_grace: float = 0.0,
+        negative_ttl: float = 0.0,
+    ) -> None:
+        """Authenticate against `store`; times from `clock` except `store_timeout`, which is real seconds."""
         self._store = store
         self._clock = clock
         self._ttl = cache_ttl
         self._max = max_entries
+        self._timeout = store_timeout
+        self._grace = stale_grace
+        self._negative_ttl = negative_ttl
+        self._retry_after = max(1, math.ceil(store_timeout))
         self._cache: dict[str, _Entry] = {}
+        # key id -> clock time until which it is refused without asking the store.
+        self._unknown: dict[str, float] = {}
+        # key id -> (lookup, loop time it started): concurrent misses of one id share one store call.
+        self._inflight: dict[str, tuple[asyncio.Task[_Entry | None], float]] = {}
+        # Strong references: a lookup nobody waits for any more (it renews a stale entry, or it outlived its
+        # waiters) must not be garbage collected mid-flight.
+        self._tasks: set[asyncio.Task[_Entry | None]] = set()
+        # Bumped by `forget`: a lookup that started before it must not put back what was just dropped.
+        self._epoch = 0
+        # Whether the last lookup that ended found the store unreachable.
+        self._store_down = False
+
+    @property
+    def store_down(self) -> bool:
+        """Whether the last store lookup that ended found the store unreachable (or too slow)."""
+        return self._store_down
 
     def forget(self, key_id: str | None = None, tenant_id: str | None = None) -> None:
         """Drop cached entries of a key, of a tenant's keys, or (no argument) all of them."""
+        self._epoch += 1
         if key_id is None and tenant_id is None:
             self._cache.clear()
+            self._unknown.clear()
             return
+        if key_id is not None:
+            self._unknown.pop(key_id, None)
         for cached_id, entry in list(self._cache.items()):
             if cached_id == key_id or entry.tenant.tenant_id == tenant_id:
                 del self._cache[cached_id]
@@ -73,17 +138,83 @@ class Authenticator:
         entry = self._cache.get(key_id)
         if entry is not None and now - entry.fetched_at < self._ttl:
             return entry
+        refused_until = self._unknown.get(key_id)
+        if refused_until is not None:
+            if now < refused_until:
+                raise AuthError("invalid API key")
+            del self._unknown[key_id]
+        stale = entry if entry is not None and now - entry.fetched_at < self._ttl + self._grace else None
+        task = self._start(key_id, now)
+        if stale is not None and self._store_down:
+            # The outage is known: no request waits on the store for it; `task` renews the entry.
+            return stale
+        # A hard bound of our own: the lookup's own timeout cancels it, but asyncpg may then wait on the
+        # server (returning the connection to its pool) before the cancellation completes.
+        done, _ = await asyncio.wait({task}, timeout=self._timeout)
+        if task in done and not task.cancelled() and task.exception() is None:
+            found = task.result()
+            if found is None:
+                raise AuthError("invalid API key")
+            return found
+        if task in done and not task.cancelled():
+            error = task.exception()
+            if not isinstance(error, TimeoutError | UnavailableError):
+                raise error  # type: ignore[misc]  # a bug, not an outage: it stays what it is
+        self._mark_down(True)
+        if stale is not None:
+            return stale
+        raise StoreUnavailableError(
+            "the key store is unavailable; try again shortly", retry_after=self._retry_after
+        )
+
+    def _start(self, key_id: str, now: float) -> asyncio.Task[_Entry | None]:
+        """The lookup of `key_id`: the one in flight if still within its time limit, or a new one."""
+        loop = asyncio.get_running_loop()
+        running = self._inflight.get(key_id)
+        if running is not None and loop.time() - running[1] < self._timeout:
+            return running[0]
+        task = asyncio.create_task(self._fetch(key_id, now, self._epoch))
+        self._inflight[key_id] = (task, loop.time())
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._finished(key_id, done))
+        return task
+
+    def _finished(self, key_id: str, task: asyncio.Task[_Entry | None]) -> None:
+        self._tasks.discard(task)
+        running = self._inflight.get(key_id)
+        if running is not None and running[0] is task:
+            del self._inflight[key_id]
+        if not task.cancelled():
+            task.exception()  # retrieved: a renewal nobody awaited must not log "never retrieved"
+
+    async def _fetch(self, key_id: str, now: float, epoch: int) -> _Entry | None:
+        """Ask the store (within `store_timeout`); cache the answer. None: no such key (or tenant)."""
         try:
-            stored = await self._store.get_key(key_id)
-            tenant = await self._store.get_tenant(stored.key.tenant_id)
-        except NotFoundError as exc:
+            async with asyncio.timeout(self._timeout):
+                stored = await self._store.get_key(key_id)
+                tenant = await self._store.get_tenant(stored.key.tenant_id)
+        except NotFoundError:
+            self._mark_down(False)
             self._cache.pop(key_id, None)
-            raise AuthError("invalid API key") from exc
-        if len(self._cache) >= self._max:
-            self._cache.clear()  # bounded memory; the next requests refill it
+            if self._negative_ttl > 0:
+                _put(self._unknown, key_id, now + self._negative_ttl, self._max)
+            return None
+        except (TimeoutError, UnavailableError) as exc:
+            self._mark_down(True, exc)
+            raise
+        self._mark_down(False)
+        # `now` is when the lookup started: the answer is at least that fresh, so the TTL is not stretched.
         entry = _Entry(stored=stored, tenant=tenant, fetched_at=now)
-        self._cache[key_id] = entry
+        if epoch == self._epoch:
+            _put(self._cache, key_id, entry, self._max)
         return entry
+
+    def _mark_down(self, down: bool, exc: BaseException | None = None) -> None:
+        if down and not self._store_down:
+            log.warning("tenant store unreachable; serving cached keys only: %r", exc)
+        elif not down and self._store_down:
+            log.warning("tenant store reachable again")
+        self._store_down = down
 
     async def authenticate(self, authorization: str | None) -> Principal:
         """The principal of a `Bearer` key, or AuthError saying what is wrong (never which part matched)."""
@@ -112,3 +243,11 @@ def require_role(principal: Principal, role: Role) -> None:
     """ForbiddenError unless the key has `role`."""
     if role not in principal.key.roles:
         raise ForbiddenError(f"this API key lacks the `{role}` role")
+
+
+def _put(cache: dict[str, _V], key: str, value: _V, limit: int) -> None:
+    """Insert `value` as the newest entry, dropping the oldest ones beyond `limit` (bounded memory)."""
+    cache.pop(key, None)
+    while len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value

@@ -48,7 +48,7 @@ from registry.models import (
     parse_ref,
 )
 from registry.postgres import PostgresRegistryStore
-from registry.service import Registry
+from registry.service import Registry, RegistryHealth
 from registry.sqlite import SqliteRegistryStore
 from registry.validation import check_tokenizer
 from registry.view import RegistryView, ResolvedGuard, ResolvedModel, ResolvedPolicy
@@ -77,6 +77,7 @@ __all__ = [
     "Published",
     "Registry",
     "RegistryError",
+    "RegistryHealth",
     "RegistrySnapshot",
     "RegistryStore",
     "RegistryView",

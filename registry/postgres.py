@@ -14,11 +14,9 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import asyncpg  # type: ignore[import-untyped]
-
 from registry import sql
 from registry.base import NotFoundError, UnavailableError
-from registry.db.postgres import open_pool
+from registry.db.postgres import UNREACHABLE, open_pool
 from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
 
@@ -29,18 +27,6 @@ _open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, l
 _LOCK_GENERATION = "SELECT value FROM registry_generation WHERE id = 1 FOR UPDATE"
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
 _BY_ALIAS = ' ORDER BY kind COLLATE "C", name COLLATE "C"'
-# Losing the database (network, restart, admin shutdown, no free connection) is "unavailable": the caller
-# keeps its last view and tries again. Other SQL errors are bugs and stay what they are.
-_UNREACHABLE = (
-    OSError,
-    TimeoutError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,  # class 08
-    asyncpg.OperatorInterventionError,  # class 57: admin shutdown, cannot connect now
-    asyncpg.InsufficientResourcesError,  # class 53: too many connections
-    # What asyncpg raises when the server drops the connection just as a statement starts.
-    asyncpg.InternalClientError,
-)
 # The shared statements in PostgreSQL's placeholder style, converted once.
 _INSERT_VERSION = sql.numbered(sql.INSERT_VERSION + " RETURNING 1")
 _SELECT_VERSION = sql.numbered(sql.SELECT_VERSION)
@@ -62,10 +48,25 @@ class PostgresRegistryStore:
 
     @classmethod
     async def open(
-        cls, dsn: str, *, schema: str = "public", min_size: int = 1, max_size: int = 5
+        cls,
+        dsn: str,
+        *,
+        schema: str = "public",
+        min_size: int = 1,
+        max_size: int = 5,
+        connect_timeout: float = 5.0,
+        command_timeout: float = 10.0,
     ) -> PostgresRegistryStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it."""
-        return cls(await _open_pool(dsn, schema=schema, min_size=min_size, max_size=max_size))
+        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
+        pool = await _open_pool(
+            dsn,
+            schema=schema,
+            min_size=min_size,
+            max_size=max_size,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+        )
+        return cls(pool)
 
     @asynccontextmanager
     async def _tx(self, *, write: bool) -> AsyncIterator[Any]:
@@ -79,7 +80,7 @@ class PostgresRegistryStore:
                 else:
                     async with conn.transaction(isolation="repeatable_read", readonly=True):
                         yield conn
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             raise UnavailableError(f"the registry database is unreachable: {exc!r}") from exc
 
     async def publish(

@@ -1,6 +1,6 @@
 """Tenants and API keys: the `TenantStore` protocol, its SQLite and PostgreSQL backends, and key material."""
 
-from policy.tenants.base import ConflictError, NotFoundError, TenantStore, TenantStoreError
+from policy.tenants.base import ConflictError, NotFoundError, TenantStore, TenantStoreError, UnavailableError
 from policy.tenants.keys import hash_secret, new_key, parse_key, verify
 from policy.tenants.migrations import MIGRATIONS, Migration
 from policy.tenants.models import (
@@ -35,6 +35,7 @@ __all__ = [
     "Tenant",
     "TenantStore",
     "TenantStoreError",
+    "UnavailableError",
     "hash_secret",
     "new_key",
     "parse_key",

@@ -11,7 +11,9 @@ Exceptions::
 
     TenantStoreError            base
     ├── NotFoundError           no such tenant or key
-    └── ConflictError           the tenant or key id is taken
+    ├── ConflictError           the tenant or key id is taken
+    └── UnavailableError        the database cannot be reached now (down, restarting, out of
+                                connections); retrying later may succeed. Other driver errors are bugs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class NotFoundError(TenantStoreError):
 
 class ConflictError(TenantStoreError):
     """The object already exists."""
+
+
+class UnavailableError(TenantStoreError):
+    """The database cannot be reached now; the same call may succeed later."""
 
 
 class TenantStore(Protocol):

@@ -2,17 +2,20 @@
 
 Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
 migrates on `open` (`registry.db.postgres.open_pool`). Concurrent replicas starting at once take turns on
-an advisory lock while migrating.
+an advisory lock while migrating. Losing the database (down, restarting, out of connections, a statement
+over `command_timeout`) raises `UnavailableError`; the pool reconnects by itself once the server is back.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
 import msgspec
 
-from policy.tenants.base import ConflictError, NotFoundError
+from policy.tenants.base import ConflictError, NotFoundError, UnavailableError
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
     KEY_COLUMNS,
@@ -29,7 +32,7 @@ from policy.tenants.migrations import (
     tenant_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
-from registry.db.postgres import open_pool
+from registry.db.postgres import UNREACHABLE, open_pool
 
 # Arbitrary but fixed: every Lockgate replica migrating any schema of this database waits on the same lock.
 _MIGRATION_LOCK = 0x4C6B6774_656E616E
@@ -50,15 +53,43 @@ class PostgresTenantStore:
 
     @classmethod
     async def open(
-        cls, dsn: str, *, schema: str = "public", min_size: int = 1, max_size: int = 10
+        cls,
+        dsn: str,
+        *,
+        schema: str = "public",
+        min_size: int = 1,
+        max_size: int = 10,
+        connect_timeout: float = 5.0,
+        command_timeout: float = 10.0,
     ) -> PostgresTenantStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it."""
-        return cls(await _open_pool(dsn, schema=schema, min_size=min_size, max_size=max_size))
+        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
+        pool = await _open_pool(
+            dsn,
+            schema=schema,
+            min_size=min_size,
+            max_size=max_size,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+        )
+        return cls(pool)
+
+    @asynccontextmanager
+    async def _conn(self, *, write: bool = False) -> AsyncIterator[Any]:
+        """A pooled connection (in a transaction if `write`); losing the database is `UnavailableError`."""
+        try:
+            async with self._pool.acquire() as conn:
+                if write:
+                    async with conn.transaction():
+                        yield conn
+                else:
+                    yield conn
+        except UNREACHABLE as exc:
+            raise UnavailableError(f"the tenant database is unreachable: {exc!r}") from exc
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
         stored = msgspec.structs.replace(tenant, created_at=now)
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._conn(write=True) as conn:
             inserted = await conn.fetchval(
                 f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
                 " ON CONFLICT (tenant_id) DO NOTHING RETURNING 1",
@@ -71,17 +102,18 @@ class PostgresTenantStore:
 
     async def get_tenant(self, tenant_id: str) -> Tenant:
         """One tenant, or NotFoundError."""
-        async with self._pool.acquire() as conn:
+        async with self._conn() as conn:
             return await _tenant(conn, tenant_id)
 
     async def list_tenants(self) -> list[Tenant]:
         """All tenants, ordered by id."""
-        rows = await self._pool.fetch(f'SELECT {TENANT_COLUMNS} FROM tenants ORDER BY tenant_id COLLATE "C"')
+        async with self._conn() as conn:
+            rows = await conn.fetch(f'SELECT {TENANT_COLUMNS} FROM tenants ORDER BY tenant_id COLLATE "C"')
         return [tenant_from_row(row) for row in rows]
 
     async def update_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Replace a tenant's fields (its id and created_at stay). NotFoundError if absent."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._conn(write=True) as conn:
             before = await _tenant(conn, tenant.tenant_id, lock=True)
             after = msgspec.structs.replace(tenant, created_at=before.created_at)
             if after != before:
@@ -97,7 +129,7 @@ class PostgresTenantStore:
     async def add_key(self, key: ApiKey, secret_hash: str, *, actor: str, now: float) -> ApiKey:
         """Store a new key (its `created_at` set to `now`). NotFoundError without its tenant."""
         stored = msgspec.structs.replace(key, created_at=now)
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._conn(write=True) as conn:
             # Tenants are never deleted, so the tenant cannot vanish between this check and the insert.
             await _tenant(conn, key.tenant_id)
             inserted = await conn.fetchval(
@@ -112,21 +144,22 @@ class PostgresTenantStore:
 
     async def get_key(self, key_id: str) -> StoredKey:
         """A key with its secret hash (for authentication), or NotFoundError."""
-        async with self._pool.acquire() as conn:
+        async with self._conn() as conn:
             return await _key(conn, key_id)
 
     async def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]:
         """Keys (of one tenant, or all), ordered by creation time; never their hashes."""
-        if tenant_id is None:
-            rows = await self._pool.fetch(f"SELECT {KEY_COLUMNS} FROM api_keys {_BY_KEY}")
-        else:
-            sql = f"SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 {_BY_KEY}"
-            rows = await self._pool.fetch(sql, tenant_id)
+        async with self._conn() as conn:
+            if tenant_id is None:
+                rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM api_keys {_BY_KEY}")
+            else:
+                sql = f"SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 {_BY_KEY}"
+                rows = await conn.fetch(sql, tenant_id)
         return [stored_key_from_row(row).key for row in rows]
 
     async def revoke_key(self, key_id: str, *, actor: str, now: float) -> ApiKey:
         """Mark a key revoked at `now`; a second call keeps (and records nothing beyond) the first."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._conn(write=True) as conn:
             before = (await _key(conn, key_id, lock=True)).key
             if before.revoked_at is not None:
                 return before
@@ -137,7 +170,7 @@ class PostgresTenantStore:
 
     async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
         """Replace a key's roles. NotFoundError if absent."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._conn(write=True) as conn:
             before = (await _key(conn, key_id, lock=True)).key
             after = msgspec.structs.replace(before, roles=tuple(roles))
             if after != before:
@@ -148,12 +181,15 @@ class PostgresTenantStore:
 
     async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:
         """The newest admin changes first (optionally only those on one target, e.g. "tenant:acme")."""
-        if target is None:
-            sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes ORDER BY id DESC LIMIT $1"
-            rows = await self._pool.fetch(sql, limit)
-        else:
-            sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes WHERE target = $1 ORDER BY id DESC LIMIT $2"
-            rows = await self._pool.fetch(sql, target, limit)
+        async with self._conn() as conn:
+            if target is None:
+                sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes ORDER BY id DESC LIMIT $1"
+                rows = await conn.fetch(sql, limit)
+            else:
+                sql = (
+                    f"SELECT {CHANGE_COLUMNS} FROM admin_changes WHERE target = $1 ORDER BY id DESC LIMIT $2"
+                )
+                rows = await conn.fetch(sql, target, limit)
         return [change_from_row(row) for row in rows]
 
     async def close(self) -> None:

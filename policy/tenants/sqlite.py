@@ -2,18 +2,20 @@
 
 sqlite3 calls block, so every call runs on the single dedicated thread of a `registry.db.sqlite.SqliteWorker`,
 which also owns the connection. One thread serialises the calls, so no two transactions of this process
-interleave on the connection.
+interleave on the connection. An operational error (the file locked by another process past
+`busy_timeout`, a disk error) is `UnavailableError`: the same call may succeed later.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
-from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError
+from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError, UnavailableError
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
     KEY_COLUMNS,
@@ -56,7 +58,10 @@ class SqliteTenantStore:
     async def _run(self, fn: Callable[[Conn], T]) -> T:
         if self._db.closed:
             raise TenantStoreError("the tenant store is closed")
-        return await self._db.run(fn)
+        try:
+            return await self._db.run(fn)
+        except sqlite3.OperationalError as exc:
+            raise UnavailableError(f"the tenant database is unavailable: {exc}") from exc
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""

@@ -2,6 +2,12 @@
 
 `search_path` is set on every pooled connection, so a store's statements name tables without a schema.
 Replicas starting at once take turns on an advisory lock while creating the schema and migrating.
+
+Every connection attempt and every statement has a time limit (`connect_timeout`, `command_timeout`), so a
+database that is down or paused shows as an error after a bounded wait, never as a hang. The pool replaces
+connections the server closed (a restart) on the next `acquire`, so it recovers once the server is back.
+`UNREACHABLE` lists the driver errors that mean "the database cannot be reached now" (each store maps them
+onto its own unavailable error); other SQL errors are bugs and stay what they are.
 """
 
 from __future__ import annotations
@@ -13,6 +19,19 @@ import asyncpg  # type: ignore[import-untyped]
 
 from registry.db.migrations import IDENTIFIER, Migration, checked_table, create_table_sql, pending
 
+# Losing the database (network, restart, admin shutdown, no free connection, a statement over its time limit)
+# is "unreachable": the caller may try again later.
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,  # class 08
+    asyncpg.OperatorInterventionError,  # class 57: admin shutdown, cannot connect now
+    asyncpg.InsufficientResourcesError,  # class 53: too many connections
+    # What asyncpg raises when the server drops the connection just as a statement starts.
+    asyncpg.InternalClientError,
+)
+
 
 async def open_pool(
     dsn: str,
@@ -23,16 +42,24 @@ async def open_pool(
     lock_key: int,
     min_size: int,
     max_size: int,
+    connect_timeout: float = 5.0,
+    command_timeout: float = 10.0,
 ) -> Any:
     """Connect to `dsn`, create `schema` if missing, and apply `migrations` (recorded in `table`) to it.
 
     `lock_key` is the advisory lock held while migrating: a store's own fixed key, so the replicas of one
-    store wait on each other and not on other stores.
+    store wait on each other and not on other stores. `connect_timeout` bounds each connection attempt and
+    `command_timeout` each statement (both in seconds).
     """
     if not IDENTIFIER.fullmatch(schema):
         raise ValueError(f"schema {schema!r} must match {IDENTIFIER.pattern}")
     pool = await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
+        dsn,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=connect_timeout,
+        command_timeout=command_timeout,
+        server_settings={"search_path": schema},
     )
     try:
         async with pool.acquire() as conn:

@@ -285,7 +285,7 @@ def test_parse_malformed_key(plaintext: str) -> None:
 
 def test_public_names() -> None:
     assert set(policy.tenants.__all__) == {
-        *("TenantStore", "TenantStoreError", "NotFoundError", "ConflictError"),
+        *("TenantStore", "TenantStoreError", "NotFoundError", "ConflictError", "UnavailableError"),
         *("Tenant", "Quotas", "Limits", "ApiKey", "StoredKey", "AdminChange", "Role", "ROLES", "FailMode"),
         *("SqliteTenantStore", "PostgresTenantStore", "Migration", "MIGRATIONS"),
         *("new_key", "hash_secret", "parse_key", "verify"),

@@ -216,6 +216,7 @@ async def test_refresher_polls_on_its_interval_and_survives_failures(
 def test_public_names() -> None:
     assert set(registry_pkg.__all__) == {
         *("Registry", "RegistryView", "ResolvedModel", "ResolvedGuard", "ResolvedPolicy", "RegistryStore"),
+        "RegistryHealth",
         *("SqliteRegistryStore", "PostgresRegistryStore", "MIGRATIONS"),
         *("RegistryError", "NotFoundError", "ConflictError", "InvalidError", "UnavailableError"),
         *("Kind", "KINDS", "Severity", "Spec", "SPEC_TYPES", "ModelArch", "ModelSpec", "TokenizerSpec"),
