@@ -63,7 +63,7 @@ class Backends:
 async def redis_quota(
     prefix: str, op_timeout: float = 5.0, url: str = REDIS_URL
 ) -> AsyncIterator[RedisQuotaStore]:
-    """A Redis quota store under `prefix` on the caller's (injected) clock; its keys are deleted afterwards."""
+    """A Redis quota store under `prefix`, on the caller's (injected) clock; its keys are dropped after."""
     client = redis.asyncio.Redis.from_url(url)
     store = RedisQuotaStore(client, prefix=prefix, op_timeout=op_timeout, server_time=False)
     try:

@@ -22,6 +22,7 @@ from policy.quota import (
     QuotaStore,
     RedisQuotaStore,
     Reservation,
+    ReservationClosedError,
 )
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -150,6 +151,44 @@ async def test_time_going_backwards_mints_nothing(quota_store: QuotaStore) -> No
     assert (await quota_store.reserve([A], [10.0], T0)).levels == (40.0,)
     assert await quota_store.levels([A], T0 + 5.0) == (40.0,)
     assert await quota_store.levels([A], T0 + 11.0) == (50.0,)
+
+
+async def test_reserve_is_idempotent_by_reservation_id(quota_store: QuotaStore) -> None:
+    first = await quota_store.reserve([A, B], [30.0, 5.0], T0, "r-1")
+    # A retry (the first reply was lost): the recorded outcome, debited once.
+    again = await quota_store.reserve([A, B], [30.0, 5.0], T0 + 1.0, "r-1")
+    assert again == first
+    assert first.reservation_id == "r-1"
+    assert await quota_store.levels([A, B], T0) == (70.0, 45.0)
+    assert await quota_store.reconcile(first, [10.0, 5.0], T0)
+    assert await quota_store.levels([A, B], T0) == (90.0, 45.0)
+
+
+async def test_a_settled_id_is_never_granted_again(quota_store: QuotaStore) -> None:
+    reservation = await quota_store.reserve([A], [30.0], T0, "r-2")
+    assert await quota_store.reconcile(reservation, [0.0], T0)
+    with pytest.raises(ReservationClosedError):
+        await quota_store.reserve([A], [30.0], T0, "r-2")
+    assert await quota_store.levels([A], T0) == (100.0,)
+
+
+async def test_settling_an_id_never_granted_refunds_nothing_and_closes_it(quota_store: QuotaStore) -> None:
+    # The reserve's reply was lost before it ran: the caller settles the id anyway, with nothing used.
+    unknown = Reservation(reservation_id="r-3", buckets=(A,), amounts=(30.0,), levels=())
+    assert not await quota_store.reconcile(unknown, [0.0], T0)
+    assert await quota_store.levels([A], T0) == (100.0,)  # Nothing minted.
+    # The reserve arrives late (it was queued in a stalled server): refused, nothing debited.
+    with pytest.raises(ReservationClosedError):
+        await quota_store.reserve([A], [30.0], T0, "r-3")
+    assert await quota_store.levels([A], T0) == (100.0,)
+
+
+async def test_a_denied_reserve_is_not_recorded(quota_store: QuotaStore) -> None:
+    await quota_store.reserve([A], [90.0], T0)
+    with pytest.raises(QuotaExceededError):
+        await quota_store.reserve([A], [50.0], T0, "r-4")
+    # Nothing was debited, so the same id may simply be granted once it fits.
+    assert (await quota_store.reserve([A], [50.0], T0 + 4.0, "r-4")).levels == (0.0,)
 
 
 # --- Property test: random operation sequences against a pure-Python reference model ---
