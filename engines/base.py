@@ -23,7 +23,11 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class EngineError(Exception):
-    """Base of every engine failure."""
+    """Base of every engine failure; `retry_after` (seconds) when the engine knows when to try again."""
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineRequestError(EngineError):

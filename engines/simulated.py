@@ -218,13 +218,23 @@ class SimulatedEngine:
                 for seq in list(self._running):  # a stream closed during the step is already gone
                     self._advance(seq)
         except Exception as exc:  # a broken simulator must fail its requests, not hang them
-            self._failure = f"scheduler crashed: {exc!r}"
-            self._closed = True
-            for seq in self._waiting + self._running:
-                seq.out.put_nowait(EngineDeadError(self._failure))
-            self._waiting.clear()
-            self._running.clear()
-            self._kv_used = 0
+            self._die(f"scheduler crashed: {exc!r}")
+
+    def _die(self, reason: str) -> None:
+        self._failure = reason
+        self._closed = True
+        for seq in self._waiting + self._running:
+            seq.out.put_nowait(EngineDeadError(reason))
+        self._waiting.clear()
+        self._running.clear()
+        self._kv_used = 0
+
+    def kill(self, reason: str = "killed by fault injection") -> None:
+        """Fault injection: the engine dies now, as when its process is killed; every open request fails
+        with EngineDeadError and nothing is served until a new engine replaces it."""
+        self._die(reason)
+        if self._task is not None:
+            self._task.cancel()
 
     def _admit(self) -> int:
         """Move waiting requests into the batch, strictly in order; returns their prompt tokens."""

@@ -7,10 +7,12 @@ never at import time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from engines.base import (
     EngineDeadError,
@@ -24,6 +26,18 @@ from engines.base import (
     TopLogprob,
     Usage,
 )
+from engines.host import Dtype, DtypeChoice, detect_dtype, host_key
+from engines.step_budget import (
+    PROBE_BUDGET,
+    StepClock,
+    StepProfile,
+    choose_budget,
+    load_profile,
+    measure_profile,
+    save_profile,
+)
+
+log = logging.getLogger("lockgate.engine")
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -46,12 +60,14 @@ def offline_environment(data_dir: Path) -> dict[str, str]:
 
 
 class _SchedulerStats:
-    """Keeps the newest scheduler figures the engine core reported (a vLLM stat logger)."""
+    """Keeps the newest scheduler figures the engine core reported, and counts its steps (a vLLM stat logger:
+    the engine core reports scheduler stats once per step)."""
 
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
+        self.steps = StepClock()
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -64,6 +80,7 @@ class _SchedulerStats:
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
                 if scheduler_stats is not None:
+                    sink.steps.tick(time.perf_counter())
                     sink.running = scheduler_stats.num_running_reqs
                     sink.waiting = scheduler_stats.num_waiting_reqs
                     sink.kv_usage = scheduler_stats.kv_cache_usage
@@ -83,20 +100,34 @@ class VllmLocalEngine:
         *,
         model_name: str,
         max_model_len: int,
-        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+        dtype: DtypeChoice = "auto",
         kv_cache_bytes: int = 256 << 20,
         max_logprobs: int = 20,
         enforce_eager: bool = True,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 0,
+        step_target_s: float = 0.5,
+        profile_dir: Path | None = None,
         replica_id: str = "vllm-local-0",
     ) -> None:
+        """`max_num_batched_tokens = 0` measures the budget that keeps a step within `step_target_s` (the
+        profile is cached in `profile_dir`, by default beside the model directory)."""
         self.replica_id = replica_id
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._model_dir = model_dir
-        self._dtype = dtype
+        self._dtype_choice = dtype
+        self.dtype: Dtype | None = None
         self._kv_cache_bytes = kv_cache_bytes
         self._max_logprobs = max_logprobs
         self._enforce_eager = enforce_eager
+        self._max_num_seqs = max_num_seqs
+        self._budget_setting = max_num_batched_tokens
+        self._step_target_s = step_target_s
+        self._profile_dir = profile_dir or model_dir.parent / "cache" / "step-profiles"
+        # The budget in force and the profile it came from (None when configured explicitly).
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.profile: StepProfile | None = None
         self._stats = _SchedulerStats()
         self._llm: Any = None
         self._kv_capacity = 0
@@ -108,24 +139,77 @@ class VllmLocalEngine:
             raise EngineDeadError("the vLLM engine is not started")
         return self._llm
 
+    @property
+    def steps(self) -> StepClock:
+        """The engine steps run so far (tests count steps instead of seconds)."""
+        return self._stats.steps
+
+    def engine_core_pids(self) -> list[int]:
+        """Process ids of vLLM's engine core processes (fault tests kill them)."""
+        manager = self.llm.engine_core.resources.engine_manager
+        return [proc.pid for proc in manager.processes] if manager is not None else []
+
     async def start(self) -> None:
-        """Start the engine core (blocking work runs in a thread; about 20-30 s on CPU)."""
+        """Start the engine core (blocking work runs in a thread; about 20-40 s on CPU). Without a configured
+        budget, the first start on a host measures one (an extra start and a context's prefill)."""
         os.environ.update(offline_environment(self._model_dir.parent))
-        self._llm = await asyncio.to_thread(self._build)
+        self.dtype = dtype = await asyncio.to_thread(detect_dtype, self._dtype_choice)
+        budget = self._budget_setting
+        if not budget:
+            budget = await self._measured_budget(dtype)
+        if self._llm is None:
+            await self._start_with(dtype, budget)
+        self.max_num_batched_tokens = budget
+        log.info(
+            "vLLM engine %s started: dtype %s, %d tokens per step, %d sequences",
+            self.replica_id,
+            dtype,
+            budget,
+            self._max_num_seqs,
+        )
+
+    async def _start_with(self, dtype: Dtype, budget: int) -> None:
+        self._llm = await asyncio.to_thread(self._build, dtype, budget)
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = int((cache.num_gpu_blocks or 0) * cache.block_size)
 
-    def _build(self) -> Any:
+    async def _measured_budget(self, dtype: Dtype) -> int:
+        """The budget for the step target from this host's cached profile, measured first if there is none.
+        Leaves the engine running when the measured budget is the probe's own."""
+        import vllm
+
+        floor = max(16, self._max_num_seqs)
+        key = host_key(dtype, str(self._model_dir.resolve()), vllm.__version__, str(self.max_model_len))
+        path = self._profile_dir / f"{key}.json"
+        profile = await asyncio.to_thread(load_profile, path)
+        if profile is None:
+            await self._start_with(dtype, PROBE_BUDGET)
+            profile = await measure_profile(
+                self._llm, self._stats.steps, host=key, max_model_len=self.max_model_len
+            )
+            await asyncio.to_thread(save_profile, path, profile)
+        self.profile = profile
+        budget = choose_budget(profile, self._step_target_s, max_model_len=self.max_model_len, floor=floor)
+        if self._llm is not None and budget != PROBE_BUDGET:
+            await self.shutdown()
+        return budget
+
+    def _build(self, dtype: Dtype, budget: int) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(
             model=str(self._model_dir),
-            dtype=self._dtype,
+            dtype=dtype,
             max_model_len=self.max_model_len,
             enforce_eager=self._enforce_eager,
             max_logprobs=self._max_logprobs,
             kv_cache_memory_bytes=self._kv_cache_bytes,
+            # Chunked prefill: a long prompt is prefilled over several steps of at most `budget` tokens, so
+            # an abort (taken between steps) and the other streams' next tokens wait one bounded step.
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=budget,
+            max_num_seqs=self._max_num_seqs,
             scheduling_policy="priority",
             disable_log_stats=False,
             enable_log_requests=False,
@@ -168,13 +252,16 @@ class VllmLocalEngine:
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
                 f"exceeds the context of {self.max_model_len} tokens"
             )
+        llm = self.llm
+        if llm.errored:
+            raise EngineDeadError("the vLLM engine core is dead")
         try:
             engine_input = await self._engine_input(req)
+        except VllmDeadError as exc:
+            raise EngineDeadError(str(exc)) from exc
         except (VLLMClientError, ValueError) as exc:
             raise EngineRequestError(str(exc) or type(exc).__name__) from exc
-        stream = self.llm.generate(
-            engine_input, self._sampling_params(req), req.request_id, priority=req.priority
-        )
+        stream = llm.generate(engine_input, self._sampling_params(req), req.request_id, priority=req.priority)
         completion_tokens = 0
         finished = False
         try:
@@ -204,10 +291,11 @@ class VllmLocalEngine:
         except (VLLMClientError, EngineGenerateError, ValueError) as exc:
             raise EngineRequestError(str(exc) or type(exc).__name__) from exc
         finally:
-            if not finished:
+            if not finished and not llm.errored:
                 # Closed or cancelled early, possibly while vLLM was still adding the request (when its own
-                # generator cannot abort it yet). Aborting an id vLLM no longer knows is a no-op.
-                await self.llm.abort(req.request_id)
+                # generator cannot abort it yet). Aborting an id vLLM no longer knows is a no-op. A dead
+                # engine core takes no abort (its requests are gone with it).
+                await llm.abort(req.request_id)
             await stream.aclose()
 
     async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
@@ -258,7 +346,8 @@ class VllmLocalEngine:
         if llm is None:
             return
         unfinished = list(llm.output_processor.request_states)
-        if unfinished:
+        # A dead engine core takes no abort; its requests already ended with EngineDeadError.
+        if unfinished and not llm.errored:
             await llm.abort(unfinished)
         await asyncio.to_thread(llm.shutdown)
 
