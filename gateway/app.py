@@ -28,6 +28,7 @@ from gateway.tracking import OutcomeSink, log_outcome
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter
+from policy.quota.settle import SettlePolicy
 from policy.tenants.base import TenantStore
 from registry.base import RegistryStore
 from registry.default_model import register_default_model
@@ -121,19 +122,28 @@ async def _start_registry(config: Config, store: RegistryStore, clock: Clock) ->
 def open_quota_store(config: Config) -> QuotaStore:
     """The quota store the configuration names (in memory, or Redis shared by replicas)."""
     if config.quota.backend == "redis":
-        import redis.asyncio
-
         from policy.quota.redis import RedisQuotaStore
 
-        client = redis.asyncio.Redis.from_url(
+        return RedisQuotaStore.from_url(
             config.quota.redis_url,
-            socket_timeout=config.quota.op_timeout,
-            socket_connect_timeout=config.quota.op_timeout,
+            cluster=config.quota.redis_cluster,
+            pool_size=config.quota.pool_size,
+            pool_timeout=config.quota.pool_timeout,
+            op_timeout=config.quota.op_timeout,
         )
-        return RedisQuotaStore(client, op_timeout=config.quota.op_timeout)
     from policy.quota.memory import MemoryQuotaStore
 
     return MemoryQuotaStore()
+
+
+def quota_meter(config: Config, store: QuotaStore, clock: Clock) -> QuotaMeter:
+    """The meter over `store`, with the configured settlement retries."""
+    policy = SettlePolicy(
+        attempts=config.quota.settle_attempts,
+        first_delay=config.quota.settle_backoff,
+        max_delay=config.quota.settle_backoff_max,
+    )
+    return QuotaMeter(store, clock, settle_policy=policy)
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
@@ -186,6 +196,7 @@ def create_app(
                 await active.start()
                 owned.push_async_callback(active.shutdown)
             prompts = renderer or await PromptRenderer.load(config.model.model_dir(), executor)
+            meter = quota_meter(config, buckets, clock)
             app.state.services = Services(
                 config=config,
                 engine=active,
@@ -201,7 +212,7 @@ def create_app(
                     stale_grace=config.auth.stale_grace,
                     negative_ttl=config.auth.negative_ttl,
                 ),
-                meter=QuotaMeter(buckets, clock),
+                meter=meter,
                 registry=live_registry,
                 clock=clock,
             )
@@ -212,6 +223,9 @@ def create_app(
                 # exit stack stops the engine and closes the stores.
                 await tasks.cancel_all()
                 await tasks.wait_all()
+                # Settlements run in the meter's own tasks (never cancelled with the requests): wait for
+                # them, bounded, while the quota store is still open.
+                await meter.drain(config.quota.settle_drain_timeout)
 
     app = Litestar(
         route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES],

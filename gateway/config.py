@@ -111,6 +111,22 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Seconds one Redis operation may take before the tenant's quota fail mode decides.
     op_timeout: float = 0.25
+    # `redis_url` names one node of a Redis Cluster (keys of one tenant share the hash tag `{tenant}`).
+    redis_cluster: bool = False
+    # Most Redis connections (and operations in flight) per gateway process; with a cluster, per node.
+    pool_size: int = 50
+    # Seconds an operation may wait for a free connection; past it the request gets 503 `quota_busy`. A busy
+    # pool is our own load, counted as `pool_exhausted`, never taken for Redis being unreachable.
+    pool_timeout: float = 1.0
+    # Tries (the first included) to settle a reservation while the store fails, before it is given up.
+    settle_attempts: int = 10
+    # Seconds before the first retry of a failed settlement; each further retry waits twice as long.
+    settle_backoff: float = 0.05
+    # Longest wait between two settlement retries, in seconds.
+    settle_backoff_max: float = 5.0
+    # Seconds shutdown waits for settlements still in flight (after requests are aborted, before the
+    # store is closed).
+    settle_drain_timeout: float = 10.0
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -206,6 +222,12 @@ def _check(config: Config) -> None:
         "model.default_max_tokens": config.model.default_max_tokens,
         "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
         "quota.op_timeout": config.quota.op_timeout,
+        "quota.pool_size": config.quota.pool_size,
+        "quota.pool_timeout": config.quota.pool_timeout,
+        "quota.settle_attempts": config.quota.settle_attempts,
+        "quota.settle_backoff": config.quota.settle_backoff,
+        "quota.settle_backoff_max": config.quota.settle_backoff_max,
+        "quota.settle_drain_timeout": config.quota.settle_drain_timeout,
         "auth.cache_ttl": config.auth.cache_ttl,
         "registry.refresh_interval": config.registry.refresh_interval,
         "auth.store_timeout": config.auth.store_timeout,

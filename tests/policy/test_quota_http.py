@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import redis.asyncio
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
+from gateway.config import QuotaConfig
 from gateway.prompts import PromptRenderer
 from policy.quota.meter import applicable
 from policy.quota.redis import RedisQuotaStore
@@ -220,8 +222,11 @@ async def test_unreachable_redis_follows_the_tenants_fail_mode_without_hanging(
         key = await add_key(backends.tenants, "acme", ("consumer",), now=clock())
         # Nothing listens on port 1: every Redis call fails at once or within op_timeout.
         dead = RedisQuotaStore(redis.asyncio.Redis.from_url("redis://127.0.0.1:1/0"), op_timeout=0.2)
+        # The reservation's outcome is unknown, so it is settled by id: retried against the dead store until
+        # shutdown's drain bound (kept short here) gives it up.
+        quota = QuotaConfig(settle_attempts=2, settle_backoff=0.01, settle_drain_timeout=2.0)
         app = create_app(
-            make_config(),
+            msgspec.structs.replace(make_config(), quota=quota),
             engine=sim_engine,
             renderer=renderer,
             tenants=backends.tenants,
@@ -236,6 +241,8 @@ async def test_unreachable_redis_follows_the_tenants_fail_mode_without_hanging(
             counters = app.state.services.meter.counters
         await dead.close()
     assert response.status_code == status
+    assert counters["reserve_unknown"] == 1
+    assert counters["settle_given_up"] == 1  # Never dropped silently: counted (and the id stays charged).
     if fail_mode == "open":
         assert counters["fail_open"] == 1
         assert "RateLimit" not in response.headers
