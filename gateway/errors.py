@@ -15,7 +15,8 @@ Exceptions::
     └── EngineFailedError         502 engine_error (the engine failed this request)
 
 Litestar's own HTTP exceptions (unknown route, wrong method, body over the size limit) are rendered in the
-same shape by `exception_handlers()`.
+same shape by `exception_handlers()`, and so is a tenant store that cannot be reached on any route (the admin
+API included): 503 `store_unavailable`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 import msgspec
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException
+
+from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
 
 log = logging.getLogger("lockgate.errors")
 
@@ -187,6 +190,14 @@ def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> R
     return error_response(api, exc.headers)
 
 
+def _on_store_unavailable(
+    request: Request[Any, Any, Any], exc: TenantStoreUnavailableError
+) -> Response[bytes]:
+    log.warning("tenant store unavailable on %s %s: %s", request.method, request.url.path, exc)
+    api = StoreUnavailableError("the tenant store is unavailable; try again shortly", retry_after=1)
+    return error_response(api, api.headers)
+
+
 def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     # Still a bug: logged with its traceback, answered without internals.
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -198,5 +209,6 @@ def exception_handlers() -> dict[type[Exception] | int, Any]:
     return {
         APIError: _on_api_error,
         HTTPException: _on_http_exception,
+        TenantStoreUnavailableError: _on_store_unavailable,
         Exception: _on_unexpected,
     }

@@ -18,10 +18,10 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from policy.auth import Authenticator, AuthError, StoreUnavailableError
+from policy.auth import SYSTEM_TENANT, Authenticator, AuthError, StoreUnavailableError
 from policy.tenants import keys
 from policy.tenants.base import TenantStore, UnavailableError
-from policy.tenants.models import ApiKey, StoredKey, Tenant
+from policy.tenants.models import ApiKey, Role, StoredKey, Tenant
 from policy.tenants.sqlite import SqliteTenantStore
 from tests.backends import FakeClock
 from tests.conftest import MODEL, make_config, serving
@@ -76,6 +76,10 @@ class SwitchedStore:
         await self._gate()
         return await self.inner.get_tenant(tenant_id)
 
+    async def list_tenants(self) -> list[Tenant]:
+        await self._gate()
+        return await self.inner.list_tenants()
+
 
 class Setup:
     """An authenticator on a switched store, with tenant `acme`."""
@@ -97,9 +101,9 @@ class Setup:
             negative_ttl=NEGATIVE_TTL,
         )
 
-    async def key(self) -> str:
+    async def key(self, tenant_id: str = "acme", roles: tuple[Role, ...] = ("consumer",)) -> str:
         plaintext, key_id, secret_hash = keys.new_key()
-        key = ApiKey(key_id=key_id, tenant_id="acme", roles=("consumer",))
+        key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles)
         await self.inner.add_key(key, secret_hash, actor="test", now=self.clock())
         return f"Bearer {plaintext}"
 
@@ -252,6 +256,10 @@ async def test_http_store_outage_is_a_503_in_openai_shape(
     setup: Setup, sim_engine: SimulatedEngine, renderer: PromptRenderer
 ) -> None:
     cached, uncached = await setup.key(), await setup.key()
+    await setup.inner.create_tenant(
+        Tenant(tenant_id=SYSTEM_TENANT, display_name="Operator"), actor="test", now=setup.clock()
+    )
+    admin = {"authorization": await setup.key(SYSTEM_TENANT, ("policy_admin",))}
     app = create_app(
         make_config(),
         engine=sim_engine,
@@ -264,7 +272,13 @@ async def test_http_store_outage_is_a_503_in_openai_shape(
         assert (
             await http.post("/v1/chat/completions", json=body, headers={"authorization": cached})
         ).is_success
+        assert (await http.get("/admin/tenants", headers=admin)).status_code == 200
         setup.store.set("down")
+        # The admin API needs the store itself: the same 503, not a 500, for a key that is cached.
+        listed = await http.get("/admin/tenants", headers=admin)
+        assert listed.status_code == 503, listed.text
+        assert listed.headers["retry-after"] == "1"
+        assert listed.json()["error"]["code"] == "store_unavailable"
         refused = await http.post("/v1/chat/completions", json=body, headers={"authorization": uncached})
         assert refused.status_code == 503, refused.text
         assert int(refused.headers["retry-after"]) >= 1
