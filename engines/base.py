@@ -52,6 +52,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     # Number of top alternatives to return per generated token; None = no logprobs at all.
     logprobs: int | None = None
+    # Generate `max_tokens` even past an end-of-sequence token (benchmarks and step tests need exact lengths).
+    ignore_eos: bool = False
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -43,6 +43,7 @@ class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_restarts: int = 5
     # Seconds before the first restart attempt; doubled after each failure, capped at `backoff_max`.
     backoff: float = 1.0
+    # Longest wait between two restart attempts, in seconds.
     backoff_max: float = 30.0
     # Seconds a dead engine may take to shut down before it is abandoned.
     shutdown_timeout: float = 30.0

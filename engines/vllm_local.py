@@ -123,7 +123,7 @@ class VllmLocalEngine:
         self._enforce_eager = enforce_eager
         self._max_num_seqs = max_num_seqs
         self._budget_setting = max_num_batched_tokens
-        self._step_target_s = step_target_s
+        self.step_target_s = step_target_s
         self._profile_dir = profile_dir or model_dir.parent / "cache" / "step-profiles"
         # The budget in force and the profile it came from (None when configured explicitly).
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -189,7 +189,7 @@ class VllmLocalEngine:
             )
             await asyncio.to_thread(save_profile, path, profile)
         self.profile = profile
-        budget = choose_budget(profile, self._step_target_s, max_model_len=self.max_model_len, floor=floor)
+        budget = choose_budget(profile, self.step_target_s, max_model_len=self.max_model_len, floor=floor)
         if self._llm is not None and budget != PROBE_BUDGET:
             await self.shutdown()
         return budget
@@ -227,6 +227,7 @@ class VllmLocalEngine:
             seed=s.seed,
             stop=list(s.stop) or None,
             logprobs=s.logprobs,
+            ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -14,6 +14,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from engines.base import Engine
+from engines.supervisor import SupervisedEngine
 from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.config import Config
@@ -41,12 +42,15 @@ class ModelNotPreparedError(Exception):
     """The model directory is missing or incomplete."""
 
 
-def build_engine(config: Config) -> Engine:
-    """The engine the configuration names (not started)."""
+def build_engine(config: Config) -> SupervisedEngine:
+    """The engine the configuration names (not started), under a supervisor that restarts it if it dies."""
     if config.engine.kind == "simulated":
         from engines.simulated import SimulatedEngine
 
-        return SimulatedEngine(config.engine.simulator, model_name=config.model.name)
+        return SupervisedEngine(
+            lambda: SimulatedEngine(config.engine.simulator, model_name=config.model.name),
+            config.engine.supervisor,
+        )
     from engines.vllm_local import VllmLocalEngine
 
     model_dir = config.model.model_dir()
@@ -54,14 +58,21 @@ def build_engine(config: Config) -> Engine:
         raise ModelNotPreparedError(
             f"no prepared model in {model_dir}; run `lockgate models prepare` (or `make serve`) first"
         )
-    return VllmLocalEngine(
-        model_dir,
-        model_name=config.model.name,
-        max_model_len=config.model.max_model_len,
-        dtype=config.engine.dtype,
-        kv_cache_bytes=config.engine.kv_cache_bytes,
-        max_logprobs=config.engine.max_logprobs,
-        enforce_eager=config.engine.enforce_eager,
+    engine = config.engine
+    return SupervisedEngine(
+        lambda: VllmLocalEngine(
+            model_dir,
+            model_name=config.model.name,
+            max_model_len=config.model.max_model_len,
+            dtype=engine.dtype,
+            kv_cache_bytes=engine.kv_cache_bytes,
+            max_logprobs=engine.max_logprobs,
+            enforce_eager=engine.enforce_eager,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            step_target_s=engine.step_target,
+        ),
+        engine.supervisor,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from engines.simulated import SimulatorConfig
+from engines.supervisor import RestartPolicy
 
 ENV_PREFIX = "LOCKGATE_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -73,14 +74,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # `vllm_local`: vLLM's AsyncLLM in this process (its engine core in a child process).
     # `simulated`: a timing-model simulator for load and fault tests; never for real traffic.
     kind: Literal["vllm_local", "simulated"] = "vllm_local"
-    # Weight dtype for vLLM.
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Weight dtype for vLLM. `auto`: bfloat16 where the CPU or GPU computes it natively, else float32 on CPUs
+    # (which emulate bf16, about three times slower) and float16 on GPUs.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Bytes of KV cache vLLM may allocate.
     kv_cache_bytes: int = 268_435_456
     # Largest `top_logprobs` / `logprobs` a request may ask for.
     max_logprobs: int = 20
     # Skip CUDA graphs / compilation (faster start, the only choice on CPU).
     enforce_eager: bool = True
+    # Most sequences in one engine step (vLLM's `max_num_seqs`).
+    max_num_seqs: int = 16
+    # Most tokens in one engine step (vLLM's `max_num_batched_tokens`; long prompts are prefilled in chunks
+    # of this size). 0: measured on this host so that one step takes at most `step_target` seconds (the
+    # first start on a host measures it and caches the result under `model.data_dir`).
+    max_num_batched_tokens: int = 0
+    # Seconds one engine step may take: the bound on how long an abort, or the next token of every running
+    # stream, waits behind a long prompt's prefill.
+    step_target: float = 0.5
+    # How a dead engine is noticed and restarted without restarting the gateway.
+    supervisor: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     # Simulator settings, used only with kind = "simulated".
     simulator: SimulatorConfig = msgspec.field(default_factory=SimulatorConfig)
 
@@ -221,6 +234,13 @@ def _check(config: Config) -> None:
         "model.max_model_len": config.model.max_model_len,
         "model.default_max_tokens": config.model.default_max_tokens,
         "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
+        "engine.max_num_seqs": config.engine.max_num_seqs,
+        "engine.step_target": config.engine.step_target,
+        "engine.supervisor.health_interval": config.engine.supervisor.health_interval,
+        "engine.supervisor.max_restarts": config.engine.supervisor.max_restarts,
+        "engine.supervisor.backoff": config.engine.supervisor.backoff,
+        "engine.supervisor.backoff_max": config.engine.supervisor.backoff_max,
+        "engine.supervisor.shutdown_timeout": config.engine.supervisor.shutdown_timeout,
         "quota.op_timeout": config.quota.op_timeout,
         "quota.pool_size": config.quota.pool_size,
         "quota.pool_timeout": config.quota.pool_timeout,
@@ -249,6 +269,13 @@ def _check(config: Config) -> None:
     }.items():
         if value < 0:
             raise ConfigError(f"`{name}` must be >= 0, got {value}")
+    if config.engine.max_num_batched_tokens < 0:
+        raise ConfigError(
+            "`engine.max_num_batched_tokens` must be >= 0 (0 = measured), "
+            f"got {config.engine.max_num_batched_tokens}"
+        )
+    if 0 < config.engine.max_num_batched_tokens < config.engine.max_num_seqs:
+        raise ConfigError("`engine.max_num_batched_tokens` must be at least `engine.max_num_seqs`")
     if config.engine.max_logprobs < 0:
         raise ConfigError(f"`engine.max_logprobs` must be >= 0, got {config.engine.max_logprobs}")
 

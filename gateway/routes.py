@@ -84,9 +84,15 @@ async def list_models(
 
 
 @get("/healthz")
-async def healthz() -> dict[str, str]:
-    """The process is up."""
-    return {"status": "ok"}
+async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str]]:
+    """Liveness: 200 while the gateway can serve or recover by itself; 503 once it cannot (its engine
+    supervisor gave up), so that a process supervisor restarts it."""
+    detail = services.unrecoverable()
+    if detail:
+        return Response(
+            content={"status": "dead", "detail": detail}, status_code=HTTP_503_SERVICE_UNAVAILABLE
+        )
+    return Response(content={"status": "ok"}, status_code=HTTP_200_OK)
 
 
 @get("/readyz")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from engines.base import (
     EngineOverloadedError,
     EngineRequestError,
 )
+from engines.supervisor import SupervisedEngine
 from gateway.config import Config
 from gateway.decoding import Decoder
 from gateway.errors import (
@@ -61,9 +63,17 @@ CLIENT_CLOSED = 499
 def engine_api_error(exc: EngineError) -> APIError:
     """The HTTP error for an engine failure: capacity and death are 503 (retry later), the rest 502."""
     if isinstance(exc, EngineOverloadedError):
-        return EngineUnavailableError(f"the engine is at capacity: {exc}", code="engine_overloaded")
+        return EngineUnavailableError(
+            f"the engine is at capacity: {exc}",
+            code="engine_overloaded",
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+        )
     if isinstance(exc, EngineDeadError):
-        return EngineUnavailableError("the engine is not available", code="engine_unavailable")
+        return EngineUnavailableError(
+            f"the engine is not available: {exc}",
+            code="engine_unavailable",
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+        )
     if isinstance(exc, EngineRequestError):
         return EngineFailedError(f"the engine failed this request: {exc}", code="engine_error")
     return EngineFailedError(f"engine error: {exc}", code="engine_error")
@@ -101,6 +111,13 @@ class Services:
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
         self.started = int(time.time())
+
+    def unrecoverable(self) -> str:
+        """Why this gateway cannot recover without a restart of its process ("" while it can)."""
+        engine = self.engine
+        if isinstance(engine, SupervisedEngine) and not engine.alive:
+            return f"engine {engine.replica_id} could not be restarted: {engine.last_error}"
+        return ""
 
     def target(self, model_name: str, request_id: str) -> tuple[ResolvedModel, Limits]:
         """The model version `model_name` means for this request (one registry view), and its limits."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,15 +24,34 @@ from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, mak
 LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
 
 
-async def assert_vllm_idle(engine: VllmLocalEngine) -> None:
-    """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core."""
+def step_bound(engine: VllmLocalEngine) -> float:
+    """Seconds one engine step can take on this host, from the profile the engine measured at start-up
+    (the configured target when the budget was set explicitly)."""
+    profile = engine.profile
+    if profile is None:
+        return 1.0
+    return profile.decode_step_s + engine.max_num_batched_tokens * profile.worst_token_s
+
+
+def within_steps(engine: VllmLocalEngine, steps: int) -> float:
+    """A hang guard for waits that take about `steps` engine steps: generous, derived from the measured step
+    time rather than guessed for a fast machine."""
+    return 5.0 + 4 * steps * step_bound(engine)
+
+
+async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None) -> None:
+    """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core.
+    With `steps`, it got there within that many engine steps from the call."""
+    start = engine.steps.count
 
     async def front_end_empty() -> bool:
         return bool(engine.llm.get_num_unfinished_requests() == 0)
 
-    await eventually(front_end_empty)
+    await eventually(front_end_empty, within=within_steps(engine, steps or 4))
+    if steps is not None:
+        assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to go idle"
     # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
-    await eventually(engine.llm.reset_prefix_cache)
+    await eventually(engine.llm.reset_prefix_cache, within=within_steps(engine, 2))
     load = await engine.load()
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
 
@@ -42,7 +62,17 @@ async def engine_has_a_request(engine: VllmLocalEngine) -> None:
     async def has_one() -> bool:
         return bool(engine.llm.get_num_unfinished_requests() > 0)
 
-    await eventually(has_one, within=10)
+    await eventually(has_one, within=within_steps(engine, 4))
+
+
+async def steps_pass(engine: VllmLocalEngine, count: int) -> None:
+    """Wait until the engine has run `count` more steps."""
+    target = engine.steps.count + count
+
+    async def reached() -> bool:
+        return engine.steps.count >= target
+
+    await eventually(reached, within=within_steps(engine, count))
 
 
 def body(
@@ -108,14 +138,19 @@ async def test_disconnect_mid_stream_aborts_the_engine_request(
 async def test_disconnect_before_the_first_token(
     served: str, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
-    # A long prompt makes prefill take a while; the client leaves as soon as the engine has the request.
-    _, writer = await raw_post(served, tenancy.consumer, body(True, max_tokens=200, content="word " * 1500))
+    # A long prompt is prefilled in chunks of the step budget, one chunk per step; vLLM aborts between steps.
+    prompt = f"{uuid.uuid4().hex} " + "word " * 1500  # a unique start: no prefix of it is cached
+    _, writer = await raw_post(served, tenancy.consumer, body(True, max_tokens=200, content=prompt))
     await engine_has_a_request(vllm_engine)
+    await steps_pass(vllm_engine, 2)
+    # Two steps in, the prefill is still running: it was split into chunks of the step budget.
+    assert vllm_engine.llm.get_num_unfinished_requests() == 1
     writer.close()
-    [outcome] = await outcomes.wait_count(1)
+    # Freed within about one step: the step in progress ends, the abort is taken, nothing more runs.
+    await assert_vllm_idle(vllm_engine, steps=3)
+    [outcome] = await outcomes.wait_count(1, within=within_steps(vllm_engine, 4))
     assert outcome.status == "cancelled"
-    assert outcome.usage.completion_tokens < 200
-    await assert_vllm_idle(vllm_engine)
+    assert outcome.usage.completion_tokens == 0
 
 
 async def test_client_leaving_before_its_request_is_read_reaches_no_engine(
