@@ -31,6 +31,8 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from policy.quota.base import (
@@ -233,6 +235,10 @@ class RedisQuotaStore:
                 timeout=pool_timeout,
                 socket_timeout=op_timeout,
                 socket_connect_timeout=op_timeout,
+                # After Redis restarts, every pooled connection is dead; the first command on each would
+                # fail and look like an outage. Reconnect and resend once instead: both scripts are
+                # idempotent by reservation id, so a resend never debits or refunds twice.
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
             client = redis.asyncio.Redis.from_pool(pool)
         return cls(

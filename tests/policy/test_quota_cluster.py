@@ -8,6 +8,8 @@ from pathlib import Path
 
 import redis.asyncio
 
+from gateway.app import open_quota_store
+from gateway.config import Config, QuotaConfig
 from policy.quota.meter import QuotaMeter, applicable
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
@@ -49,3 +51,20 @@ async def test_reserve_and_settle_for_many_tenants_on_a_three_node_cluster(tmp_p
             assert holding >= 2
         finally:
             await store.close()
+
+
+async def test_the_configured_store_runs_on_a_cluster(tmp_path: Path) -> None:
+    async with redis_cluster(tmp_path) as nodes:
+        config = Config(
+            quota=QuotaConfig(backend="redis", redis_url=nodes[1].url, redis_cluster=True, op_timeout=5.0)
+        )
+        store = open_quota_store(config)
+        meter = QuotaMeter(store, FakeClock())
+        try:
+            for tenant_id in TENANTS:
+                tenant = Tenant(tenant_id=tenant_id, display_name=tenant_id, quotas=Quotas(per_key=LIMITS))
+                key = ApiKey(key_id="k", tenant_id=tenant_id, roles=("consumer",), created_at=0.0)
+                await meter.settle(await meter.reserve(tenant, key, 100), 10)
+        finally:
+            await store.close()
+        assert meter.counters["reserved"] == meter.counters["settled"] == len(TENANTS)
