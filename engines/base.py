@@ -112,6 +112,8 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     waiting: int
     kv_tokens_used: int
     kv_tokens_capacity: int
+    # Engine steps run so far: a supervisor sees a stuck engine (work in hand, no step) by this not moving.
+    steps: int = 0
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):

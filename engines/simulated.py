@@ -115,6 +115,7 @@ class SimulatedEngine:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._failure = ""
+        self._steps = 0
 
     async def start(self) -> None:
         """Start the scheduler task. Idempotent."""
@@ -172,6 +173,7 @@ class SimulatedEngine:
             waiting=len(self._waiting),
             kv_tokens_used=self._kv_used,
             kv_tokens_capacity=self._cfg.kv_capacity_tokens,
+            steps=self._steps,
         )
 
     async def health(self) -> Health:
@@ -215,6 +217,7 @@ class SimulatedEngine:
                 cfg = self._cfg
                 step = cfg.decode_step_s + cfg.decode_step_s_per_seq * len(self._running)
                 await self._sleep(step + cfg.prefill_s_per_token * prefill_tokens)
+                self._steps += 1
                 for seq in list(self._running):  # a stream closed during the step is already gone
                     self._advance(seq)
         except Exception as exc:  # a broken simulator must fail its requests, not hang them

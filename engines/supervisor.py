@@ -3,12 +3,13 @@ restarting.
 
 An engine dies when its engine core process exits (killed, out of memory, a crash): vLLM then fails every
 open request with its EngineDeadError, which reaches our callers as `EngineDeadError`, and serves nothing
-more. The supervisor learns of it from that error or from a periodic health check, shuts the dead engine
-down, and starts a new one from the factory, retrying with exponential backoff up to `max_restarts` times
-in a row. Meanwhile new requests fail at once with `EngineDeadError` carrying a `retry_after` (how long the
-last start took), which the gateway answers with 503 `engine_unavailable`. After the last failed attempt the
-supervisor gives up: `alive` turns False, which `/healthz` reports so that a process supervisor restarts the
-whole gateway.
+more. An engine that holds requests but runs no step for `stall_timeout` seconds (hung, or stopped with
+SIGSTOP) counts as dead too. The supervisor learns of it from that error or from a periodic check of health
+and progress, shuts the dead engine down (its open streams end with EngineDeadError), and starts a new one
+from the factory, retrying with exponential backoff up to `max_restarts` times in a row. Meanwhile new
+requests fail at once with `EngineDeadError` carrying a `retry_after` (how long the last start took), which
+the gateway answers with 503 `engine_unavailable`. After the last failed attempt the supervisor gives up:
+`alive` turns False, which `/healthz` reports so that a process supervisor restarts the whole gateway.
 
 States::
 
@@ -47,6 +48,9 @@ class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     backoff_max: float = 30.0
     # Seconds a dead engine may take to shut down before it is abandoned.
     shutdown_timeout: float = 30.0
+    # Seconds an engine may hold requests without running a single step before it counts as dead (a hung
+    # or stopped engine core): longer than any one step can take on the host.
+    stall_timeout: float = 60.0
 
 
 class SupervisedEngine:
@@ -71,6 +75,8 @@ class SupervisedEngine:
         self.state: State = "starting"
         self._changed = asyncio.Event()
         self.restarts = 0
+        # Health and progress checks made so far (tests wait on it instead of on the clock).
+        self.checks = 0
         self.last_error = ""
         self._start_s = 30.0
         self._died = asyncio.Event()
@@ -132,6 +138,9 @@ class SupervisedEngine:
         engine = self._check_ready()
         try:
             async for delta in engine.generate(req):
+                if delta.finish_reason == "abort" and (engine is not self._engine or self.state != "ready"):
+                    # Aborted by the shutdown of an engine found dead (stalled): a failure, not an end.
+                    raise self._unavailable()
                 yield delta
         except EngineDeadError as exc:
             self._report_death(engine, exc)
@@ -159,17 +168,39 @@ class SupervisedEngine:
         return await self._engine.health()
 
     async def _watch(self) -> None:
-        """Wait for a reported death or a failed health check, then restart; until given up or cancelled."""
+        """Wait for a reported death, a failed health check or a stall, then restart; until given up or
+        cancelled."""
+        progress = (-1, self._clock())  # (engine steps, when that count was first seen)
         while self.state != "failed":
             try:
                 async with asyncio.timeout(self._policy.health_interval):
                     await self._died.wait()
             except TimeoutError:
-                health = await self._engine.health()
-                if health.ready:
+                problem, progress = await self._check(progress)
+                if not problem:
                     continue
-                self.last_error = health.detail
+                self.last_error = problem
             await self._restart()
+            progress = (-1, self._clock())
+
+    async def _check(self, progress: tuple[int, float]) -> tuple[str, tuple[int, float]]:
+        """What is wrong with the engine now ("" if nothing), and the progress mark to compare with next."""
+        self.checks += 1
+        health = await self._engine.health()
+        if not health.ready:
+            return health.detail, progress
+        load = await self._engine.load()
+        now = self._clock()
+        steps, since = progress
+        if load.steps != steps or not load.running + load.waiting:
+            return "", (load.steps, now)
+        if now - since < self._policy.stall_timeout:
+            return "", progress
+        # Work in hand and not one step for longer than any step takes: hung (or stopped, SIGSTOP).
+        return (
+            f"stalled: no engine step for {now - since:.0f} s with {load.running + load.waiting} requests",
+            progress,
+        )
 
     async def _restart(self) -> None:
         self._set_state("restarting")

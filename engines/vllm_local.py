@@ -319,10 +319,19 @@ class VllmLocalEngine:
     async def load(self) -> EngineLoad:
         """Load from vLLM's scheduler stats; an engine with no unfinished request is idle."""
         if self._llm is None or self._llm.get_num_unfinished_requests() == 0:
-            return EngineLoad(running=0, waiting=0, kv_tokens_used=0, kv_tokens_capacity=self._kv_capacity)
+            return EngineLoad(
+                running=0,
+                waiting=0,
+                kv_tokens_used=0,
+                kv_tokens_capacity=self._kv_capacity,
+                steps=self._stats.steps.count,
+            )
+        unfinished = self._llm.get_num_unfinished_requests()
         return EngineLoad(
+            steps=self._stats.steps.count,
             running=self._stats.running,
-            waiting=self._stats.waiting,
+            # Requests the front end holds that the engine core has not reported running yet are waiting.
+            waiting=max(self._stats.waiting, unfinished - self._stats.running),
             kv_tokens_used=int(self._stats.kv_usage * self._kv_capacity),
             kv_tokens_capacity=self._kv_capacity,
         )

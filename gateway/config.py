@@ -241,6 +241,7 @@ def _check(config: Config) -> None:
         "engine.supervisor.backoff": config.engine.supervisor.backoff,
         "engine.supervisor.backoff_max": config.engine.supervisor.backoff_max,
         "engine.supervisor.shutdown_timeout": config.engine.supervisor.shutdown_timeout,
+        "engine.supervisor.stall_timeout": config.engine.supervisor.stall_timeout,
         "quota.op_timeout": config.quota.op_timeout,
         "quota.pool_size": config.quota.pool_size,
         "quota.pool_timeout": config.quota.pool_timeout,

@@ -109,14 +109,18 @@ async def test_a_death_mid_stream_ends_the_stream_and_the_engine_is_replaced(
 
 async def test_a_death_seen_only_by_the_health_check_is_restarted_too() -> None:
     factory = Factory()
-    engine = SupervisedEngine(factory, RestartPolicy(health_interval=0.01, backoff=0.0))
+    gate = GatedSleep()
+    engine = SupervisedEngine(factory, RestartPolicy(health_interval=0.01), sleep=gate)
     await engine.start()
     try:
         factory.built[0].kill("engine core exited")
         await wait_state(engine, "restarting")
+        assert engine.last_error == "engine core exited"
+        gate.open()
         await wait_state(engine, "ready")
         assert engine.restarts == 1
     finally:
+        gate.open()
         await engine.shutdown()
 
 
@@ -136,3 +140,72 @@ async def test_restarts_back_off_and_give_up_after_the_limit(
     assert "restart 3 failed" in engine.last_error
     assert "no memory" in engine.last_error
     assert not (await engine.health()).ready
+
+
+async def checks_pass(engine: SupervisedEngine, count: int) -> None:
+    """Until the supervisor has checked its engine `count` more times."""
+    target = engine.checks + count
+    async with asyncio.timeout(10):
+        while engine.checks < target:  # noqa: ASYNC110 - the checks run on the supervisor's own interval
+            await asyncio.sleep(0.001)
+
+
+class Freezable:
+    """A simulator sleep that stops returning once frozen: the engine holds its requests and runs no step,
+    as an engine core stopped with SIGSTOP does."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self._never = asyncio.Event()
+
+    async def __call__(self, seconds: float) -> None:
+        if self.frozen:
+            await self._never.wait()
+        await asyncio.sleep(0)
+
+
+class ManualClock:
+    """Monotonic time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_an_engine_that_holds_requests_but_runs_no_step_is_restarted() -> None:
+    sleeps: list[Freezable] = []
+
+    def factory() -> SimulatedEngine:
+        sleeps.append(Freezable())
+        return SimulatedEngine(FAST, model_name="m", sleep=sleeps[-1])
+
+    clock = ManualClock()
+    gate = GatedSleep()
+    policy = RestartPolicy(health_interval=0.001, stall_timeout=60.0)
+    engine = SupervisedEngine(factory, policy, clock=clock, sleep=gate)
+    await engine.start()
+    try:
+        stream = engine.generate(request(1, max_tokens=1_000))
+        await anext(stream)
+        sleeps[0].frozen = True
+        await checks_pass(engine, 2)
+        # A wait shorter than the timeout is no stall.
+        clock.now += 59.0
+        await checks_pass(engine, 2)
+        assert engine.state == "ready"
+        clock.now += 2.0
+        await wait_state(engine, "restarting")
+        assert "stalled" in engine.last_error
+        # The stream of the stalled engine ends with the death, not with a normal "abort" finish.
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        gate.open()
+        await wait_state(engine, "ready")
+        deltas = [d async for d in engine.generate(request(2, max_tokens=3))]
+        assert deltas[-1].finish_reason == "length"
+    finally:
+        gate.open()
+        await engine.shutdown()
