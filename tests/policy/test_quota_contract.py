@@ -14,6 +14,7 @@ import redis.exceptions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import policy.quota
 from policy.quota import (
     BucketSpec,
     MemoryQuotaStore,
@@ -65,6 +66,25 @@ async def quota_store(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStor
     store, client, prefix = await redis_store()
     yield store
     await drop_redis_store(store, client, prefix)
+
+
+def test_the_package_exports_exactly_its_public_names() -> None:
+    assert set(policy.quota.__all__) == {
+        "BucketSpec",
+        "MemoryQuotaStore",
+        "QuotaBackendError",
+        "QuotaBusyError",
+        "QuotaError",
+        "QuotaExceededError",
+        "QuotaImpossibleError",
+        "QuotaStore",
+        "RedisQuotaStore",
+        "Reservation",
+        "ReservationClosedError",
+        "SettlePolicy",
+        "Settler",
+    }
+    assert all(hasattr(policy.quota, name) for name in policy.quota.__all__)
 
 
 async def test_new_bucket_starts_full(quota_store: QuotaStore) -> None:
