@@ -11,7 +11,8 @@ The meter picks each reservation id before it calls the store. A reserve that fa
 have run (the reply was lost, or the command is still queued in a stalled Redis), so its outcome is unknown:
 the meter settles that id anyway, by id, with what the request used (nothing when it was refused). If the
 reserve had been granted, that refunds it (or charges the usage of a fail-open request); if it had not run
-yet, the id is closed and a late arrival of it debits nothing. No path leaves tokens debited for good.
+yet, the id is closed and a late arrival of it debits nothing. Only a settlement that is given up leaves a
+reservation charged in full: an over-charge, never an under-charge.
 
 Bucket keys carry the tenant as a Redis Cluster hash tag (`tenant:{acme}:tok`, `key:{acme}:<key id>:tok`), so
 every key of one request, and its reservation record, live in one cluster slot.
