@@ -140,6 +140,14 @@ class VllmLocalEngine:
         return self._llm
 
     @property
+    def step_seconds(self) -> float | None:
+        """The longest an engine step takes at the budget in force, by the measured profile (None when the
+        budget was configured rather than measured)."""
+        if self.profile is None:
+            return None
+        return self.profile.decode_step_s + self.max_num_batched_tokens * self.profile.worst_token_s
+
+    @property
     def steps(self) -> StepClock:
         """The engine steps run so far (tests count steps instead of seconds)."""
         return self._stats.steps
@@ -355,10 +363,16 @@ class VllmLocalEngine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        unfinished = list(llm.output_processor.request_states)
-        # A dead engine core takes no abort; its requests already ended with EngineDeadError.
-        if unfinished and not llm.errored:
-            await llm.abort(unfinished)
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
+
+        # Keys are vLLM's internal request ids (hence internal=True). A dead engine core takes no abort.
+        states = llm.output_processor.request_states
+        if states and not llm.errored:
+            await llm.abort(list(states), internal=True)
+        if states:
+            # vLLM's shutdown cancels the output handler that would fail these: fail them here, or their
+            # streams would wait forever.
+            llm.output_processor.propagate_error(VllmDeadError())
         await asyncio.to_thread(llm.shutdown)
 
 

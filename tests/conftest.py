@@ -204,3 +204,9 @@ async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) 
     async with asyncio.timeout(within):
         while not await check():  # noqa: ASYNC110 - polling another process's state
             await asyncio.sleep(0.01)
+
+
+def within_steps(engine: VllmLocalEngine, steps: int) -> float:
+    """A hang guard for a wait of about `steps` engine steps: generous, and derived from the step time the
+    engine measured on this host rather than guessed for a fast machine."""
+    return 5.0 + 4 * steps * (engine.step_seconds or 1.0)

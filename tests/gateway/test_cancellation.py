@@ -19,24 +19,18 @@ from litestar import Litestar
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
+from tests.conftest import (
+    MODEL,
+    OutcomeLog,
+    Tenancy,
+    eventually,
+    lifespan,
+    make_config,
+    serving,
+    within_steps,
+)
 
 LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
-
-
-def step_bound(engine: VllmLocalEngine) -> float:
-    """Seconds one engine step can take on this host, from the profile the engine measured at start-up
-    (the configured target when the budget was set explicitly)."""
-    profile = engine.profile
-    if profile is None:
-        return 1.0
-    return profile.decode_step_s + engine.max_num_batched_tokens * profile.worst_token_s
-
-
-def within_steps(engine: VllmLocalEngine, steps: int) -> float:
-    """A hang guard for waits that take about `steps` engine steps: generous, derived from the measured step
-    time rather than guessed for a fast machine."""
-    return 5.0 + 4 * steps * step_bound(engine)
 
 
 async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None) -> None:

@@ -195,8 +195,8 @@ async def test_liveness_fails_once_the_engine_cannot_be_restarted(
     await engine.shutdown()
 
 
-async def test_killing_the_vllm_engine_core_mid_stream(
-    deploy: Deploy, model_dir: Path, outcomes: OutcomeLog
+async def test_killing_and_stopping_the_vllm_engine_core_mid_stream(
+    deploy: Deploy, model_dir: Path, vllm_engine: VllmLocalEngine, outcomes: OutcomeLog
 ) -> None:
     def factory() -> Engine:
         # The session engine's measured step budget is reused (cached per host).
@@ -204,11 +204,15 @@ async def test_killing_the_vllm_engine_core_mid_stream(
             model_dir, model_name=MODEL, max_model_len=2048, kv_cache_bytes=128 << 20, replica_id="doomed"
         )
 
+    # A stopped engine core counts as dead after many times the longest step this host takes.
+    stall = 10 * (vllm_engine.step_seconds or 1.0)
     gate = Gate()
-    engine = SupervisedEngine(factory, RestartPolicy(health_interval=1.0), sleep=gate)
+    engine = SupervisedEngine(factory, RestartPolicy(health_interval=0.2, stall_timeout=stall), sleep=gate)
     await engine.start()
+    restart_bound = 600.0  # an engine start, bounded generously against a hang
     try:
         async with deploy(engine) as gw:
+            # 1. SIGKILL: the open streams end with an error event; 503 with Retry-After while it restarts.
             first = engine.engine
             assert isinstance(first, VllmLocalEngine)
             streams = await open_streams(gw.sdk, 2)
@@ -222,14 +226,32 @@ async def test_killing_the_vllm_engine_core_mid_stream(
             assert "Retry-After" in refused.value.response.headers
             assert await gw.status("/readyz") == 503
             gate.open()
-            async with asyncio.timeout(600):  # an engine start, bounded generously against a hang
+            async with asyncio.timeout(restart_bound):
                 await engine.wait_for("ready", "failed")
             assert engine.state == "ready"
             answer = await gw.sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
             assert answer.usage is not None
             assert answer.usage.completion_tokens == 5
-            statuses = sorted(o.status for o in await outcomes.wait_count(4))
-            assert statuses == ["completed", "error", "error", "error"]
+
+            # 2. SIGSTOP: slow, not dead. A stream in flight ends with an error once the stall is seen, and
+            # the engine is replaced (the stopped processes are killed by the shutdown).
+            second = engine.engine
+            assert isinstance(second, VllmLocalEngine)
+            [stream] = await open_streams(gw.sdk, 1)
+            for pid in second.engine_core_pids():
+                os.kill(pid, signal.SIGSTOP)
+            async with asyncio.timeout(stall + restart_bound):
+                await ends_with_an_error_event(stream)
+                await engine.wait_for("restarting")
+            assert "stalled" in engine.last_error
+            async with asyncio.timeout(restart_bound):
+                await engine.wait_for("ready", "failed")
+            assert engine.restarts == 2
+            answer = await gw.sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
+            assert answer.choices[0].finish_reason == "length"
+
+            statuses = sorted(o.status for o in await outcomes.wait_count(6))
+            assert statuses == ["completed", "completed", "error", "error", "error", "error"]
             await gw.assert_every_reservation_settled(outcomes)
     finally:
         await engine.shutdown()
