@@ -109,9 +109,11 @@ def _random_prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1_000, 30_000) for _ in range(n)]
 
 
-async def measure_profile(llm: Any, steps: StepClock, *, host: str, max_model_len: int) -> StepProfile:
-    """Measure a `StepProfile` on a started `AsyncLLM` whose budget is PROBE_BUDGET; nothing else may run on
-    it meanwhile. `steps` must be fed by that engine's stat logger."""
+async def measure_profile(
+    llm: Any, steps: StepClock, *, host: str, max_model_len: int, probe_budget: int = PROBE_BUDGET
+) -> StepProfile:
+    """Measure a `StepProfile` on a started `AsyncLLM` whose budget is `probe_budget`; nothing else may run
+    on it meanwhile. `steps` must be fed by that engine's stat logger."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     rng = random.Random()
@@ -137,14 +139,14 @@ async def measure_profile(llm: Any, steps: StepClock, *, host: str, max_model_le
     profile = StepProfile(
         host=host,
         decode_step_s=decode_s,
-        probe_budget=PROBE_BUDGET,
+        probe_budget=probe_budget,
         chunk_steps_s=chunk_steps,
         measured_at=time.time(),
     )
     log.info(
         "measured engine steps: decode %.3f s, prefill chunks of %d tokens %.3f-%.3f s",
         decode_s,
-        PROBE_BUDGET,
+        probe_budget,
         min(chunk_steps, default=0.0),
         max(chunk_steps, default=0.0),
     )

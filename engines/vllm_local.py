@@ -190,15 +190,16 @@ class VllmLocalEngine:
         key = host_key(dtype, str(self._model_dir.resolve()), vllm.__version__, str(self.max_model_len))
         path = self._profile_dir / f"{key}.json"
         profile = await asyncio.to_thread(load_profile, path)
+        probe = max(PROBE_BUDGET, floor)
         if profile is None:
-            await self._start_with(dtype, PROBE_BUDGET)
+            await self._start_with(dtype, probe)
             profile = await measure_profile(
-                self._llm, self._stats.steps, host=key, max_model_len=self.max_model_len
+                self._llm, self._stats.steps, host=key, max_model_len=self.max_model_len, probe_budget=probe
             )
             await asyncio.to_thread(save_profile, path, profile)
         self.profile = profile
         budget = choose_budget(profile, self.step_target_s, max_model_len=self.max_model_len, floor=floor)
-        if self._llm is not None and budget != PROBE_BUDGET:
+        if self._llm is not None and budget != probe:
             await self.shutdown()
         return budget
 

@@ -4,7 +4,8 @@ dtype. Each configuration starts its own vLLM engine on the default model.
 
     python -m ops.bench.steps [--dtype auto float32 bfloat16] [--budget 0 2048] [--prompt 1500] [--aborts 8]
 
-`--budget 0` is the measured budget for `--target` seconds per step (cached per host after the first
+Prefill aborts close the stream at a random point of a long prompt's prefill; decode aborts after five
+tokens. `--budget 0` is the measured budget for `--target` seconds per step (cached per host after the first
 measurement); a budget equal to the context (2048) prefills any prompt in one step, as before chunking. Run
 by hand, not in CI: the figures depend on the machine and on what else runs on it.
 """
@@ -63,24 +64,26 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 async def _idle(engine: VllmLocalEngine) -> None:
-    while engine.llm.get_num_unfinished_requests():  # noqa: ASYNC110 - state of the engine core process
-        await asyncio.sleep(0.002)
+    """Until the engine core holds no KV block: it refuses to reset its prefix cache before (a call it takes
+    between steps, so this sees the abort land, not just the front end forgetting the request)."""
+    while not await engine.llm.reset_prefix_cache():
+        pass
 
 
-async def _abort_latency(engine: VllmLocalEngine, prompt_len: int, max_tokens: int, after: int) -> float:
-    """Seconds from closing a request's stream to vLLM holding nothing of it; closed once `after` more steps
-    ran (prefill) or `after` tokens arrived (decode)."""
-    stream = engine.generate(_request(prompt_len, max_tokens))
-    if max_tokens > 1:
+async def _abort_latency(
+    engine: VllmLocalEngine, prompt_len: int, *, tokens: int = 0, delay: float = 0.0
+) -> float:
+    """Seconds from closing a request's stream to vLLM holding nothing of it. Closed after `tokens` decoded
+    tokens (decode), or `delay` seconds into its prefill (prefill)."""
+    stream = engine.generate(_request(prompt_len, max(tokens, 1) + 64))
+    if tokens:
         async for _ in stream:
-            after -= 1
-            if after <= 0:
+            tokens -= 1
+            if tokens <= 0:
                 break
     else:
         pending = asyncio.ensure_future(anext(stream))
-        target = engine.steps.count + after
-        while engine.steps.count < target:  # noqa: ASYNC110 - counts steps of another process
-            await asyncio.sleep(0.002)
+        await asyncio.sleep(delay)
         pending.cancel()
         await asyncio.gather(pending, return_exceptions=True)
     began = time.perf_counter()
@@ -123,8 +126,13 @@ async def _measure(engine: VllmLocalEngine, prompt_len: int, aborts: int) -> Row
     await asyncio.gather(*streams, return_exceptions=True)
     await _idle(engine)
 
-    prefill = [await _abort_latency(engine, prompt_len, 1, after=2) for _ in range(aborts)]
-    decode_aborts = [await _abort_latency(engine, 16, 1000, after=5) for _ in range(aborts)]
+    # Closed at a random point of the prefill (seeded: every configuration sees the same points).
+    rng = random.Random(7)
+    prefill = [
+        await _abort_latency(engine, prompt_len, delay=rng.uniform(0.1, 0.9) * long_ttft)
+        for _ in range(aborts)
+    ]
+    decode_aborts = [await _abort_latency(engine, 16, tokens=5) for _ in range(aborts)]
     return Row(
         dtype=str(engine.dtype),
         budget=engine.max_num_batched_tokens,

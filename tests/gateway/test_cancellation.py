@@ -42,12 +42,13 @@ async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None)
         return bool(engine.llm.get_num_unfinished_requests() == 0)
 
     await eventually(front_end_empty, within=within_steps(engine, steps or 4))
-    if steps is not None:
-        assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to go idle"
     # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
     await eventually(engine.llm.reset_prefix_cache, within=within_steps(engine, 2))
     load = await engine.load()
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+    if steps is not None:
+        # An idle engine runs no step, so this counts every step from the call until the KV blocks were free.
+        assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to free the KV cache"
 
 
 async def engine_has_a_request(engine: VllmLocalEngine) -> None:
