@@ -69,3 +69,17 @@ async def test_a_long_prompt_delays_running_streams_by_about_one_step(vllm_engin
     assert len(during) >= (after - before) // 2, (before, after, during)
     gaps = [b - a for a, b in itertools.pairwise([before, *during, after])]
     assert max(gaps) <= 2, gaps
+
+
+async def test_a_seeded_request_whose_prompt_spans_several_steps(vllm_engine: VllmLocalEngine) -> None:
+    """vLLM's CPU worker cannot take back a draw made after a partial prefill (engines/vllm_cpu_seed.py): with
+    chunked prefill a seeded request used to kill the engine core. It must work, and repeat exactly."""
+    prompt = request(3 * vllm_engine.max_num_batched_tokens + 5, 1).prompt_token_ids
+    sampling = SamplingSpec(max_tokens=12, temperature=1.0, seed=99)
+    runs = []
+    for _ in range(2):
+        seeded = EngineRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling)
+        runs.append([t async for d in vllm_engine.generate(seeded) for t in d.token_ids])
+    assert len(runs[0]) == 12
+    assert runs[0] == runs[1]
+    assert (await vllm_engine.health()).ready
