@@ -114,7 +114,8 @@ async def gateway(
     pg = private_postgres
     schema = f"outage_{secrets.token_hex(4)}"
     clock = FakeClock()
-    seed = await PostgresTenantStore.open(pg.dsn, schema=schema)
+    # Setting up is not under test: generous limits, so a busy machine cannot fail it.
+    seed = await PostgresTenantStore.open(pg.dsn, schema=schema, connect_timeout=120.0, command_timeout=120.0)
     try:
         await seed.create_tenant(Tenant(tenant_id="acme", display_name="Acme"), actor="test", now=clock())
         plaintexts = []
