@@ -80,13 +80,26 @@ class ChatTemplateSpec(_Input, frozen=True, kw_only=True):
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
-class GuardModelSpec(_Input, frozen=True, kw_only=True):
-    """A guard model version: a model version, its classification prompt, and its label token variants."""
+GuardKind = Literal["one_token", "embedding"]
 
-    model: str  # "name@version" of a model version
-    prompt_template: str
-    safe_tokens: tuple[str, ...]
-    unsafe_tokens: tuple[str, ...]
+
+class GuardModelSpec(_Input, frozen=True, kw_only=True):
+    """A guard model version.
+
+    `one_token`: a model version answers the guard prompt with one token; P(unsafe) is the probability mass of
+    the unsafe label variants over that of both label sets. `embedding`: a sentence encoder and a logistic
+    head, both in `artifact` (a directory), score the text directly. A trained guard names the sha256 of the
+    data it was trained on, so a score can be traced to its training set.
+    """
+
+    kind: GuardKind = "one_token"
+    model: str = ""  # one_token: "name@version" of the model version that runs the prompt
+    prompt_template: str = ""  # one_token: Jinja text with `content`, `categories` and `policy`
+    safe_tokens: tuple[str, ...] = ()
+    unsafe_tokens: tuple[str, ...] = ()
+    artifact: str = ""  # embedding: directory of the encoder and its head
+    weights_sha256: str = ""  # embedding: sha256 of the head's weights file
+    training_data_sha256: str = ""  # trained guards: sha256 of the training set
 
 
 class PolicyCategory(_Input, frozen=True, kw_only=True):
@@ -96,12 +109,42 @@ class PolicyCategory(_Input, frozen=True, kw_only=True):
     severity: Severity
 
 
-class CascadeStage(_Input, frozen=True, kw_only=True):
-    """One guard stage: allow below one score, block above another, pass on to the next stage between."""
+StageKind = Literal["rules", "model"]
 
-    guard: str  # "name@version" of a guard model version: pinned, so the policy hash fixes the guards
+
+class CascadeStage(_Input, frozen=True, kw_only=True):
+    """One guard stage: allow below one score, block above another, pass on to the next stage between.
+
+    A `rules` stage runs the policy's own rules (no guard model); a `model` stage runs guard model `guard`.
+    """
+
+    kind: StageKind = "model"
+    guard: str = ""  # model stages: "name@version" of a guard model version, pinned so the policy hash fixes it
     allow_below: Fraction
     block_above: Fraction
+    # Categories this stage judges (empty: all of the policy's); their fail modes decide when it fails.
+    categories: tuple[str, ...] = ()
+    # Seconds one call may take before it counts as a guard failure.
+    timeout_s: Annotated[float, Meta(gt=0.0, le=60.0)] = 5.0
+
+
+class RulePattern(_Input, frozen=True, kw_only=True):
+    """A deterministic rule: a regular expression (case-insensitive) or a plain term, in one category."""
+
+    category: str
+    pattern: str
+    regex: bool = False
+    # Where it applies: untrusted input spans only (injection attempts), all input, or generated output too.
+    applies_to: Literal["untrusted", "input", "all"] = "all"
+
+
+class RulesSpec(_Input, frozen=True, kw_only=True):
+    """The rules stage: patterns that block, patterns that clear, and size limits."""
+
+    block: tuple[RulePattern, ...] = ()
+    # Text that matches none of `block` and one of these is clear (score 0); otherwise the rules are unsure.
+    allow: tuple[str, ...] = ()
+    max_input_chars: Annotated[int, Meta(ge=0)] = 0  # 0: no limit
 
 
 class PolicySpec(_Input, frozen=True, kw_only=True):
@@ -113,6 +156,12 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     fail_modes: dict[str, FailMode]  # by category name
     hold_back_tokens: Annotated[int, Meta(ge=0)]
     retention: Literal["none", "hash", "full"]
+    rules: RulesSpec = msgspec.field(default_factory=RulesSpec)
+    # The output moderator checks the held-back text at least every this many tokens (and at the end).
+    check_every_tokens: Annotated[int, Meta(ge=1)] = 16
+    # Which directions the cascade guards.
+    guard_input: bool = True
+    guard_output: bool = True
 
 
 Spec = ModelSpec | TokenizerSpec | ChatTemplateSpec | GuardModelSpec | PolicySpec

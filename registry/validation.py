@@ -8,6 +8,7 @@ on the Structs (0 <= threshold <= 1, positive layer counts) are enforced by deco
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from registry.models import (
 # Weights are floats written by people ("0.9" and "0.1"): their sum is 1 only within rounding.
 WEIGHT_TOLERANCE = 1e-9
 MAX_TARGETS = 2
+_SHA256 = re.compile("[0-9a-f]{64}")
 
 
 class Known(Protocol):
@@ -90,9 +92,18 @@ def check_model(ref: str, spec: ModelSpec, known: Known) -> None:
 
 
 def check_guard(ref: str, spec: GuardModelSpec, known: Known) -> None:
-    """A guard model's model version exists and its label token lists are non-empty and disjoint."""
+    """A one-token guard names an existing model version, a prompt, and non-empty, disjoint label token lists;
+    an embedding guard names its artifact and the sha256 of its head's weights."""
     owner = f"guard_model {ref}"
+    if spec.kind == "embedding":
+        if not spec.artifact:
+            raise InvalidError(f"{owner}: an embedding guard needs its artifact directory")
+        if not _SHA256.fullmatch(spec.weights_sha256):
+            raise InvalidError(f"{owner}: weights_sha256 must be the sha256 (64 hex digits) of its head")
+        return
     check_reference(owner, "model", spec.model, known)
+    if not spec.prompt_template:
+        raise InvalidError(f"{owner}: prompt_template is empty")
     for field, tokens in (("safe_tokens", spec.safe_tokens), ("unsafe_tokens", spec.unsafe_tokens)):
         if not tokens:
             raise InvalidError(f"{owner}: {field} is empty; list every variant of the label token")
@@ -104,7 +115,8 @@ def check_guard(ref: str, spec: GuardModelSpec, known: Known) -> None:
 
 
 def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
-    """Categories are unique, each has exactly one fail mode, stage thresholds are ordered, guards exist."""
+    """Categories are unique, each has exactly one fail mode, stage thresholds are ordered, guards exist,
+    rules and stages name only the policy's categories, and rule patterns compile."""
     owner = f"policy {ref}"
     names = [c.name for c in spec.categories]
     if len(set(names)) != len(names) or "" in names:
@@ -116,12 +128,31 @@ def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
     if unknown:
         raise InvalidError(f"{owner}: fail modes for unknown categories {unknown}")
     for i, stage in enumerate(spec.stages):
+        where = f"{owner} stages[{i}]"
         if not (0.0 <= stage.allow_below <= stage.block_above <= 1.0):
             raise InvalidError(
-                f"{owner}: stages[{i}] needs 0 <= allow_below <= block_above <= 1, "
+                f"{where} needs 0 <= allow_below <= block_above <= 1, "
                 f"got allow_below={stage.allow_below}, block_above={stage.block_above}"
             )
-        check_reference(f"{owner} stages[{i}]", "guard_model", stage.guard, known)
+        strange = sorted(set(stage.categories) - set(names))
+        if strange:
+            raise InvalidError(f"{where} names unknown categories {strange}")
+        if stage.kind == "rules":
+            if stage.guard:
+                raise InvalidError(f"{where}: a rules stage runs the policy's rules and names no guard")
+        else:
+            check_reference(where, "guard_model", stage.guard, known)
+    for i, rule in enumerate(spec.rules.block):
+        where = f"{owner} rules.block[{i}]"
+        if rule.category not in names:
+            raise InvalidError(f"{where} names unknown category {rule.category!r}")
+        if not rule.pattern:
+            raise InvalidError(f"{where} has an empty pattern")
+        if rule.regex:
+            try:
+                re.compile(rule.pattern)
+            except re.error as exc:
+                raise InvalidError(f"{where}: pattern {rule.pattern!r} does not compile: {exc}") from exc
 
 
 def check_tokenizer(

@@ -1,0 +1,78 @@
+"""The `Classifier` protocol and the messages that cross it.
+
+A classifier answers one question about one piece of text under one policy: how likely is it unsafe? It
+never decides what a failure means; it raises `GuardError` and the policy's fail mode decides.
+
+Exceptions::
+
+    GuardError                   a guard could not score the item (engine error, malformed output, timeout)
+    └── GuardUnavailableError    the guard is not called at all (its circuit breaker is open)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+# Where a span of text comes from. `system` spans the tenant configured are trusted; everything a caller or a
+# tool supplied is not, and generated `output` is what the output guard checks.
+Source = Literal["system", "user", "assistant", "tool", "document", "output"]
+Direction = Literal["input", "output"]
+
+
+class GuardError(Exception):
+    """A guard could not score an item. Never read as "safe"."""
+
+
+class GuardUnavailableError(GuardError):
+    """The guard was not called: its circuit breaker is open after repeated failures."""
+
+
+class Span(msgspec.Struct, frozen=True, kw_only=True):
+    """One piece of the text under check, with where it came from and whether it is trusted."""
+
+    text: str
+    source: Source
+    trusted: bool = False
+
+
+class GuardInput(msgspec.Struct, frozen=True, kw_only=True):
+    """What a classifier judges: the spans of a request's input, or the output generated so far."""
+
+    direction: Direction
+    spans: tuple[Span, ...]
+    # The policy's category names the classifier is asked about (a prompt may list them).
+    categories: tuple[str, ...] = ()
+    policy: str = ""  # name@version of the policy, for prompts that name it
+
+    def text(self, *, untrusted_only: bool = False) -> str:
+        """The spans' text joined by blank lines (only the untrusted ones when asked)."""
+        return "\n\n".join(s.text for s in self.spans if not (untrusted_only and s.trusted))
+
+
+class GuardScore(msgspec.Struct, frozen=True, kw_only=True):
+    """A classifier's answer: P(unsafe) in [0, 1], the category it points at, and how it was obtained."""
+
+    p_unsafe: float
+    # The category the evidence points at ("" when the classifier does not know which).
+    category: str = ""
+    # Which guard produced it: "rules", or the guard model's name@version.
+    guard: str
+    # The model version it ran on and the sha256 of the rendered prompt template ("" where none).
+    model: str = ""
+    template_sha256: str = ""
+    latency_s: float = 0.0
+    # What the classifier saw, for audit and debugging: label masses, the matched rule, and the like.
+    raw: dict[str, float | str] = msgspec.field(default_factory=dict)
+
+
+@runtime_checkable
+class Classifier(Protocol):
+    """One guard: scores an item, or raises GuardError."""
+
+    name: str
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """P(unsafe) of `item`; GuardError when it cannot say."""
+        ...
