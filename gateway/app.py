@@ -19,13 +19,13 @@ from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
-from gateway.flow import TaskSet
-from gateway.prompts import PromptRenderer
+from gateway.generation.flow import TaskSet
+from gateway.generation.prompts import PromptRenderer
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import Services
-from gateway.tracking import OutcomeSink, log_outcome
+from gateway.generation.tracking import OutcomeSink, log_outcome
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter

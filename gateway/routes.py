@@ -9,7 +9,7 @@ from litestar.di import NamedDependency
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from gateway.decoding import read_body
-from gateway.planning import plan_chat, plan_completion
+from gateway.generation.planning import plan_chat, plan_completion
 from gateway.requestid import request_id_of
 from gateway.schemas import AliasTargetCard, ModelCard, ModelList
 from gateway.security import allow

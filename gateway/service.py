@@ -34,14 +34,14 @@ from gateway.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from gateway.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
-from gateway.metering import charge_headers, reserve
-from gateway.planning import Limits, Plan
-from gateway.prompts import PromptRenderer
-from gateway.responses import Formatter, sse
+from gateway.generation.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
+from gateway.generation.metering import charge_headers, reserve
+from gateway.generation.planning import Limits, Plan
+from gateway.generation.prompts import PromptRenderer
+from gateway.generation.responses import Formatter, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.streaming import SSEResponse
-from gateway.tracking import Outcome, OutcomeSink, RequestTracker
+from gateway.generation.streaming import SSEResponse
+from gateway.generation.tracking import Outcome, OutcomeSink, RequestTracker
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
 from policy.tenants.base import TenantStore

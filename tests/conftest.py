@@ -18,8 +18,8 @@ from litestar import Litestar
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.config import Config, ModelConfig, ServerConfig, StorageConfig
-from gateway.prompts import PromptRenderer
-from gateway.tracking import Outcome
+from gateway.generation.prompts import PromptRenderer
+from gateway.generation.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys

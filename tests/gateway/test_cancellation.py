@@ -18,7 +18,7 @@ from litestar import Litestar
 
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from tests.conftest import (
     MODEL,
     OutcomeLog,

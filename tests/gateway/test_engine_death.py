@@ -27,7 +27,7 @@ from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.supervisor import RestartPolicy, SupervisedEngine
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.quota.base import BucketSpec
 from policy.quota.memory import MemoryQuotaStore
 from policy.quota.meter import QuotaMeter

@@ -13,7 +13,7 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
 CHAT = "/v1/chat/completions"

@@ -8,8 +8,8 @@ import pytest
 
 from engines.base import EngineDelta, EngineRequest, SamplingSpec
 from engines.simulated import SimulatedEngine
-from gateway.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
-from gateway.tracking import Outcome, RequestTracker
+from gateway.generation.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
+from gateway.generation.tracking import Outcome, RequestTracker
 from tests.conftest import eventually
 
 

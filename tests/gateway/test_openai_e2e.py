@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]

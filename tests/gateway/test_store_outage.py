@@ -25,7 +25,7 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import AuthConfig, Config, ModelConfig, RegistryConfig, StorageConfig
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Tenant
 from policy.tenants.postgres import PostgresTenantStore

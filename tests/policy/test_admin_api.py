@@ -13,7 +13,7 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.base import TenantStore

@@ -20,7 +20,7 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import Config
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.base import TenantStore

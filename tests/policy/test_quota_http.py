@@ -19,7 +19,7 @@ import redis.asyncio
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import QuotaConfig
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.quota.meter import applicable
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.models import Limits, Quotas, Tenant

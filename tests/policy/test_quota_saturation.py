@@ -33,7 +33,7 @@ import redis.asyncio
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.quota import BucketSpec, RedisQuotaStore, Reservation
 from policy.quota.meter import applicable
 from policy.tenants.models import Limits, Quotas, Tenant

@@ -14,7 +14,7 @@ import msgspec
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import QuotaConfig
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.quota import BucketSpec, MemoryQuotaStore, QuotaBackendError, QuotaBusyError, Reservation
 from policy.quota.meter import applicable

@@ -14,7 +14,7 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import Config, RegistryConfig
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Tenant
 from registry.postgres import PostgresRegistryStore

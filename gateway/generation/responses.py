@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import msgspec
 
 from engines.base import EngineDelta, FinishReason, TokenLogprob, Usage
-from gateway.planning import Plan
+from gateway.generation.planning import Plan
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,

@@ -12,7 +12,7 @@ import msgspec
 
 from engines.base import EngineRequest, SamplingSpec
 from gateway.errors import InvalidRequestError
-from gateway.prompts import PromptRenderer
+from gateway.generation.prompts import PromptRenderer
 from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from registry.view import ResolvedModel

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineError
-from gateway.tracking import RequestTracker
+from gateway.generation.tracking import RequestTracker
 
 T = TypeVar("T")
 _END = object()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimitedError
-from gateway.planning import Plan
+from gateway.generation.planning import Plan
 from policy.auth import Principal
 from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
 from policy.quota.meter import Charge, QuotaMeter, QuotaUnavailableError, applicable, rate_limit_headers
