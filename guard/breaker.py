@@ -1,0 +1,74 @@
+"""A circuit breaker per guard: after repeated failures, stop calling it for a while.
+
+A guard that times out costs every request its timeout; once it has failed `threshold` times in a row the
+breaker opens and calls fail at once (`GuardUnavailableError`), so the policy's fail mode applies without the
+wait. After `cooldown` seconds one call is let through as a probe: success closes the breaker, failure opens
+it again. Time comes from an injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from guard.base import GuardUnavailableError
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class BreakerPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """When a guard's breaker opens and how long it stays open."""
+
+    # Consecutive failures that open the breaker.
+    threshold: int = 5
+    # Seconds the breaker stays open before one probe call is let through.
+    cooldown: float = 30.0
+
+
+class CircuitBreaker:
+    """Counts consecutive failures of one guard and refuses calls while open."""
+
+    def __init__(self, name: str, policy: BreakerPolicy, clock: Callable[[], float]) -> None:
+        self.name = name
+        self._policy = policy
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+
+    @property
+    def state(self) -> BreakerState:
+        """closed (calls pass), open (calls refused), half_open (the cooldown is over: one probe may pass)."""
+        if self._opened_at is None:
+            return "closed"
+        if self._clock() - self._opened_at >= self._policy.cooldown:
+            return "half_open"
+        return "open"
+
+    def before_call(self) -> None:
+        """Raise GuardUnavailableError unless a call may go ahead now."""
+        state = self.state
+        if state == "closed":
+            return
+        if state == "half_open" and not self._probing:
+            self._probing = True
+            return
+        raise GuardUnavailableError(
+            f"guard {self.name} is unavailable: {self._failures} consecutive failures "
+            f"(circuit open, next probe within {self._policy.cooldown:g} s)"
+        )
+
+    def success(self) -> None:
+        """A call succeeded: close the breaker."""
+        self._failures = 0
+        self._opened_at = None
+        self._probing = False
+
+    def failure(self) -> None:
+        """A call failed: count it; open (or reopen) the breaker at the threshold or after a failed probe."""
+        self._failures += 1
+        if self._probing or self._failures >= self._policy.threshold:
+            self._opened_at = self._clock()
+        self._probing = False

@@ -1,0 +1,188 @@
+"""The guard cascade: stages in order, each settling clear cases and passing uncertain ones on.
+
+A stage with score p allows when p < allow_below, blocks when p > block_above, and passes the item to the
+next stage in between. Past the last stage the policy's band action applies (`escalate`: allow and flag for
+review; `block`). A stage that fails (guard error, timeout, open breaker) settles nothing: later stages still
+run, and a later block still blocks, but without a block the result is `error` with the categories the
+failed stage was responsible for. What an error means (fail open or closed) is the policy's decision, not the
+cascade's (see `policy/safety.py`). Every stage run is recorded, with its score, thresholds, latency and the
+versions it ran, for the audit trail.
+
+`route` is the pure decision over stored scores, so evaluation can replay new thresholds without models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from guard.base import Classifier, GuardError, GuardInput, GuardScore
+from guard.breaker import CircuitBreaker
+
+StageVerdict = Literal["allow", "block", "next", "error"]
+Verdict = Literal["allow", "block", "escalate", "error"]
+BandAction = Literal["escalate", "block"]
+
+
+class StageRun(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage's run on one item: what it scored, against which thresholds, and what that meant."""
+
+    index: int
+    guard: str  # "rules" or the guard model's name@version
+    model: str = ""
+    template_sha256: str = ""
+    allow_below: float
+    block_above: float
+    # The categories the stage is responsible for: left unjudged when it fails.
+    categories: tuple[str, ...] = ()
+    p_unsafe: float | None  # None when the stage failed
+    category: str = ""
+    verdict: StageVerdict
+    latency_s: float
+    error: str = ""
+
+
+class CascadeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The cascade's answer for one item.
+
+    `decided_by` is the index of the stage that allowed or blocked (None for the band action, an error, or a
+    cascade without stages). `failed_categories` are the categories left unjudged by failed stages.
+    """
+
+    verdict: Verdict
+    decided_by: int | None
+    category: str
+    runs: tuple[StageRun, ...]
+    failed_categories: tuple[str, ...] = ()
+
+
+class Stage:
+    """A classifier in the cascade with its thresholds, categories, timeout and breaker."""
+
+    def __init__(
+        self,
+        classifier: Classifier,
+        *,
+        allow_below: float,
+        block_above: float,
+        categories: tuple[str, ...],
+        timeout_s: float,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self.classifier = classifier
+        self.allow_below = allow_below
+        self.block_above = block_above
+        self.categories = categories
+        self.timeout_s = timeout_s
+        self.breaker = breaker
+
+    def verdict(self, p_unsafe: float) -> StageVerdict:
+        """What a score means at this stage's thresholds."""
+        return stage_verdict(p_unsafe, self.allow_below, self.block_above)
+
+    async def score(self, item: GuardInput) -> GuardScore:
+        """The classifier's score within the timeout, through the breaker; GuardError on any failure."""
+        if self.breaker is not None:
+            self.breaker.before_call()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                score = await self.classifier.classify(item)
+        except TimeoutError as exc:
+            self._failed()
+            raise GuardError(f"guard {self.classifier.name} timed out after {self.timeout_s:g} s") from exc
+        except GuardError:
+            self._failed()
+            raise
+        if not 0.0 <= score.p_unsafe <= 1.0:  # also catches NaN
+            self._failed()
+            raise GuardError(f"guard {self.classifier.name} returned p_unsafe={score.p_unsafe!r}")
+        if self.breaker is not None:
+            self.breaker.success()
+        return score
+
+    def _failed(self) -> None:
+        if self.breaker is not None:
+            self.breaker.failure()
+
+
+def stage_verdict(p_unsafe: float, allow_below: float, block_above: float) -> StageVerdict:
+    """allow below `allow_below`, block above `block_above`, next stage in between."""
+    if p_unsafe < allow_below:
+        return "allow"
+    if p_unsafe > block_above:
+        return "block"
+    return "next"
+
+
+def route(runs: Sequence[StageRun], band: BandAction) -> CascadeResult:
+    """The cascade's result from its stage runs, in order: the first block decides; the first allow decides
+    unless an earlier stage failed (its categories are then unjudged: `error`); else the band action."""
+    failed: list[str] = []
+    for run in runs:
+        if run.verdict == "error":
+            failed.extend(c for c in run.categories if c not in failed)
+        elif run.verdict == "block" or (run.verdict == "allow" and not failed):
+            return CascadeResult(
+                verdict=run.verdict, decided_by=run.index, category=run.category, runs=tuple(runs)
+            )
+    if failed:
+        return CascadeResult(
+            verdict="error", decided_by=None, category="", runs=tuple(runs), failed_categories=tuple(failed)
+        )
+    if not runs:
+        return CascadeResult(verdict="allow", decided_by=None, category="", runs=())
+    return CascadeResult(verdict=band, decided_by=None, category=runs[-1].category, runs=tuple(runs))
+
+
+class Cascade:
+    """A policy version's stages, run in order on one item at a time."""
+
+    def __init__(self, stages: Sequence[Stage], band: BandAction, categories: Sequence[str]) -> None:
+        self.stages = tuple(stages)
+        self.band = band
+        self.categories = tuple(categories)
+
+    async def run(self, item: GuardInput) -> CascadeResult:
+        """Run stages until one settles the item (see `route`); record every run."""
+        runs: list[StageRun] = []
+        for index, stage in enumerate(self.stages):
+            runs.append(await self._run_stage(index, stage, item))
+            result = route(runs, self.band)
+            if result.decided_by == index:
+                return result
+        return route(runs, self.band)
+
+    async def _run_stage(self, index: int, stage: Stage, item: GuardInput) -> StageRun:
+        categories = stage.categories or self.categories
+        started = time.perf_counter()
+        try:
+            score = await stage.score(item)
+        except GuardError as exc:
+            return StageRun(
+                index=index,
+                guard=stage.classifier.name,
+                allow_below=stage.allow_below,
+                block_above=stage.block_above,
+                categories=categories,
+                p_unsafe=None,
+                verdict="error",
+                latency_s=time.perf_counter() - started,
+                error=str(exc),
+            )
+        return StageRun(
+            index=index,
+            guard=score.guard,
+            model=score.model,
+            template_sha256=score.template_sha256,
+            allow_below=stage.allow_below,
+            block_above=stage.block_above,
+            categories=categories,
+            p_unsafe=score.p_unsafe,
+            category=score.category,
+            verdict=stage.verdict(score.p_unsafe),
+            latency_s=score.latency_s or time.perf_counter() - started,
+        )

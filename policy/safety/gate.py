@@ -1,0 +1,126 @@
+"""The safety gate: a tenant's policy version turned into a cascade, run on input and output, decided,
+recorded and counted.
+
+Cascades are built once per policy version (by content hash) and guards once per guard version, each with its
+own circuit breaker, so a failing guard is skipped quickly by every policy that uses it. Model stages come
+from a factory the gateway injects (policy/ never talks to engines); a rules stage runs the policy rules.
+Every decision goes to the record sink (the audit trail) before the caller acts on it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+
+from guard.base import Classifier, Direction, GuardInput
+from guard.breaker import BreakerPolicy, CircuitBreaker
+from guard.cascade import Cascade, Stage
+from guard.rules import RulesClassifier
+from policy.safety.decision import GuardDecision, GuardRecord, RecordSink, content_digest, decide
+from registry.view import ResolvedGuard, ResolvedPolicy
+
+ClassifierFactory = Callable[[ResolvedGuard], Classifier]
+
+
+class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
+    """Who and what a decision is about, for its record."""
+
+    tenant: str
+    key_id: str
+    request_id: str
+
+
+class SafetyGate:
+    """Runs policies' cascades and records their decisions."""
+
+    def __init__(
+        self,
+        classifier_for: ClassifierFactory,
+        sink: RecordSink,
+        clock: Callable[[], float],
+        breaker: BreakerPolicy,
+    ) -> None:
+        self._classifier_for = classifier_for
+        self._sink = sink
+        self._clock = clock
+        self._breaker = breaker
+        self._cascades: dict[str, Cascade] = {}
+        self._guards: dict[str, Stage] = {}
+        self._breakers: dict[str, CircuitBreaker] = {}
+        # (direction, source, action) -> decisions; fail_open ones are what operators watch.
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+
+    def breaker(self, guard: str) -> CircuitBreaker:
+        """The circuit breaker of guard `guard` (name@version, or "rules@<policy>")."""
+        if guard not in self._breakers:
+            self._breakers[guard] = CircuitBreaker(guard, self._breaker, self._clock)
+        return self._breakers[guard]
+
+    def cascade(self, policy: ResolvedPolicy) -> Cascade:
+        """The cascade of a policy version, built on first use."""
+        key = policy.policy.content_hash
+        cascade = self._cascades.get(key)
+        if cascade is None:
+            cascade = self._build(policy)
+            self._cascades[key] = cascade
+        return cascade
+
+    def _build(self, policy: ResolvedPolicy) -> Cascade:
+        spec = policy.spec
+        categories = tuple(c.name for c in spec.categories)
+        guards = iter(policy.guards)
+        stages = []
+        for stage in spec.stages:
+            classifier: Classifier
+            if stage.kind == "rules":
+                classifier = RulesClassifier(spec.rules, stage.categories or categories)
+                breaker = None  # deterministic and local: nothing to break
+            else:
+                guard = next(guards)
+                classifier = self._classifier_for(guard)
+                breaker = self.breaker(guard.ref)
+            stages.append(
+                Stage(
+                    classifier,
+                    allow_below=stage.allow_below,
+                    block_above=stage.block_above,
+                    categories=stage.categories,
+                    timeout_s=stage.timeout_s,
+                    breaker=breaker,
+                )
+            )
+        return Cascade(stages, spec.past_last_stage, categories)
+
+    def guards(self, policy: ResolvedPolicy, direction: Direction) -> bool:
+        """Whether `policy` checks this direction at all."""
+        spec = policy.spec
+        on = spec.guard_input if direction == "input" else spec.guard_output
+        return on and bool(spec.stages)
+
+    async def check(self, policy: ResolvedPolicy, item: GuardInput, context: RecordContext) -> GuardDecision:
+        """Run the policy's cascade on `item`, decide, record and count the decision."""
+        result = await self.cascade(policy).run(item)
+        decision = decide(result, policy.spec, item.direction)
+        text = item.text()
+        self._sink(
+            GuardRecord(
+                tenant=context.tenant,
+                key_id=context.key_id,
+                request_id=context.request_id,
+                direction=item.direction,
+                policy=policy.ref,
+                policy_hash=policy.policy.content_hash,
+                action=decision.action,
+                source=decision.source,
+                category=decision.category,
+                flagged=decision.flagged,
+                runs=result.runs,
+                content_sha256=content_digest(text),
+                content=text if policy.spec.retention == "full" else None,
+                at=self._clock(),
+            )
+        )
+        self.counts[(item.direction, decision.source, decision.action)] += 1
+        return decision
