@@ -1,0 +1,150 @@
+"""Guard evaluation CLI.
+
+    python -m ops.eval score  --data ops/eval/data/dev.jsonl [--split test] --out scores.jsonl
+                              [--policy-file POLICY.json] [--early-exit]
+    python -m ops.eval replay --scores scores.jsonl --data ops/eval/data/dev.jsonl
+                              --thresholds '0.2,0.8;0.3,0.7' [--band escalate|block] [--split test] [--json]
+    python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
+                              [--band escalate|block] [--split test] [--json]
+
+`score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
+Without `--policy-file` it scores the starter rules (`guard.rules.default_rules`) as one stage; a policy with
+a model stage is refused until the gateway's classifier factory can be called from here. `report` decides
+items at the thresholds stored with their scores; `replay` at the given ones (`allow_below,block_above` per
+stage, stages separated by `;`). Both evaluate the items of the data file (of `--split`, when given) that
+have scores, and print markdown (or the report's JSON with `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from guard.evaluation import (
+    ItemScores,
+    LabelledItem,
+    Thresholds,
+    dataset_sha256,
+    evaluate,
+    load_items,
+    load_scores,
+    parse_thresholds,
+    save_scores,
+    score_with_cascade,
+)
+from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
+from ops.eval.report import render
+
+
+def _evaluated(
+    items: Sequence[LabelledItem], split: str | None, scores: Sequence[ItemScores]
+) -> list[LabelledItem]:
+    """The items of `split` (all when None) that have scores; exits when a score names an unknown item."""
+    known = {i.id for i in items}
+    scored = {s.id for s in scores}
+    if strangers := sorted(scored - known):
+        raise SystemExit(f"scores for {len(strangers)} item(s) not in the data file, e.g. {strangers[:3]}")
+    selected = [i for i in items if split is None or i.split == split]
+    chosen = [i for i in selected if i.id in scored]
+    if len(chosen) < len(selected):
+        print(
+            f"note: {len(selected) - len(chosen)} of {len(selected)} selected items have no scores",
+            file=sys.stderr,
+        )
+    if not chosen:
+        raise SystemExit("no scored items to evaluate")
+    return chosen
+
+
+def _print_report(args: argparse.Namespace, thresholds: Sequence[Thresholds] | None, title: str) -> int:
+    items = load_items(args.data)
+    scores = load_scores(args.scores)
+    chosen = _evaluated(items, args.split, scores)
+    try:
+        report = evaluate(chosen, scores, thresholds, args.band, dataset_sha256=dataset_sha256(args.data))
+    except ValueError as exc:  # e.g. a number of thresholds that does not match the stages
+        raise SystemExit(str(exc)) from exc
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(report)).decode() + "\n")
+    else:
+        split = f", split {args.split}" if args.split else ""
+        sys.stdout.write(render(report, title=f"{title}{split}"))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    return _print_report(args, None, "Guard evaluation at the stored thresholds")
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    try:
+        thresholds = parse_thresholds(args.thresholds)
+    except ValueError as exc:
+        raise SystemExit(f"--thresholds: {exc}") from exc
+    shown = "; ".join(f"{a:g},{b:g}" for a, b in thresholds)
+    return _print_report(args, thresholds, f"Guard evaluation replayed at {shown}")
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    try:
+        cascade = (
+            policy_cascade(load_policy(args.policy_file)) if args.policy_file else default_rules_cascade()
+        )
+    except UnsupportedStageError as exc:
+        raise SystemExit(str(exc)) from exc
+    items = [i for i in load_items(args.data) if args.split is None or i.split == args.split]
+    scores = asyncio.run(score_with_cascade(cascade, items, all_stages=not args.early_exit))
+    save_scores(args.out, scores)
+    print(
+        f"scored {len(scores)} items with {len(cascade.stages)} stage(s) (past the last: {cascade.band}); "
+        f"dataset sha256 {dataset_sha256(args.data)}; wrote {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ops.eval", description="Evaluate guard cascades.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    score = commands.add_parser("score", help="score labelled items with a cascade and store the stage runs")
+    score.add_argument("--policy-file", type=Path, help="a policy spec (JSON); default: the starter rules")
+    score.add_argument("--out", type=Path, required=True, help="where to write the scores (JSONL)")
+    score.add_argument(
+        "--early-exit", action="store_true", help="record the cascade as it runs in service (replay inexact)"
+    )
+    score.set_defaults(run=_cmd_score)
+
+    replay = commands.add_parser("replay", help="decide stored scores again at new thresholds, and report")
+    replay.add_argument("--thresholds", required=True, help="allow_below,block_above per stage, ';' between")
+    replay.set_defaults(run=_cmd_replay)
+
+    report = commands.add_parser("report", help="report stored scores at their stored thresholds")
+    report.set_defaults(run=_cmd_report)
+
+    for sub in (replay, report):
+        sub.add_argument("--scores", type=Path, required=True, help="scores written by `score` (JSONL)")
+        sub.add_argument(
+            "--band", choices=("escalate", "block"), default="escalate", help="past the last stage"
+        )
+        sub.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
+    for sub in (score, replay, report):
+        sub.add_argument("--data", type=Path, required=True, help="labelled items (JSONL)")
+        sub.add_argument("--split", choices=("train", "test"), help="only this split (default: every item)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
