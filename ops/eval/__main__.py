@@ -39,6 +39,7 @@ from guard.evaluation import (
 )
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.report import render
+from registry.base import InvalidError
 
 
 def _evaluated(
@@ -95,7 +96,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
         cascade = (
             policy_cascade(load_policy(args.policy_file)) if args.policy_file else default_rules_cascade()
         )
-    except UnsupportedStageError as exc:
+    except (UnsupportedStageError, InvalidError) as exc:
         raise SystemExit(str(exc)) from exc
     items = [i for i in load_items(args.data) if args.split is None or i.split == args.split]
     scores = asyncio.run(score_with_cascade(cascade, items, all_stages=not args.early_exit))
