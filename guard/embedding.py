@@ -13,12 +13,15 @@ refused unless its weights file has the sha256 the registry names, and unless it
 of the same encoder weights.
 
 Model work (tokenising, the forward pass, hashing weights) runs in the executor passed in, never in the
-event loop. Any failure while scoring is a GuardError, never a score.
+event loop. Any failure while scoring is a GuardError, never a score. A text of more than MAX_WINDOWS
+windows is a GuardError too: cancelling a classify (a stage timeout) does not stop work already in the
+executor, so that work is bounded instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.util
 import io
@@ -42,6 +45,7 @@ from registry.models import GuardModelSpec
 
 __all__ = [
     "MAX_TOKENS",
+    "MAX_WINDOWS",
     "STRIDE",
     "EmbeddingClassifier",
     "Encoder",
@@ -56,6 +60,9 @@ MODEL_NAME = "all-MiniLM-L6-v2"
 MAX_TOKENS = 256  # the encoder's max_seq_length (sentence_bert_config.json), [CLS] and [SEP] included
 STRIDE = 192  # tokens between window starts: windows overlap by MAX_TOKENS - 2 - STRIDE = 62 tokens
 BATCH = 32  # windows per forward pass: bounds memory on a long text
+# Windows one text may take (~49k tokens): past it the guard fails (GuardError) rather than hold the executor
+# for minutes; a cancelled classify cannot stop a forward pass that has started.
+MAX_WINDOWS = 256
 HEAD_WEIGHTS = "head.npz"
 HEAD_META = "head.json"
 ENCODER_DIR = "encoder"
@@ -113,6 +120,7 @@ class Encoder:
         name: str = MODEL_NAME,
         window_tokens: int = MAX_TOKENS,
         stride: int = STRIDE,
+        max_windows: int = MAX_WINDOWS,
     ) -> None:
         if not 0 < stride <= window_tokens - 2:
             # A stride past the window's content would skip tokens between windows.
@@ -128,28 +136,43 @@ class Encoder:
         self._pad = int(tokenizer.pad_token_id)
         self._width = window_tokens - 2  # content tokens per window, [CLS] and [SEP] aside
         self._stride = stride
+        self._max_windows = max_windows
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; the executor may have
         # several workers.
         self._tokenizer_lock = threading.Lock()
 
     @classmethod
     async def load(
-        cls, path: Path | None, executor: Executor, *, window_tokens: int = MAX_TOKENS, stride: int = STRIDE
+        cls,
+        path: Path | None,
+        executor: Executor,
+        *,
+        window_tokens: int = MAX_TOKENS,
+        stride: int = STRIDE,
+        max_windows: int = MAX_WINDOWS,
     ) -> Encoder:
         """Load the encoder at `path` (None: the packaged MiniLM) in `executor`, from local files only.
 
         `window_tokens` and `stride` shape the windows the classifier scores (smaller windows dilute a short
         unsafe sentence less in a long benign text, at more forward passes).
         """
-        model_dir = path if path is not None else packaged_encoder_path()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, cls.load_sync, model_dir, executor, window_tokens, stride)
+        load = functools.partial(
+            cls.load_sync, path, executor, window_tokens=window_tokens, stride=stride, max_windows=max_windows
+        )
+        return await asyncio.get_running_loop().run_in_executor(executor, load)
 
     @classmethod
     def load_sync(
-        cls, model_dir: Path, executor: Executor, window_tokens: int = MAX_TOKENS, stride: int = STRIDE
+        cls,
+        path: Path | None,
+        executor: Executor,
+        *,
+        window_tokens: int = MAX_TOKENS,
+        stride: int = STRIDE,
+        max_windows: int = MAX_WINDOWS,
     ) -> Encoder:
         """`load` in the caller's thread (training scripts)."""
+        model_dir = path if path is not None else packaged_encoder_path()
         weights = model_dir / "model.safetensors"
         if not weights.is_file():
             raise GuardError(f"no encoder weights at {weights}")
@@ -160,7 +183,15 @@ class Encoder:
             raise GuardError(f"cannot load the encoder at {model_dir}: {exc}") from exc
         model.eval()
         sha = _sha256_file(weights)
-        return cls(tokenizer, model, executor, weights_sha256=sha, window_tokens=window_tokens, stride=stride)
+        return cls(
+            tokenizer,
+            model,
+            executor,
+            weights_sha256=sha,
+            window_tokens=window_tokens,
+            stride=stride,
+            max_windows=max_windows,
+        )
 
     async def embed(self, texts: Sequence[str]) -> Vectors:
         """One embedding per text, as sentence-transformers computes it (the first 256 tokens)."""
@@ -177,8 +208,11 @@ class Encoder:
         return await loop.run_in_executor(self._executor, self.embed_windows_sync, text)
 
     def embed_windows_sync(self, text: str) -> Vectors:
-        """`embed_windows` in the caller's thread."""
-        return self._forward(self._windows(text, self._width, self._stride))
+        """`embed_windows` in the caller's thread; GuardError past `max_windows` windows."""
+        windows = self._windows(text, self._width, self._stride)
+        if len(windows) > self._max_windows:
+            raise GuardError(f"text too long for {self.name}: {len(windows)} windows > {self._max_windows}")
+        return self._forward(windows)
 
     def _windows(self, text: str, width: int, stride: int) -> list[list[int]]:
         """Token ids of each window of `text`, [CLS] and [SEP] included; one window for an empty text."""

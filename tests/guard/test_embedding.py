@@ -288,6 +288,14 @@ def test_a_head_of_another_dimension_is_refused() -> None:
         EmbeddingClassifier("g", spec(), RecordingEncoder(), LogisticHead(np.zeros(4), 0.0, l2=1.0))
 
 
+async def test_a_text_past_the_window_cap_is_a_guard_error(executor: ThreadPoolExecutor) -> None:
+    small = Encoder.load_sync(packaged_encoder_path(), executor, max_windows=2)
+    guard = EmbeddingClassifier("g", spec(), small, LogisticHead(np.zeros(384), 0.0, l2=1.0))
+    assert (await guard.classify(user(FILLER))).raw == {"windows": 1}
+    with pytest.raises(GuardError, match="too long"):
+        await guard.classify(user(" ".join([FILLER] * 3)))
+
+
 async def test_a_bad_encoder_path_is_a_guard_error(executor: ThreadPoolExecutor, tmp_path: Path) -> None:
     with pytest.raises(GuardError, match="weights"):
         await Encoder.load(tmp_path, executor)
