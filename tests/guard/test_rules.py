@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
@@ -209,6 +210,17 @@ async def test_default_injection_rules_spare_the_trusted_prompt() -> None:
     item = inp(system, span("summarise this"))
     assert await p(RulesClassifier(default_rules()), item) == 0.5
     assert await p(RulesClassifier(default_rules()), inp(span(INJECTION, "document"))) == 1.0
+
+
+async def test_long_items_are_matched_in_the_executor_with_the_same_answer() -> None:
+    text = "harmless filler. " * 10_000 + INJECTION
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        offloaded = RulesClassifier(default_rules(), executor=pool, inline_chars=1_000)
+        inline = RulesClassifier(default_rules())
+        for item in (inp(span(text)), inp(span("short: " + INJECTION)), out(text)):
+            a, b = await offloaded.classify(item), await inline.classify(item)
+            assert (a.p_unsafe, a.category, a.raw) == (b.p_unsafe, b.category, b.raw)
+    assert (await inline.classify(inp(span(text)))).p_unsafe == 1.0
 
 
 async def test_the_answer_is_deterministic() -> None:
