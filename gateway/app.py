@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -21,48 +21,57 @@ from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
+from gateway.generation.tracking import OutcomeSink, log_outcome
+from gateway.guards import GuardFactory
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
-from gateway.service import Services
-from gateway.generation.tracking import OutcomeSink, log_outcome
+from gateway.service import DEFAULT_POOL, Services
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.quota.settle import SettlePolicy
+from policy.safety.decision import RecordSink
+from policy.safety.defaults import DEFAULT_POLICY, TrainedGuards, register_default_policy
+from policy.safety.gate import SafetyGate
+from policy.safety.records import log_record
 from policy.tenants.base import TenantStore
 from registry.base import RegistryStore
 from registry.default_model import register_default_model
-from registry.default_policy import register_default_policy
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
+from registry.view import ResolvedModel, ResolvedPolicy
 
 
 class ModelNotPreparedError(Exception):
     """The model directory is missing or incomplete."""
 
 
-def build_engine(config: Config) -> SupervisedEngine:
-    """The engine the configuration names (not started), under a supervisor that restarts it if it dies."""
+def build_engine(config: Config, model_dir: Path | None = None, name: str | None = None) -> SupervisedEngine:
+    """The engine the configuration names (not started), under a supervisor that restarts it if it dies.
+
+    By default it serves the configured model; a guard pool passes its own model directory and name.
+    """
+    model_name = name or config.model.name
     if config.engine.kind == "simulated":
         from engines.simulated import SimulatedEngine
 
         return SupervisedEngine(
-            lambda: SimulatedEngine(config.engine.simulator, model_name=config.model.name),
+            lambda: SimulatedEngine(config.engine.simulator, model_name=model_name),
             config.engine.supervisor,
         )
     from engines.vllm_local import VllmLocalEngine
 
-    model_dir = config.model.model_dir()
-    if not (model_dir / "config.json").is_file():
+    directory = model_dir or config.model.model_dir()
+    if not (directory / "config.json").is_file():
         raise ModelNotPreparedError(
-            f"no prepared model in {model_dir}; run `lockgate models prepare` (or `make serve`) first"
+            f"no prepared model in {directory}; run `lockgate models prepare` (or `make serve`) first"
         )
     engine = config.engine
     return SupervisedEngine(
         lambda: VllmLocalEngine(
-            model_dir,
-            model_name=config.model.name,
+            directory,
+            model_name=model_name,
             max_model_len=config.model.max_model_len,
             dtype=engine.dtype,
             kv_cache_bytes=engine.kv_cache_bytes,
@@ -74,6 +83,29 @@ def build_engine(config: Config) -> SupervisedEngine:
         ),
         engine.supervisor,
     )
+
+
+def _model_dir_of(config: Config, model: ResolvedModel) -> Path:
+    """The directory of a registered model version: its artifact is `<dir>/<weights file>` under the data
+    directory (absolute artifacts are used as they are)."""
+    artifact = Path(model.spec.artifact)
+    root = artifact if artifact.is_absolute() else config.model.data_path() / artifact
+    return root.parent
+
+
+async def _guard_pools(
+    config: Config, policy: ResolvedPolicy, pools: dict[str, Engine], owned: AsyncExitStack
+) -> None:
+    """Start an engine for every pool the policy's guards run on that nothing serves yet."""
+    for guard in policy.guards:
+        model = guard.model
+        pool = model.spec.engine_pool
+        if guard.spec.kind != "one_token" or pool in pools:
+            continue
+        engine = build_engine(config, _model_dir_of(config, model), name=model.ref)
+        await engine.start()
+        owned.push_async_callback(engine.shutdown)
+        pools[pool] = engine
 
 
 async def open_tenant_store(config: Config) -> TenantStore:
@@ -114,15 +146,33 @@ async def open_registry_store(config: Config) -> RegistryStore:
     return await SqliteRegistryStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
 
 
+async def _trained_guards(config: Config, registry: Registry, served: str) -> TrainedGuards | None:
+    """The guards `lockgate models prepare` trained, registered (None when the default policy needs none)."""
+    if config.guard.default_policy != "trained":
+        return None
+    from registry.default_guards import register_guards
+
+    guards_dir = config.model.data_path() / "guards"
+    refs = await register_guards(registry, guards_dir, base_model_ref=served, actor="startup")
+    if refs is None:
+        raise ModelNotPreparedError(
+            f"no trained guards in {guards_dir}; run `lockgate models prepare` (or `make serve`) first, or "
+            "set guard.default_policy"
+        )
+    return TrainedGuards(embedding=refs.embedding, one_token=refs.one_token)
+
+
 async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:
-    """Load the registry, register the served model directory and the default policy, apply the manifest."""
+    """Load the registry, register the served model directory, the guards and the default policy, apply the
+    manifest."""
     registry = await Registry.load(
         store, clock, config.registry.refresh_interval, refresh_timeout=config.registry.refresh_timeout
     )
-    await register_default_model(
+    served = await register_default_model(
         registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
     )
-    await register_default_policy(registry, actor="startup")
+    guards = await _trained_guards(config, registry, served.ref)
+    await register_default_policy(registry, config.guard.default_policy, guards)
     if config.registry.manifest:
         path = await asyncio.to_thread(lambda: Path(config.registry.manifest).expanduser())
         await apply_manifest_file(registry, path, actor="manifest")
@@ -177,9 +227,12 @@ def create_app(
     registry: RegistryStore | None = None,
     clock: Clock = time.time,
     sink: OutcomeSink = log_outcome,
+    guard_pools: Mapping[str, Engine] | None = None,
+    guard_sink: RecordSink = log_record,
 ) -> Litestar:
-    """Build the app. Backends passed in (engine already started) are used as they are and not closed by the
-    app; the others are built from `config` in the lifespan and closed at shutdown."""
+    """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
+    app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
+    for the pools guard models run on (by pool name); missing ones the default policy needs are started."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -208,6 +261,21 @@ def create_app(
                 owned.push_async_callback(active.shutdown)
             prompts = renderer or await PromptRenderer.load(config.model.model_dir(), executor)
             meter = quota_meter(config, buckets, clock)
+            pools: dict[str, Engine] = {DEFAULT_POOL: active, **(guard_pools or {})}
+            default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
+            await _guard_pools(config, default_policy, pools, owned)
+            served = live_registry.view.resolve_model(config.model.name, request_id="")
+            factory = GuardFactory(
+                pools=pools,
+                renderer=prompts,
+                tokenizer_ref=served.tokenizer.ref,
+                artifacts=config.model.data_path(),
+                config=config.guard,
+            )
+            owned.callback(factory.close)
+            # The default policy's guards are loaded before the first request: it is served guarded.
+            await factory.ready(default_policy.guards)
+            gate = SafetyGate(factory, guard_sink, clock, config.guard.breaker)
             app.state.services = Services(
                 config=config,
                 engine=active,
@@ -225,7 +293,9 @@ def create_app(
                 ),
                 meter=meter,
                 registry=live_registry,
+                gate=gate,
                 clock=clock,
+                pools=pools,
             )
             try:
                 yield

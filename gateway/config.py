@@ -19,6 +19,7 @@ import msgspec
 
 from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
+from guard.breaker import BreakerPolicy
 
 ENV_PREFIX = "LOCKGATE_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -60,6 +61,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_model_len: int = 2048
     # `max_tokens` used when a request gives none: the rest of the context, capped at this.
     default_max_tokens: int = 512
+
+    def data_path(self) -> Path:
+        """The data directory (prepared models and the guards trained for them)."""
+        return Path(self.data_dir).expanduser()
 
     def model_dir(self) -> Path:
         """Directory of the served model's weights, tokenizer and chat template."""
@@ -172,6 +177,22 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_staleness: float = 30.0
 
 
+class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The safety guards every request passes."""
+
+    # Which built-in policy the `default` alias gets when the registry has none yet. `trained`: rules, then
+    # the embedding guard and the one-token guard that `lockgate models prepare` trains offline (the embedded
+    # default); `rules`: the deterministic rules stage alone; `none`: no guard stages (testing only).
+    default_policy: Literal["trained", "rules", "none"] = "trained"
+    # Engine priority of guard calls (lower runs earlier): guards are not queued behind batch generation.
+    priority: int = -10
+    # Smallest probability mass a one-token guard must put on its label tokens; below it, the answer is
+    # malformed (a guard error, never "safe").
+    min_label_mass: float = 0.05
+    # When a failing guard stops being called for a while.
+    breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
@@ -182,6 +203,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
+    guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -9,8 +9,7 @@ from litestar.di import NamedDependency
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from gateway.decoding import read_body
-from gateway.generation.planning import plan_chat, plan_completion
-from gateway.requestid import request_id_of
+from gateway.generation.pipeline import run_chat, run_completion
 from gateway.schemas import AliasTargetCard, ModelCard, ModelList
 from gateway.security import allow
 from gateway.service import Services
@@ -26,10 +25,7 @@ async def chat_completions(
     """OpenAI chat completions, whole or streamed."""
     allow(principal, "consumer")
     req = services.chat_decoder.decode(await read_body(request))
-    request_id = request_id_of(request)
-    model, limits = services.target(req.model, request_id)
-    plan = await plan_chat(req, request_id, model, services.renderer, limits)
-    return await services.run(plan, request, principal)
+    return await run_chat(services, req, request, principal)
 
 
 @post("/v1/completions", status_code=HTTP_200_OK)
@@ -41,10 +37,7 @@ async def completions(
     """OpenAI legacy completions, whole or streamed."""
     allow(principal, "consumer")
     req = services.completion_decoder.decode(await read_body(request))
-    request_id = request_id_of(request)
-    model, limits = services.target(req.model, request_id)
-    plan = await plan_completion(req, request_id, model, services.renderer, limits)
-    return await services.run(plan, request, principal)
+    return await run_completion(services, req, request, principal)
 
 
 @get("/v1/models")

@@ -1,82 +1,33 @@
-"""Running one planned generation request: engine call, streaming or whole response, outcome tracking.
-
-The handlers in `routes.py` decode and plan; this module owns what happens after, so chat and legacy
-completions share one path.
-"""
+"""`Services`: everything a request needs, built once in the app lifespan and injected into the routes."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import msgspec
-from litestar import MediaType, Request, Response
+from litestar import Request
 
-from engines.base import (
-    Engine,
-    EngineDeadError,
-    EngineDelta,
-    EngineError,
-    EngineOverloadedError,
-    EngineRequestError,
-)
+from engines.base import Engine
 from engines.supervisor import SupervisedEngine
 from gateway.config import Config
 from gateway.decoding import Decoder
-from gateway.errors import (
-    APIError,
-    EngineFailedError,
-    EngineUnavailableError,
-    InvalidRequestError,
-    NotFoundError,
-)
-from gateway.generation.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
-from gateway.generation.metering import charge_headers, reserve
-from gateway.generation.planning import Limits, Plan
+from gateway.errors import EngineUnavailableError, InvalidRequestError, NotFoundError
+from gateway.generation.flow import TaskSet
+from gateway.generation.planning import Limits
 from gateway.generation.prompts import PromptRenderer
-from gateway.generation.responses import Formatter, sse
+from gateway.generation.tracking import Outcome, OutcomeSink
+from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.generation.streaming import SSEResponse
-from gateway.generation.tracking import Outcome, OutcomeSink, RequestTracker
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
+from policy.safety.gate import SafetyGate
 from policy.tenants.base import TenantStore
 from registry.base import InvalidError as RegistryInvalidError
 from registry.base import NotFoundError as RegistryNotFoundError
 from registry.service import Registry
-from registry.view import ResolvedModel
-
-_encoder = msgspec.json.Encoder()
+from registry.view import ResolvedModel, ResolvedPolicy
 
 DEFAULT_POOL = "default"
-# Names the exact model version (name@version) that served a response.
-MODEL_HEADER = "x-lockgate-model"
-
-# nginx's code for "client closed request": logged, never seen by the (gone) client.
-CLIENT_CLOSED = 499
-
-
-def engine_api_error(exc: EngineError) -> APIError:
-    """The HTTP error for an engine failure: capacity and death are 503 (retry later), the rest 502."""
-    if isinstance(exc, EngineOverloadedError):
-        return EngineUnavailableError(
-            f"the engine is at capacity: {exc}",
-            code="engine_overloaded",
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
-        )
-    if isinstance(exc, EngineDeadError):
-        return EngineUnavailableError(
-            f"the engine is not available: {exc}",
-            code="engine_unavailable",
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
-        )
-    if isinstance(exc, EngineRequestError):
-        return EngineFailedError(f"the engine failed this request: {exc}", code="engine_error")
-    return EngineFailedError(f"engine error: {exc}", code="engine_error")
 
 
 class Services:
@@ -94,12 +45,14 @@ class Services:
         auth: Authenticator,
         meter: QuotaMeter,
         registry: Registry,
+        gate: SafetyGate,
         clock: Clock,
+        pools: dict[str, Engine] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
-        self.pools: dict[str, Engine] = {DEFAULT_POOL: engine}
+        self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         self.renderer = renderer
         self.sink = sink
         self.tasks = tasks
@@ -107,6 +60,7 @@ class Services:
         self.auth = auth
         self.meter = meter
         self.registry = registry
+        self.gate = gate
         self.clock = clock
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
@@ -145,7 +99,22 @@ class Services:
         )
         return model, limits
 
-    def _settle_on_outcome(self, charge: Charge) -> OutcomeSink:
+    def request_id(self, request: Request[Any, Any, Any]) -> str:
+        """The gateway's id of this request (x-request-id)."""
+        return request_id_of(request)
+
+    def policy_for(self, principal: Principal, request_id: str) -> ResolvedPolicy:
+        """The safety policy version the caller's tenant is bound to, from the current registry view."""
+        try:
+            return self.registry.view.resolve_policy(principal.tenant.policy, request_id)
+        except (RegistryNotFoundError, RegistryInvalidError) as exc:
+            # A binding that does not resolve is an operator error; no request goes unguarded because of it.
+            raise EngineUnavailableError(
+                f"the safety policy `{principal.tenant.policy}` of this tenant cannot be resolved: {exc}",
+                code="policy_unavailable",
+            ) from exc
+
+    def settle_on_outcome(self, charge: Charge) -> OutcomeSink:
         """The sink for one request: report the outcome, then settle its quota with the usage it had."""
 
         def sink(outcome: Outcome) -> None:
@@ -155,77 +124,3 @@ class Services:
             self.meter.settle_later(charge, used)
 
         return sink
-
-    async def run(self, plan: Plan, request: Request[Any, Any, Any], principal: Principal) -> Response[Any]:
-        """Reserve quota, generate for `plan`, and answer: one JSON body, or an SSE stream."""
-        req = plan.engine_request
-        charge = await reserve(self.meter, principal, plan)
-        headers = charge_headers(charge)
-        headers[MODEL_HEADER] = plan.model.ref
-        tracker = RequestTracker(
-            plan.request_id,
-            plan.model.ref,
-            len(req.prompt_token_ids),
-            plan.stream,
-            self._settle_on_outcome(charge),
-            tokenizer=plan.model.tokenizer.ref,
-            chat_template=plan.model.chat_template.ref,
-        )
-        prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
-        formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()))
-        source = self.pools[plan.model.spec.engine_pool].generate(req)
-        try:
-            if not plan.stream:
-                deltas = await race_disconnect(collect(source, tracker), request.receive)
-                body = formatter.whole(deltas, tracker.usage())
-                return Response(content=body, media_type=MediaType.JSON, headers=headers)
-            stream = pump(source, tracker, self.tasks, self.config.server.stream_buffer)
-            # Wait for the first delta before answering, so that an engine refusal is still an HTTP error.
-            try:
-                first = await race_disconnect(anext(stream), request.receive)
-            except BaseException:
-                await stream.aclose()
-                raise
-        except ClientDisconnectedError:
-            # Idempotent: the tracked stream has normally recorded it already.
-            tracker.finish("cancelled")
-            return Response(content=b"", status_code=CLIENT_CLOSED)
-        except asyncio.CancelledError:
-            tracker.finish("cancelled")
-            raise
-        except BaseException as exc:
-            # However it failed, the outcome is recorded and the reservation settled (first call wins).
-            tracker.finish("error")
-            if isinstance(exc, EngineError):
-                raise engine_api_error(exc) from exc
-            if isinstance(exc, StopAsyncIteration):
-                raise EngineFailedError(
-                    "the engine ended the request without output", code="engine_error"
-                ) from exc
-            raise
-        return SSEResponse(
-            _events(formatter, first, stream, tracker),
-            stall_timeout=self.config.server.stream_stall_timeout,
-            on_stall=tracker.mark_stalled,
-            headers=headers,
-        )
-
-
-async def _events(
-    formatter: Formatter, first: EngineDelta, rest: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
-) -> AsyncIterator[bytes]:
-    async with contextlib.aclosing(rest):
-        for event in formatter.opening():
-            yield event
-        for event in formatter.chunk(first):
-            yield event
-        try:
-            async for delta in rest:
-                for event in formatter.chunk(delta):
-                    yield event
-        except EngineError as exc:
-            # The status line is long gone: report the error in the stream, as OpenAI does, and stop.
-            yield sse(engine_api_error(exc).body())
-            return
-        for event in formatter.closing(tracker.usage()):
-            yield event

@@ -70,9 +70,9 @@ async def moderate(
             held_tokens += len(delta.token_ids)
             unchecked += len(delta.token_ids)
             text.append(delta.text)
-            if delta.finish_reason is not None:
-                break
-            if unchecked < check_every:
+            # The last delta is checked with everything else at the end (the source ends right after it; it
+            # is drained, not closed, so the engine request counts as completed).
+            if delta.finish_reason is not None or unchecked < check_every:
                 continue
             unchecked = 0
             blocked = await check("".join(text), False)

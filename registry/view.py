@@ -64,7 +64,8 @@ class ResolvedGuard(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ResolvedPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """A policy version and its cascade's guard model versions, in stage order."""
+    """A policy version and the guard model versions of its model stages, in stage order (rules stages
+    name no guard)."""
 
     ref: str
     policy: Published
@@ -179,7 +180,9 @@ class RegistryView:
         """A policy version (a tenant's binding: an alias, or a pinned `name@version`) and its guards."""
         policy = self.pick("policy", alias_or_ref, request_id)
         spec = self.spec("policy", policy.name, policy.version, PolicySpec)
-        guards = tuple(self.resolve_guard(stage.guard, request_id) for stage in spec.stages)
+        guards = tuple(
+            self.resolve_guard(stage.guard, request_id) for stage in spec.stages if stage.kind == "model"
+        )
         return ResolvedPolicy(
             ref=policy.ref, policy=policy, spec=spec, guards=guards, generation=self.generation
         )

@@ -17,7 +17,7 @@ from litestar import Litestar
 
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
-from gateway.config import Config, ModelConfig, ServerConfig, StorageConfig
+from gateway.config import Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
@@ -150,6 +150,8 @@ def make_config(**server: float | int) -> Config:
         server=ServerConfig(**server),  # type: ignore[arg-type]
         model=ModelConfig(data_dir=str(DATA_DIR)),
         storage=StorageConfig(sqlite_path=str(SESSION_DIR / "lockgate.sqlite3")),
+        # The rules stage alone: every request passes a real cascade without a guard engine per test.
+        guard=GuardConfig(default_policy="rules"),
     )
 
 

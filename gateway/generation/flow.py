@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineError
 from gateway.generation.tracking import RequestTracker
+from guard.moderator import OutputBlocked
 
 T = TypeVar("T")
 _END = object()
+# Ways a stream ends early that the client is told about in the stream itself.
+STREAM_ENDINGS = (EngineError, OutputBlocked)
+# What stands between the tracked engine stream and the client (the output guard), if anything.
+Transform = Callable[[AsyncGenerator[EngineDelta, None]], AsyncGenerator[EngineDelta, None]]
+
+
+def _through(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, transform: Transform | None
+) -> AsyncGenerator[EngineDelta, None]:
+    deltas = tracked(source, tracker)
+    return deltas if transform is None else transform(deltas)
 
 
 class ClientDisconnectedError(Exception):
@@ -69,26 +81,30 @@ async def tracked(
     tracker.finish("completed")
 
 
-async def collect(source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker) -> list[EngineDelta]:
+async def collect(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, transform: Transform | None = None
+) -> list[EngineDelta]:
     """All deltas of a request (non-streaming responses)."""
-    async with contextlib.aclosing(tracked(source, tracker)) as deltas:
+    async with contextlib.aclosing(_through(source, tracker, transform)) as deltas:
         return [delta async for delta in deltas]
 
 
-async def _produce(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, queue: asyncio.Queue[object]
-) -> None:
+async def _produce(deltas: AsyncGenerator[EngineDelta, None], queue: asyncio.Queue[object]) -> None:
     try:
-        async with contextlib.aclosing(tracked(source, tracker)) as deltas:
+        async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 await queue.put(delta)
         await queue.put(_END)
-    except EngineError as exc:
+    except STREAM_ENDINGS as exc:
         await queue.put(exc)
 
 
 async def pump(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, tasks: TaskSet, maxsize: int
+    source: AsyncGenerator[EngineDelta, None],
+    tracker: RequestTracker,
+    tasks: TaskSet,
+    maxsize: int,
+    transform: Transform | None = None,
 ) -> AsyncGenerator[EngineDelta, None]:
     """Yield the engine's deltas through a queue of at most `maxsize` items, filled by a producer task.
 
@@ -96,10 +112,10 @@ async def pump(
     whatever the client does. Closing this generator cancels the producer, which aborts the engine request.
     """
     queue: asyncio.Queue[object] = asyncio.Queue(maxsize)
-    producer = tasks.spawn(_produce(source, tracker, queue))
+    producer = tasks.spawn(_produce(_through(source, tracker, transform), queue))
     try:
         while (item := await queue.get()) is not _END:
-            if isinstance(item, EngineError):
+            if isinstance(item, STREAM_ENDINGS):
                 raise item
             assert isinstance(item, EngineDelta)
             yield item

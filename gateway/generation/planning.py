@@ -15,11 +15,20 @@ from gateway.errors import InvalidRequestError
 from gateway.generation.prompts import PromptRenderer
 from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from guard.base import Source, Span
 from registry.view import ResolvedModel
 
 # OpenAI's default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_SEQUENCES = 4
+# Roles whose messages the tenant itself configures: the guard treats them as trusted.
+TRUSTED_ROLES = frozenset({"system", "developer"})
+_SOURCES: dict[str, Source] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +53,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     # Whether the client asked for logprobs (chat: logprobs=true; completions: logprobs=N).
     logprobs: bool
+    # The input as the guard sees it: system and developer messages are the tenant's own (trusted); what
+    # users, earlier turns and tools supplied is not.
+    spans: tuple[Span, ...]
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -160,6 +172,10 @@ async def plan_chat(
         stream=req.stream,
         include_usage=_include_usage(req),
         logprobs=req.logprobs,
+        spans=tuple(
+            Span(text=m.text(), source=_SOURCES[m.role], trusted=m.role in TRUSTED_ROLES)
+            for m in req.messages
+        ),
     )
 
 
@@ -198,6 +214,7 @@ async def plan_completion(
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
         raise InvalidRequestError(f"logprobs must be between 0 and {limits.max_logprobs}", param="logprobs")
     prompt = await _completion_prompt(req.prompt, renderer)
+    text = req.prompt if isinstance(req.prompt, str) else await renderer.decode(prompt)
     max_tokens = _max_tokens(
         req.max_tokens, "max_tokens", len(prompt), COMPLETIONS_DEFAULT_MAX_TOKENS, limits, "prompt"
     )
@@ -214,4 +231,5 @@ async def plan_completion(
         stream=req.stream,
         include_usage=_include_usage(req),
         logprobs=req.logprobs is not None,
+        spans=(Span(text=text, source="user"),),
     )

@@ -18,6 +18,9 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor) -> None:
         self._tokenizer = tokenizer
         self._executor = executor
+        # The tokenizer and its executor, shared with one-token guards on the same tokenizer.
+        self.tokenizer = tokenizer
+        self.executor = executor
         self.vocab_size: int = len(tokenizer)
 
     @classmethod
@@ -40,6 +43,12 @@ class PromptRenderer:
 
     def _text(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (what the guard reads of a token-id prompt)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+        )
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered with the chat template and a generation prompt."""

@@ -27,6 +27,7 @@ from gateway.schemas import (
 
 _encoder = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+CONTENT_FILTER = "content_filter"
 
 
 def sse(payload: msgspec.Struct) -> bytes:
@@ -126,6 +127,13 @@ class Formatter:
         )
         return [sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))]
 
+    def filtered(self) -> list[bytes]:
+        """The chunk that ends a stream the output guard stopped (`finish_reason: content_filter`)."""
+        if self._plan.kind == "chat":
+            return [self._chat_chunk(ChatDelta(), CONTENT_FILTER)]
+        choice = CompletionChoice(index=0, text="", finish_reason=CONTENT_FILTER, logprobs=None)
+        return [sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))]
+
     def closing(self, usage: Usage) -> list[bytes]:
         """The usage event (when asked for) and `[DONE]`."""
         out = []
@@ -152,10 +160,17 @@ class Formatter:
 
     # ---- whole response ----
 
-    def whole(self, deltas: Sequence[EngineDelta], usage: Usage) -> ChatCompletion | Completion:
-        """The non-streaming response built from all deltas."""
+    def whole(
+        self, deltas: Sequence[EngineDelta], usage: Usage, *, filtered: bool = False
+    ) -> ChatCompletion | Completion:
+        """The non-streaming response built from all deltas; `filtered`: the output guard blocked it, and
+        none of its text is sent."""
+        if filtered:
+            deltas = ()
         text = "".join(d.text for d in deltas)
         finish = _finish(next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None))
+        if filtered:
+            finish = CONTENT_FILTER
         entries = [e for d in deltas for e in (d.logprobs or ())]
         if self._plan.kind == "chat":
             choice = ChatChoice(

@@ -16,7 +16,8 @@ from engines.base import EngineDelta, FinishReason, Usage
 
 log = logging.getLogger("lockgate.requests")
 
-Status = Literal["completed", "cancelled", "stalled", "error", "shutdown"]
+# `blocked`: the output guard stopped it (its usage so far is charged).
+Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked"]
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):

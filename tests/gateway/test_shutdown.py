@@ -39,6 +39,7 @@ async def lockgate_serve(
         "LOCKGATE_STORAGE__SQLITE_PATH": str(tmp_path / "lockgate.sqlite3"),
         "LOCKGATE_SERVER__PORT": str(port),
         "LOCKGATE_SERVER__LOG_LEVEL": "warning",
+        "LOCKGATE_GUARD__DEFAULT_POLICY": "rules",
         **env,
     }
     bootstrap = await asyncio.create_subprocess_exec(

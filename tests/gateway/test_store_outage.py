@@ -24,7 +24,7 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.config import AuthConfig, Config, ModelConfig, RegistryConfig, StorageConfig
+from gateway.config import AuthConfig, Config, GuardConfig, ModelConfig, RegistryConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Tenant
@@ -137,6 +137,7 @@ async def gateway(
         ),
         auth=AuthConfig(cache_ttl=CACHE_TTL, store_timeout=STORE_TIMEOUT, stale_grace=60.0, negative_ttl=2.0),
         registry=RegistryConfig(refresh_interval=0.1, refresh_timeout=0.5, max_staleness=MAX_STALENESS),
+        guard=GuardConfig(default_policy="rules"),
     )
     app = create_app(config, engine=sim_engine, renderer=renderer, clock=clock)
     async with serving(app) as url:

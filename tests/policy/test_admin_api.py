@@ -18,7 +18,7 @@ from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.base import TenantStore
 from policy.tenants.models import ApiKey, Role, Tenant
-from registry.default_policy import DEFAULT_POLICY_SPEC
+from policy.safety.defaults import NO_GUARDS as DEFAULT_POLICY_SPEC
 from tests.backends import DEPLOYMENTS, FakeClock, deployment
 from tests.conftest import MODEL, OutcomeLog, make_config, serving
 

@@ -1,0 +1,315 @@
+"""One generation request from top to bottom: read this module first.
+
+    decode -> resolve -> render (plan) -> reserve quota -> input guard -> generate -> output guard -> respond
+
+The route handlers decode the body and call `run_chat` / `run_completion`; every later stage is one call into
+the package that owns it: `planning` (validate, render, count tokens), `metering` (quota), the safety gate
+(`policy.safety`, over `guard/`), the engine, `guard.moderator` (held-back output), `responses` (OpenAI
+shapes). The stream's plumbing (bounded buffer, disconnect races, outcome tracking) is behind `flow`.
+
+A request the input guard blocks or cannot check costs no engine time and gets its quota reservation back.
+Output is released to the client only after the output guard checked it; a block ends the stream with
+`finish_reason: content_filter` and an error event, and aborts the engine request. `x-lockgate-guard` says
+which path decided (`input=rules`, `input=model`, `input=fail_open`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from litestar import MediaType, Request, Response
+
+from engines.base import (
+    EngineDeadError,
+    EngineDelta,
+    EngineError,
+    EngineOverloadedError,
+    EngineRequestError,
+)
+from gateway.errors import (
+    APIError,
+    EngineFailedError,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
+from gateway.generation.flow import ClientDisconnectedError, Transform, collect, pump, race_disconnect
+from gateway.generation.metering import charge_headers, reserve
+from gateway.generation.planning import Plan, plan_chat, plan_completion
+from gateway.generation.responses import Formatter, sse
+from gateway.generation.streaming import SSEResponse
+from gateway.generation.tracking import RequestTracker
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.service import Services
+from guard.base import GuardInput, Span
+from guard.moderator import OutputBlocked, moderate
+from policy.auth import Principal
+from policy.quota.meter import Charge
+from policy.safety.decision import GuardDecision
+from policy.safety.gate import RecordContext
+from registry.view import ResolvedPolicy
+
+# Names the exact model version (name@version) that served a response.
+MODEL_HEADER = "x-lockgate-model"
+# Which path of the safety policy decided: `input=<source>` and, for whole responses, `output=<source>`.
+GUARD_HEADER = "x-lockgate-guard"
+# nginx's code for "client closed request": logged, never seen by the (gone) client.
+CLIENT_CLOSED = 499
+# Non-streaming output is checked once, whole.
+_WHOLE = 1 << 30
+
+
+async def run_chat(
+    services: Services, req: ChatCompletionRequest, request: Request[Any, Any, Any], principal: Principal
+) -> Response[Any]:
+    """A chat completion, from decoded request to response."""
+    request_id = services.request_id(request)
+    model, limits = services.target(req.model, request_id)
+    plan = await plan_chat(req, request_id, model, services.renderer, limits)
+    return await _run(services, plan, request, principal)
+
+
+async def run_completion(
+    services: Services, req: CompletionRequest, request: Request[Any, Any, Any], principal: Principal
+) -> Response[Any]:
+    """A legacy completion, from decoded request to response."""
+    request_id = services.request_id(request)
+    model, limits = services.target(req.model, request_id)
+    plan = await plan_completion(req, request_id, model, services.renderer, limits)
+    return await _run(services, plan, request, principal)
+
+
+def engine_api_error(exc: EngineError) -> APIError:
+    """The HTTP error for an engine failure: capacity and death are 503 (retry later), the rest 502."""
+    if isinstance(exc, EngineOverloadedError):
+        return EngineUnavailableError(
+            f"the engine is at capacity: {exc}",
+            code="engine_overloaded",
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+        )
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailableError(
+            f"the engine is not available: {exc}",
+            code="engine_unavailable",
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+        )
+    if isinstance(exc, EngineRequestError):
+        return EngineFailedError(f"the engine failed this request: {exc}", code="engine_error")
+    return EngineFailedError(f"engine error: {exc}", code="engine_error")
+
+
+def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIError:
+    """The HTTP error for an input the policy blocked (400) or could not check (503 guard_unavailable)."""
+    headers = {**headers, GUARD_HEADER: decision.label}
+    if decision.action == "refuse":
+        return EngineUnavailableError(
+            f"the safety guard for {decision.category or 'this policy'} is unavailable and the policy "
+            "fails closed; retry later",
+            code="guard_unavailable",
+            headers={**headers, "Retry-After": "1"},
+        )
+    category = f" (category {decision.category})" if decision.category else ""
+    return InvalidRequestError(
+        f"the input was blocked by the tenant's safety policy{category}",
+        param="messages",
+        code="content_policy_violation",
+        headers=headers,
+    )
+
+
+def _output_error(decision: GuardDecision) -> APIError:
+    if decision.action == "refuse":
+        return EngineUnavailableError(
+            "the output guard is unavailable and the policy fails closed", code="guard_unavailable"
+        )
+    category = f" (category {decision.category})" if decision.category else ""
+    return InvalidRequestError(
+        f"the output was blocked by the tenant's safety policy{category}", code="content_filter"
+    )
+
+
+class _OutputGuard:
+    """The output side of one request: the check the moderator calls, and what it decided."""
+
+    def __init__(
+        self, services: Services, policy: ResolvedPolicy, context: RecordContext, tracker: RequestTracker
+    ) -> None:
+        self._services = services
+        self._policy = policy
+        self._context = context
+        self._tracker = tracker
+        self.decision: GuardDecision | None = None
+
+    async def check(self, text: str, final: bool) -> GuardDecision | None:
+        item = GuardInput(
+            direction="output",
+            spans=(Span(text=text, source="output"),),
+            categories=tuple(c.name for c in self._policy.spec.categories),
+            policy=self._policy.ref,
+        )
+        decision = await self._services.gate.check(self._policy, item, self._context)
+        self.decision = decision
+        if decision.action == "allow":
+            return None
+        # Charged as far as it got; the engine request is aborted when the moderator closes its stream.
+        self._tracker.finish("blocked")
+        return decision
+
+    def transform(self, *, whole: bool) -> Transform:
+        spec = self._policy.spec
+
+        def apply(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
+            return moderate(
+                deltas,
+                self.check,
+                hold_back=0 if whole else spec.hold_back_tokens,
+                check_every=_WHOLE if whole else spec.check_every_tokens,
+            )
+
+        return apply
+
+
+async def _input_guard(
+    services: Services, plan: Plan, policy: ResolvedPolicy, context: RecordContext
+) -> GuardDecision | None:
+    if not services.gate.guards(policy, "input"):
+        return None
+    item = GuardInput(
+        direction="input",
+        spans=plan.spans,
+        categories=tuple(c.name for c in policy.spec.categories),
+        policy=policy.ref,
+    )
+    return await services.gate.check(policy, item, context)
+
+
+def _refund(services: Services, charge: Charge) -> None:
+    # Nothing reached an engine: the whole reservation goes back.
+    services.meter.settle_later(charge, 0)
+
+
+async def _run(
+    services: Services, plan: Plan, request: Request[Any, Any, Any], principal: Principal
+) -> Response[Any]:
+    req = plan.engine_request
+    policy = services.policy_for(principal, plan.request_id)
+    charge = await reserve(services.meter, principal, plan)
+    headers = charge_headers(charge)
+    headers[MODEL_HEADER] = plan.model.ref
+    context = RecordContext(
+        tenant=principal.tenant.tenant_id, key_id=principal.key.key_id, request_id=plan.request_id
+    )
+    try:
+        decision = await _input_guard(services, plan, policy, context)
+    except BaseException:
+        _refund(services, charge)
+        raise
+    labels = [decision.label if decision else "input=off"]
+    if decision is not None and decision.action != "allow":
+        _refund(services, charge)
+        raise guard_api_error(decision, headers)
+    tracker = RequestTracker(
+        plan.request_id,
+        plan.model.ref,
+        len(req.prompt_token_ids),
+        plan.stream,
+        services.settle_on_outcome(charge),
+        tokenizer=plan.model.tokenizer.ref,
+        chat_template=plan.model.chat_template.ref,
+    )
+    output = (
+        _OutputGuard(services, policy, context, tracker) if services.gate.guards(policy, "output") else None
+    )
+    prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
+    formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()))
+    source = services.pools[plan.model.spec.engine_pool].generate(req)
+    try:
+        if not plan.stream:
+            transform = output.transform(whole=True) if output else None
+            try:
+                deltas = await race_disconnect(collect(source, tracker, transform), request.receive)
+                filtered = False
+            except OutputBlocked as blocked:
+                deltas, filtered = [], True
+                if blocked.decision.action == "refuse":
+                    raise _output_error(blocked.decision) from None
+            if output is not None and output.decision is not None:
+                labels.append(output.decision.label)
+            headers[GUARD_HEADER] = "; ".join(labels)
+            body = formatter.whole(deltas, tracker.usage(), filtered=filtered)
+            return Response(content=body, media_type=MediaType.JSON, headers=headers)
+        headers[GUARD_HEADER] = "; ".join([*labels, "output=stream" if output else "output=off"])
+        stream = pump(
+            source,
+            tracker,
+            services.tasks,
+            services.config.server.stream_buffer,
+            output.transform(whole=False) if output else None,
+        )
+        # Wait for the first released delta before answering: an engine refusal is still an HTTP error.
+        first: EngineDelta | OutputBlocked[GuardDecision]
+        try:
+            first = await race_disconnect(anext(stream), request.receive)
+        except OutputBlocked as blocked:
+            first = blocked
+        except BaseException:
+            await stream.aclose()
+            raise
+    except ClientDisconnectedError:
+        # Idempotent: the tracked stream has normally recorded it already.
+        tracker.finish("cancelled")
+        return Response(content=b"", status_code=CLIENT_CLOSED)
+    except asyncio.CancelledError:
+        tracker.finish("cancelled")
+        raise
+    except BaseException as exc:
+        # However it failed, the outcome is recorded and the reservation settled (first call wins).
+        tracker.finish("error")
+        if isinstance(exc, EngineError):
+            raise engine_api_error(exc) from exc
+        if isinstance(exc, StopAsyncIteration):
+            raise EngineFailedError(
+                "the engine ended the request without output", code="engine_error"
+            ) from exc
+        raise
+    return SSEResponse(
+        _events(formatter, first, stream, tracker),
+        stall_timeout=services.config.server.stream_stall_timeout,
+        on_stall=tracker.mark_stalled,
+        headers=headers,
+    )
+
+
+async def _events(
+    formatter: Formatter,
+    first: EngineDelta | OutputBlocked[GuardDecision],
+    rest: AsyncGenerator[EngineDelta, None],
+    tracker: RequestTracker,
+) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(rest):
+        for event in formatter.opening():
+            yield event
+        try:
+            if isinstance(first, OutputBlocked):
+                raise first
+            for event in formatter.chunk(first):
+                yield event
+            async for delta in rest:
+                for event in formatter.chunk(delta):
+                    yield event
+        except OutputBlocked as blocked:
+            # Nothing of the blocked text was released; say why the stream ends, as OpenAI's filters do.
+            for event in formatter.filtered():
+                yield event
+            yield sse(_output_error(blocked.decision).body())
+            return
+        except EngineError as exc:
+            # The status line is long gone: report the error in the stream, as OpenAI does, and stop.
+            yield sse(engine_api_error(exc).body())
+            return
+        for event in formatter.closing(tracker.usage()):
+            yield event

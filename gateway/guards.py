@@ -1,0 +1,136 @@
+"""The classifiers behind guard versions: built here, where the engines are, and injected into the gate.
+
+A one-token guard runs on the engine pool its model version names (the served engine, `default`, for a
+zero-shot judge; its own pool for a trained guard model). An embedding guard loads its encoder and head once,
+in the background; a request that needs it before it is loaded waits within the stage's timeout. Whatever
+keeps a guard from being built (no engine for its pool, another tokenizer, a missing artifact) becomes a
+classifier that raises GuardError, so the policy's fail mode decides, and the reason is in the audit record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine
+from gateway.config import GuardConfig
+from gateway.generation.prompts import PromptRenderer
+from guard.base import Classifier, GuardError, GuardInput, GuardScore
+from guard.embedding import load_embedding_guard
+from guard.one_token import OneTokenClassifier
+from registry.view import ResolvedGuard
+
+
+class BrokenGuard:
+    """A guard that could not be built: every call is a GuardError naming why."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """Always GuardError."""
+        raise GuardError(f"guard {self.name} is unavailable: {self.reason}")
+
+
+class LoadingGuard:
+    """A guard loaded in the background once; calls wait for the load (within their stage's timeout)."""
+
+    def __init__(self, name: str, load: Callable[[], Coroutine[Any, Any, Classifier]]) -> None:
+        self.name = name
+        self._task: asyncio.Task[Classifier] = asyncio.get_running_loop().create_task(load())
+
+    async def ready(self) -> None:
+        """Wait until loaded (GuardError if loading failed)."""
+        await self._loaded()
+
+    async def _loaded(self) -> Classifier:
+        try:
+            # Shielded: a request that times out waiting must not cancel the load for everyone else.
+            return await asyncio.shield(self._task)
+        except GuardError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise GuardError(f"guard {self.name} could not be loaded: {exc}") from exc
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """The loaded guard's score."""
+        return await (await self._loaded()).classify(item)
+
+    def cancel(self) -> None:
+        """Stop a load still running (shutdown)."""
+        self._task.cancel()
+
+
+class GuardFactory:
+    """Builds (once per guard version) the classifier of a resolved guard."""
+
+    def __init__(
+        self,
+        *,
+        pools: Mapping[str, Engine],
+        renderer: PromptRenderer,
+        tokenizer_ref: str,
+        artifacts: Path,
+        config: GuardConfig,
+    ) -> None:
+        self._pools = pools
+        self._renderer = renderer
+        self._tokenizer_ref = tokenizer_ref
+        self._artifacts = artifacts
+        self._config = config
+        self._built: dict[str, Classifier] = {}
+
+    def __call__(self, guard: ResolvedGuard) -> Classifier:
+        """The classifier of `guard`, built on first use."""
+        built = self._built.get(guard.ref)
+        if built is None:
+            built = self._build(guard)
+            self._built[guard.ref] = built
+        return built
+
+    def _build(self, guard: ResolvedGuard) -> Classifier:
+        spec = guard.spec
+        if spec.kind == "embedding":
+            executor = self._renderer.executor
+            return LoadingGuard(
+                guard.ref, lambda: load_embedding_guard(guard.ref, spec, self._artifacts, executor)
+            )
+        pool = guard.model.spec.engine_pool
+        engine = self._pools.get(pool)
+        if engine is None:
+            return BrokenGuard(guard.ref, f"no engine serves pool `{pool}` of model {guard.model.ref}")
+        if guard.model.tokenizer.ref != self._tokenizer_ref:
+            return BrokenGuard(
+                guard.ref,
+                f"its model uses tokenizer {guard.model.tokenizer.ref}, this gateway loads "
+                f"{self._tokenizer_ref}",
+            )
+        try:
+            return OneTokenClassifier(
+                guard.ref,
+                spec,
+                engine,
+                self._renderer.tokenizer,
+                self._renderer.executor,
+                min_label_mass=self._config.min_label_mass,
+                model_ref=guard.model.ref,
+                priority=self._config.priority,
+            )
+        except ValueError as exc:
+            return BrokenGuard(guard.ref, str(exc))
+
+    async def ready(self, guards: tuple[ResolvedGuard, ...]) -> None:
+        """Build `guards` and wait for those that load in the background (start-up)."""
+        for guard in guards:
+            built = self(guard)
+            if isinstance(built, LoadingGuard):
+                await built.ready()
+
+    def close(self) -> None:
+        """Stop loads still running."""
+        for built in self._built.values():
+            if isinstance(built, LoadingGuard):
+                built.cancel()

@@ -1,0 +1,121 @@
+"""The built-in safety policies, and which one the `default` alias gets at start-up.
+
+Every tenant is bound to the `default` policy alias until an administrator binds another. Versions:
+
+- `default@1`: no guard stages (what tenants had before the guard cascade; kept so old records resolve).
+- `default@rules-1`: the deterministic rules stage alone (`guard.rules.default_rules`).
+- `default@trained-<hash>`: rules, then the embedding guard, then the trained one-token guard that
+  `lockgate models prepare` builds offline; `<hash>` follows the guard versions, so retraining publishes a new
+  policy version instead of changing one.
+
+At start-up the alias is created when missing, and moved to the configured choice only while it was last set
+by start-up itself: a policy an administrator chose is never overridden by a restart.
+
+Fail modes: the categories where a missed block is worst fail closed; the others fail open (allowed,
+recorded as `fail_open`, counted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import msgspec
+
+from guard.rules import default_rules
+from registry.models import CascadeStage, FailMode, PolicyCategory, PolicySpec, Severity
+from registry.service import Registry
+
+DEFAULT_POLICY = "default"
+STARTUP_ACTOR = "startup"
+Choice = Literal["trained", "rules", "none"]
+
+_CATEGORIES: tuple[tuple[str, Severity, FailMode], ...] = (
+    ("violence", "high", "closed"),
+    ("self_harm", "critical", "closed"),
+    ("weapons", "critical", "closed"),
+    ("malware", "high", "closed"),
+    ("hate", "medium", "open"),
+    ("prompt_injection", "high", "open"),
+)
+# The rules stage scores 1 on a block rule, 0 on an allow rule, 0.5 when unsure: 0.5 passes on.
+RULES_STAGE = CascadeStage(kind="rules", allow_below=0.25, block_above=0.75, timeout_s=1.0)
+
+NO_GUARDS = PolicySpec(
+    categories=(),
+    stages=(),
+    past_last_stage="escalate",
+    fail_modes={},
+    hold_back_tokens=0,
+    retention="none",
+)
+
+
+class TrainedGuards(msgspec.Struct, frozen=True, kw_only=True):
+    """The guard versions `lockgate models prepare` trained and registered (name@version)."""
+
+    embedding: str
+    one_token: str
+
+
+def _policy(stages: tuple[CascadeStage, ...]) -> PolicySpec:
+    return PolicySpec(
+        categories=tuple(PolicyCategory(name=n, severity=s) for n, s, _ in _CATEGORIES),
+        stages=stages,
+        past_last_stage="escalate",
+        fail_modes={n: mode for n, _, mode in _CATEGORIES},
+        hold_back_tokens=8,
+        check_every_tokens=16,
+        retention="hash",
+        rules=default_rules(),
+    )
+
+
+def rules_policy() -> PolicySpec:
+    """The rules stage alone: clear cases blocked, everything else allowed and flagged for review."""
+    return _policy((RULES_STAGE,))
+
+
+def trained_policy(guards: TrainedGuards) -> PolicySpec:
+    """Rules, then the embedding guard, then the trained one-token guard (the last stage's band escalates).
+
+    Thresholds are set from the development set's figures (docs/guard.md): the embedding stage settles only
+    confident cases; the one-token guard decides most of the rest.
+    """
+    return _policy(
+        (
+            RULES_STAGE,
+            CascadeStage(guard=guards.embedding, allow_below=0.1, block_above=0.9, timeout_s=2.0),
+            CascadeStage(guard=guards.one_token, allow_below=0.3, block_above=0.7, timeout_s=5.0),
+        )
+    )
+
+
+def _trained_version(guards: TrainedGuards) -> str:
+    digest = hashlib.sha256(f"{guards.embedding}|{guards.one_token}".encode()).hexdigest()
+    return f"trained-{digest[:12]}"
+
+
+async def register_default_policy(
+    registry: Registry, choice: Choice, guards: TrainedGuards | None, *, actor: str = STARTUP_ACTOR
+) -> str:
+    """Publish the built-in policy versions (idempotent) and point `default` at `choice`; its name@version.
+
+    `trained` needs `guards`; without them it is a start-up error, not a silent downgrade.
+    """
+    await registry.publish("policy", DEFAULT_POLICY, "1", NO_GUARDS, actor=actor)
+    await registry.publish("policy", DEFAULT_POLICY, "rules-1", rules_policy(), actor=actor)
+    version = {"none": "1", "rules": "rules-1"}.get(choice, "")
+    if choice == "trained":
+        if guards is None:
+            raise ValueError(
+                "the trained default policy needs the prepared guards; run `lockgate models prepare`"
+            )
+        version = _trained_version(guards)
+        await registry.publish("policy", DEFAULT_POLICY, version, trained_policy(guards), actor=actor)
+    view = registry.view
+    if not view.has_alias("policy", DEFAULT_POLICY) or view.alias("policy", DEFAULT_POLICY).actor == actor:
+        current = view.alias("policy", DEFAULT_POLICY) if view.has_alias("policy", DEFAULT_POLICY) else None
+        if current is None or [t.version for t in current.targets] != [version]:
+            await registry.set_alias("policy", DEFAULT_POLICY, version, actor=actor)
+    return f"{DEFAULT_POLICY}@{version}"
