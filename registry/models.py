@@ -119,7 +119,8 @@ class CascadeStage(_Input, frozen=True, kw_only=True):
     """
 
     kind: StageKind = "model"
-    guard: str = ""  # model stages: "name@version" of a guard model version, pinned so the policy hash fixes it
+    # Model stages: "name@version" of a guard model version, pinned so that the policy hash fixes it.
+    guard: str = ""
     allow_below: Fraction
     block_above: Fraction
     # Categories this stage judges (empty: all of the policy's); their fail modes decide when it fails.
