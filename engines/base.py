@@ -135,8 +135,16 @@ class Engine(Protocol):
         """Stream the request's output. Closing the iterator early aborts the request in the engine."""
         ...
 
-    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
-        """Log-probabilities of the top-k candidates for the first generated token."""
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """The log-probability of exactly each of `token_ids` as the first token generated after the prompt
+        (greedy, one token): the one-token classifier's primitive.
+
+        Every named id is a key of the result (duplicates once); an engine that cannot report one raises
+        EngineRequestError rather than leave it out. `priority` orders the request against others waiting
+        in the engine (lower runs earlier): guard calls pass a negative one to go ahead of batch generation.
+        """
         ...
 
     async def load(self) -> EngineLoad:

@@ -83,6 +83,9 @@ def _usage(seq: _Seq) -> Usage:
     return Usage(prompt_tokens=len(seq.req.prompt_token_ids), completion_tokens=len(seq.token_ids))
 
 
+_FAVOURITES = 16  # ids per prompt that score_next_token gives most of the first token's mass
+
+
 def _logprob(rank: int, jitter_from: int) -> float:
     # Halving probabilities per rank keeps every value < 0 and the sum of exp() below 1.
     return -(rank + 1) * math.log(2.0) - (jitter_from % 10) / 100.0
@@ -156,15 +159,33 @@ class SimulatedEngine:
         finally:
             self._discard(seq)
 
-    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
-        """Fake top-k log-probabilities for the first generated token, after a simulated prefill."""
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """Fake first-token log-probabilities of exactly `token_ids`, after a simulated prefill.
+
+        Each id's value depends only on the prompt and the id (never on which other ids are asked about), and
+        the values over the whole vocabulary sum to at most 1: a few favourite ids per prompt take halving
+        shares, every other id an equal sliver. The call bypasses the scheduler queue, as if it always had
+        the best priority; `priority` is accepted for the protocol's sake.
+        """
         self._check_alive()
-        if top_k < 0 or len(prompt_token_ids) > self.max_model_len:
-            raise EngineRequestError(f"bad top_k {top_k} or prompt of {len(prompt_token_ids)} tokens")
+        vocab = self._cfg.vocab_size
+        if not token_ids or any(not 0 <= t < vocab for t in token_ids):
+            raise EngineRequestError(f"token ids to score must be in range({vocab}), got {list(token_ids)}")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise EngineRequestError(f"prompt of {len(prompt_token_ids)} tokens leaves no room for one more")
         await self._sleep(self._cfg.prefill_s_per_token * len(prompt_token_ids) + self._cfg.decode_step_s)
-        rng = random.Random(f"score:{list(prompt_token_ids)}")
-        ids = rng.sample(range(self._cfg.vocab_size), min(top_k, self._cfg.vocab_size))
-        return {tid: _logprob(rank, tid) for rank, tid in enumerate(ids)}
+        favourites = random.Random(f"score:{list(prompt_token_ids)}").sample(
+            range(vocab), min(_FAVOURITES, vocab)
+        )
+        rank = {tid: r for r, tid in enumerate(favourites)}
+        # The favourites hold 1 - 2**-_FAVOURITES of the mass; the rest is shared by all other ids.
+        rest = -_FAVOURITES * math.log(2.0) - math.log(max(1, vocab - len(favourites)))
+        return {
+            t: _logprob(rank[t], prompt_token_ids[-1] if prompt_token_ids else 0) if t in rank else rest
+            for t in dict.fromkeys(token_ids)
+        }
 
     async def load(self) -> EngineLoad:
         """The scheduler's live counts; KV used is what running requests have reserved."""

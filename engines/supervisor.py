@@ -146,14 +146,16 @@ class SupervisedEngine:
             self._report_death(engine, exc)
             raise EngineDeadError(str(exc), retry_after=self.retry_after) from exc
 
-    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
-        """The current engine's first-token logprobs."""
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """The current engine's first-token logprobs of exactly `token_ids`; a death starts a restart."""
         engine = self._check_ready()
         try:
-            return await engine.score_next_token(prompt_token_ids, top_k)
+            return await engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
         except EngineDeadError as exc:
             self._report_death(engine, exc)
-            raise
+            raise EngineDeadError(str(exc), retry_after=self.retry_after) from exc
 
     async def load(self) -> EngineLoad:
         """The current engine's load (idle and empty while it restarts)."""

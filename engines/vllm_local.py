@@ -22,6 +22,7 @@ from engines.base import (
     EngineRequestError,
     FinishReason,
     Health,
+    SamplingSpec,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -219,6 +220,8 @@ class VllmLocalEngine:
             enable_chunked_prefill=True,
             max_num_batched_tokens=budget,
             max_num_seqs=self._max_num_seqs,
+            # vLLM's default "fcfs" accepts a request's priority and silently ignores it; only "priority"
+            # orders the waiting queue by it (lower first), so guard calls can go ahead of batch work.
             scheduling_policy="priority",
             disable_log_stats=False,
             enable_log_requests=False,
@@ -251,8 +254,9 @@ class VllmLocalEngine:
         (engine_input,) = await self.llm.renderer.render_cmpl_async([parsed])
         return engine_input
 
-    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
-        """Stream deltas from vLLM. Closing this iterator aborts the request in the engine core."""
+    async def _outputs(self, req: EngineRequest, params: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's `RequestOutput`s of one request, its errors mapped onto ours. Closing this iterator before
+        the request finished aborts it in the engine core."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
         from vllm.v1.engine.exceptions import EngineGenerateError
@@ -271,18 +275,37 @@ class VllmLocalEngine:
             raise EngineDeadError(str(exc)) from exc
         except (VLLMClientError, ValueError) as exc:
             raise EngineRequestError(str(exc) or type(exc).__name__) from exc
-        stream = llm.generate(engine_input, self._sampling_params(req), req.request_id, priority=req.priority)
-        completion_tokens = 0
+        # Priorities apply because the engine runs with scheduling_policy="priority" (see _build).
+        stream = llm.generate(engine_input, params, req.request_id, priority=req.priority)
         finished = False
         try:
             async for out in stream:
+                finished = out.finished
+                yield out
+        except VllmDeadError as exc:
+            raise EngineDeadError(str(exc)) from exc
+        except (VLLMClientError, EngineGenerateError, ValueError) as exc:
+            raise EngineRequestError(str(exc) or type(exc).__name__) from exc
+        finally:
+            if not finished and not llm.errored:
+                # Closed or cancelled early, possibly while vLLM was still adding the request (when its own
+                # generator cannot abort it yet). Aborting an id vLLM no longer knows is a no-op. A dead
+                # engine core takes no abort (its requests are gone with it).
+                await llm.abort(req.request_id)
+            await stream.aclose()
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        """Stream deltas from vLLM. Closing this iterator aborts the request in the engine core."""
+        completion_tokens = 0
+        outputs = self._outputs(req, self._sampling_params(req))
+        try:
+            async for out in outputs:
                 completion = out.outputs[0]
                 token_ids = tuple(completion.token_ids)
                 completion_tokens += len(token_ids)
                 finish: FinishReason | None = None
                 usage = None
                 if out.finished:
-                    finished = True
                     finish = _FINISH.get(completion.finish_reason or "", "stop")
                     usage = Usage(
                         prompt_tokens=len(req.prompt_token_ids),
@@ -296,34 +319,44 @@ class VllmLocalEngine:
                     finish_reason=finish,
                     usage=usage,
                 )
-        except VllmDeadError as exc:
-            raise EngineDeadError(str(exc)) from exc
-        except (VLLMClientError, EngineGenerateError, ValueError) as exc:
-            raise EngineRequestError(str(exc) or type(exc).__name__) from exc
         finally:
-            if not finished and not llm.errored:
-                # Closed or cancelled early, possibly while vLLM was still adding the request (when its own
-                # generator cannot abort it yet). Aborting an id vLLM no longer knows is a no-op. A dead
-                # engine core takes no abort (its requests are gone with it).
-                await llm.abort(req.request_id)
-            await stream.aclose()
+            await outputs.aclose()
 
-    async def score_next_token(self, prompt_token_ids: Sequence[int], top_k: int) -> dict[int, float]:
-        """Log-probabilities of the top-k first tokens (one decode step with logprobs)."""
-        from engines.base import SamplingSpec
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """Log-probabilities of exactly `token_ids` as the first generated token: one greedy step with
+        vLLM's `logprob_token_ids` (raw log-softmax of the logits, gathered at those ids)."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+        wanted = list(dict.fromkeys(token_ids))
+        if not wanted:
+            raise EngineRequestError("no token ids to score")
         req = EngineRequest(
             request_id=f"score-{os.urandom(8).hex()}",
             prompt_token_ids=tuple(prompt_token_ids),
-            sampling=SamplingSpec(max_tokens=1, temperature=0.0, logprobs=top_k),
+            sampling=SamplingSpec(max_tokens=1, temperature=0.0),
+            priority=priority,
         )
-        scores: dict[int, float] = {}
-        async for delta in self.generate(req):
-            for entry in delta.logprobs or ():
-                scores.update({alt.token_id: alt.logprob for alt in entry.top})
-        if not scores:
-            raise EngineRequestError("the engine returned no logprobs")
-        return scores
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprob_token_ids=wanted,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        found: dict[int, Any] = {}
+        outputs = self._outputs(req, params)
+        try:
+            async for out in outputs:
+                positions = out.outputs[0].logprobs if out.outputs else None
+                if positions:
+                    found = dict(positions[0])
+        finally:
+            await outputs.aclose()
+        missing = [t for t in wanted if t not in found]
+        if missing:
+            raise EngineRequestError(f"the engine returned no logprob for token ids {missing}")
+        return {t: float(found[t].logprob) for t in wanted}
 
     async def load(self) -> EngineLoad:
         """Load from vLLM's scheduler stats; an engine with no unfinished request is idle."""

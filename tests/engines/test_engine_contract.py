@@ -7,6 +7,7 @@ model as well as for the simulator.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -113,7 +114,18 @@ async def test_health_is_ready(contract_engine: Engine) -> None:
     assert (await contract_engine.health()).ready
 
 
-async def test_score_next_token(contract_engine: Engine) -> None:
-    scores = await contract_engine.score_next_token(list(PROMPT), 5)
-    assert len(scores) == 5
+async def test_score_next_token_scores_exactly_the_named_ids(contract_engine: Engine) -> None:
+    named = [5, 17, 17, 400, 999]  # a duplicate is scored once
+    scores = await contract_engine.score_next_token(list(PROMPT), named, priority=-10)
+    assert sorted(scores) == [5, 17, 400, 999]
     assert all(v <= 0.0 for v in scores.values())
+    # Log-probabilities of distinct first tokens: their probabilities sum to at most 1.
+    assert sum(math.exp(v) for v in scores.values()) <= 1.0 + 1e-6
+    # Greedy scoring of the same prompt is repeatable, and an id's value does not depend on the others named.
+    again = await contract_engine.score_next_token(list(PROMPT), [999, 5])
+    assert again == pytest.approx({5: scores[5], 999: scores[999]}, abs=1e-4)
+
+
+async def test_score_next_token_refuses_a_prompt_with_no_room(contract_engine: Engine) -> None:
+    with pytest.raises(EngineError):
+        await contract_engine.score_next_token([100] * contract_engine.max_model_len, [5])

@@ -274,12 +274,32 @@ async def test_too_long_is_refused(make: Make) -> None:
 
 async def test_score_next_token(make: Make) -> None:
     engine, clock = await make(SimulatorConfig())
-    scores = await engine.score_next_token(list(PROMPT), 4)
-    assert scores == await engine.score_next_token(list(PROMPT), 4)
-    assert len(scores) == 4
+    named = list(range(0, 32000, 7))  # thousands of ids: the favourites of any prompt among them
+    scores = await engine.score_next_token(list(PROMPT), named)
+    assert scores == await engine.score_next_token(list(PROMPT), named)
+    assert sorted(scores) == named
     assert all(v <= 0.0 for v in scores.values())
     assert sum(math.exp(v) for v in scores.values()) <= 1.0
+    # A value depends on the prompt and the id only, not on which other ids are named.
+    assert await engine.score_next_token(list(PROMPT), [named[3]]) == {named[3]: scores[named[3]]}
+    assert scores != await engine.score_next_token([*PROMPT, 1], named)
     assert clock.now > 0.0  # the prefill took simulated time
+
+
+async def test_score_next_token_whole_vocabulary_sums_to_at_most_one(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(vocab_size=500))
+    scores = await engine.score_next_token(list(PROMPT), list(range(500)))
+    assert 0.9 < sum(math.exp(v) for v in scores.values()) <= 1.0  # favourites jitter by up to e**-0.09
+
+
+async def test_score_next_token_refuses_bad_ids_and_long_prompts(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(vocab_size=500, max_model_len=64))
+    for ids in ([], [500], [-1]):
+        with pytest.raises(EngineRequestError):
+            await engine.score_next_token(list(PROMPT), ids)
+    with pytest.raises(EngineRequestError):
+        await engine.score_next_token(list(range(64)), [1])
+    assert await engine.score_next_token(list(range(63)), [1])
 
 
 async def test_shutdown_aborts_in_flight(make: Make) -> None:
@@ -301,7 +321,7 @@ async def test_shutdown_aborts_in_flight(make: Make) -> None:
     with pytest.raises(EngineDeadError):
         await collect(engine, req())
     with pytest.raises(EngineDeadError):
-        await engine.score_next_token(list(PROMPT), 2)
+        await engine.score_next_token(list(PROMPT), [2])
 
 
 async def test_not_ready_before_start() -> None:
