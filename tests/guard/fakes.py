@@ -1,0 +1,53 @@
+"""Fake classifiers for cascade and gate tests: scripted scores, failures and hangs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from guard.base import GuardError, GuardInput, GuardScore
+
+
+class Scripted:
+    """Answers a fixed score (or raises GuardError when `fail` is set), counting calls."""
+
+    def __init__(self, name: str, p_unsafe: float, category: str = "", *, fail: bool = False) -> None:
+        self.name = name
+        self.p_unsafe = p_unsafe
+        self.category = category
+        self.fail = fail
+        self.calls = 0
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """The scripted score, or GuardError."""
+        self.calls += 1
+        if self.fail:
+            raise GuardError(f"{self.name} is down")
+        return GuardScore(p_unsafe=self.p_unsafe, category=self.category, guard=self.name, model="fake@1")
+
+
+class Hanging:
+    """Never answers until released: a guard that stalls."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.release = asyncio.Event()
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """Wait for `release`, then answer safe."""
+        await self.release.wait()
+        return GuardScore(p_unsafe=0.0, guard=self.name)
+
+
+class ByText:
+    """P(unsafe) = 1 when the judged text contains `needle`, else 0; records every text it saw."""
+
+    def __init__(self, needle: str, name: str = "bytext@1") -> None:
+        self.name = name
+        self.needle = needle
+        self.seen: list[str] = []
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """1.0 if the needle is in the text, else 0.0."""
+        text = item.text()
+        self.seen.append(text)
+        return GuardScore(p_unsafe=1.0 if self.needle in text else 0.0, category="violence", guard=self.name)

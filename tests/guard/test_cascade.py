@@ -1,0 +1,163 @@
+"""The cascade: routing by thresholds, band action, errors never read as safe, timeouts, circuit breakers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from guard.base import GuardInput, Span
+from guard.breaker import BreakerPolicy, CircuitBreaker
+from guard.cascade import BandAction, Cascade, Stage
+from tests.guard.fakes import Hanging, Scripted
+
+ITEM = GuardInput(direction="input", spans=(Span(text="hello", source="user"),))
+CATEGORIES = ("violence", "spam")
+
+
+def stage(
+    classifier: Scripted | Hanging, allow_below: float = 0.2, block_above: float = 0.8, **kw: object
+) -> Stage:
+    return Stage(
+        classifier,
+        allow_below=allow_below,
+        block_above=block_above,
+        categories=kw.get("categories", ()),  # type: ignore[arg-type]
+        timeout_s=kw.get("timeout_s", 5.0),  # type: ignore[arg-type]
+        breaker=kw.get("breaker"),  # type: ignore[arg-type]
+    )
+
+
+def cascade(*stages: Stage, band: BandAction = "escalate") -> Cascade:
+    return Cascade(stages, band, CATEGORIES)
+
+
+@pytest.mark.parametrize(
+    ("scores", "verdict", "decided_by", "calls"),
+    [
+        ((0.1, 0.9), "allow", 0, (1, 0)),  # settled by the first stage: the second never runs
+        ((0.9, 0.1), "block", 0, (1, 0)),
+        ((0.5, 0.1), "allow", 1, (1, 1)),  # uncertain at the first, allowed by the second
+        ((0.5, 0.95), "block", 1, (1, 1)),
+        ((0.5, 0.5), "escalate", None, (1, 1)),  # uncertain everywhere: the band action
+        ((0.2, 0.8), "escalate", None, (1, 1)),  # the thresholds themselves are uncertain
+    ],
+)
+async def test_routing_by_thresholds(
+    scores: tuple[float, float], verdict: str, decided_by: int | None, calls: tuple[int, int]
+) -> None:
+    first, second = Scripted("a@1", scores[0]), Scripted("b@1", scores[1])
+    result = await cascade(stage(first), stage(second)).run(ITEM)
+    assert result.verdict == verdict
+    assert result.decided_by == decided_by
+    assert (first.calls, second.calls) == calls
+    assert [run.p_unsafe for run in result.runs] == list(scores[: len(result.runs)])
+    assert all(run.allow_below == 0.2 and run.block_above == 0.8 for run in result.runs)
+
+
+async def test_band_action_block() -> None:
+    result = await cascade(stage(Scripted("a@1", 0.5)), band="block").run(ITEM)
+    assert result.verdict == "block"
+    assert result.decided_by is None
+
+
+async def test_no_stages_allows() -> None:
+    result = await cascade().run(ITEM)
+    assert result.verdict == "allow"
+    assert result.runs == ()
+
+
+async def test_a_failed_stage_is_never_safe() -> None:
+    broken = Scripted("a@1", 0.0, fail=True)
+    result = await cascade(stage(broken, categories=("violence",))).run(ITEM)
+    assert result.verdict == "error"
+    assert result.failed_categories == ("violence",)
+    assert result.runs[0].verdict == "error"
+    assert result.runs[0].p_unsafe is None
+    assert "down" in result.runs[0].error
+
+
+async def test_a_later_allow_does_not_cover_an_earlier_failure() -> None:
+    result = await cascade(stage(Scripted("a@1", 0.0, fail=True)), stage(Scripted("b@1", 0.0))).run(ITEM)
+    assert result.verdict == "error"
+    # Without categories of its own, a failed stage leaves every policy category unjudged.
+    assert result.failed_categories == CATEGORIES
+    assert [run.verdict for run in result.runs] == ["error", "allow"]
+
+
+async def test_a_later_block_still_blocks_after_a_failure() -> None:
+    result = await cascade(stage(Scripted("a@1", 0.0, fail=True)), stage(Scripted("b@1", 0.99))).run(ITEM)
+    assert result.verdict == "block"
+    assert result.decided_by == 1
+
+
+@pytest.mark.parametrize("p_unsafe", [float("nan"), -0.1, 1.5])
+async def test_a_score_outside_0_1_is_a_guard_error(p_unsafe: float) -> None:
+    result = await cascade(stage(Scripted("a@1", p_unsafe))).run(ITEM)
+    assert result.verdict == "error"
+
+
+async def test_a_stage_that_stalls_times_out_as_an_error() -> None:
+    hanging = Hanging("slow@1")
+    result = await cascade(stage(hanging, timeout_s=0.05)).run(ITEM)
+    assert result.verdict == "error"
+    assert "timed out" in result.runs[0].error
+
+
+def state(breaker: CircuitBreaker) -> str:
+    # A function, so that mypy does not narrow the property across clock changes.
+    return breaker.state
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_breaker_opens_after_repeated_failures_and_probes_after_cooldown() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker("a@1", BreakerPolicy(threshold=3, cooldown=10.0), clock)
+    guard = Scripted("a@1", 0.0, fail=True)
+    run = cascade(stage(guard, breaker=breaker))
+    for _ in range(3):
+        assert (await run.run(ITEM)).verdict == "error"
+    assert state(breaker) == "open"
+    # Open: the guard is not called at all, and the error says why.
+    result = await run.run(ITEM)
+    assert guard.calls == 3
+    assert "circuit open" in result.runs[0].error
+    # After the cooldown one probe goes through; it fails, so the breaker opens again.
+    clock.now = 10.0
+    assert state(breaker) == "half_open"
+    await run.run(ITEM)
+    assert guard.calls == 4
+    assert state(breaker) == "open"
+    await run.run(ITEM)
+    assert guard.calls == 4
+    # The next probe succeeds: closed, and calls flow again.
+    clock.now = 20.0
+    guard.fail = False
+    assert (await run.run(ITEM)).verdict == "allow"
+    assert state(breaker) == "closed"
+    assert (await run.run(ITEM)).verdict == "allow"
+    assert guard.calls == 6
+
+
+async def test_only_one_probe_while_half_open() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker("a@1", BreakerPolicy(threshold=1, cooldown=1.0), clock)
+    breaker.failure()
+    clock.now = 1.0
+    hanging = Hanging("a@1")
+    run = cascade(stage(hanging, breaker=breaker))
+    probe = asyncio.create_task(run.run(ITEM))
+    await asyncio.sleep(0)
+    # A second request while the probe is out is refused at once instead of piling onto a sick guard.
+    refused = await run.run(ITEM)
+    assert refused.verdict == "error"
+    hanging.release.set()
+    assert (await probe).verdict == "allow"
+    assert state(breaker) == "closed"
