@@ -1,0 +1,361 @@
+"""The guard on the request path, over HTTP: input blocks refunded before any engine time, output held back
+and cut on the wire, fail-open and fail-closed under a guard outage, each recorded and counted.
+
+The served engine and the guard model's engine pool are simulators (timing and failure under control); the
+rules stage, the one-token guard's prompt rendering and label scoring, the cascade, the policy's decision and
+the stream moderator are the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from engines.base import EngineDelta, EngineRequest
+from engines.simulated import SimulatedEngine, SimulatorConfig
+from gateway.app import create_app
+from gateway.config import GuardConfig
+from gateway.generation.prompts import PromptRenderer
+from policy.quota.meter import applicable
+from policy.safety.decision import GuardRecord
+from policy.tenants.models import Limits, Quotas, Tenant
+from registry.models import (
+    CascadeStage,
+    GuardModelSpec,
+    PolicyCategory,
+    PolicySpec,
+    RulePattern,
+    RulesSpec,
+)
+from registry.service import Registry
+from tests.backends import FakeClock, deployment
+from tests.conftest import MODEL, OutcomeLog, add_key, make_config, serving
+
+TOKEN_BURST = 10_000.0
+QUOTAS = Quotas(
+    tenant=Limits(
+        requests_per_second=100, request_burst=100, tokens_per_second=0.001, token_burst=TOKEN_BURST
+    )
+)
+BLOCKED_INPUT = "please explain the forbidden phrase to me"
+
+
+class CountingEngine(SimulatedEngine):
+    """The served simulator, counting the requests that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL)
+        self.requests: list[EngineRequest] = []
+
+    def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        self.requests.append(req)
+        return super().generate(req)
+
+
+class Records:
+    """The gate's record sink."""
+
+    def __init__(self) -> None:
+        self.items: list[GuardRecord] = []
+
+    def __call__(self, record: GuardRecord) -> None:
+        self.items.append(record)
+
+
+def policy(
+    *, fail_mode: str = "open", output_block: str = "", hold_back: int = 4, check_every: int = 4
+) -> PolicySpec:
+    """Rules (one input rule, optionally one output rule), then the simulated judge, which allows anything
+    below 1 (the simulator's label masses give arbitrary scores; only its failures matter here)."""
+    block = [RulePattern(category="violence", pattern="forbidden phrase", applies_to="input")]
+    if output_block:
+        block.append(RulePattern(category="violence", pattern=output_block, applies_to="all"))
+    return PolicySpec(
+        categories=(
+            PolicyCategory(name="violence", severity="high"),
+            PolicyCategory(name="spam", severity="low"),
+        ),
+        stages=(
+            CascadeStage(kind="rules", allow_below=0.25, block_above=0.75),
+            CascadeStage(
+                guard="judge@1", allow_below=1.0, block_above=1.0, categories=("spam",), timeout_s=2.0
+            ),
+        ),
+        past_last_stage="escalate",
+        fail_modes={"violence": "closed", "spam": fail_mode},  # type: ignore[dict-item]
+        hold_back_tokens=hold_back,
+        check_every_tokens=check_every,
+        retention="hash",
+        rules=RulesSpec(block=tuple(block)),
+    )
+
+
+class Bed:
+    """A gateway whose tenant `acme` is bound to policy alias `guarded`."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        app: Any,
+        engine: CountingEngine,
+        judge: SimulatedEngine,
+        records: Records,
+        outcomes: OutcomeLog,
+        key: str,
+        clock: FakeClock,
+    ) -> None:
+        self.http = http
+        self.app = app
+        self.engine = engine
+        self.judge = judge
+        self.records = records
+        self.outcomes = outcomes
+        self.key = key
+        self.clock = clock
+        self.versions = 0
+
+    @property
+    def registry(self) -> Registry:
+        registry: Registry = self.app.state.services.registry
+        return registry
+
+    async def bind(self, spec: PolicySpec) -> str:
+        """Publish `spec` as the next version of `guarded` and point the alias at it."""
+        self.versions += 1
+        version = str(self.versions)
+        await self.registry.publish("policy", "guarded", version, spec, actor="test")
+        await self.registry.set_alias("policy", "guarded", version, actor="test")
+        return f"guarded@{version}"
+
+    async def chat(self, content: str, **extra: Any) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 40, **extra}
+        return await self.http.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {self.key}"}
+        )
+
+    async def tokens_level(self) -> float:
+        services = self.app.state.services
+        await services.meter.drain(10.0)
+        stored = await services.tenants.get_key(self.key.split("-")[1])
+        tenant = await services.tenants.get_tenant("acme")
+        [bucket] = [b for name, b, _ in applicable(tenant, stored.key) if name == "tenant-tokens"]
+        [level] = await services.meter.store.levels([bucket], self.clock())
+        return float(level)
+
+
+async def publish_judge(registry: Registry) -> None:
+    """A one-token guard on a model version in pool `guard` (the served model's tokenizer and template)."""
+    served = registry.view.resolve_model(MODEL, request_id="")
+    await registry.publish(
+        "model",
+        "judge",
+        "1",
+        msgspec.structs.replace(served.spec, engine_pool="guard"),
+        actor="test",
+    )
+    await registry.publish(
+        "guard_model",
+        "judge",
+        "1",
+        GuardModelSpec(
+            model="judge@1",
+            prompt_template="Is this unsafe? {{ content }}",
+            safe_tokens=("safe",),
+            unsafe_tokens=("uns",),
+        ),
+        actor="test",
+    )
+
+
+@pytest.fixture
+async def bed(tmp_path: Path, renderer: PromptRenderer, outcomes: OutcomeLog) -> AsyncIterator[Bed]:
+    clock = FakeClock()
+    engine, judge = CountingEngine(), SimulatedEngine(SimulatorConfig(), model_name="judge@1")
+    await engine.start()
+    await judge.start()
+    records = Records()
+    config = msgspec.structs.replace(
+        make_config(), guard=GuardConfig(default_policy="rules", min_label_mass=0.0)
+    )
+    async with deployment("memory+sqlite", tmp_path) as backends:
+        await backends.tenants.create_tenant(
+            Tenant(tenant_id="acme", display_name="Acme", quotas=QUOTAS, policy="guarded"),
+            actor="test",
+            now=clock(),
+        )
+        key = await add_key(backends.tenants, "acme", ("consumer",), now=clock())
+        app = create_app(
+            config,
+            engine=engine,
+            renderer=renderer,
+            tenants=backends.tenants,
+            quota=backends.quota,
+            registry=backends.registry,
+            clock=clock,
+            sink=outcomes,
+            guard_pools={"guard": judge},
+            guard_sink=records,
+        )
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            test_bed = Bed(http, app, engine, judge, records, outcomes, key, clock)
+            await publish_judge(test_bed.registry)
+            yield test_bed
+    await engine.shutdown()
+    await judge.shutdown()
+
+
+async def test_blocked_input_costs_no_engine_time_and_is_refunded(bed: Bed) -> None:
+    ref = await bed.bind(policy())
+    response = await bed.chat(BLOCKED_INPUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "content_policy_violation"
+    assert error["param"] == "messages"
+    assert response.headers["x-lockgate-guard"] == "input=rules"
+    assert bed.engine.requests == []
+    # The reservation (prompt + max_tokens) went back whole.
+    assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
+    [record] = bed.records.items
+    assert (record.direction, record.action, record.source, record.category) == (
+        "input",
+        "block",
+        "rules",
+        "violence",
+    )
+    assert record.policy == ref
+    assert record.policy_hash == bed.registry.view.get("policy", "guarded", "1").content_hash
+    assert record.content is None  # retention "hash": the text itself is not kept
+    assert record.runs[0].guard == "rules"
+    assert record.runs[0].p_unsafe == 1.0
+    counts = bed.app.state.services.gate.counts
+    assert counts[("input", "rules", "block")] == 1
+
+
+async def test_allowed_request_runs_every_stage_and_says_which_decided(bed: Bed) -> None:
+    await bed.bind(policy())
+    response = await bed.chat("What is the capital of France?")
+    assert response.status_code == 200, response.text
+    assert response.headers["x-lockgate-guard"] == "input=model; output=model"
+    first = bed.records.items[0]
+    assert [run.guard for run in first.runs] == ["rules", "judge@1"]
+    assert first.runs[1].model == "judge@1"
+    assert first.runs[1].template_sha256
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_guard_outage_fails_open_when_the_category_says_so(bed: Bed, stream: bool) -> None:
+    await bed.bind(policy(fail_mode="open"))
+    bed.judge.kill("guard pool down")
+    response = await bed.chat("What is the capital of France?", stream=stream)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-lockgate-guard"].startswith("input=fail_open")
+    record = bed.records.items[0]
+    assert (record.action, record.source, record.flagged) == ("allow", "fail_open", True)
+    assert record.runs[1].verdict == "error"
+    assert "guard pool down" in record.runs[1].error
+    assert bed.app.state.services.gate.counts[("input", "fail_open", "allow")] == 1
+    assert len(bed.engine.requests) == 1
+
+
+async def test_guard_outage_fails_closed_when_the_category_says_so(bed: Bed) -> None:
+    await bed.bind(policy(fail_mode="closed"))
+    bed.judge.kill("guard pool down")
+    response = await bed.chat("What is the capital of France?")
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "guard_unavailable"
+    assert response.headers["x-lockgate-guard"] == "input=fail_closed"
+    assert response.headers["retry-after"]
+    assert bed.engine.requests == []
+    assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
+    [record] = bed.records.items
+    assert (record.action, record.source) == ("refuse", "fail_closed")
+    assert bed.app.state.services.gate.counts[("input", "fail_closed", "refuse")] == 1
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else msgspec.json.decode(data))
+    return events
+
+
+async def stream_raw(bed: Bed, content: str) -> bytes:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 60,
+        "seed": 7,
+        "temperature": 1.0,
+        "stream": True,
+    }
+    raw = b""
+    async with bed.http.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {bed.key}"}
+    ) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_raw():
+            raw += chunk
+    return raw
+
+
+def content_of(events: list[Any]) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+    )
+
+
+async def test_no_byte_of_a_blocked_output_span_reaches_the_client(bed: Bed) -> None:
+    # The seeded simulator writes the same text twice: learn it unguarded, then block a span in its middle.
+    await bed.bind(policy())
+    full = content_of(sse_events(await stream_raw(bed, "Tell me a story")))
+    words = full.split(" ")[1:]
+    assert len(words) == 60
+    span = f" {words[30]} {words[31]}"
+    start = full.index(span)
+    await bed.bind(policy(output_block=span.strip(), hold_back=4, check_every=4))
+    running_before = (await bed.engine.load()).running
+    raw = await stream_raw(bed, "Tell me a story")
+    events = sse_events(raw)
+    released = content_of(events)
+    # Only checked text left the gateway: a prefix of the full text that stops short of the span.
+    assert full.startswith(released)
+    assert len(released) <= start
+    assert span.encode() not in raw
+    # The stream ends with content_filter and an error event, and no [DONE].
+    finishes = [e["choices"][0]["finish_reason"] for e in events if isinstance(e, dict) and e.get("choices")]
+    assert finishes[-1] == "content_filter"
+    assert events[-1]["error"]["code"] == "content_filter"
+    assert "[DONE]" not in events
+    # The engine request was aborted: charged for what it generated, short of max_tokens, and gone.
+    outcome = bed.outcomes.items[-1]
+    assert outcome.status == "blocked"
+    assert 32 <= outcome.usage.completion_tokens < 60
+    assert (await bed.engine.load()).running == running_before == 0
+    output_records = [r for r in bed.records.items if r.direction == "output" and r.action == "block"]
+    assert len(output_records) == 1
+    assert output_records[0].source == "rules"
+
+
+async def test_whole_response_is_checked_before_it_is_returned(bed: Bed) -> None:
+    await bed.bind(policy())
+    body = {"seed": 7, "temperature": 1.0, "max_tokens": 40}
+    clean = (await bed.chat("Tell me a story", **body)).json()
+    text = clean["choices"][0]["message"]["content"]
+    span = " ".join(text.split(" ")[10:12])
+    await bed.bind(policy(output_block=span))
+    response = await bed.chat("Tell me a story", **body)
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["choices"][0]["finish_reason"] == "content_filter"
+    assert answer["choices"][0]["message"]["content"] == ""
+    assert span not in response.text
+    assert response.headers["x-lockgate-guard"].endswith("output=rules")
