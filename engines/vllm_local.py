@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -90,6 +91,59 @@ class _SchedulerStats:
                 pass
 
         return _Logger(vllm_config, engine_index)
+
+
+def _patch_sampler() -> None:
+    """Keep the top-k logprobs of other requests intact when a request with `logprob_token_ids` shares their
+    engine step (vLLM 0.32's V1 sampler, the one CPU runs).
+
+    When one request of a batch names token ids and another asks for top-k logprobs, vLLM's `Sampler` uses
+    the named-ids tensors for the whole batch: the top-k request then gets token 0 at -inf in place of its
+    alternatives. Here the rows that name no ids get their own top-k in those tensors instead (widened to
+    the batch's largest k), which is what vLLM's top-k path computes for them. Idempotent.
+    """
+    import torch
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler, "_lockgate_patched", False):
+        return
+    forward = Sampler.forward
+    gather_named = Sampler.gather_specific_token_logprobs
+
+    def patched_forward(self: Any, logits: Any, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        self._lockgate_top_k = sampling_metadata.max_num_logprobs
+        return forward(self, logits, sampling_metadata, *args, **kwargs)
+
+    def patched_gather(
+        self: Any, logprobs: Any, logprob_token_ids: dict[int, list[int]], sampled: Any
+    ) -> Any:
+        result = gather_named(self, logprobs, logprob_token_ids, sampled)
+        top_k = getattr(self, "_lockgate_top_k", None)
+        others = [row for row in range(logprobs.shape[0]) if row not in logprob_token_ids]
+        if result is None or not top_k or top_k < 0 or not others:
+            return result
+        ids, values = result.logprob_token_ids, result.logprobs
+        if ids.shape[1] < top_k + 1:  # padded columns are ignored by requests that asked for fewer
+            extra = top_k + 1 - ids.shape[1]
+            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], extra)], dim=1)
+            values = torch.cat([values, values.new_full((values.shape[0], extra), float("-inf"))], dim=1)
+        rows = torch.tensor(others, dtype=torch.long, device=logprobs.device)
+        top_values, top_ids = torch.topk(logprobs[rows], top_k, dim=-1)
+        ids[rows, 1 : top_k + 1] = top_ids.to(ids.dtype)
+        values[rows, 1 : top_k + 1] = top_values.to(values.dtype)
+        return LogprobsTensors(
+            logprob_token_ids=ids, logprobs=values, selected_token_ranks=result.selected_token_ranks
+        )
+
+    Sampler.forward = patched_forward  # type: ignore[method-assign]
+    Sampler.gather_specific_token_logprobs = patched_gather  # type: ignore[method-assign]
+    Sampler._lockgate_patched = True  # type: ignore[attr-defined]
+
+
+class ScoringWorkerExtension:
+    """Named in the engine args as vLLM's `worker_extension_cls`: vLLM's worker process imports this module
+    to find it, which is when `_patch_sampler` runs there (see the end of this module). It adds no methods."""
 
 
 class VllmLocalEngine:
@@ -223,6 +277,8 @@ class VllmLocalEngine:
             # vLLM's default "fcfs" accepts a request's priority and silently ignores it; only "priority"
             # orders the waiting queue by it (lower first), so guard calls can go ahead of batch work.
             scheduling_policy="priority",
+            # Loads this module in the worker process, whose sampler it patches (see _patch_sampler).
+            worker_extension_cls=f"{__name__}.{ScoringWorkerExtension.__qualname__}",
             disable_log_stats=False,
             enable_log_requests=False,
         )
@@ -430,3 +486,9 @@ def _logprobs(token_ids: tuple[int, ...], raw: Any, top_n: int | None) -> tuple[
             )
         )
     return tuple(result)
+
+
+# vLLM's worker resolves `ScoringWorkerExtension` by importing this module: patch its sampler then. The
+# service process imports this module long before vLLM (which it loads lazily), so it is left alone.
+if "vllm.v1.worker.worker_base" in sys.modules:
+    _patch_sampler()
