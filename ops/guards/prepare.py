@@ -1,0 +1,204 @@
+"""Prepare a guards directory: train both guards on a labelled set once, and reuse them while nothing changed.
+
+Layout of a guards directory (`<data_dir>/guards/` for the default guards):
+
+    lockgate-guards.json        PreparedGuards: written last, so its presence means the directory is complete
+    SmolLM2-135M-guard/         the one-token guard model, an ordinary model directory vLLM serves
+        config.json, generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja
+                                (the base model's, byte for byte), model.safetensors,
+        lockgate-model.json     (weights sha256, as `lockgate models prepare` writes for the served model)
+        guard.json              OneTokenReport: data sha256, split, ids trained on, method, figures
+    minilm-guard/               the embedding guard's artifact
+        head.npz, head.json     the logistic head (guard/embedding.py)
+        guard.json              EmbeddingReport
+
+A directory is reused when its manifest names the same training data (sha256 of the file's bytes), the same
+split, the same base model weights and the same settings, and its files are there; otherwise it is trained
+again beside the old one and swapped in whole, so an interrupted run never leaves half a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from ops.guards.data import Metrics, load_training_set
+from ops.guards.embedding import EmbeddingSettings, train_embedding
+from ops.guards.one_token import OneTokenSettings, TrainError, train_one_token
+from ops.models.prepare import PrepareError, verify
+from registry.hashing import sha256_file
+
+GUARDS_DIR = "guards"
+MANIFEST = "lockgate-guards.json"  # registry/default_guards.py reads it under the same name
+ONE_TOKEN_NAME = "SmolLM2-135M-guard"
+EMBEDDING_NAME = "minilm-guard"
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "eval" / "data" / "dev.jsonl"
+
+Say = Callable[[str], None]
+
+
+class PreparedOneToken(msgspec.Struct, frozen=True, kw_only=True):
+    """The one-token guard of a guards directory: its model directory and the prompt it was trained on."""
+
+    name: str  # directory, model name and guard name
+    weights_sha256: str
+    system_prompt: str
+    prompt_template: str
+    categories: tuple[str, ...]  # what the prompt listed in training: the stage's categories to serve it with
+    safe_tokens: tuple[str, ...]
+    unsafe_tokens: tuple[str, ...]
+    metrics: Metrics
+    zero_shot: Metrics  # the zero-shot judge on the same held-out items
+
+
+class PreparedEmbedding(msgspec.Struct, frozen=True, kw_only=True):
+    """The embedding guard of a guards directory: its artifact directory and the head's sha256."""
+
+    name: str  # directory and guard name
+    weights_sha256: str
+    metrics: Metrics
+
+
+class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
+    """`lockgate-guards.json`: what a guards directory holds and what it was trained from."""
+
+    training_data_sha256: str
+    data_file: str
+    split: str
+    base_model: str
+    base_weights_sha256: str
+    one_token_settings: OneTokenSettings
+    embedding_settings: EmbeddingSettings
+    one_token: PreparedOneToken
+    embedding: PreparedEmbedding
+    elapsed_s: float
+
+
+class GuardsResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A prepared guards directory, and whether this call trained it (False: reused as it was)."""
+
+    path: Path
+    manifest: PreparedGuards
+    trained: bool
+
+
+def read_manifest(guards_dir: Path) -> PreparedGuards | None:
+    """The manifest of `guards_dir`, or None when there is none (or it cannot be read)."""
+    try:
+        return msgspec.json.decode((guards_dir / MANIFEST).read_bytes(), type=PreparedGuards)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def _reusable(
+    guards_dir: Path,
+    data_sha256: str,
+    split: str,
+    base_weights_sha256: str,
+    one_token: OneTokenSettings,
+    embedding: EmbeddingSettings,
+) -> PreparedGuards | None:
+    manifest = read_manifest(guards_dir)
+    if manifest is None:
+        return None
+    same = (
+        manifest.training_data_sha256 == data_sha256
+        and manifest.split == split
+        and manifest.base_weights_sha256 == base_weights_sha256
+        and manifest.one_token_settings == one_token
+        and manifest.embedding_settings == embedding
+    )
+    if not same:
+        return None
+    try:
+        verify(guards_dir / manifest.one_token.name)
+    except PrepareError:
+        return None
+    head = guards_dir / manifest.embedding.name / "head.npz"
+    if not head.is_file() or sha256_file(head) != manifest.embedding.weights_sha256:
+        return None
+    return manifest
+
+
+def prepare_guards(
+    guards_dir: Path,
+    base_model_dir: Path,
+    data_file: Path = DEFAULT_DATA,
+    *,
+    split: str = "train",
+    one_token: OneTokenSettings | None = None,
+    embedding: EmbeddingSettings | None = None,
+    say: Say = print,
+) -> GuardsResult:
+    """Train the one-token and the embedding guard on `split` of `data_file` into `guards_dir`, unless it
+    already holds guards trained on the same data, split, base model and settings (then nothing is done).
+
+    Raises TrainError (or ValueError for a malformed data file) when the guards cannot be trained.
+    """
+    started = time.perf_counter()
+    one_token = one_token or OneTokenSettings()
+    embedding = embedding or EmbeddingSettings()
+    data = load_training_set(data_file, split)
+    try:
+        base = verify(base_model_dir)
+    except PrepareError as exc:
+        raise TrainError(f"no base model to train on: {exc}") from exc
+    reused = _reusable(guards_dir, data.sha256, split, base.weights_sha256, one_token, embedding)
+    if reused is not None:
+        say(f"{guards_dir} is already prepared from {data_file.name} (sha256 {data.sha256[:16]}...)")
+        return GuardsResult(path=guards_dir, manifest=reused, trained=False)
+    say(
+        f"training guards on {len(data.train)} items of split {split!r} of {data_file} "
+        f"(sha256 {data.sha256[:16]}...); {len(data.test)} items held out"
+    )
+    guards_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{guards_dir.name}-", dir=guards_dir.parent))
+    try:
+        emb = train_embedding(data, work / EMBEDDING_NAME, embedding, say=say)
+        say(f"embedding guard trained ({time.perf_counter() - started:.0f} s)")
+        one = train_one_token(data, base_model_dir, work / ONE_TOKEN_NAME, one_token, say=say)
+        manifest = PreparedGuards(
+            training_data_sha256=data.sha256,
+            data_file=data_file.name,
+            split=split,
+            base_model=base.name,
+            base_weights_sha256=base.weights_sha256,
+            one_token_settings=one_token,
+            embedding_settings=embedding,
+            one_token=PreparedOneToken(
+                name=ONE_TOKEN_NAME,
+                weights_sha256=one.weights_sha256,
+                system_prompt=one.system_prompt,
+                prompt_template=one.prompt_template,
+                categories=one_token.categories,
+                safe_tokens=one.safe_tokens,
+                unsafe_tokens=one.unsafe_tokens,
+                metrics=one.metrics,
+                zero_shot=one.zero_shot,
+            ),
+            embedding=PreparedEmbedding(
+                name=EMBEDDING_NAME, weights_sha256=emb.weights_sha256, metrics=emb.metrics
+            ),
+            elapsed_s=round(time.perf_counter() - started, 1),
+        )
+        (work / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+        work.chmod(0o755)
+        if guards_dir.exists():
+            shutil.rmtree(guards_dir)
+        os.replace(work, guards_dir)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    say(f"prepared {guards_dir} in {time.perf_counter() - started:.0f} s")
+    return GuardsResult(path=guards_dir, manifest=manifest, trained=True)
+
+
+def prepare_default_guards(data_dir: Path, base_model_dir: Path, say: Say = print) -> GuardsResult:
+    """The default guards in `<data_dir>/guards/`, trained on the train split of ops/eval/data/dev.jsonl."""
+    return prepare_guards(data_dir.expanduser() / GUARDS_DIR, base_model_dir, DEFAULT_DATA, say=say)

@@ -1,0 +1,132 @@
+"""Register a prepared guards directory: the trained guard model and the two guard versions on it.
+
+`lockgate models prepare` (ops/guards/prepare.py) writes `<data_dir>/guards/` with a manifest,
+`lockgate-guards.json`, read here with local Structs of the fields needed (the service must not import
+ops/). Three versions are published, all content-derived, so registering the same directory again is a
+no-op and a retrained guard becomes new versions instead of a conflict:
+
+- model `<one_token.name>@<first 12 hex digits of its weights' sha256>`: the one-token guard's model
+  directory, on engine pool "guard". It names the base model's tokenizer and chat template versions when
+  its files are the same (they are copied byte for byte); otherwise it publishes its own under its name.
+- guard_model `<one_token.name>@<12 hex digits of the spec's hash>`: kind one_token on that model, with the
+  prompt it was trained on, its label tokens and the sha256 of its training data.
+- guard_model `<embedding.name>@<12 hex digits of the spec's hash>`: kind embedding, the head's directory
+  and its weights' sha256, and the training data's sha256.
+
+Artifacts are recorded relative to the guards directory's parent (the model data directory), as
+registry/default_model.py records the served model's, so replicas with their data elsewhere publish
+identical content. No policy is published here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from registry.default_model import VERSION_DIGITS, read_model_dir
+from registry.hashing import spec_hash
+from registry.models import ChatTemplateSpec, GuardModelSpec, ModelSpec, TokenizerSpec
+from registry.service import Registry
+
+GUARDS_MANIFEST = "lockgate-guards.json"
+GUARD_ENGINE_POOL = "guard"
+
+
+class _OneToken(msgspec.Struct, frozen=True):
+    name: str
+    prompt_template: str
+    safe_tokens: tuple[str, ...]
+    unsafe_tokens: tuple[str, ...]
+
+
+class _Embedding(msgspec.Struct, frozen=True):
+    name: str
+    weights_sha256: str
+
+
+class _Manifest(msgspec.Struct, frozen=True):
+    training_data_sha256: str
+    one_token: _OneToken
+    embedding: _Embedding
+
+
+class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
+    """What `register_guards` published, each as `name@version`."""
+
+    model: str  # the one-token guard's model version (engine pool "guard")
+    one_token: str  # guard_model version of kind one_token on `model`
+    embedding: str  # guard_model version of kind embedding
+
+
+def _read_manifest(guards_dir: Path) -> _Manifest | None:
+    path = guards_dir / GUARDS_MANIFEST
+    if not path.is_file():
+        return None
+    return msgspec.json.decode(path.read_bytes(), type=_Manifest)
+
+
+async def register_guards(
+    registry: Registry, guards_dir: Path, *, base_model_ref: str, actor: str
+) -> GuardRefs | None:
+    """Publish the guards of a prepared `guards_dir` (idempotent); None when it holds no prepared guards.
+
+    `base_model_ref` (name@version, published) is the model the one-token guard was trained from: its
+    tokenizer and chat template versions are reused when the guard model's files match them.
+    """
+    manifest = await asyncio.to_thread(_read_manifest, guards_dir)
+    if manifest is None:
+        return None
+    model_dir = guards_dir / manifest.one_token.name
+    files = await asyncio.to_thread(read_model_dir, model_dir)
+    base = registry.view.resolve_model(base_model_ref, request_id="")
+    name = manifest.one_token.name
+
+    tokenizer_ref = base.spec.tokenizer
+    if base.tokenizer.spec_as(TokenizerSpec).content_hash != files.tokenizer_sha256:
+        version = files.tokenizer_sha256[:VERSION_DIGITS]
+        tokenizer = TokenizerSpec(content_hash=files.tokenizer_sha256)
+        tokenizer_ref = (await registry.publish("tokenizer", name, version, tokenizer, actor=actor)).ref
+    template_ref = base.spec.chat_template
+    if base.template.text != files.template_text:
+        template = ChatTemplateSpec(text=files.template_text)
+        version = template.text_sha256()[:VERSION_DIGITS]
+        template_ref = (await registry.publish("chat_template", name, version, template, actor=actor)).ref
+
+    model_spec = ModelSpec(
+        artifact=f"{guards_dir.name}/{model_dir.name}/{files.weights_file}",
+        weights_sha256=files.weights_sha256,
+        arch=files.arch,
+        tokenizer=tokenizer_ref,
+        chat_template=template_ref,
+        engine_pool=GUARD_ENGINE_POOL,
+    )
+    model = await registry.publish(
+        "model", name, files.weights_sha256[:VERSION_DIGITS], model_spec, actor=actor
+    )
+    one_token_spec = GuardModelSpec(
+        kind="one_token",
+        model=model.ref,
+        prompt_template=manifest.one_token.prompt_template,
+        safe_tokens=manifest.one_token.safe_tokens,
+        unsafe_tokens=manifest.one_token.unsafe_tokens,
+        training_data_sha256=manifest.training_data_sha256,
+    )
+    one_token = await registry.publish(
+        "guard_model", name, spec_hash(one_token_spec)[:VERSION_DIGITS], one_token_spec, actor=actor
+    )
+    embedding_spec = GuardModelSpec(
+        kind="embedding",
+        artifact=f"{guards_dir.name}/{manifest.embedding.name}",
+        weights_sha256=manifest.embedding.weights_sha256,
+        training_data_sha256=manifest.training_data_sha256,
+    )
+    embedding = await registry.publish(
+        "guard_model",
+        manifest.embedding.name,
+        spec_hash(embedding_spec)[:VERSION_DIGITS],
+        embedding_spec,
+        actor=actor,
+    )
+    return GuardRefs(model=model.ref, one_token=one_token.ref, embedding=embedding.ref)
