@@ -27,6 +27,7 @@ from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import DEFAULT_POOL, Services
+from guard.default_guard import judge_spec
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter
@@ -41,6 +42,9 @@ from registry.default_model import register_default_model
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
 from registry.view import ResolvedModel, ResolvedPolicy
+
+# Guard model name of the zero-shot one-token judge on the served model (one version per served version).
+ZERO_SHOT_JUDGE = "zero-shot-judge"
 
 
 class ModelNotPreparedError(Exception):
@@ -170,6 +174,11 @@ async def _start_registry(config: Config, store: RegistryStore, clock: Clock) ->
     )
     served = await register_default_model(
         registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
+    )
+    # The zero-shot judge on the served model: weak (guard/default_guard.py), published so that policies and
+    # evaluations can name it next to the trained guards.
+    await registry.publish(
+        "guard_model", ZERO_SHOT_JUDGE, served.model.version, judge_spec(served.ref), actor="startup"
     )
     guards = await _trained_guards(config, registry, served.ref)
     await register_default_policy(registry, config.guard.default_policy, guards)

@@ -188,7 +188,7 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     priority: int = -10
     # Smallest probability mass a one-token guard must put on its label tokens; below it, the answer is
     # malformed (a guard error, never "safe").
-    min_label_mass: float = 0.05
+    min_label_mass: float = 0.02
     # When a failing guard stops being called for a while.
     breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
 

@@ -90,16 +90,18 @@ async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str
 
 @get("/readyz")
 async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
-    """Every engine is ready to serve, and the registry view is fresh (refreshed within
-    `registry.max_staleness` seconds, its refresher running)."""
-    health = await services.engine.health()
+    """Every engine (the served one and the guards' pools) is ready to serve, and the registry view is fresh
+    (refreshed within `registry.max_staleness` seconds, its refresher running)."""
+    healths = {pool: await engine.health() for pool, engine in services.pools.items()}
     # The registry part: "stale" with the view's age while refreshes keep failing (the last view is still
     # served, but a replica that cannot see rollouts should leave the load balancer's rotation).
     registry = services.registry.health(services.config.registry.max_staleness)
-    ready = health.ready and registry.ready
+    engines_ready = all(h.ready for h in healths.values())
+    ready = engines_ready and registry.ready
     body = {
         "status": "ready" if ready else "not_ready",
-        "engines": {services.engine.replica_id: health.ready},
+        "engines": {services.pools[pool].replica_id: h.ready for pool, h in healths.items()},
+        "pools": {pool: h.ready for pool, h in healths.items()},
         "registry": {
             "status": "fresh" if registry.ready else "stale",
             "age_s": round(registry.age_s, 3),
@@ -109,8 +111,8 @@ async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]
             "last_error": registry.last_error,
         },
     }
-    if not health.ready:
-        body["detail"] = health.detail
+    if not engines_ready:
+        body["detail"] = "; ".join(f"{pool}: {h.detail}" for pool, h in healths.items() if not h.ready)
     return Response(content=body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

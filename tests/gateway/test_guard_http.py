@@ -274,6 +274,10 @@ async def test_guard_outage_fails_closed_when_the_category_says_so(bed: Bed) -> 
     assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
     [record] = bed.records.items
     assert (record.action, record.source) == ("refuse", "fail_closed")
+    # Readiness names the guard pool that is down.
+    ready = await bed.http.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["pools"] == {"default": True, "guard": False}
     assert bed.app.state.services.gate.counts[("input", "fail_closed", "refuse")] == 1
 
 

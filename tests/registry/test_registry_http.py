@@ -264,8 +264,10 @@ async def test_tenants_bind_to_a_policy_alias_or_a_pinned_version_that_resolves(
     )
     assert patched.status_code == 400
     versions = await replica.http.get("/admin/registry/policy/default/versions", headers=replica.admin)
-    [default] = versions.json()
-    assert (default["ref"], default["spec"]["stages"]) == ("default@1", [])
+    # The built-in versions: no guard stages (what tenants had before the cascade) and the rules stage alone.
+    listed = {v["ref"]: v["spec"]["stages"] for v in versions.json()}
+    assert listed["default@1"] == []
+    assert [stage["kind"] for stage in listed["default@rules-1"]] == ["rules"]
 
 
 MANIFEST = """
