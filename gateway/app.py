@@ -221,6 +221,27 @@ async def _stop(task: asyncio.Task[None]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+@asynccontextmanager
+async def running(app: Litestar) -> AsyncIterator[Services]:
+    """Run the app's ASGI lifespan in this event loop without serving HTTP (tools and tests that need the
+    built services: evaluation scores a policy's cascade with the service's own guards and engines)."""
+    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}}
+    task = asyncio.create_task(app(scope, inbox.get, outbox.put))  # type: ignore[arg-type]
+    message = await outbox.get()
+    if message["type"] != "lifespan.startup.complete":
+        await task
+        raise RuntimeError(f"the app did not start: {message.get('message', message)}")
+    try:
+        yield _services(app.state)
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await task
+
+
 def _services(state: State) -> Services:
     services: Services = state.services
     return services
@@ -303,6 +324,7 @@ def create_app(
                 meter=meter,
                 registry=live_registry,
                 gate=gate,
+                guards=factory,
                 clock=clock,
                 pools=pools,
             )

@@ -16,6 +16,7 @@ from gateway.generation.flow import TaskSet
 from gateway.generation.planning import Limits
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome, OutcomeSink
+from gateway.guards import GuardFactory
 from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.auth import Authenticator, Clock, Principal
@@ -47,6 +48,7 @@ class Services:
         registry: Registry,
         gate: SafetyGate,
         clock: Clock,
+        guards: GuardFactory | None = None,
         pools: dict[str, Engine] | None = None,
     ) -> None:
         self.config = config
@@ -61,6 +63,8 @@ class Services:
         self.meter = meter
         self.registry = registry
         self.gate = gate
+        # Builds each guard version's classifier (the gate uses it; tools wait for a policy's guards with it).
+        self.guards = guards
         self.clock = clock
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)

@@ -17,6 +17,7 @@ from litestar import Litestar
 
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
+from gateway.app import running
 from gateway.config import Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome
@@ -186,18 +187,8 @@ async def serving(app: Litestar) -> AsyncIterator[str]:
 @asynccontextmanager
 async def lifespan(app: Litestar) -> AsyncIterator[None]:
     """Run the app's ASGI lifespan in this event loop (Litestar's test clients use a thread of their own)."""
-    inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-    outbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-    await inbox.put({"type": "lifespan.startup"})
-    task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, inbox.get, outbox.put))  # type: ignore[arg-type]
-    message = await outbox.get()
-    assert message["type"] == "lifespan.startup.complete", message
-    try:
+    async with running(app):
         yield
-    finally:
-        await inbox.put({"type": "lifespan.shutdown"})
-        assert (await outbox.get())["type"] == "lifespan.shutdown.complete"
-        await task
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:

@@ -1,15 +1,17 @@
 """Guard evaluation CLI.
 
     python -m ops.eval score  --data ops/eval/data/dev.jsonl [--split test] --out scores.jsonl
-                              [--policy-file POLICY.json] [--early-exit]
+                              [--policy-file POLICY.json | --policy default [--config lockgate.toml]]
+                              [--early-exit]
     python -m ops.eval replay --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               --thresholds '0.2,0.8;0.3,0.7' [--band escalate|block] [--split test] [--json]
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
-Without `--policy-file` it scores the starter rules (`guard.rules.default_rules`) as one stage; a policy with
-a model stage is refused until the gateway's classifier factory can be called from here. `report` decides
+With `--policy` it scores a registry policy with the guards and engines the service builds from its
+configuration; with `--policy-file` a policy of rules stages; with neither, the starter rules
+(`guard.rules.default_rules`) as one stage. `report` decides
 items at the thresholds stored with their scores; `replay` at the given ones (`allow_below,block_above` per
 stage, stages separated by `;`). Both evaluate the items of the data file (of `--split`, when given) that
 have scores, and print markdown (or the report's JSON with `--json`).
@@ -91,15 +93,27 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return _print_report(args, thresholds, f"Guard evaluation replayed at {shown}")
 
 
+async def _score_service_policy(args: argparse.Namespace, items: list[LabelledItem]) -> list[ItemScores]:
+    from gateway.config import load_config
+    from ops.eval.service import service_cascade
+
+    async with service_cascade(load_config(args.config), args.policy) as (ref, cascade):
+        print(f"scoring {len(items)} items with policy {ref} ({len(cascade.stages)} stages)", file=sys.stderr)
+        return await score_with_cascade(cascade, items, all_stages=not args.early_exit)
+
+
 def _cmd_score(args: argparse.Namespace) -> int:
-    try:
-        cascade = (
-            policy_cascade(load_policy(args.policy_file)) if args.policy_file else default_rules_cascade()
-        )
-    except (UnsupportedStageError, InvalidError) as exc:
-        raise SystemExit(str(exc)) from exc
     items = [i for i in load_items(args.data) if args.split is None or i.split == args.split]
-    scores = asyncio.run(score_with_cascade(cascade, items, all_stages=not args.early_exit))
+    if args.policy:
+        scores = asyncio.run(_score_service_policy(args, items))
+    else:
+        try:
+            cascade = (
+                policy_cascade(load_policy(args.policy_file)) if args.policy_file else default_rules_cascade()
+            )
+        except (UnsupportedStageError, InvalidError) as exc:
+            raise SystemExit(str(exc)) from exc
+        scores = asyncio.run(score_with_cascade(cascade, items, all_stages=not args.early_exit))
     save_scores(args.out, scores)
     print(
         f"scored {len(scores)} items with {len(cascade.stages)} stage(s) (past the last: {cascade.band}); "
@@ -115,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
 
     score = commands.add_parser("score", help="score labelled items with a cascade and store the stage runs")
     score.add_argument("--policy-file", type=Path, help="a policy spec (JSON); default: the starter rules")
+    score.add_argument(
+        "--policy",
+        help="a registry policy (alias or name@version) scored with the service's own guards and engines, "
+        "as `lockgate serve` builds them from --config (e.g. `default`)",
+    )
+    score.add_argument("--config", type=Path, help="the gateway's configuration file (for --policy)")
     score.add_argument("--out", type=Path, required=True, help="where to write the scores (JSONL)")
     score.add_argument(
         "--early-exit", action="store_true", help="record the cascade as it runs in service (replay inexact)"

@@ -1,7 +1,7 @@
-"""The cascades `python -m ops.eval score` can build without the gateway: rules stages only, for now.
+"""The cascades `python -m ops.eval score` builds from a policy file: rules stages only.
 
-A model stage needs the gateway's classifier factory (engines, guard model versions from the registry); until
-`score` can call it, a policy with a model stage is refused with a message that says so.
+A model stage needs engines and guard versions from the registry: score a registry policy with `--policy`
+instead, which builds the cascade the service itself runs (ops/eval/service.py).
 """
 
 from __future__ import annotations
@@ -42,11 +42,9 @@ def policy_cascade(spec: PolicySpec) -> Cascade:
     stages: list[Stage] = []
     for index, stage in enumerate(spec.stages):
         if stage.kind != "rules":
-            # TODO(eval): build model stages through the gateway's classifier factory once it exists.
             raise UnsupportedStageError(
-                f"stage {index} is a model stage ({stage.guard}): scoring it needs the gateway's classifier "
-                "factory, which ops.eval cannot call yet; score rules stages only, or store scores from the "
-                "service and use `replay`/`report`"
+                f"stage {index} is a model stage ({stage.guard}): a policy file can hold rules stages only; "
+                "publish the policy and score it with `--policy NAME`, which runs the service's own guards"
             )
         stages.append(
             Stage(
