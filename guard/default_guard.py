@@ -1,7 +1,7 @@
 """The default zero-shot one-token judge: the served default model (SmolLM2-135M-Instruct) asked whether a
 text is unsafe, answering "safe" or "unsafe".
 
-It does not tell harmful from benign: on 10 obviously harmful and 10 benign prompts (vLLM, float32, this
+It does not tell harmful from benign: on 10 obviously harmful and 10 benign prompts (vLLM, bfloat16, this
 prompt) its P(unsafe) was 0.05-0.14 for the harmful and 0.03-0.12 for the benign (means 0.097 and 0.067,
 AUROC 0.77 on those 20), so at any threshold above 0.15 it flags none of them: it always leans "safe".
 Only the mechanics are real; a trained guard (or the rules stage) must do the judging.

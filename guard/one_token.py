@@ -13,7 +13,8 @@ must be exactly one token of the guard's tokenizer; one that is not is refused w
 naming how it tokenizes (the first token decides: "unsafe" is "uns" + "afe" in SmolLM2, so register "uns").
 
 What it judges: of an input item, the untrusted spans only (the tenant's trusted system spans are its own
-and are left out); of an output item, the generated text. The text is spliced into the prompt as tokens
+and are left out; an item with no untrusted text scores 0 without a model call); of an output item, the
+generated text. The text is spliced into the prompt as tokens
 that cannot be special tokens, so a text holding "<|im_end|>" cannot close the guard's user turn and answer
 for the model.
 

@@ -209,3 +209,20 @@ async def test_an_engine_that_holds_requests_but_runs_no_step_is_restarted() -> 
     finally:
         gate.open()
         await engine.shutdown()
+
+
+async def test_scoring_passes_through_and_a_death_while_scoring_starts_a_restart(
+    supervised: tuple[SupervisedEngine, Factory, GatedSleep],
+) -> None:
+    engine, factory, sleep = supervised
+    direct = await factory.built[0].score_next_token([1, 2, 3], [5, 9])
+    assert await engine.score_next_token([1, 2, 3], [5, 9], priority=-10) == direct
+    factory.built[0].kill()
+    with pytest.raises(EngineDeadError) as dead:
+        await engine.score_next_token([1, 2, 3], [5, 9], priority=-10)
+    assert dead.value.retry_after is not None
+    await sleep.waiting.wait()
+    assert engine.state == "restarting"
+    sleep.open()
+    await wait_state(engine, "ready")
+    assert await engine.score_next_token([1, 2, 3], [5, 9]) == direct

@@ -26,8 +26,9 @@ def _tops(deltas: list[EngineDelta]) -> list[dict[int, float]]:
     return [{alt.token_id: alt.logprob for alt in lp.top} for d in deltas for lp in d.logprobs or ()]
 
 
-# This engine's logits come in steps of 0.125 (their magnitude in bfloat16 resolution): a request's logprobs
-# can move by a step when the batch it shares a step with changes, which is not what this test is about.
+# In bfloat16 (the dtype on hosts with native bf16) logits of this model's size come in steps of 0.125, so a
+# request's logprobs may move by a step when the batch it shares a step with changes; that is rounding, not
+# what this test is about. (float32 moves far less.)
 QUANTUM = 0.125
 
 
