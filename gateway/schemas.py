@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +29,9 @@ class ChatMessage(_Request, frozen=True, kw_only=True):
     role: Role
     content: str | list[TextPart]
     name: str | None = None
+    # A tool message answers the assistant's tool call with this id. Its content is untrusted: the guard
+    # checks it for injection like user text.
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string."""

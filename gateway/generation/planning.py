@@ -28,6 +28,7 @@ _SOURCES: dict[str, Source] = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 
