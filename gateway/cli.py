@@ -85,7 +85,11 @@ def _guard_train(config: Config, args: argparse.Namespace) -> int:
         # Artifacts are registered relative to the model data directory, where every replica finds them.
         print(f"lockgate guard train: --register needs --out directly inside {data_dir}", file=sys.stderr)
         return 2
-    settings = OneTokenSettings(epochs=args.epochs, layers=args.layers)
+    defaults = OneTokenSettings()
+    settings = OneTokenSettings(
+        epochs=args.epochs if args.epochs is not None else defaults.epochs,
+        layers=args.layers if args.layers is not None else defaults.layers,
+    )
     started = time.perf_counter()
     try:
         verify(model_dir)
@@ -194,8 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument(
         "--out", type=Path, default=None, help="guards directory (default <data_dir>/guards-<file>-<split>)"
     )
-    train.add_argument("--epochs", type=int, default=3, help="epochs of the one-token guard")
-    train.add_argument("--layers", type=int, default=1, help="decoder layers trained, from the last")
+    train.add_argument(
+        "--epochs", type=int, default=None, help="epochs of the one-token guard (default as models prepare)"
+    )
+    train.add_argument(
+        "--layers", type=int, default=None, help="decoder layers trained, from the last (default 1)"
+    )
     train.add_argument(
         "--register", action="store_true", help="publish the trained guards in the configured registry"
     )

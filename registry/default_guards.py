@@ -36,6 +36,7 @@ GUARD_ENGINE_POOL = "guard"
 
 class _OneToken(msgspec.Struct, frozen=True):
     name: str
+    categories: tuple[str, ...]
     prompt_template: str
     safe_tokens: tuple[str, ...]
     unsafe_tokens: tuple[str, ...]
@@ -58,6 +59,9 @@ class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
     model: str  # the one-token guard's model version (engine pool "guard")
     one_token: str  # guard_model version of kind one_token on `model`
     embedding: str  # guard_model version of kind embedding
+    # The categories the one-token guard's prompt listed in training, in that order: a stage that passes
+    # these (the policy's categories) asks the guard exactly the question it was trained on.
+    categories: tuple[str, ...] = ()
 
 
 def _read_manifest(guards_dir: Path) -> _Manifest | None:
@@ -129,4 +133,9 @@ async def register_guards(
         embedding_spec,
         actor=actor,
     )
-    return GuardRefs(model=model.ref, one_token=one_token.ref, embedding=embedding.ref)
+    return GuardRefs(
+        model=model.ref,
+        one_token=one_token.ref,
+        embedding=embedding.ref,
+        categories=manifest.one_token.categories,
+    )

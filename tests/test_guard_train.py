@@ -23,7 +23,13 @@ from guard.evaluation import LabelledItem, save_items
 from guard.one_token import SYSTEM_PROMPT
 from ops.guards import prepare as guards_prepare
 from ops.guards.embedding import EmbeddingReport, EmbeddingSettings
-from ops.guards.one_token import GUARD_JSON, OneTokenReport, OneTokenSettings, build_renderer
+from ops.guards.one_token import (
+    DEFAULT_CATEGORIES,
+    GUARD_JSON,
+    OneTokenReport,
+    OneTokenSettings,
+    build_renderer,
+)
 from ops.guards.prepare import EMBEDDING_NAME, ONE_TOKEN_NAME, GuardsResult, prepare_guards, read_manifest
 from registry.default_guards import GUARDS_MANIFEST, register_guards
 from registry.default_model import register_default_model
@@ -143,6 +149,8 @@ def test_reports_record_the_data_hash_the_split_and_held_out_figures(
     test_items = sum(1 for *_, split in _TEXTS if split == "test")
     assert one.metrics.n == one.zero_shot.n == emb.metrics.n == test_items
     assert one.verified_items == 4
+    test_ids = {i for i, *_, split in _TEXTS if split == "test"}
+    assert set(one.test_scores) == set(one.zero_shot_test_scores) == set(emb.test_scores) == test_ids
     head = LogisticHead.load(prepared.path / EMBEDDING_NAME, emb.weights_sha256)
     assert head.training_data_sha256 == sha
 
@@ -169,6 +177,7 @@ async def test_register_guards_publishes_trained_versions_idempotently(
         )
         refs = await register_guards(registry, prepared.path, base_model_ref=base.ref, actor="t")
         assert refs is not None
+        assert refs.categories == DEFAULT_CATEGORIES
         view = registry.view
         sha = _sha256(data_file)
 

@@ -46,6 +46,7 @@ class EmbeddingReport(msgspec.Struct, frozen=True, kw_only=True):
     test_items: int
     settings: EmbeddingSettings
     metrics: Metrics
+    test_scores: dict[str, float]  # P(unsafe) of each held-out item by id, for threshold and cascade studies
     weights_file: str
     weights_sha256: str
     elapsed_s: float
@@ -83,7 +84,8 @@ def train_embedding(
         training_data_sha256=data.sha256,
         encoder_sha256=encoder.weights_sha256,
     )
-    metrics = score_metrics([float(p) for p in head.predict_proba(test_x)], data.test)
+    scores = [float(p) for p in head.predict_proba(test_x)]
+    metrics = score_metrics(scores, data.test)
     say(f"embedding guard: {describe(metrics)}")
     weights_sha256 = head.save(out_dir)
     report = EmbeddingReport(
@@ -97,6 +99,7 @@ def train_embedding(
         test_items=len(data.test),
         settings=settings,
         metrics=metrics,
+        test_scores={i.id: round(p, 6) for i, p in zip(data.test, scores, strict=True)},
         weights_file=HEAD_WEIGHTS,
         weights_sha256=weights_sha256,
         elapsed_s=round(time.perf_counter() - started, 1),

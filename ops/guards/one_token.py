@@ -80,7 +80,7 @@ class TrainError(Exception):
 class OneTokenSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How the one-token guard is trained."""
 
-    epochs: int = 3
+    epochs: int = 8
     layers: int = 1  # decoder layers trained, counted from the last
     lr: float = 1e-4
     batch_size: int = 8
@@ -112,6 +112,8 @@ class OneTokenReport(msgspec.Struct, frozen=True, kw_only=True):
     metrics: Metrics  # the trained guard on the held-out items
     zero_shot: Metrics  # the zero-shot judge (guard/default_guard.py) on the same items
     zero_shot_low_mass: int  # held-out items where the judge's label mass is under 0.05 (a guard error)
+    test_scores: dict[str, float]  # P(unsafe) of each held-out item by id, for threshold and cascade studies
+    zero_shot_test_scores: dict[str, float]  # the zero-shot judge's, likewise
     verified_items: int
     verify_max_diff: float
     weights_file: str
@@ -360,6 +362,8 @@ def train_one_token(
         metrics=metrics,
         zero_shot=zero_shot,
         zero_shot_low_mass=sum(1 for m in zero_shot_mass if m < 0.05),
+        test_scores={i.id: round(p, 6) for i, p in zip(data.test, scores, strict=True)},
+        zero_shot_test_scores={i.id: round(p, 6) for i, p in zip(data.test, zero_shot_scores, strict=True)},
         verified_items=checked,
         verify_max_diff=max_diff,
         weights_file=WEIGHTS_FILE,
