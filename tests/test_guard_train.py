@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -270,9 +271,10 @@ def test_guard_train_command_registers_the_guards(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for var in ("LOCKGATE_MODEL__DATA_DIR", "LOCKGATE_MODEL__PATH", "LOCKGATE_STORAGE__BACKEND"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("LOCKGATE_STORAGE__SQLITE_PATH", raising=False)
+    for var in list(os.environ):
+        if var.startswith("LOCKGATE_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the CLI sets it; monkeypatch restores it afterwards
     config = tmp_path / "lockgate.toml"
     config.write_text(
         f'[model]\ndata_dir = "{prepared.path.parent}"\npath = "{model_dir}"\n'
