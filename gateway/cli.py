@@ -48,7 +48,7 @@ def _serve(config: Config) -> int:
 
 
 def _prepare(config: Config) -> int:
-    from ops.guards.one_token import TrainError
+    from ops.guards.data import TrainError
     from ops.guards.prepare import prepare_default_guards
     from ops.models.prepare import PrepareError, prepare_default_model
 
@@ -72,7 +72,8 @@ def _prepare(config: Config) -> int:
 
 
 def _guard_train(config: Config, args: argparse.Namespace) -> int:
-    from ops.guards.one_token import OneTokenSettings, TrainError
+    from ops.guards.data import TrainError
+    from ops.guards.one_token import OneTokenSettings
     from ops.guards.prepare import prepare_guards
     from ops.models.prepare import PrepareError, verify
 

@@ -24,13 +24,8 @@ from guard.evaluation import LabelledItem, save_items
 from guard.one_token import SYSTEM_PROMPT
 from ops.guards import prepare as guards_prepare
 from ops.guards.embedding import EmbeddingReport, EmbeddingSettings
-from ops.guards.one_token import (
-    DEFAULT_CATEGORIES,
-    GUARD_JSON,
-    OneTokenReport,
-    OneTokenSettings,
-    build_renderer,
-)
+from ops.guards.layers import build_renderer
+from ops.guards.one_token import DEFAULT_CATEGORIES, GUARD_JSON, OneTokenReport, OneTokenSettings
 from ops.guards.prepare import EMBEDDING_NAME, ONE_TOKEN_NAME, GuardsResult, prepare_guards, read_manifest
 from registry.default_guards import GUARDS_MANIFEST, register_guards
 from registry.default_model import register_default_model

@@ -18,6 +18,10 @@ from guard.evaluation import LabelledItem, auroc, dataset_sha256, load_items
 THRESHOLD = 0.5
 
 
+class TrainError(Exception):
+    """A guard cannot be trained from this data or this base model; the message says why."""
+
+
 class TrainingSet(msgspec.Struct, frozen=True, kw_only=True):
     """A labelled file cut into the items trained on and the items held out for measuring."""
 

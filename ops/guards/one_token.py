@@ -27,33 +27,35 @@ and its settings, the losses, the held-out figures and the elapsed time.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.base import Engine
-from guard.default_guard import JUDGE_PROMPT, SAFE_VARIANTS, UNSAFE_VARIANTS
-from guard.one_token import SYSTEM_PROMPT, OneTokenClassifier
-from ops.guards.data import Metrics, TrainingSet, describe, label_of, score_metrics
+from guard.default_guard import DEFAULT_MIN_LABEL_MASS, JUDGE_PROMPT, SAFE_VARIANTS, UNSAFE_VARIANTS
+from guard.one_token import SYSTEM_PROMPT
+from ops.guards.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
+from ops.guards.layers import (
+    SAFE_TOKENS,
+    UNSAFE_TOKENS,
+    SplitModel,
+    build_renderer,
+    p_unsafe,
+    render_prompts,
+    score_states,
+)
 from ops.models.prepare import MANIFEST, PreparedModel, verify
 from registry.hashing import sha256_file
-from registry.models import GuardModelSpec
 
 METHOD = "last-layers"
 GUARD_JSON = "guard.json"
 WEIGHTS_FILE = "model.safetensors"
-SAFE_TOKENS = ("safe",)
-UNSAFE_TOKENS = ("uns",)
 # The harm categories of the labelled sets (guard.evaluation.Category without "benign"), in that order:
 # the prompt lists them, so a policy whose stages name these categories asks the trained question.
 DEFAULT_CATEGORIES = ("violence", "self_harm", "weapons", "malware", "prompt_injection", "hate")
@@ -71,10 +73,6 @@ _COPIED = (
 )
 
 Say = Callable[[str], None]
-
-
-class TrainError(Exception):
-    """A guard cannot be trained from this data or this base model; the message says why."""
 
 
 class OneTokenSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,7 +109,7 @@ class OneTokenReport(msgspec.Struct, frozen=True, kw_only=True):
     losses: tuple[float, ...]  # mean training loss of each epoch
     metrics: Metrics  # the trained guard on the held-out items
     zero_shot: Metrics  # the zero-shot judge (guard/default_guard.py) on the same items
-    zero_shot_low_mass: int  # held-out items where the judge's label mass is under 0.05 (a guard error)
+    zero_shot_low_mass: int  # held-out items where the judge's label mass is too small: guard errors
     test_scores: dict[str, float]  # P(unsafe) of each held-out item by id, for threshold and cascade studies
     zero_shot_test_scores: dict[str, float]  # the zero-shot judge's, likewise
     verified_items: int
@@ -119,162 +117,6 @@ class OneTokenReport(msgspec.Struct, frozen=True, kw_only=True):
     weights_file: str
     weights_sha256: str
     elapsed_s: float
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass at the first trained layer."""
-
-
-class _Prompts(msgspec.Struct, frozen=True):
-    prefix: list[int]  # shared by every item
-    tails: list[list[int]]  # each item's text and the prompt's end, in item order
-
-
-def build_renderer(
-    tokenizer: Any,
-    template: str = JUDGE_PROMPT,
-    safe_tokens: tuple[str, ...] = SAFE_TOKENS,
-    unsafe_tokens: tuple[str, ...] = UNSAFE_TOKENS,
-) -> OneTokenClassifier:
-    """The serving classifier over `tokenizer` with `template`, used here to tokenize prompts and labels.
-
-    Tokenizing needs no engine or executor, so none is given: training and serving render with one code
-    path, and a trained prompt is the served prompt token for token.
-    """
-    spec = GuardModelSpec(
-        kind="one_token",
-        model="training@0",
-        prompt_template=template,
-        safe_tokens=safe_tokens,
-        unsafe_tokens=unsafe_tokens,
-    )
-    return OneTokenClassifier(
-        "training", spec, cast(Engine, None), tokenizer, cast(Executor, None), min_label_mass=0.0
-    )
-
-
-def _prompts(renderer: OneTokenClassifier, texts: Sequence[str], settings: OneTokenSettings) -> _Prompts:
-    categories = ", ".join(settings.categories)
-    prefix: list[int] | None = None
-    tails: list[list[int]] = []
-    for text in texts:
-        before, after, content = renderer._tokenize(text, categories, settings.policy)
-        if prefix is None:
-            prefix = before
-        elif before != prefix:  # the part before the text depends on the template's variables only
-            raise TrainError("the guard prompt's part before the text differs between items")
-        tails.append(content + after)
-    if prefix is None:
-        raise TrainError("no items to render")
-    return _Prompts(prefix=prefix, tails=tails)
-
-
-class _Model:
-    """The base model split at the first trained layer: a frozen part run once, a trained part run often."""
-
-    def __init__(self, model: Any, layers: int, pad_id: int) -> None:
-        self.model = model
-        self.pad_id = pad_id
-        total = len(model.model.layers)
-        if not 1 <= layers < total:
-            raise TrainError(f"layers must be between 1 and {total - 1}, got {layers}")
-        self.first = total - layers
-        self.trained = list(model.model.layers[self.first :])
-
-    def parameters(self) -> list[Any]:
-        """The trained parameters: the last layers and the final norm."""
-        params = [p for layer in self.trained for p in layer.parameters()]
-        return params + list(self.model.model.norm.parameters())
-
-    def frozen_states(
-        self, prompts: _Prompts, batch_size: int, progress: Callable[[int], None]
-    ) -> tuple[Any, list[Any]]:
-        """Hidden states entering the first trained layer: the prefix's, and each tail's after the prefix."""
-        captured: dict[str, Any] = {}
-
-        def stop(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            captured["h"] = args[0] if args else kwargs["hidden_states"]
-            raise _Stop
-
-        handle = self.model.model.layers[self.first].register_forward_pre_hook(stop, with_kwargs=True)
-        try:
-            with torch.inference_mode():
-                cache = DynamicCache()
-                prefix = torch.tensor([prompts.prefix], dtype=torch.long)
-                with contextlib.suppress(_Stop):
-                    self.model.model(input_ids=prefix, past_key_values=cache, use_cache=True)
-                prefix_h = captured["h"][0].clone()
-                width = len(prompts.prefix)
-                states: list[Any] = [None] * len(prompts.tails)
-                # Tails of similar length batched together: less padding to run through the model.
-                by_length = sorted(range(len(prompts.tails)), key=lambda i: len(prompts.tails[i]))
-                for lo in range(0, len(by_length), batch_size):
-                    chosen = by_length[lo : lo + batch_size]
-                    batch = [prompts.tails[i] for i in chosen]
-                    longest = max(len(t) for t in batch)
-                    ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-                    mask = torch.zeros((len(batch), width + longest), dtype=torch.long)
-                    mask[:, :width] = 1
-                    for row, tail in enumerate(batch):
-                        ids[row, : len(tail)] = torch.tensor(tail, dtype=torch.long)
-                        mask[row, width : width + len(tail)] = 1
-                    positions = (width + torch.arange(longest)).unsqueeze(0).expand(len(batch), -1)
-                    shared = copy.deepcopy(cache)
-                    shared.batch_repeat_interleave(len(batch))
-                    with contextlib.suppress(_Stop):
-                        self.model.model(
-                            input_ids=ids,
-                            attention_mask=mask,
-                            position_ids=positions,
-                            past_key_values=shared,
-                            use_cache=True,
-                        )
-                    for row, (index, tail) in enumerate(zip(chosen, batch, strict=True)):
-                        states[index] = captured["h"][row, : len(tail)].clone()
-                    progress(lo + len(batch))
-        finally:
-            handle.remove()
-        return prefix_h, states
-
-    def answer_logits(self, prefix_h: Any, tails: Sequence[Any]) -> Any:
-        """Logits of the first answer token of each item, through the trained layers, norm and lm_head.
-
-        Right-padded: a padded position comes after every real one, so causal attention keeps it out of the
-        real positions, and the answer is read at each item's last real position.
-        """
-        width = prefix_h.shape[0]
-        longest = max(t.shape[0] for t in tails)
-        hidden = prefix_h.new_zeros((len(tails), width + longest, prefix_h.shape[1]))
-        hidden[:, :width] = prefix_h
-        for row, tail in enumerate(tails):
-            hidden[row, width : width + tail.shape[0]] = tail
-        positions = torch.arange(width + longest).unsqueeze(0).expand(len(tails), -1)
-        rotary = self.model.model.rotary_emb(hidden, positions)
-        for layer in self.trained:
-            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-        last = torch.stack([hidden[row, width + tail.shape[0] - 1] for row, tail in enumerate(tails)])
-        return self.model.lm_head(self.model.model.norm(last))
-
-
-def _p_unsafe(logits: Any, safe_ids: Sequence[int], unsafe_ids: Sequence[int]) -> tuple[Any, Any]:
-    """P(unsafe) = mass(unsafe ids) / (mass(unsafe) + mass(safe)) per row, and the label mass per row."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    safe = torch.logsumexp(log_probs[:, list(safe_ids)], dim=-1)
-    unsafe = torch.logsumexp(log_probs[:, list(unsafe_ids)], dim=-1)
-    return torch.sigmoid(unsafe - safe), torch.exp(torch.logaddexp(safe, unsafe))
-
-
-def _score(
-    net: _Model, prefix_h: Any, states: Sequence[Any], ids: tuple[Sequence[int], Sequence[int]], batch: int
-) -> tuple[list[float], list[float]]:
-    scores: list[float] = []
-    masses: list[float] = []
-    with torch.inference_mode():
-        for lo in range(0, len(states), batch):
-            p, mass = _p_unsafe(net.answer_logits(prefix_h, states[lo : lo + batch]), *ids)
-            scores.extend(float(x) for x in p)
-            masses.extend(float(x) for x in mass)
-    return scores, masses
 
 
 def train_one_token(
@@ -304,9 +146,9 @@ def train_one_token(
     )
     model.eval()
     saved_dtype = _config_dtype(base_model_dir)
-    net = _Model(model, settings.layers, int(tokenizer.pad_token_id))
+    net = SplitModel(model, settings.layers, int(tokenizer.pad_token_id))
     items = [*data.train, *data.test]
-    prompts = _prompts(renderer, [i.text for i in items], settings)
+    prompts = render_prompts(renderer, [i.text for i in items], settings.categories, settings.policy)
     say(
         f"one-token guard: {len(data.train)} training and {len(data.test)} held-out items, "
         f"prompt prefix of {len(prompts.prefix)} tokens shared"
@@ -319,7 +161,9 @@ def train_one_token(
 
     prefix_h, states = net.frozen_states(prompts, settings.batch_size, progress)
     train_states, test_states = states[: len(data.train)], states[len(data.train) :]
-    zero_shot_scores, zero_shot_mass = _score(net, prefix_h, test_states, judge_ids, settings.batch_size)
+    zero_shot_scores, zero_shot_mass = score_states(
+        net, prefix_h, test_states, judge_ids, settings.batch_size
+    )
     zero_shot = score_metrics(zero_shot_scores, data.test)
     say(f"zero-shot judge: {describe(zero_shot)}")
 
@@ -329,7 +173,7 @@ def train_one_token(
     with torch.no_grad():
         for param in net.parameters():
             param.copy_(param.to(saved_dtype).to(torch.float32))
-    scores, _ = _score(net, prefix_h, test_states, label_ids, settings.batch_size)
+    scores, _ = score_states(net, prefix_h, test_states, label_ids, settings.batch_size)
     metrics = score_metrics(scores, data.test)
     say(f"one-token guard: {describe(metrics)}")
 
@@ -361,7 +205,7 @@ def train_one_token(
         losses=tuple(losses),
         metrics=metrics,
         zero_shot=zero_shot,
-        zero_shot_low_mass=sum(1 for m in zero_shot_mass if m < 0.05),
+        zero_shot_low_mass=sum(1 for m in zero_shot_mass if m < DEFAULT_MIN_LABEL_MASS),
         test_scores={i.id: round(p, 6) for i, p in zip(data.test, scores, strict=True)},
         zero_shot_test_scores={i.id: round(p, 6) for i, p in zip(data.test, zero_shot_scores, strict=True)},
         verified_items=checked,
@@ -375,7 +219,7 @@ def train_one_token(
 
 
 def _train(
-    net: _Model,
+    net: SplitModel,
     prefix_h: Any,
     states: Sequence[Any],
     labels: Sequence[int],
@@ -469,7 +313,7 @@ def _verify_saved(
     with torch.inference_mode():
         for prompt, want in zip(prompts, expected, strict=True):
             logits = model(input_ids=torch.tensor([prompt], dtype=torch.long)).logits[:, -1]
-            got = float(_p_unsafe(logits, *label_ids)[0][0])
+            got = float(p_unsafe(logits, *label_ids)[0][0])
             worst = max(worst, abs(got - want))
     if worst > VERIFY_TOLERANCE:
         raise TrainError(

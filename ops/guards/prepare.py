@@ -28,9 +28,9 @@ from pathlib import Path
 
 import msgspec
 
-from ops.guards.data import Metrics, load_training_set
+from ops.guards.data import Metrics, TrainError, load_training_set
 from ops.guards.embedding import EmbeddingSettings, train_embedding
-from ops.guards.one_token import OneTokenSettings, TrainError, train_one_token
+from ops.guards.one_token import OneTokenSettings, train_one_token
 from ops.models.prepare import PrepareError, verify
 from registry.hashing import sha256_file
 
