@@ -72,7 +72,7 @@ def _prepare(config: Config) -> int:
 
 
 def _guard_train(config: Config, args: argparse.Namespace) -> int:
-    from ops.guards.data import TrainError
+    from ops.guards.data import TrainError, describe
     from ops.guards.one_token import OneTokenSettings
     from ops.guards.prepare import prepare_guards
     from ops.models.prepare import PrepareError, verify
@@ -105,12 +105,10 @@ def _guard_train(config: Config, args: argparse.Namespace) -> int:
     except (PrepareError, TrainError, ValueError, OSError) as exc:
         print(f"lockgate guard train: {exc}", file=sys.stderr)
         return 1
-    one_token, embedding = result.manifest.one_token.metrics, result.manifest.embedding.metrics
-    print(
-        f"[guard train] {out} ({time.perf_counter() - started:.0f} s); held-out AUROC/F1: "
-        f"one-token {one_token.auroc}/{one_token.f1}, embedding {embedding.auroc}/{embedding.f1}",
-        flush=True,
-    )
+    manifest = result.manifest
+    print(f"[guard train] {out} ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"[guard train] one-token guard: {describe(manifest.one_token.metrics)}", flush=True)
+    print(f"[guard train] embedding guard: {describe(manifest.embedding.metrics)}", flush=True)
     if args.register:
         refs = asyncio.run(_register_guards(config, out, model_dir))
         print(f"model {refs.model}")
