@@ -145,6 +145,7 @@ def test_reports_record_the_data_hash_the_split_and_held_out_figures(
     test_items = sum(1 for *_, split in _TEXTS if split == "test")
     assert one.metrics.n == one.zero_shot.n == emb.metrics.n == test_items
     assert one.verified_items == 4
+    assert 0.0 < one.label_mass_min <= 1.0
     test_ids = {i for i, *_, split in _TEXTS if split == "test"}
     assert set(one.test_scores) == set(one.zero_shot_test_scores) == set(emb.test_scores) == test_ids
     head = LogisticHead.load(prepared.path / EMBEDDING_NAME, emb.weights_sha256)
@@ -252,6 +253,15 @@ def test_other_data_or_settings_are_not_reused(prepared: GuardsResult) -> None:
     other = (OneTokenSettings(epochs=2), EmbeddingSettings())
     assert guards_prepare._reusable(prepared.path, manifest.training_data_sha256, *args, *other) is None
     assert read_manifest(prepared.path / "missing") is None
+
+
+def test_a_changed_guard_prompt_is_not_reused(
+    prepared: GuardsResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = prepared.manifest
+    args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
+    monkeypatch.setattr(guards_prepare, "SYSTEM_PROMPT", "You are another classifier.")
+    assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings()) is None
 
 
 def test_the_manifest_name_is_the_one_the_registry_reads() -> None:

@@ -109,6 +109,7 @@ class OneTokenReport(msgspec.Struct, frozen=True, kw_only=True):
     losses: tuple[float, ...]  # mean training loss of each epoch
     metrics: Metrics  # the trained guard on the held-out items
     zero_shot: Metrics  # the zero-shot judge (guard/default_guard.py) on the same items
+    label_mass_min: float  # least P(safe) + P(uns) of the trained guard over the held-out items
     zero_shot_low_mass: int  # held-out items where the judge's label mass is too small: guard errors
     test_scores: dict[str, float]  # P(unsafe) of each held-out item by id, for threshold and cascade studies
     zero_shot_test_scores: dict[str, float]  # the zero-shot judge's, likewise
@@ -173,7 +174,7 @@ def train_one_token(
     with torch.no_grad():
         for param in net.parameters():
             param.copy_(param.to(saved_dtype).to(torch.float32))
-    scores, _ = score_states(net, prefix_h, test_states, label_ids, settings.batch_size)
+    scores, masses = score_states(net, prefix_h, test_states, label_ids, settings.batch_size)
     metrics = score_metrics(scores, data.test)
     say(f"one-token guard: {describe(metrics)}")
 
@@ -205,6 +206,7 @@ def train_one_token(
         losses=tuple(losses),
         metrics=metrics,
         zero_shot=zero_shot,
+        label_mass_min=round(min(masses), 6),
         zero_shot_low_mass=sum(1 for m in zero_shot_mass if m < DEFAULT_MIN_LABEL_MASS),
         test_scores={i.id: round(p, 6) for i, p in zip(data.test, scores, strict=True)},
         zero_shot_test_scores={i.id: round(p, 6) for i, p in zip(data.test, zero_shot_scores, strict=True)},

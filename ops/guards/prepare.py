@@ -13,7 +13,8 @@ Layout of a guards directory (`<data_dir>/guards/` for the default guards):
         guard.json              EmbeddingReport
 
 A directory is reused when its manifest names the same training data (sha256 of the file's bytes), the same
-split, the same base model weights and the same settings, and its files are there; otherwise it is trained
+split, the same base model weights, the same settings and the same guard prompt (template and system
+message), and its files are there; otherwise it is trained
 again beside the old one and swapped in whole, so an interrupted run never leaves half a directory.
 """
 
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import msgspec
 
+from guard.default_guard import JUDGE_PROMPT
+from guard.one_token import SYSTEM_PROMPT
 from ops.guards.data import Metrics, TrainError, load_training_set
 from ops.guards.embedding import EmbeddingSettings, train_embedding
 from ops.guards.one_token import OneTokenSettings, train_one_token
@@ -113,6 +116,9 @@ def _reusable(
         and manifest.base_weights_sha256 == base_weights_sha256
         and manifest.one_token_settings == one_token
         and manifest.embedding_settings == embedding
+        # The served prompt must be the trained one, token for token.
+        and manifest.one_token.prompt_template == JUDGE_PROMPT
+        and manifest.one_token.system_prompt == SYSTEM_PROMPT
     )
     if not same:
         return None
