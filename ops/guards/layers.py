@@ -188,6 +188,7 @@ def score_states(
     ids: tuple[Sequence[int], Sequence[int]],
     batch: int,
 ) -> tuple[list[float], list[float]]:
+    """P(unsafe) and label mass of each item from its cached states, through the trained layers."""
     scores: list[float] = []
     masses: list[float] = []
     with torch.inference_mode():
