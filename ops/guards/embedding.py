@@ -17,8 +17,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from guard.base import GuardError
 from guard.embedding import HEAD_WEIGHTS, MODEL_NAME, Encoder, LogisticHead
-from ops.guards.data import Metrics, TrainingSet, describe, label_of, score_metrics
+from ops.guards.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
 
 METHOD = "minilm-logistic"
 GUARD_JSON = "guard.json"
@@ -73,7 +74,10 @@ def train_embedding(
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
     with ThreadPoolExecutor(max_workers=1) as executor:
-        encoder = asyncio.run(Encoder.load(None, executor))
+        try:
+            encoder = asyncio.run(Encoder.load(None, executor))
+        except GuardError as exc:
+            raise TrainError(f"no encoder for the embedding guard: {exc}") from exc
         total = len(data.train) + len(data.test)
         train_x = _embed(encoder, [i.text for i in data.train], say, total, 0)
         test_x = _embed(encoder, [i.text for i in data.test], say, total, len(data.train))
