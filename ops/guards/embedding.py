@@ -72,7 +72,7 @@ def train_embedding(
     settings = settings or EmbeddingSettings()
     started = time.perf_counter()
     if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists")
+        raise TrainError(f"{out_dir} already exists")
     with ThreadPoolExecutor(max_workers=1) as executor:
         try:
             encoder = asyncio.run(Encoder.load(None, executor))
