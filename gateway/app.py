@@ -103,9 +103,9 @@ async def _guard_pools(
     """Start an engine for every pool the policy's guards run on that nothing serves yet."""
     for guard in policy.guards:
         model = guard.model
-        pool = model.spec.engine_pool
-        if guard.spec.kind != "one_token" or pool in pools:
+        if model is None or model.spec.engine_pool in pools:
             continue
+        pool = model.spec.engine_pool
         engine = build_engine(config, _model_dir_of(config, model), name=model.ref)
         await engine.start()
         owned.push_async_callback(engine.shutdown)
@@ -163,7 +163,7 @@ async def _trained_guards(config: Config, registry: Registry, served: str) -> Tr
             f"no trained guards in {guards_dir}; run `lockgate models prepare` (or `make serve`) first, or "
             "set guard.default_policy"
         )
-    return TrainedGuards(embedding=refs.embedding, one_token=refs.one_token)
+    return TrainedGuards(embedding=refs.embedding, one_token=refs.one_token, categories=refs.categories)
 
 
 async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:

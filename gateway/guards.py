@@ -98,15 +98,17 @@ class GuardFactory:
             return LoadingGuard(
                 guard.ref, lambda: load_embedding_guard(guard.ref, spec, self._artifacts, executor)
             )
-        pool = guard.model.spec.engine_pool
+        model = guard.model
+        if model is None:
+            return BrokenGuard(guard.ref, "a one-token guard without a model version")
+        pool = model.spec.engine_pool
         engine = self._pools.get(pool)
         if engine is None:
-            return BrokenGuard(guard.ref, f"no engine serves pool `{pool}` of model {guard.model.ref}")
-        if guard.model.tokenizer.ref != self._tokenizer_ref:
+            return BrokenGuard(guard.ref, f"no engine serves pool `{pool}` of model {model.ref}")
+        if model.tokenizer.ref != self._tokenizer_ref:
             return BrokenGuard(
                 guard.ref,
-                f"its model uses tokenizer {guard.model.tokenizer.ref}, this gateway loads "
-                f"{self._tokenizer_ref}",
+                f"its model uses tokenizer {model.tokenizer.ref}, this gateway loads {self._tokenizer_ref}",
             )
         try:
             return OneTokenClassifier(
@@ -116,7 +118,7 @@ class GuardFactory:
                 self._renderer.tokenizer,
                 self._renderer.executor,
                 min_label_mass=self._config.min_label_mass,
-                model_ref=guard.model.ref,
+                model_ref=model.ref,
                 priority=self._config.priority,
             )
         except ValueError as exc:

@@ -55,12 +55,13 @@ class ResolvedModel(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ResolvedGuard(msgspec.Struct, frozen=True, kw_only=True):
-    """A guard model version and the model version it runs on."""
+    """A guard model version and the model version it runs on (None for an embedding guard, which carries
+    its own encoder and head)."""
 
     ref: str
     guard: Published
     spec: GuardModelSpec
-    model: ResolvedModel
+    model: ResolvedModel | None
 
 
 class ResolvedPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,7 +174,7 @@ class RegistryView:
         """A guard model version (pinned or by alias) with its model version."""
         guard = self.pick("guard_model", ref, request_id)
         spec = self.spec("guard_model", guard.name, guard.version, GuardModelSpec)
-        model = self.resolve_model(spec.model, request_id)
+        model = self.resolve_model(spec.model, request_id) if spec.kind == "one_token" else None
         return ResolvedGuard(ref=guard.ref, guard=guard, spec=spec, model=model)
 
     def resolve_policy(self, alias_or_ref: str, request_id: str) -> ResolvedPolicy:

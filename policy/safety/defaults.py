@@ -30,13 +30,14 @@ DEFAULT_POLICY = "default"
 STARTUP_ACTOR = "startup"
 Choice = Literal["trained", "rules", "none"]
 
+# In the order the trained one-token guard saw them in its prompt (ops/eval/data/dev.jsonl's categories).
 _CATEGORIES: tuple[tuple[str, Severity, FailMode], ...] = (
     ("violence", "high", "closed"),
     ("self_harm", "critical", "closed"),
     ("weapons", "critical", "closed"),
     ("malware", "high", "closed"),
-    ("hate", "medium", "open"),
     ("prompt_injection", "high", "open"),
+    ("hate", "medium", "open"),
 )
 # The rules stage scores 1 on a block rule, 0 on an allow rule, 0.5 when unsure: 0.5 passes on.
 RULES_STAGE = CascadeStage(kind="rules", allow_below=0.25, block_above=0.75, timeout_s=1.0)
@@ -56,6 +57,8 @@ class TrainedGuards(msgspec.Struct, frozen=True, kw_only=True):
 
     embedding: str
     one_token: str
+    # The categories the one-token guard's prompt listed in training, in order ("" = not recorded).
+    categories: tuple[str, ...] = ()
 
 
 def _policy(stages: tuple[CascadeStage, ...]) -> PolicySpec:
@@ -110,6 +113,13 @@ async def register_default_policy(
         if guards is None:
             raise ValueError(
                 "the trained default policy needs the prepared guards; run `lockgate models prepare`"
+            )
+        names = tuple(n for n, _, _ in _CATEGORIES)
+        if guards.categories and guards.categories != names:
+            # The guard would be asked another question than the one it learnt to answer.
+            raise ValueError(
+                f"the one-token guard was trained with categories {list(guards.categories)}; the default "
+                f"policy has {list(names)}: retrain it (`lockgate models prepare`)"
             )
         version = _trained_version(guards)
         await registry.publish("policy", DEFAULT_POLICY, version, trained_policy(guards), actor=actor)
