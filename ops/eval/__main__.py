@@ -115,9 +115,10 @@ def _cmd_score(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from exc
         scores = asyncio.run(score_with_cascade(cascade, items, all_stages=not args.early_exit))
     save_scores(args.out, scores)
+    stages = max((s.stages for s in scores), default=0)
     print(
-        f"scored {len(scores)} items with {len(cascade.stages)} stage(s) (past the last: {cascade.band}); "
-        f"dataset sha256 {dataset_sha256(args.data)}; wrote {args.out}",
+        f"scored {len(scores)} items with {stages} stage(s); dataset sha256 {dataset_sha256(args.data)}; "
+        f"wrote {args.out}",
         file=sys.stderr,
     )
     return 0
