@@ -82,14 +82,15 @@ def rules_policy() -> PolicySpec:
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
     """Rules, then the embedding guard, then the trained one-token guard (the last stage's band escalates).
 
-    Thresholds are set from the development set's figures (docs/guard.md): the embedding stage settles only
-    confident cases; the one-token guard decides most of the rest.
+    Thresholds were chosen by replaying the development set's train split (`python -m ops.eval replay`);
+    figures on the test split it never saw are in README.md ("Safety guard"). The embedding stage settles
+    only confident cases; the one-token guard decides most of the rest; what stays between escalates.
     """
     return _policy(
         (
             RULES_STAGE,
-            CascadeStage(guard=guards.embedding, allow_below=0.1, block_above=0.9, timeout_s=2.0),
-            CascadeStage(guard=guards.one_token, allow_below=0.3, block_above=0.7, timeout_s=5.0),
+            CascadeStage(guard=guards.embedding, allow_below=0.2, block_above=0.9, timeout_s=2.0),
+            CascadeStage(guard=guards.one_token, allow_below=0.4, block_above=0.6, timeout_s=5.0),
         )
     )
 
