@@ -165,14 +165,16 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def serving(app: Litestar) -> AsyncIterator[str]:
-    """Run `app` under uvicorn in this event loop on a free loopback port; yield its base URL."""
+async def serving(app: Litestar, startup_timeout: float = 30.0) -> AsyncIterator[str]:
+    """Run `app` under uvicorn in this event loop on a free loopback port; yield its base URL.
+
+    `startup_timeout` bounds the app's start (raise it for apps that start engines of their own)."""
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(startup_timeout):
         while not server.started:
             if task.done():
                 task.result()
