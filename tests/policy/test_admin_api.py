@@ -15,10 +15,10 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
+from policy.safety.defaults import NO_GUARDS as DEFAULT_POLICY_SPEC
 from policy.tenants import keys
 from policy.tenants.base import TenantStore
 from policy.tenants.models import ApiKey, Role, Tenant
-from policy.safety.defaults import NO_GUARDS as DEFAULT_POLICY_SPEC
 from tests.backends import DEPLOYMENTS, FakeClock, deployment
 from tests.conftest import MODEL, OutcomeLog, make_config, serving
 

@@ -105,6 +105,7 @@ async def test_resolve_policy_with_its_guards(registry: Registry) -> None:
     assert (resolved.ref, resolved.spec, resolved.generation) == ("strict@1", specs.policy(), view.generation)
     assert resolved.policy.spec_as(PolicySpec) == specs.policy()
     [g] = resolved.guards
+    assert g.model is not None
     assert (g.ref, g.model.ref, g.model.tokenizer.ref, g.spec.unsafe_tokens) == (
         "guard@1",
         "chat@2",
@@ -221,6 +222,7 @@ def test_public_names() -> None:
         *("RegistryError", "NotFoundError", "ConflictError", "InvalidError", "UnavailableError"),
         *("Kind", "KINDS", "Severity", "Spec", "SPEC_TYPES", "ModelArch", "ModelSpec", "TokenizerSpec"),
         *("ChatTemplateSpec", "GuardModelSpec", "PolicySpec", "PolicyCategory", "CascadeStage"),
+        *("RulePattern", "RulesSpec"),
         *("Published", "Alias", "AliasTarget", "AliasChange", "RegistrySnapshot", "parse_ref", "decode_spec"),
         *("canonical_json", "content_hash", "spec_hash", "canary_pick", "check_tokenizer"),
         *("register_default_model", "check_model_dir", "arch_from_config"),
