@@ -55,6 +55,8 @@ class Services:
         self.engine = engine
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
+        # Pools that only guard models run on (every pool but the served engine's).
+        self.guard_pools = frozenset(p for p, e in self.pools.items() if e is not engine)
         self.renderer = renderer
         self.sink = sink
         self.tasks = tasks
@@ -89,6 +91,13 @@ class Services:
             raise InvalidRequestError(
                 f"bad model reference: {exc}", param="model", code="invalid_value"
             ) from exc
+        if model.spec.engine_pool in self.guard_pools:
+            # A guard pool's capacity is the guards': generation there would queue ahead of safety checks.
+            raise NotFoundError(
+                f"model `{model_name}` ({model.ref}) is a guard model and is not served for generation",
+                param="model",
+                code="model_not_found",
+            )
         engine = self.pools.get(model.spec.engine_pool)
         if engine is None:
             raise EngineUnavailableError(

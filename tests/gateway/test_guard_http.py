@@ -399,3 +399,11 @@ async def test_the_tenants_trusted_system_prompt_is_not_read_as_an_injection(bed
     # The same words from the user are an attempt.
     blocked = await bed.chat([conversation[1] | {"content": INJECTION}])
     assert blocked.status_code == 400
+
+
+async def test_a_guard_model_is_not_served_for_generation(bed: Bed) -> None:
+    await bed.bind(policy())
+    response = await bed.chat("hello", model="judge@1")
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert bed.engine.requests == []
