@@ -97,6 +97,11 @@ class Stage:
         except GuardError:
             self._failed()
             raise
+        except Exception as exc:
+            # A guard that breaks in an unforeseen way is still a failed guard: the policy's fail mode
+            # decides, and the record names the exception.
+            self._failed()
+            raise GuardError(f"guard {self.classifier.name} failed: {type(exc).__name__}: {exc}") from exc
         if not 0.0 <= score.p_unsafe <= 1.0:  # also catches NaN
             self._failed()
             raise GuardError(f"guard {self.classifier.name} returned p_unsafe={score.p_unsafe!r}")

@@ -15,12 +15,9 @@ from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineError
 from gateway.generation.tracking import RequestTracker
-from guard.moderator import OutputBlocked
 
 T = TypeVar("T")
 _END = object()
-# Ways a stream ends early that the client is told about in the stream itself.
-STREAM_ENDINGS = (EngineError, OutputBlocked)
 # What stands between the tracked engine stream and the client (the output guard), if anything.
 Transform = Callable[[AsyncGenerator[EngineDelta, None]], AsyncGenerator[EngineDelta, None]]
 
@@ -95,7 +92,8 @@ async def _produce(deltas: AsyncGenerator[EngineDelta, None], queue: asyncio.Que
             async for delta in deltas:
                 await queue.put(delta)
         await queue.put(_END)
-    except STREAM_ENDINGS as exc:
+    except Exception as exc:
+        # Handed to the consumer, which raises it: a producer that died silently would leave it waiting.
         await queue.put(exc)
 
 
@@ -115,7 +113,7 @@ async def pump(
     producer = tasks.spawn(_produce(_through(source, tracker, transform), queue))
     try:
         while (item := await queue.get()) is not _END:
-            if isinstance(item, STREAM_ENDINGS):
+            if isinstance(item, Exception):
                 raise item
             assert isinstance(item, EngineDelta)
             yield item

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -128,3 +130,25 @@ async def test_race_disconnect_returns_the_result_when_the_client_stays(sim_engi
     deltas = await race_disconnect(collect(sim_engine.generate(request(4)), counting.tracker), receive)  # type: ignore[arg-type]
     assert sum(len(d.token_ids) for d in deltas) == 4
     assert [o.status for o in counting.outcomes] == ["completed"]
+
+
+async def test_an_unexpected_error_between_engine_and_client_reaches_the_consumer(
+    sim_engine: SimulatedEngine,
+) -> None:
+    # A transform (the output guard) that breaks must not leave the consumer waiting on a dead producer.
+    async def broken(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
+                raise RuntimeError("moderator bug")
+
+    counting = Counting()
+    tasks = TaskSet()
+    stream = pump(sim_engine.generate(request(100)), counting.tracker, tasks, maxsize=3, transform=broken)
+    await anext(stream)
+    with pytest.raises(RuntimeError, match="moderator bug"):
+        await anext(stream)
+    await stream.aclose()
+    await tasks.wait_all()
+    # The engine request was closed (aborted) and its outcome recorded.
+    assert [o.status for o in counting.outcomes] == ["cancelled"]

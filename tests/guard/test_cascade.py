@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from guard.base import GuardInput, Span
+from guard.base import GuardInput, GuardScore, Span
 from guard.breaker import BreakerPolicy, CircuitBreaker
 from guard.cascade import BandAction, Cascade, Stage
 from tests.guard.fakes import Hanging, Scripted
@@ -161,3 +161,18 @@ async def test_only_one_probe_while_half_open() -> None:
     hanging.release.set()
     assert (await probe).verdict == "allow"
     assert state(breaker) == "closed"
+
+
+class Broken:
+    name = "broken@1"
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        raise RuntimeError("a bug in the guard")
+
+
+async def test_an_unforeseen_classifier_exception_is_a_guard_error() -> None:
+    result = await cascade(
+        Stage(Broken(), allow_below=0.2, block_above=0.8, categories=(), timeout_s=5.0)
+    ).run(ITEM)
+    assert result.verdict == "error"
+    assert "RuntimeError: a bug in the guard" in result.runs[0].error
