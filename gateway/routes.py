@@ -14,6 +14,7 @@ from gateway.schemas import AliasTargetCard, ModelCard, ModelList
 from gateway.security import allow
 from gateway.service import Services
 from policy.auth import Principal
+from registry.models import ModelSpec
 
 
 @post("/v1/chat/completions", status_code=HTTP_200_OK)
@@ -47,6 +48,13 @@ async def list_models(
     """The served models."""
     allow(principal, "consumer")
     view = services.registry.view
+    # Guard models run on guard pools and are not served for generation: not listed.
+    aliases = [
+        alias
+        for alias in view.aliases("model")
+        if view.spec("model", alias.name, alias.targets[0].version, ModelSpec).engine_pool
+        not in services.guard_pools
+    ]
     cards = [
         ModelCard(
             id=alias.name,
@@ -56,9 +64,9 @@ async def list_models(
                 AliasTargetCard(model=f"{alias.name}@{t.version}", weight=t.weight) for t in alias.targets
             ],
         )
-        for alias in view.aliases("model")
+        for alias in aliases
     ]
-    for alias in view.aliases("model"):
+    for alias in aliases:
         for version in view.versions("model", alias.name):
             model = view.resolve_model(version.ref, request_id="")
             cards.append(

@@ -160,6 +160,7 @@ async def publish_judge(registry: Registry) -> None:
         msgspec.structs.replace(served.spec, engine_pool="guard"),
         actor="test",
     )
+    await registry.set_alias("model", "judge", "1", actor="test")
     await registry.publish(
         "guard_model",
         "judge",
@@ -407,3 +408,7 @@ async def test_a_guard_model_is_not_served_for_generation(bed: Bed) -> None:
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "model_not_found"
     assert bed.engine.requests == []
+    models = await bed.http.get("/v1/models", headers={"authorization": f"Bearer {bed.key}"})
+    listed = {card["id"] for card in models.json()["data"]}
+    assert MODEL in listed
+    assert not any(name.startswith("judge") for name in listed)
