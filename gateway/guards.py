@@ -43,17 +43,13 @@ class LoadingGuard:
         self._task: asyncio.Task[Classifier] = asyncio.get_running_loop().create_task(load())
 
     async def ready(self) -> None:
-        """Wait until loaded (GuardError if loading failed)."""
+        """Wait until loaded (raises what the load raised)."""
         await self._loaded()
 
     async def _loaded(self) -> Classifier:
-        try:
-            # Shielded: a request that times out waiting must not cancel the load for everyone else.
-            return await asyncio.shield(self._task)
-        except GuardError:
-            raise
-        except (OSError, ValueError) as exc:
-            raise GuardError(f"guard {self.name} could not be loaded: {exc}") from exc
+        # Shielded: a request that times out waiting must not cancel the load for everyone else. A failed load
+        # raises here on every call; the cascade's stage turns that into a guard error.
+        return await asyncio.shield(self._task)
 
     async def classify(self, item: GuardInput) -> GuardScore:
         """The loaded guard's score."""

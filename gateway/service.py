@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
-
-from litestar import Request
 
 from engines.base import Engine
 from engines.supervisor import SupervisedEngine
@@ -17,7 +14,6 @@ from gateway.generation.planning import Limits
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
-from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
@@ -111,10 +107,6 @@ class Services:
             max_logprobs=self.config.engine.max_logprobs,
         )
         return model, limits
-
-    def request_id(self, request: Request[Any, Any, Any]) -> str:
-        """The gateway's id of this request (x-request-id)."""
-        return request_id_of(request)
 
     def policy_for(self, principal: Principal, request_id: str) -> ResolvedPolicy:
         """The safety policy version the caller's tenant is bound to, from the current registry view."""

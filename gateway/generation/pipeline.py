@@ -43,6 +43,7 @@ from gateway.generation.planning import Plan, plan_chat, plan_completion
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import RequestTracker
+from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
 from guard.base import GuardInput, Span
@@ -67,7 +68,7 @@ async def run_chat(
     services: Services, req: ChatCompletionRequest, request: Request[Any, Any, Any], principal: Principal
 ) -> Response[Any]:
     """A chat completion, from decoded request to response."""
-    request_id = services.request_id(request)
+    request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
     plan = await plan_chat(req, request_id, model, services.renderer, limits)
     return await _run(services, plan, request, principal)
@@ -77,7 +78,7 @@ async def run_completion(
     services: Services, req: CompletionRequest, request: Request[Any, Any, Any], principal: Principal
 ) -> Response[Any]:
     """A legacy completion, from decoded request to response."""
-    request_id = services.request_id(request)
+    request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
     plan = await plan_completion(req, request_id, model, services.renderer, limits)
     return await _run(services, plan, request, principal)
@@ -142,13 +143,14 @@ class _OutputGuard:
         self._policy = policy
         self._context = context
         self._tracker = tracker
+        self._categories = _categories(policy)
         self.decision: GuardDecision | None = None
 
     async def check(self, text: str, final: bool) -> GuardDecision | None:
         item = GuardInput(
             direction="output",
             spans=(Span(text=text, source="output"),),
-            categories=tuple(c.name for c in self._policy.spec.categories),
+            categories=self._categories,
             policy=self._policy.ref,
         )
         decision = await self._services.gate.check(self._policy, item, self._context)
@@ -173,17 +175,16 @@ class _OutputGuard:
         return apply
 
 
+def _categories(policy: ResolvedPolicy) -> tuple[str, ...]:
+    return tuple(c.name for c in policy.spec.categories)
+
+
 async def _input_guard(
     services: Services, plan: Plan, policy: ResolvedPolicy, context: RecordContext
 ) -> GuardDecision | None:
     if not services.gate.guards(policy, "input"):
         return None
-    item = GuardInput(
-        direction="input",
-        spans=plan.spans,
-        categories=tuple(c.name for c in policy.spec.categories),
-        policy=policy.ref,
-    )
+    item = GuardInput(direction="input", spans=plan.spans, categories=_categories(policy), policy=policy.ref)
     return await services.gate.check(policy, item, context)
 
 
