@@ -42,9 +42,6 @@ class GuardDecision(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.direction}={self.source}"
 
 
-UNGUARDED_INPUT = GuardDecision(direction="input", action="allow", source="none")
-
-
 def decide(result: CascadeResult, spec: PolicySpec, direction: Direction) -> GuardDecision:
     """The policy's decision on `result`."""
     if result.verdict == "error":
