@@ -42,8 +42,17 @@ class EngineDeadError(EngineError):
     """The engine has died; it serves nothing until replaced."""
 
 
+class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
+    """Constrained decoding: the output must be JSON (`json_object`) or JSON valid against `schema`
+    (`json_schema`, the schema as canonical JSON text). Engines enforce it while decoding (vLLM's structured
+    outputs); a tool call the client requires is a `json_schema` constraint too."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling settings of one request. `max_tokens` is always explicit."""
+    """Sampling settings of one request. `max_tokens` is always explicit; the others default to "off"."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -54,6 +63,17 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     # Generate `max_tokens` even past an end-of-sequence token (benchmarks and step tests need exact lengths).
     ignore_eos: bool = False
+    # OpenAI's penalties (-2..2) and vLLM's extensions; 0 / 1.0 / 0.0 mean off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    # No end of sequence (EOS or stop strings) before this many tokens.
+    min_tokens: int = 0
+    # Added to the logits of these token ids (-100 bans a token, +100 forces it), as (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: OutputConstraint | None = None
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +88,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     # Absolute time (engine clock, seconds) after which the request is worthless; None = no deadline.
     deadline: float | None = None
+    # Independent choices to generate. An engine generates one sequence per request: `engines.choices`
+    # splits a request with n > 1 into n requests (ids `<id>-<i>`) and merges their deltas by `index`.
+    n: int = 1
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -96,13 +119,17 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineDelta(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """New output since the previous delta. The last delta has `finish_reason` and `usage` set."""
+    """New output since the previous delta. The last delta has `finish_reason` and `usage` set.
+
+    `index` is the choice (0 unless the request asked for n > 1 choices; each choice ends with its own
+    finish_reason and usage)."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    index: int = 0
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):

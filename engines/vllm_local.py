@@ -259,6 +259,7 @@ class VllmLocalEngine:
         return budget
 
     def _build(self, dtype: Dtype, budget: int) -> Any:
+        from vllm.config.structured_outputs import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -281,21 +282,41 @@ class VllmLocalEngine:
             worker_extension_cls=f"{__name__}.{ScoringWorkerExtension.__qualname__}",
             disable_log_stats=False,
             enable_log_requests=False,
+            # The gateway checks JSON schemas against xgrammar's support before a request gets here
+            # (gateway/generation/structured.py), so the engine must use exactly that backend.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _sampling_params(self, req: EngineRequest) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+        if req.n != 1:
+            raise EngineRequestError("an engine generates one choice per request (see engines.choices)")
         s = req.sampling
+        structured = None
+        if s.constraint is not None:
+            # Compact JSON: a small model left free whitespace may loop on newlines until max_tokens.
+            if s.constraint.kind == "json_object":
+                structured = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+            else:
+                structured = StructuredOutputsParams(json=s.constraint.schema, disable_any_whitespace=True)
         return SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
             seed=s.seed,
             stop=list(s.stop) or None,
             logprobs=s.logprobs,
             ignore_eos=s.ignore_eos,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            min_tokens=s.min_tokens,
+            logit_bias=dict(s.logit_bias) or None,
+            structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -353,7 +374,11 @@ class VllmLocalEngine:
     async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         """Stream deltas from vLLM. Closing this iterator aborts the request in the engine core."""
         completion_tokens = 0
-        outputs = self._outputs(req, self._sampling_params(req))
+        try:
+            params = self._sampling_params(req)
+        except ValueError as exc:  # vLLM validates sampling parameters as it builds them
+            raise EngineRequestError(f"invalid sampling parameters: {exc}") from exc
+        outputs = self._outputs(req, params)
         try:
             async for out in outputs:
                 completion = out.outputs[0]

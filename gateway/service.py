@@ -108,6 +108,10 @@ class Services:
         )
         return model, limits
 
+    async def renderer_for(self, model: ResolvedModel) -> PromptRenderer:
+        """The renderer of `model`'s tokenizer and chat template versions."""
+        return self.renderer
+
     def policy_for(self, principal: Principal, request_id: str) -> ResolvedPolicy:
         """The safety policy version the caller's tenant is bound to, from the current registry view."""
         try:

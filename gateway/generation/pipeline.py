@@ -70,7 +70,7 @@ async def run_chat(
     """A chat completion, from decoded request to response."""
     request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
-    plan = await plan_chat(req, request_id, model, services.renderer, limits)
+    plan = await plan_chat(req, request_id, model, await services.renderer_for(model), limits)
     return await _run(services, plan, request, principal)
 
 
@@ -80,7 +80,7 @@ async def run_completion(
     """A legacy completion, from decoded request to response."""
     request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
-    plan = await plan_completion(req, request_id, model, services.renderer, limits)
+    plan = await plan_completion(req, request_id, model, await services.renderer_for(model), limits)
     return await _run(services, plan, request, principal)
 
 

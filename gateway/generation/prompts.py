@@ -36,8 +36,16 @@ class PromptRenderer:
             raise ValueError(f"{model_dir} has no chat template")
         return cls(tokenizer, executor)
 
-    def _chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (else the caller describes the tools in a
+        system message, see gateway/generation/tools.py)."""
+        return "tools" in (self._tokenizer.chat_template or "")
+
+    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         # The template already wrote every special token the model expects.
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -50,9 +58,12 @@ class PromptRenderer:
             self._executor, lambda: str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
         )
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template and a generation prompt."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._chat, messages)
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of `messages` (and `tools`, for a template that renders them) rendered with the chat
+        template and a generation prompt."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._chat, messages, tools)
 
     async def text(self, text: str) -> list[int]:
         """Token ids of a plain completion prompt."""
