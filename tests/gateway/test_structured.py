@@ -1,0 +1,358 @@
+"""Which client JSON schemas the gateway sends to xgrammar, which it refuses, and what it says then."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import xgrammar as xgr
+from pydantic import BaseModel, Field
+from xgrammar.testing import _is_grammar_accept_string
+
+from gateway.generation.structured import (
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    SchemaError,
+    prepare_schema,
+    tool_call_schema,
+)
+
+MODEL_DIR = Path.home() / ".cache/lockgate/models/SmolLM2-135M-Instruct"
+
+
+class Address(BaseModel):
+    street: str
+    zip: str | None = None
+
+
+class Person(BaseModel):
+    """What the openai SDK's `parse`, instructor and langchain send: nested models and Optional fields."""
+
+    name: str = Field(description="full name", min_length=1)
+    age: int = Field(ge=0, le=150)
+    tags: list[str] = []
+    address: Address
+    home: Address | None = None
+    kind: Literal["a", "b"] = "a"
+    scores: dict[str, float] = {}
+
+
+class Cat(BaseModel):
+    pet: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    pet: Literal["dog"]
+    good: bool
+
+
+class Owner(BaseModel):
+    animal: Cat | Dog = Field(discriminator="pet")
+
+
+def accepts(text: str, instance: str) -> bool:
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"))
+    return bool(_is_grammar_accept_string(grammar, instance))
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "user": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 1}},
+            "required": ["id"],
+        },
+        "items": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "maxItems": 3},
+        "ref": {"$ref": "#/$defs/Point"},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "when": {"type": "string", "format": "date"},
+    },
+    "required": ["user"],
+    "$defs": {"Point": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}]}},
+}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        NESTED,
+        Person.model_json_schema(),
+        Owner.model_json_schema(),
+        {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        {"type": "object", "patternProperties": {"^x_[a-z]+$": {"type": "integer"}}},
+        {"type": "integer", "format": "int64"},
+    ],
+    ids=["nested", "pydantic", "pydantic-discriminated", "oneOf-disjoint", "patternProperties", "int-format"],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_supported_schemas_compile_to_compact_json(schema: dict[str, Any], strict: bool) -> None:
+    text = prepare_schema(schema, strict=strict)
+    if strict:
+        assert json.loads(text)[
+            "properties" if "properties" in schema else "oneOf" if "oneOf" in schema else "type"
+        ]
+    else:
+        assert text == json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def test_canonical_text_keeps_property_order_which_the_grammar_follows() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    text = prepare_schema(schema, strict=False)
+    assert text == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"integer"}}}'
+    assert accepts(text, '{"b":1,"a":2}')
+    assert not accepts(text, '{"a":2,"b":1}')
+
+
+def test_pydantic_schema_enforces_nested_and_optional_fields() -> None:
+    text = prepare_schema(Person.model_json_schema(), strict=True)
+    good = '{"name":"Ann","age":30,"address":{"street":"Main"},"home":null}'
+    assert accepts(text, good)
+    assert accepts(
+        text, '{"name":"Ann","age":30,"address":{"street":"Main","zip":null},"home":{"street":"x"}}'
+    )
+    assert not accepts(text, '{"name":"Ann","age":300,"address":{"street":"Main"}}')
+    assert not accepts(text, '{"name":"Ann","age":30}')
+    assert not accepts(text, '{"name":"Ann","age":30,"address":{"street":"Main","extra":1}}')
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword", "pointer"),
+    [
+        ({"type": "array", "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
+        ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "uniqueItems",
+         "/properties/tags/uniqueItems"),
+        ({"type": "array", "contains": {"const": 1}}, "contains", "/contains"),
+        ({"type": "integer", "multipleOf": 3}, "multipleOf", "/multipleOf"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf", "/multipleOf"),
+        ({"type": "string", "not": {"const": "a"}}, "not", "/not"),
+        ({"if": {"type": "string"}, "then": {"minLength": 1}}, "if", "/if"),
+        ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas",
+         "/dependentSchemas"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "/dependentRequired"),
+        ({"type": "string", "contentEncoding": "base64"}, "contentEncoding", "/contentEncoding"),
+        ({"$ref": "https://example.com/s.json"}, "$ref", "/$ref"),
+        ({"$defs": {"A": {"$anchor": "a", "type": "integer"}}, "$ref": "#a"}, "$ref", "/$ref"),
+        ({"$defs": {"A": {"type": "object"}}, "$ref": "#/$defs/A", "required": ["x"]}, "required",
+         "/required"),
+        ({"type": "string", "format": "binary"}, "format", "/format"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", "/maxLength"),
+        ({"type": "string", "format": "email", "minLength": 3}, "minLength", "/minLength"),
+        ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf", "/allOf"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "/oneOf"),
+        ({"minimum": 3}, "minimum", "/minimum"),
+        ({"minLength": 2}, "minLength", "/minLength"),
+        ({"minProperties": 1}, "minProperties", "/minProperties"),
+        ({"type": "object", "properties": {"a": {}}, "patternProperties": {"^b$": {}}}, "patternProperties",
+         "/patternProperties"),
+        ({"type": "object", "propertyNames": {"pattern": "^a$"}, "properties": {"a": {}}}, "propertyNames",
+         "/propertyNames"),
+        ({"type": "array", "items": {"anyOf": [{"type": "string", "format": "regex"}]}}, "format",
+         "/items/anyOf/0/format"),
+        ({"$defs": {"a/b": {"type": "array", "uniqueItems": True}}}, "uniqueItems",
+         "/$defs/a~1b/uniqueItems"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("strict", [False, True])
+def test_unenforced_features_are_refused_by_name_and_pointer(
+    schema: dict[str, Any], keyword: str, pointer: str, strict: bool
+) -> None:
+    with pytest.raises(SchemaError) as caught:
+        prepare_schema(schema, strict=strict)
+    assert caught.value.pointer == pointer
+    assert f"'{keyword}'" in caught.value.message
+    assert f"'{pointer}'" in caught.value.message
+
+
+def test_pydantic_set_is_refused_because_uniqueness_is_not_enforced() -> None:
+    class Tagged(BaseModel):
+        tags: set[str]
+
+    with pytest.raises(SchemaError, match="uniqueItems"):
+        prepare_schema(Tagged.model_json_schema(), strict=True)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": 5}, "invalid JSON schema at '/type': 5 is not valid under any of the given schemas"),
+        (
+            {"properties": {"a": {"type": "strng"}}},
+            "invalid JSON schema at '/properties/a/type': "
+            "'strng' is not valid under any of the given schemas",
+        ),
+        ({"required": "a"}, "invalid JSON schema at '/required': 'a' is not of type 'array'"),
+    ],
+)
+def test_invalid_json_schema_is_refused_with_jsonschema_reason(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(SchemaError) as caught:
+        prepare_schema(schema, strict=False)
+    assert caught.value.message == message
+    assert caught.value.pointer == message.split("'")[1]
+
+
+@pytest.mark.parametrize("schema", [[], "x", None, 5])
+def test_non_object_is_refused(schema: object) -> None:
+    with pytest.raises(SchemaError, match="must be a JSON object"):
+        prepare_schema(schema, strict=False)
+
+
+def test_compile_errors_become_schema_errors_without_log_prefix() -> None:
+    with pytest.raises(
+        SchemaError, match=r"^the JSON schema cannot be compiled to a grammar: Cannot find field"
+    ):
+        prepare_schema({"$ref": "#/$defs/Missing"}, strict=False)
+    with pytest.raises(SchemaError, match="enum array must not be empty"):
+        prepare_schema({"enum": []}, strict=False)
+
+
+def test_size_and_depth_limits() -> None:
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(SchemaError, match="deeper than"):
+        prepare_schema(deep, strict=False)
+    shallow: dict[str, Any] = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):
+        shallow = {"type": "object", "properties": {"a": shallow}}
+    prepare_schema(shallow, strict=False)
+    wide = {"type": "object", "properties": {f"p{i:05}": {"type": "integer"} for i in range(3000)}}
+    assert len(json.dumps(wide)) > MAX_SCHEMA_BYTES
+    with pytest.raises(SchemaError, match="larger than"):
+        prepare_schema(wide, strict=False)
+
+
+def test_strict_adds_additional_properties_false_recursively_but_keeps_explicit_values() -> None:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "list": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+            "open": {"type": "object", "additionalProperties": True},
+            "map": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "ref": {"$ref": "#/$defs/D"},
+            "alt": {"anyOf": [{"type": "object", "properties": {"y": {"type": "string"}}}, {"type": "null"}]},
+        },
+        "$defs": {"D": {"type": "object", "properties": {"z": {"type": "boolean"}}}},
+    }
+    before = json.dumps(schema)
+    out = json.loads(prepare_schema(schema, strict=True))
+    assert json.dumps(schema) == before, "the caller's schema is not modified"
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["map"]["additionalProperties"] == {"type": "integer"}
+    assert "additionalProperties" not in props["ref"]
+    assert props["alt"]["anyOf"][0]["additionalProperties"] is False
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in json.loads(prepare_schema(schema, strict=False))
+
+
+def test_xgrammar_defaults_without_strict() -> None:
+    """What the engine enforces when the client's schema is used as given (xgrammar strict_mode)."""
+    closed = prepare_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, strict=False)
+    assert accepts(closed, '{"a":1}')
+    assert not accepts(closed, '{"a":1,"b":2}')
+    bare = prepare_schema({"type": "object"}, strict=False)
+    assert accepts(bare, '{"b":2}')
+    assert not accepts(prepare_schema({"type": "object"}, strict=True), '{"b":2}')
+    # Untyped content is any JSON, but xgrammar 0.2.8 separates it with ", " whatever `separators` says.
+    assert accepts(prepare_schema({"type": "array"}, strict=False), "[1, 2]")
+    assert not accepts(prepare_schema({"type": "array"}, strict=False), "[1,2]")
+
+
+TOOLS: list[tuple[str, dict[str, Any] | None]] = [
+    ("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+    ("ping", None),
+    (
+        "lookup",
+        {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}},
+    ),
+]
+
+
+def test_tool_call_schema_shape_matches_vllm() -> None:
+    schema = tool_call_schema(TOOLS[:2], parallel=False)
+    assert schema == {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": ["get_weather"]},
+                        "parameters": TOOLS[0][1],
+                    },
+                    "required": ["name", "parameters"],
+                },
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": ["ping"]},
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                },
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tool_call_schema_validates_calls(parallel: bool) -> None:
+    params = TOOLS[2][1]
+    assert params is not None
+    schema = tool_call_schema(TOOLS, parallel=parallel)
+    assert "$defs" in params, "the caller's tools are not modified"
+    assert schema["$defs"] == {"P": {"type": "integer"}}
+    validator = jsonschema.Draft202012Validator(schema)
+    one = {"name": "get_weather", "parameters": {"city": "Oslo"}}
+    two = {"name": "lookup", "parameters": {"p": 3}}
+    validator.validate([one])
+    assert validator.is_valid([one, two]) is parallel
+    assert not validator.is_valid([])
+    assert not validator.is_valid([{"name": "nope", "parameters": {}}])
+    assert not validator.is_valid([{"name": "lookup", "parameters": {"p": "x"}}])
+    text = prepare_schema(schema, strict=True)
+    assert accepts(text, json.dumps([one], separators=(",", ":")))
+    assert accepts(text, json.dumps([one, two], separators=(",", ":"))) is parallel
+    assert not accepts(text, '[{"name":"get_weather","parameters":{"city":"Oslo"},"x":1}]')
+
+
+def test_tool_call_schema_refuses_conflicting_defs_and_no_tools() -> None:
+    a = {"type": "object", "$defs": {"P": {"type": "integer"}}}
+    b = {"type": "object", "$defs": {"P": {"type": "string"}}}
+    with pytest.raises(SchemaError, match="'P' has multiple schemas"):
+        tool_call_schema([("a", a), ("b", b)], parallel=True)
+    with pytest.raises(SchemaError, match="must be an object"):
+        tool_call_schema([("a", {"type": "object", "$defs": []})], parallel=True)
+    with pytest.raises(SchemaError, match="at least one tool"):
+        tool_call_schema([], parallel=True)
+
+
+@pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="default model not downloaded")
+def test_grammar_matcher_accepts_valid_json_token_by_token() -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR), local_files_only=True)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+    cases = [
+        (Person.model_json_schema(), '{"name":"Ann","age":30,"address":{"street":"Main St"},"kind":"b"}'),
+        (NESTED, '{"user":{"id":7},"items":["x","y"],"ref":[1.5,2],"code":"ABC","when":"2024-02-29"}'),
+        (tool_call_schema(TOOLS, parallel=True), '[{"name":"ping","parameters":{}}]'),
+    ]
+    for schema, instance in cases:
+        text = prepare_schema(schema, strict=True)
+        compiled = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in tokenizer.encode(instance, add_special_tokens=False):
+            assert matcher.accept_token(token), (instance, tokenizer.decode([token]))
+        assert matcher.accept_token(tokenizer.eos_token_id)
+        assert matcher.is_terminated()
+        rejecting = xgr.GrammarMatcher(compiled)
+        assert not rejecting.accept_string('{"nope"' if instance.startswith("{") else "{")
