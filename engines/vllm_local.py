@@ -284,7 +284,11 @@ class VllmLocalEngine:
             enable_log_requests=False,
             # The gateway checks JSON schemas against xgrammar's support before a request gets here
             # (gateway/generation/structured.py), so the engine must use exactly that backend.
-            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
+            # Compact JSON (xgrammar reads this from the engine config, not per request): a small model left
+            # free whitespace may loop on newlines until max_tokens.
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=True
+            ),
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
@@ -296,11 +300,10 @@ class VllmLocalEngine:
         s = req.sampling
         structured = None
         if s.constraint is not None:
-            # Compact JSON: a small model left free whitespace may loop on newlines until max_tokens.
             if s.constraint.kind == "json_object":
-                structured = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+                structured = StructuredOutputsParams(json_object=True)
             else:
-                structured = StructuredOutputsParams(json=s.constraint.schema, disable_any_whitespace=True)
+                structured = StructuredOutputsParams(json=s.constraint.schema)
         return SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,

@@ -5,7 +5,7 @@ Requests forbid unknown fields: a field we do not support is refused by name rat
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -13,37 +13,108 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of the request structs."""
+    """Base of the request structs. A field sent as `null` is the same as a field left out."""
 
 
-class TextPart(_Request, frozen=True, kw_only=True):
-    """One text part of a multi-part message content."""
+class ContentPart(_Request, frozen=True, kw_only=True):
+    """One part of a multi-part message content. Only text reaches the model: the other part types OpenAI
+    defines are decoded so that planning can refuse them with a clear message (the model reads text only)."""
 
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class FunctionCall(_Request, frozen=True, kw_only=True):
+    """The function of a tool call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request, frozen=True, kw_only=True):
+    """A tool call of an earlier assistant turn."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request, frozen=True, kw_only=True):
-    """One chat message."""
+    """One chat message as clients send it (with the null fields of an SDK response's `model_dump()`)."""
 
     role: Role
-    content: str | list[TextPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # A tool message answers the assistant's tool call with this id. Its content is untrusted: the guard
     # checks it for injection like user text.
     tool_call_id: str | None = None
+    # Assistant turns: the calls it made, or what it refused.
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+    # Carried by SDK responses; accepted when null (planning refuses audio and legacy function calls).
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
-    def text(self) -> str:
-        """The content as one string."""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+
+class FunctionDefinition(_Request, frozen=True, kw_only=True):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request, frozen=True, kw_only=True):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request, frozen=True, kw_only=True):
+    """The function a named tool choice forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Request, frozen=True, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class JsonSchemaFormat(_Request, frozen=True, kw_only=True):
+    """`response_format.json_schema`."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request, frozen=True, kw_only=True):
+    """`response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Request, frozen=True, kw_only=True):
     """`stream_options`."""
 
-    include_usage: bool = False
+    include_usage: bool | None = None
+    # Sent by some SDK versions; obfuscation padding is never added here.
+    include_obfuscation: bool | None = None
+
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class _Sampling(_Request, frozen=True, kw_only=True):
@@ -55,10 +126,19 @@ class _Sampling(_Request, frozen=True, kw_only=True):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # Token id (as a string key, as OpenAI sends it) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -66,8 +146,21 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # Kept with the request's outcome (at most 16 pairs, as OpenAI allows).
+    metadata: dict[str, str] | None = None
+    # Accepted with OpenAI's values; no effect here (nothing is stored; one service tier).
+    store: bool | None = None
+    service_tier: ServiceTier | None = None
+    # Accepted; no effect (prefix caching is per tenant already; the key is not an identity).
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -75,7 +168,9 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
 
     prompt: str | list[int | str]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -132,11 +227,27 @@ class CompletionLogprobs(_Response, frozen=True, kw_only=True):
     text_offset: list[int]
 
 
-class AssistantMessage(_Response, frozen=True, kw_only=True):
-    """The answer of a non-streaming chat completion."""
+class ResponseFunctionCall(_Response, frozen=True, kw_only=True):
+    """The function of a tool call the model made: arguments as JSON text."""
 
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response, frozen=True, kw_only=True):
+    """A tool call in a whole chat completion."""
+
+    id: str
+    function: ResponseFunctionCall
+    type: Literal["function"] = "function"
+
+
+class AssistantMessage(_Response, frozen=True, kw_only=True, omit_defaults=True):
+    """The answer of a non-streaming chat completion (`content` null when it only calls tools)."""
+
+    content: str | None
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(_Response, frozen=True, kw_only=True):
@@ -159,11 +270,28 @@ class ChatCompletion(_Response, frozen=True, kw_only=True):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunctionCall(_Response, frozen=True, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call's function: the name once, then pieces of the arguments' JSON text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response, frozen=True, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call; `index` says which call (the SDK concatenates pieces by index)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(_Response, frozen=True, kw_only=True, omit_defaults=True):
     """The incremental message of a chat chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response, frozen=True, kw_only=True):

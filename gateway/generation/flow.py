@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 from litestar.types import Receive
 
-from engines.base import EngineDelta, EngineError
+from engines.base import EngineDelta
 from gateway.generation.tracking import RequestTracker
 
 T = TypeVar("T")
@@ -22,11 +23,50 @@ _END = object()
 Transform = Callable[[AsyncGenerator[EngineDelta, None]], AsyncGenerator[EngineDelta, None]]
 
 
+# One request's engine output: one stream, or one per choice (n > 1).
+Source = AsyncGenerator[EngineDelta, None] | Sequence[AsyncGenerator[EngineDelta, None]]
+
+
 def _through(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, transform: Transform | None
+    source: Source, tracker: RequestTracker, transform: Transform | None
 ) -> AsyncGenerator[EngineDelta, None]:
-    deltas = tracked(source, tracker)
-    return deltas if transform is None else transform(deltas)
+    """Each choice counted as the engine produced it, then through `transform` (the output guard, which
+    judges each choice on its own text), tagged with its index and merged; the request's outcome recorded
+    once, however the merged stream ends."""
+    streams = [source] if isinstance(source, AsyncGenerator) else list(source)
+    choices = [
+        _choice(stream, i, tracker, transform, tag=len(streams) > 1) for i, stream in enumerate(streams)
+    ]
+    return _ended(choices[0] if len(choices) == 1 else merged(choices), tracker)
+
+
+def _choice(
+    source: AsyncGenerator[EngineDelta, None],
+    index: int,
+    tracker: RequestTracker,
+    transform: Transform | None,
+    *,
+    tag: bool,
+) -> AsyncGenerator[EngineDelta, None]:
+    deltas = _counted(source, tracker)
+    if transform is not None:
+        deltas = transform(deltas)
+    return _tagged(deltas, index) if tag else deltas
+
+
+async def _counted(
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
+) -> AsyncGenerator[EngineDelta, None]:
+    async with contextlib.aclosing(source):
+        async for delta in source:
+            tracker.observe(delta)
+            yield delta
+
+
+async def _tagged(source: AsyncGenerator[EngineDelta, None], index: int) -> AsyncGenerator[EngineDelta, None]:
+    async with contextlib.aclosing(source):
+        async for delta in source:
+            yield msgspec.structs.replace(delta, index=index)
 
 
 class ClientDisconnectedError(Exception):
@@ -59,27 +99,65 @@ class TaskSet:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-async def tracked(
+async def _ended(
     source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
 ) -> AsyncGenerator[EngineDelta, None]:
-    """Pass deltas through, counting them; record how the stream ended; abort the engine request if early."""
+    """Pass deltas through; record how the stream ended; closing it early aborts the engine request(s)."""
     try:
         async for delta in source:
-            tracker.observe(delta)
             yield delta
-    except EngineError:
-        tracker.finish("error")
-        raise
     except (asyncio.CancelledError, GeneratorExit):
         tracker.finish("cancelled")
+        raise
+    except Exception:
+        # An engine error, or a failure between engine and client (an output block has recorded itself).
+        tracker.finish("error")
         raise
     finally:
         await source.aclose()
     tracker.finish("completed")
 
 
+async def merged(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
+    """The items of all `streams` as they come (one task per stream). The first exception of any stream
+    ends the merge; closing it closes every stream."""
+    queue: asyncio.Queue[object] = asyncio.Queue(len(streams))
+
+    async def drain(stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put(item)
+            await queue.put(_END)
+        except Exception as exc:
+            await queue.put(_Failed(exc))
+
+    tasks = [asyncio.ensure_future(drain(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, _Failed):
+                raise item.error
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Failed:
+    """An exception one merged stream ended with (a stream may yield exceptions as items)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 async def collect(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, transform: Transform | None = None
+    source: Source, tracker: RequestTracker, transform: Transform | None = None
 ) -> list[EngineDelta]:
     """All deltas of a request (non-streaming responses)."""
     async with contextlib.aclosing(_through(source, tracker, transform)) as deltas:
@@ -98,7 +176,7 @@ async def _produce(deltas: AsyncGenerator[EngineDelta, None], queue: asyncio.Que
 
 
 async def pump(
-    source: AsyncGenerator[EngineDelta, None],
+    source: Source,
     tracker: RequestTracker,
     tasks: TaskSet,
     maxsize: int,

@@ -24,9 +24,9 @@ def charge_headers(charge: Charge) -> dict[str, str]:
 
 
 async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge:
-    """Reserve `prompt + max_tokens` tokens and one request for `plan`, or raise the HTTP error."""
+    """Reserve `prompt + n x max_tokens` tokens and one request for `plan`, or raise the HTTP error."""
     req = plan.engine_request
-    tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
+    tokens = len(req.prompt_token_ids) + req.n * req.sampling.max_tokens
     try:
         return await meter.reserve(principal.tenant, principal.key, tokens)
     except QuotaExceededError as exc:
@@ -48,9 +48,9 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
             (n for n, b, _ in applicable(principal.tenant, principal.key) if b.key == exc.bucket), exc.bucket
         )
         raise InvalidRequestError(
-            f"this request needs {exc.amount:g} tokens (prompt {len(req.prompt_token_ids)} + max_tokens "
-            f"{req.sampling.max_tokens}) but `{name}` holds at most {exc.capacity:g}: it can never fit; "
-            "lower max_tokens or ask for a larger quota",
+            f"this request needs {exc.amount:g} tokens (prompt {len(req.prompt_token_ids)} + n {req.n} x "
+            f"max_tokens {req.sampling.max_tokens}) but `{name}` holds at most {exc.capacity:g}: it can "
+            "never fit; lower max_tokens or n, or ask for a larger quota",
             param="max_tokens",
             code="quota_exceeds_capacity",
         ) from exc

@@ -31,6 +31,7 @@ from engines.base import (
     EngineOverloadedError,
     EngineRequestError,
 )
+from engines.choices import split_choices
 from gateway.errors import (
     APIError,
     EngineFailedError,
@@ -70,8 +71,9 @@ async def run_chat(
     """A chat completion, from decoded request to response."""
     request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
-    plan = await plan_chat(req, request_id, model, await services.renderer_for(model), limits)
-    return await _run(services, plan, request, principal)
+    renderer = await services.renderer_for(model)
+    plan = await plan_chat(req, request_id, model, renderer, limits)
+    return await _run(services, plan, request, principal, renderer.tokenizer)
 
 
 async def run_completion(
@@ -80,8 +82,9 @@ async def run_completion(
     """A legacy completion, from decoded request to response."""
     request_id = request_id_of(request)
     model, limits = services.target(req.model, request_id)
-    plan = await plan_completion(req, request_id, model, await services.renderer_for(model), limits)
-    return await _run(services, plan, request, principal)
+    renderer = await services.renderer_for(model)
+    plan = await plan_completion(req, request_id, model, renderer, limits)
+    return await _run(services, plan, request, principal, renderer.tokenizer)
 
 
 def engine_api_error(exc: EngineError) -> APIError:
@@ -194,7 +197,7 @@ def _refund(services: Services, charge: Charge) -> None:
 
 
 async def _run(
-    services: Services, plan: Plan, request: Request[Any, Any, Any], principal: Principal
+    services: Services, plan: Plan, request: Request[Any, Any, Any], principal: Principal, tokenizer: Any
 ) -> Response[Any]:
     req = plan.engine_request
     policy = services.policy_for(principal, plan.request_id)
@@ -221,13 +224,18 @@ async def _run(
         services.settle_on_outcome(charge),
         tokenizer=plan.model.tokenizer.ref,
         chat_template=plan.model.chat_template.ref,
+        choices=plan.choices,
+        metadata=plan.metadata,
     )
     output = (
         _OutputGuard(services, policy, context, tracker) if services.gate.guards(policy, "output") else None
     )
     prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
-    formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()))
-    source = services.pools[plan.model.spec.engine_pool].generate(req)
+    formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()), tokenizer)
+    engine = services.pools[plan.model.spec.engine_pool]
+    # One engine request per choice (engines generate one sequence each); the flow merges them by index.
+    sources = [engine.generate(choice) for choice in split_choices(req)]
+    source = sources[0] if len(sources) == 1 else sources
     try:
         if not plan.stream:
             transform = output.transform(whole=True) if output else None

@@ -6,13 +6,17 @@ not fit the context, or a `max_tokens` that would overflow it, is refused with `
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 import msgspec
 
-from engines.base import EngineRequest, SamplingSpec
+from engines.base import EngineRequest, OutputConstraint, SamplingSpec
 from gateway.errors import InvalidRequestError
+from gateway.generation.messages import message_texts
 from gateway.generation.prompts import PromptRenderer
+from gateway.generation.structured import SchemaError, prepare_schema, tool_call_schema
+from gateway.generation.tools import ToolUse, template_messages, tool_use
 from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from guard.base import Source, Span
@@ -21,6 +25,11 @@ from registry.view import ResolvedModel
 # OpenAI's default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_SEQUENCES = 4
+# OpenAI's limits.
+MAX_LOGIT_BIAS = 300
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 # Roles whose messages the tenant itself configures: the guard treats them as trusted.
 TRUSTED_ROLES = frozenset({"system", "developer"})
 _SOURCES: dict[str, Source] = {
@@ -38,6 +47,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     default_max_tokens: int
     max_logprobs: int
+    max_choices: int = 1
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,23 +67,76 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     # The input as the guard sees it: system and developer messages are the tenant's own (trusted); what
     # users, earlier turns and tools supplied is not.
     spans: tuple[Span, ...]
+    # Chat: the tools offered and how calls come out of the output (None: no tools).
+    tools: ToolUse | None = None
+    # Chat: the client's `metadata`, kept with the outcome.
+    metadata: dict[str, str] | None = None
+
+    @property
+    def choices(self) -> int:
+        """How many choices the response has."""
+        return self.engine_request.n
 
 
-def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_value")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+def _check_range(value: float | None, field: str, low: float, high: float, *, open_low: bool = False) -> None:
+    if value is None:
+        return
+    ok = (low < value if open_low else low <= value) and value <= high
+    if not ok:  # written so that NaN fails too
+        bound = "(" if open_low else "["
         raise InvalidRequestError(
-            "temperature must be between 0 and 2", param="temperature", code="invalid_value"
+            f"{field} must be in {bound}{low:g}, {high:g}]", param=field, code="invalid_value"
         )
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p", code="invalid_value")
+
+
+def _check_common(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= limits.max_choices:
+        raise InvalidRequestError(
+            f"n must be between 1 and {limits.max_choices}", param="n", code="invalid_value"
+        )
+    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.top_p, "top_p", 0.0, 1.0, open_low=True)
+    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, open_low=True)
+    _check_range(req.min_p, "min_p", 0.0, 1.0)
+    if req.top_k is not None and not (req.top_k in (-1, 0) or req.top_k >= 1):
+        raise InvalidRequestError(
+            "top_k must be -1 or 0 (off) or at least 1", param="top_k", code="invalid_value"
+        )
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise InvalidRequestError("min_tokens must be at least 0", param="min_tokens", code="invalid_value")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidRequestError("seed must be in [0, 2**63)", param="seed", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value"
         )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias", code="invalid_value"
+        )
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias key {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                param=f"logit_bias.{key}",
+                code="invalid_value",
+            )
+        _check_range(value, f"logit_bias.{key}", -100.0, 100.0)
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -115,8 +178,19 @@ def _max_tokens(
 
 
 def _sampling(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    constraint: OutputConstraint | None = None,
 ) -> SamplingSpec:
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -124,11 +198,89 @@ def _sampling(
         seed=req.seed,
         stop=_stop(req.stop),
         logprobs=logprobs,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        top_k=max(0, req.top_k or 0),
+        min_p=req.min_p or 0.0,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        constraint=constraint,
     )
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+    return req.stream_options is not None and bool(req.stream_options.include_usage)
+
+
+def _metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequestError(
+            f"metadata holds at most {MAX_METADATA_PAIRS} pairs", param="metadata", code="invalid_value"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequestError(
+                f"metadata keys are at most {MAX_METADATA_KEY} characters and values at most "
+                f"{MAX_METADATA_VALUE}",
+                param=f"metadata.{key[:MAX_METADATA_KEY]}",
+                code="invalid_value",
+            )
+    return metadata
+
+
+async def _schema(schema: object, strict: bool, param: str, renderer: PromptRenderer) -> str:
+    """The schema as the engine gets it, checked off the event loop (compiling it is CPU work)."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(renderer.executor, lambda: prepare_schema(schema, strict=strict))
+    except SchemaError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param, code="invalid_schema") from exc
+
+
+async def _constraint(
+    req: ChatCompletionRequest, use: ToolUse | None, renderer: PromptRenderer
+) -> OutputConstraint | None:
+    """What decoding is constrained to: a required or named tool call, or the response format."""
+    fmt = req.response_format
+    wants_json = fmt is not None and fmt.type != "text"
+    if use is not None and use.mode in ("required", "named"):
+        if wants_json:
+            raise InvalidRequestError(
+                f"response_format {fmt.type if fmt else ''} cannot be combined with "
+                f"tool_choice {use.mode!r}: "
+                "both constrain the whole output",
+                param="response_format",
+                code="unsupported_value",
+            )
+        if use.mode == "named":
+            index = next(i for i, t in enumerate(use.tools) if t.name == use.named)
+            tool = use.tools[index]
+            param = f"tools[{index}].function.parameters"
+            return OutputConstraint(
+                kind="json_schema", schema=await _schema(tool.parameters, tool.strict, param, renderer)
+            )
+        schema = tool_call_schema([(t.name, t.parameters) for t in use.tools], parallel=use.parallel)
+        strict = all(t.strict for t in use.tools)
+        return OutputConstraint(kind="json_schema", schema=await _schema(schema, strict, "tools", renderer))
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return OutputConstraint(kind="json_object")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidRequestError(
+            "response_format json_schema needs json_schema.schema",
+            param="response_format.json_schema.schema",
+        )
+    schema_text = await _schema(
+        fmt.json_schema.schema_,
+        bool(fmt.json_schema.strict),
+        "response_format.json_schema.schema",
+        renderer,
+    )
+    return OutputConstraint(kind="json_schema", schema=schema_text)
 
 
 async def plan_chat(
@@ -138,10 +290,15 @@ async def plan_chat(
     renderer: PromptRenderer,
     limits: Limits,
 ) -> Plan:
-    """Validate a chat request and render its messages with the model's chat template."""
-    _check_common(req)
-    if not req.messages:
-        raise InvalidRequestError("messages must contain at least one message", param="messages")
+    """Validate a chat request and render its messages (and tools) with the model's chat template."""
+    _check_common(req, limits)
+    texts = message_texts(req.messages)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise InvalidRequestError(
+            'this model answers in text only: modalities must be ["text"]',
+            param="modalities",
+            code="unsupported_value",
+        )
     top: int | None = None
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -157,8 +314,11 @@ async def plan_chat(
         top = 0
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = await renderer.chat(messages)
+    use = tool_use(req)
+    metadata = _metadata(req.metadata)
+    constraint = await _constraint(req, use, renderer)
+    messages, tools = template_messages(req.messages, texts, use, renderer.supports_tools)
+    prompt = await renderer.chat(messages, tools)
     max_tokens = _max_tokens(asked, field, len(prompt), limits.default_max_tokens, limits, "messages")
     return Plan(
         kind="chat",
@@ -168,15 +328,18 @@ async def plan_chat(
         engine_request=EngineRequest(
             request_id=engine_request_id(request_id),
             prompt_token_ids=tuple(prompt),
-            sampling=_sampling(req, max_tokens, top),
+            sampling=_sampling(req, max_tokens, top, renderer.vocab_size, constraint),
+            n=req.n or 1,
         ),
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=_include_usage(req),
-        logprobs=req.logprobs,
+        logprobs=bool(req.logprobs),
         spans=tuple(
-            Span(text=m.text(), source=_SOURCES[m.role], trusted=m.role in TRUSTED_ROLES)
-            for m in req.messages
+            Span(text=text, source=_SOURCES[m.role], trusted=m.role in TRUSTED_ROLES)
+            for m, text in zip(req.messages, texts, strict=True)
         ),
+        tools=use,
+        metadata=metadata,
     )
 
 
@@ -209,9 +372,17 @@ async def plan_completion(
     req: CompletionRequest, request_id: str, model: ResolvedModel, renderer: PromptRenderer, limits: Limits
 ) -> Plan:
     """Validate a legacy completion request and tokenize its prompt."""
-    _check_common(req)
+    _check_common(req, limits)
     if req.echo:
         raise InvalidRequestError("echo is not supported", param="echo", code="unsupported_value")
+    if req.suffix is not None:
+        raise InvalidRequestError("suffix is not supported", param="suffix", code="unsupported_value")
+    if req.best_of not in (None, 1):
+        raise InvalidRequestError(
+            "best_of is not supported (only 1); ask for n choices instead",
+            param="best_of",
+            code="unsupported_value",
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
         raise InvalidRequestError(f"logprobs must be between 0 and {limits.max_logprobs}", param="logprobs")
     prompt = await _completion_prompt(req.prompt, renderer)
@@ -227,9 +398,10 @@ async def plan_completion(
         engine_request=EngineRequest(
             request_id=engine_request_id(request_id),
             prompt_token_ids=tuple(prompt),
-            sampling=_sampling(req, max_tokens, req.logprobs),
+            sampling=_sampling(req, max_tokens, req.logprobs, renderer.vocab_size),
+            n=req.n or 1,
         ),
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=_include_usage(req),
         logprobs=req.logprobs is not None,
         spans=(Span(text=text, source="user"),),

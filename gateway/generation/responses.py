@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
 from engines.base import EngineDelta, FinishReason, TokenLogprob, Usage
 from gateway.generation.planning import Plan
+from gateway.generation.tools import CallStream, parse_whole
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -81,58 +83,103 @@ def _completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> Comple
 
 
 class Formatter:
-    """Turns one request's engine deltas into OpenAI output (streaming chunks or one whole response)."""
+    """Turns one request's engine deltas into OpenAI output (streaming chunks or one whole response), per
+    choice (`EngineDelta.index`); tool calls are parsed out of chat output when the request offered tools."""
 
-    def __init__(self, plan: Plan, response_id: str, model: str, created: int) -> None:
+    def __init__(self, plan: Plan, response_id: str, model: str, created: int, tokenizer: Any = None) -> None:
         self._plan = plan
         self._id = response_id
         self._model = model
         self._created = created
-        self._offset = 0
+        self._tokenizer = tokenizer
+        # Per choice: text offset (completion logprobs), tool-call parsing state, whether it has ended.
+        self._offsets: dict[int, int] = {}
+        self._calls: dict[int, CallStream] = {}
+        self._ended: set[int] = set()
 
     # ---- streaming ----
 
     def _chat_chunk(
-        self, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None
+        self, index: int, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None
     ) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(
             ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice])
         )
 
+    def _completion_chunk(self, choice: CompletionChoice) -> bytes:
+        return sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))
+
     def opening(self) -> list[bytes]:
-        """Events sent before the first token (chat announces the assistant role)."""
+        """Events sent before the first token (chat announces the assistant role of each choice)."""
         if self._plan.kind == "chat":
-            return [self._chat_chunk(ChatDelta(role="assistant", content=""))]
+            return [
+                self._chat_chunk(i, ChatDelta(role="assistant", content=""))
+                for i in range(self._plan.choices)
+            ]
         return []
 
+    def _call_stream(self, index: int) -> CallStream | None:
+        use = self._plan.tools
+        if use is None:
+            return None
+        if index not in self._calls:
+            self._calls[index] = CallStream(use, self._tokenizer)
+        return self._calls[index]
+
     def chunk(self, delta: EngineDelta) -> list[bytes]:
-        """Events for one engine delta (none when it carries neither text nor a finish reason)."""
+        """Events for one engine delta (none when it carries nothing to send)."""
         finish = _finish(delta.finish_reason)
-        if not delta.text and finish is None:
-            return []
+        index = delta.index
+        if finish is not None:
+            self._ended.add(index)
         entries = delta.logprobs if self._plan.logprobs and delta.logprobs else ()
-        if self._plan.kind == "chat":
-            out = []
-            if delta.text:
-                logprobs = _chat_logprobs(entries) if self._plan.logprobs else None
-                out.append(self._chat_chunk(ChatDelta(content=delta.text), logprobs=logprobs))
+        if self._plan.kind != "chat":
+            if not delta.text and finish is None:
+                return []
+            offset = self._offsets.get(index, 0)
+            text_logprobs = _completion_logprobs(entries, offset) if self._plan.logprobs else None
+            self._offsets[index] = offset + len(delta.text)
+            choice = CompletionChoice(
+                index=index, text=delta.text, finish_reason=finish, logprobs=text_logprobs
+            )
+            return [self._completion_chunk(choice)]
+        logprobs = _chat_logprobs(entries) if self._plan.logprobs else None
+        calls = self._call_stream(index)
+        if calls is None:
+            out = (
+                [self._chat_chunk(index, ChatDelta(content=delta.text), logprobs=logprobs)]
+                if delta.text
+                else []
+            )
             if finish is not None:
-                out.append(self._chat_chunk(ChatDelta(), finish))
+                out.append(self._chat_chunk(index, ChatDelta(), finish))
             return out
-        completion_logprobs = _completion_logprobs(entries, self._offset) if self._plan.logprobs else None
-        self._offset += len(delta.text)
-        choice = CompletionChoice(
-            index=0, text=delta.text, finish_reason=finish, logprobs=completion_logprobs
-        )
-        return [sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))]
+        pieces = [calls.feed(delta.text)] if delta.text else []
+        if finish is not None:
+            pieces.append(calls.finish())
+        out = []
+        for piece in pieces:
+            if piece.content or piece.calls:
+                message = ChatDelta(content=piece.content, tool_calls=piece.calls or None)
+                out.append(self._chat_chunk(index, message, logprobs=logprobs))
+                logprobs = None
+        if finish is not None:
+            out.append(self._chat_chunk(index, ChatDelta(), _with_calls(finish, calls.called)))
+        return out
 
     def filtered(self) -> list[bytes]:
-        """The chunk that ends a stream the output guard stopped (`finish_reason: content_filter`)."""
+        """The chunks that end a stream the output guard stopped (`finish_reason: content_filter` for every
+        choice not ended yet)."""
+        open_choices = [i for i in range(self._plan.choices) if i not in self._ended]
         if self._plan.kind == "chat":
-            return [self._chat_chunk(ChatDelta(), CONTENT_FILTER)]
-        choice = CompletionChoice(index=0, text="", finish_reason=CONTENT_FILTER, logprobs=None)
-        return [sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))]
+            return [self._chat_chunk(i, ChatDelta(), CONTENT_FILTER) for i in open_choices]
+        return [
+            self._completion_chunk(
+                CompletionChoice(index=i, text="", finish_reason=CONTENT_FILTER, logprobs=None)
+            )
+            for i in open_choices
+        ]
 
     def closing(self, usage: Usage) -> list[bytes]:
         """The usage event (when asked for) and `[DONE]`."""
@@ -160,42 +207,61 @@ class Formatter:
 
     # ---- whole response ----
 
+    def _chat_choice(self, index: int, deltas: Sequence[EngineDelta], filtered: bool) -> ChatChoice:
+        text = "".join(d.text for d in deltas)
+        finish = CONTENT_FILTER if filtered else _last_finish(deltas)
+        entries = [e for d in deltas for e in (d.logprobs or ())]
+        logprobs = _chat_logprobs(entries) if self._plan.logprobs else None
+        use = self._plan.tools
+        if use is None or filtered:
+            return ChatChoice(
+                index=index, message=AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs
+            )
+        parsed = parse_whole(use, text, self._tokenizer)
+        message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls or None)
+        if finish is not None:
+            finish = _with_calls(finish, bool(parsed.calls))
+        return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=logprobs)
+
     def whole(
         self, deltas: Sequence[EngineDelta], usage: Usage, *, filtered: bool = False
     ) -> ChatCompletion | Completion:
         """The non-streaming response built from all deltas; `filtered`: the output guard blocked it, and
         none of its text is sent."""
-        if filtered:
-            deltas = ()
-        text = "".join(d.text for d in deltas)
-        finish = _finish(next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None))
-        if filtered:
-            finish = CONTENT_FILTER
-        entries = [e for d in deltas for e in (d.logprobs or ())]
+        by_choice: dict[int, list[EngineDelta]] = {i: [] for i in range(self._plan.choices)}
+        if not filtered:
+            for delta in deltas:
+                by_choice[delta.index].append(delta)
         if self._plan.kind == "chat":
-            choice = ChatChoice(
-                index=0,
-                message=AssistantMessage(content=text),
-                finish_reason=finish,
-                logprobs=_chat_logprobs(entries) if self._plan.logprobs else None,
-            )
             return ChatCompletion(
                 id=self._id,
                 created=self._created,
                 model=self._model,
-                choices=[choice],
+                choices=[self._chat_choice(i, ds, filtered) for i, ds in by_choice.items()],
                 usage=usage_info(usage),
             )
-        completion = CompletionChoice(
-            index=0,
-            text=text,
-            finish_reason=finish,
-            logprobs=_completion_logprobs(entries, 0) if self._plan.logprobs else None,
-        )
+        choices = [
+            CompletionChoice(
+                index=i,
+                text="".join(d.text for d in ds),
+                finish_reason=CONTENT_FILTER if filtered else _last_finish(ds),
+                logprobs=(
+                    _completion_logprobs([e for d in ds for e in (d.logprobs or ())], 0)
+                    if self._plan.logprobs
+                    else None
+                ),
+            )
+            for i, ds in by_choice.items()
+        ]
         return Completion(
-            id=self._id,
-            created=self._created,
-            model=self._model,
-            choices=[completion],
-            usage=usage_info(usage),
+            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage_info(usage)
         )
+
+
+def _last_finish(deltas: Sequence[EngineDelta]) -> str | None:
+    return _finish(next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None))
+
+
+def _with_calls(finish: str, called: bool) -> str:
+    """OpenAI's finish reason of an answer that called tools."""
+    return "tool_calls" if called and finish == "stop" else finish

@@ -32,6 +32,8 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool
     tokenizer: str = ""
     chat_template: str = ""
+    # The client's `metadata` (chat completions), kept with the outcome.
+    metadata: dict[str, str] | None = None
 
 
 OutcomeSink = Callable[[Outcome], None]
@@ -63,8 +65,12 @@ class RequestTracker:
         *,
         tokenizer: str = "",
         chat_template: str = "",
+        choices: int = 1,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
+        self._choices = choices
+        self._metadata = metadata
         self._model = model
         self._tokenizer = tokenizer
         self._chat_template = chat_template
@@ -72,7 +78,8 @@ class RequestTracker:
         self._stream = stream
         self._sink = sink
         self._completion_tokens = 0
-        self._final: Usage | None = None
+        # Each choice's final usage, by choice index.
+        self._finals: dict[int, Usage] = {}
         self._finish: FinishReason | None = None
         self._stalled = False
         self.outcome: Outcome | None = None
@@ -82,16 +89,23 @@ class RequestTracker:
         self._completion_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
-            self._final = delta.usage
+            if delta.usage is not None:
+                self._finals[delta.index] = delta.usage
 
     def mark_stalled(self) -> None:
         """The client stopped reading; the coming cancellation is a stall, not a disconnect."""
         self._stalled = True
 
     def usage(self) -> Usage:
-        """Usage so far: the engine's final figures when it sent them, else what was counted."""
-        if self._final is not None:
-            return self._final
+        """Usage so far: the engine's final figures when every choice sent them (the prompt counted once, as
+        OpenAI counts it for n > 1), else what was counted."""
+        finals = list(self._finals.values())
+        if len(finals) == self._choices:
+            return Usage(
+                prompt_tokens=finals[0].prompt_tokens,
+                completion_tokens=sum(u.completion_tokens for u in finals),
+                cached_tokens=finals[0].cached_tokens,
+            )
         return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens)
 
     def finish(self, status: Status) -> Outcome:
@@ -109,6 +123,7 @@ class RequestTracker:
             stream=self._stream,
             tokenizer=self._tokenizer,
             chat_template=self._chat_template,
+            metadata=self._metadata,
         )
         self._sink(self.outcome)
         return self.outcome

@@ -60,11 +60,147 @@ CASES = [
     # Unknown or unsupported fields are refused by name, never ignored.
     pytest.param(Case(chat(foo=1), *bad("foo", "unsupported_parameter")), id="unknown-field"),
     pytest.param(
-        Case(chat(presence_penalty=0.5), *bad("presence_penalty", "unsupported_parameter")),
-        id="presence_penalty",
+        Case(chat(functions=[{"name": "f"}]), *bad("functions", "unsupported_parameter")), id="functions"
     ),
-    pytest.param(Case(chat(tools=[]), *bad("tools", "unsupported_parameter")), id="tools"),
-    pytest.param(Case(chat(logit_bias={}), *bad("logit_bias", "unsupported_parameter")), id="logit_bias"),
+    pytest.param(
+        Case(chat(presence_penalty=2.5), *bad("presence_penalty", "invalid_value")), id="presence_penalty"
+    ),
+    pytest.param(
+        Case(chat(frequency_penalty=-3), *bad("frequency_penalty", "invalid_value")), id="frequency_penalty"
+    ),
+    pytest.param(
+        Case(chat(logit_bias={"99999999": 5}), *bad("logit_bias.99999999", "invalid_value")),
+        id="logit_bias-not-a-token",
+    ),
+    pytest.param(
+        Case(chat(logit_bias={"12": 101}), *bad("logit_bias.12", "invalid_value")), id="logit_bias-range"
+    ),
+    pytest.param(Case(chat(top_k=-2), *bad("top_k", "invalid_value")), id="top_k"),
+    pytest.param(
+        Case(chat(min_tokens=20, max_tokens=10), *bad("min_tokens", "invalid_value")), id="min_tokens"
+    ),
+    pytest.param(Case(chat(service_tier="gold"), *bad("service_tier")), id="service_tier-value"),
+    pytest.param(
+        Case(chat(metadata={f"k{i}": "v" for i in range(17)}), *bad("metadata", "invalid_value")),
+        id="metadata-too-many",
+    ),
+    pytest.param(
+        Case(chat(modalities=["text", "audio"]), *bad("modalities", "unsupported_value")), id="modalities"
+    ),
+    # Tools and structured outputs.
+    pytest.param(Case(chat(tool_choice="required"), *bad("tool_choice")), id="tool_choice-without-tools"),
+    pytest.param(
+        Case(chat(parallel_tool_calls=False), *bad("parallel_tool_calls")), id="parallel-without-tools"
+    ),
+    pytest.param(
+        Case(
+            chat(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            *bad("tool_choice"),
+        ),
+        id="tool_choice-unknown-function",
+    ),
+    pytest.param(
+        Case(
+            chat(tools=[{"type": "function", "function": {"name": "bad name"}}]),
+            *bad("tools[0].function.name"),
+        ),
+        id="tool-bad-name",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                tools=[{"type": "function", "function": {"name": "f"}}] * 2,
+            ),
+            *bad("tools[1].function.name"),
+        ),
+        id="tool-defined-twice",
+    ),
+    pytest.param(
+        Case(
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            *bad("response_format.json_schema.schema"),
+        ),
+        id="json_schema-without-schema",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                    },
+                }
+            ),
+            *bad("response_format.json_schema.schema", "invalid_schema"),
+        ),
+        id="json_schema-unsupported-feature",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                response_format={"type": "json_object"},
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice="required",
+            ),
+            *bad("response_format", "unsupported_value"),
+        ),
+        id="json-with-required-tool",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                ]
+            ),
+            *bad("messages[1].tool_calls[0].function.arguments"),
+        ),
+        id="history-tool-arguments-not-json",
+    ),
+    pytest.param(
+        Case(chat(messages=[{"role": "tool", "content": "42"}]), *bad("messages[0].tool_call_id")),
+        id="tool-message-without-id",
+    ),
+    pytest.param(
+        Case(chat(messages=[{"role": "user", "content": None}]), *bad("messages[0].content")),
+        id="user-content-null",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+                        ],
+                    }
+                ]
+            ),
+            *bad("messages[0].content[0].type", "unsupported_content"),
+        ),
+        id="image-part",
+    ),
+    pytest.param(
+        Case(
+            chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+            *bad("messages[0].content[0].type", "unsupported_content"),
+        ),
+        id="audio-part",
+    ),
     pytest.param(
         Case(chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), *bad("messages[0].foo")),
         id="nested-unknown-field",
@@ -89,7 +225,8 @@ CASES = [
         Case(chat(model="gpt-4o"), 404, "model", type="not_found_error", code="model_not_found"),
         id="model-not-served",
     ),
-    pytest.param(Case(chat(n=2), *bad("n", "unsupported_value")), id="n"),
+    pytest.param(Case(chat(n=5), *bad("n", "invalid_value")), id="n-over-max"),
+    pytest.param(Case(chat(n=0), *bad("n", "invalid_value")), id="n-zero"),
     pytest.param(Case(chat(temperature=3), *bad("temperature", "invalid_value")), id="temperature-range"),
     pytest.param(Case(chat(top_p=0), *bad("top_p", "invalid_value")), id="top_p-zero"),
     pytest.param(Case(chat(seed=-1), *bad("seed", "invalid_value")), id="negative-seed"),
@@ -144,6 +281,10 @@ CASES = [
         id="completions-echo",
     ),
     pytest.param(
+        Case(completion(best_of=3), *bad("best_of", "unsupported_value"), path=COMPLETIONS),
+        id="completions-best_of",
+    ),
+    pytest.param(
         Case(completion(logprobs=50), *bad("logprobs"), path=COMPLETIONS), id="completions-logprobs"
     ),
     pytest.param(
@@ -151,7 +292,7 @@ CASES = [
         id="completions-prompt-over-context",
     ),
     pytest.param(
-        Case(completion(suffix="x"), *bad("suffix", "unsupported_parameter"), path=COMPLETIONS),
+        Case(completion(suffix="x"), *bad("suffix", "unsupported_value"), path=COMPLETIONS),
         id="completions-suffix",
     ),
     # Routing.

@@ -150,5 +150,5 @@ async def test_an_unexpected_error_between_engine_and_client_reaches_the_consume
         await anext(stream)
     await stream.aclose()
     await tasks.wait_all()
-    # The engine request was closed (aborted) and its outcome recorded.
-    assert [o.status for o in counting.outcomes] == ["cancelled"]
+    # The engine request was closed (aborted) and its outcome recorded as an error.
+    assert [o.status for o in counting.outcomes] == ["error"]
