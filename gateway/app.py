@@ -21,6 +21,7 @@ from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
+from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, log_outcome
 from gateway.guards import GuardFactory
 from gateway.requestid import request_id_middleware
@@ -41,6 +42,7 @@ from registry.base import RegistryStore
 from registry.default_model import register_default_model
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
+from registry.validation import model_dir_of
 from registry.view import ResolvedModel, ResolvedPolicy
 
 # Guard model name of the zero-shot one-token judge on the served model (one version per served version).
@@ -90,11 +92,8 @@ def build_engine(config: Config, model_dir: Path | None = None, name: str | None
 
 
 def _model_dir_of(config: Config, model: ResolvedModel) -> Path:
-    """The directory of a registered model version: its artifact is `<dir>/<weights file>` under the data
-    directory (absolute artifacts are used as they are)."""
-    artifact = Path(model.spec.artifact)
-    root = artifact if artifact.is_absolute() else config.model.data_path() / artifact
-    return root.parent
+    """The directory of a registered model version's files."""
+    return model_dir_of(config.model.data_path(), model.spec.artifact)
 
 
 async def _guard_pools(
@@ -166,15 +165,30 @@ async def _trained_guards(config: Config, registry: Registry, served: str) -> Tr
     return TrainedGuards(embedding=refs.embedding, one_token=refs.one_token, categories=refs.categories)
 
 
-async def _start_registry(config: Config, store: RegistryStore, clock: Clock) -> Registry:
+async def _start_registry(
+    config: Config,
+    store: RegistryStore,
+    clock: Clock,
+    renderers: RendererCache,
+    renderer: PromptRenderer | None,
+) -> tuple[Registry, PromptRenderer]:
     """Load the registry, register the served model directory, the guards and the default policy, apply the
-    manifest."""
+    manifest. From then on every model version published or aliased must load in `renderers` (its files,
+    tokenizer hash and chat template), which keeps what it loads. Returns the served model's renderer:
+    `renderer` when given (a pre-loaded one for the served version), else loaded from the model directory."""
     registry = await Registry.load(
         store, clock, config.registry.refresh_interval, refresh_timeout=config.registry.refresh_timeout
     )
     served = await register_default_model(
         registry, config.model.model_dir(), public_name=config.model.name, actor="startup"
     )
+    # Its versions were just derived from these very files; loaded from the configured directory, which
+    # `model.path` may place outside the data directory the artifact is relative to.
+    prompts = renderer or await PromptRenderer.load(
+        config.model.model_dir(), renderers.executor, served.template.text
+    )
+    renderers.seed(renderer_key(served), prompts)
+    registry.model_check = renderers.check
     # The zero-shot judge on the served model: weak (guard/default_guard.py), published so that policies and
     # evaluations can name it next to the trained guards.
     await registry.publish(
@@ -186,7 +200,7 @@ async def _start_registry(config: Config, store: RegistryStore, clock: Clock) ->
         path = await asyncio.to_thread(lambda: Path(config.registry.manifest).expanduser())
         await apply_manifest_file(registry, path, actor="manifest")
     await registry.refresh()
-    return registry
+    return registry, prompts
 
 
 def open_quota_store(config: Config) -> QuotaStore:
@@ -266,7 +280,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lockgate-tokenize")
+        executor = ThreadPoolExecutor(
+            max_workers=config.model.tokenizer_threads, thread_name_prefix="lockgate-tokenize"
+        )
+        renderers = RendererCache(config.model.data_path(), executor, config.model.renderer_cache_size)
         tasks = TaskSet()
         async with AsyncExitStack() as owned:
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)
@@ -282,14 +299,13 @@ def create_app(
             if versions is None:
                 versions = await open_registry_store(config)
                 owned.push_async_callback(versions.close)
-            live_registry = await _start_registry(config, versions, clock)
+            live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
             owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
             active = engine
             if active is None:
                 active = build_engine(config)
                 await active.start()
                 owned.push_async_callback(active.shutdown)
-            prompts = renderer or await PromptRenderer.load(config.model.model_dir(), executor)
             meter = quota_meter(config, buckets, clock)
             pools: dict[str, Engine] = {DEFAULT_POOL: active, **(guard_pools or {})}
             default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
@@ -327,6 +343,7 @@ def create_app(
                 guards=factory,
                 clock=clock,
                 pools=pools,
+                renderers=renderers,
             )
             try:
                 yield

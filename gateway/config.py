@@ -61,6 +61,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_model_len: int = 2048
     # `max_tokens` used when a request gives none: the rest of the context, capped at this.
     default_max_tokens: int = 512
+    # Threads that tokenize prompts off the event loop.
+    tokenizer_threads: int = 2
+    # Prompt renderers (one per tokenizer and chat template version pair) kept loaded, least recently used
+    # first out.
+    renderer_cache_size: int = 8
 
     def data_path(self) -> Path:
         """The data directory (prepared models and the guards trained for them)."""
@@ -255,6 +260,8 @@ def _check(config: Config) -> None:
         "server.stream_stall_timeout": config.server.stream_stall_timeout,
         "model.max_model_len": config.model.max_model_len,
         "model.default_max_tokens": config.model.default_max_tokens,
+        "model.tokenizer_threads": config.model.tokenizer_threads,
+        "model.renderer_cache_size": config.model.renderer_cache_size,
         "engine.kv_cache_bytes": config.engine.kv_cache_bytes,
         "engine.max_num_seqs": config.engine.max_num_seqs,
         "engine.step_target": config.engine.step_target,

@@ -12,6 +12,7 @@ from gateway.errors import EngineUnavailableError, InvalidRequestError, NotFound
 from gateway.generation.flow import TaskSet
 from gateway.generation.planning import Limits
 from gateway.generation.prompts import PromptRenderer
+from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -46,6 +47,7 @@ class Services:
         clock: Clock,
         guards: GuardFactory | None = None,
         pools: dict[str, Engine] | None = None,
+        renderers: RendererCache | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -53,7 +55,9 @@ class Services:
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         # Pools that only guard models run on (every pool but the served engine's).
         self.guard_pools = frozenset(p for p, e in self.pools.items() if e is not engine)
+        # The served model's renderer; `renderers` holds every version pair's (None: `renderer` serves all).
         self.renderer = renderer
+        self.renderers = renderers
         self.sink = sink
         self.tasks = tasks
         self.tenants = tenants
@@ -110,7 +114,16 @@ class Services:
 
     async def renderer_for(self, model: ResolvedModel) -> PromptRenderer:
         """The renderer of `model`'s tokenizer and chat template versions."""
-        return self.renderer
+        if self.renderers is None:
+            return self.renderer
+        try:
+            return await self.renderers.get(model)
+        except RegistryInvalidError as exc:
+            # Checked when published: files that changed or vanished since are the operator's to fix.
+            raise EngineUnavailableError(
+                f"the tokenizer or chat template of {model.ref} cannot be loaded: {exc}",
+                code="renderer_unavailable",
+            ) from exc
 
     def policy_for(self, principal: Principal, request_id: str) -> ResolvedPolicy:
         """The safety policy version the caller's tenant is bound to, from the current registry view."""

@@ -25,13 +25,26 @@ import msgspec
 
 from registry.base import InvalidError, RegistryError, RegistryStore
 from registry.hashing import canonical_json, content_hash
-from registry.models import SPEC_TYPES, Alias, AliasTarget, Kind, Published, Spec, check_name, decode_spec
+from registry.models import (
+    SPEC_TYPES,
+    Alias,
+    AliasTarget,
+    Kind,
+    ModelSpec,
+    Published,
+    Spec,
+    check_name,
+    decode_spec,
+)
 from registry.validation import check_spec, check_targets
 from registry.view import RegistryView, ResolvedModel, ResolvedPolicy
 
 log = logging.getLogger("lockgate.registry")
 
 RefresherState = Literal["not_started", "running", "stopped"]
+# Checks that a model version can be served (its files, tokenizer hash, chat template) before it is
+# published or an alias points at it: (view, "name@version", spec); InvalidError names the problem.
+ModelCheck = Callable[[RegistryView, str, ModelSpec], Awaitable[None]]
 
 
 class RegistryHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,9 +79,11 @@ class Registry:
         *,
         refresh_timeout: float = 5.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        model_check: ModelCheck | None = None,
     ) -> None:
         """Serve from `store`; `clock` stamps changes and ages the view, `sleep` paces the refresher (both
-        injectable); `refresh_timeout` bounds each refresher tick in real seconds."""
+        injectable); `refresh_timeout` bounds each refresher tick in real seconds. `model_check` (settable
+        later, as the app does once its renderers exist) refuses model versions that cannot be served."""
         if not refresh_interval > 0:
             raise ValueError(f"refresh_interval must be positive, got {refresh_interval}")
         if not refresh_timeout > 0:
@@ -78,6 +93,7 @@ class Registry:
         self.refresh_timeout = refresh_timeout
         self._clock = clock
         self._sleep = sleep
+        self.model_check = model_check
         self._view = RegistryView.empty()
         # One reload at a time, so an older snapshot can never replace a newer one.
         self._reload = asyncio.Lock()
@@ -98,9 +114,17 @@ class Registry:
         *,
         refresh_timeout: float = 5.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        model_check: ModelCheck | None = None,
     ) -> Registry:
         """A registry with its first view already loaded."""
-        registry = cls(store, clock, refresh_interval, refresh_timeout=refresh_timeout, sleep=sleep)
+        registry = cls(
+            store,
+            clock,
+            refresh_interval,
+            refresh_timeout=refresh_timeout,
+            sleep=sleep,
+            model_check=model_check,
+        )
         await registry.refresh()
         return registry
 
@@ -193,7 +217,8 @@ class Registry:
             )
 
     async def publish(self, kind: Kind, name: str, version: str, spec: Spec, *, actor: str) -> Published:
-        """Publish `spec` as `name@version` of `kind`, after checking it and the versions it refers to.
+        """Publish `spec` as `name@version` of `kind`, after checking it and the versions it refers to (and,
+        for a model, `model_check`).
 
         Publishing identical content again returns the stored version; other content is a ConflictError.
         """
@@ -211,6 +236,11 @@ class Registry:
         spec_json = canonical_json(normalized)
         await self.refresh()
         check_spec(kind, f"{name}@{version}", normalized, self._view)
+        new = not self._view.has(kind, name, version)
+        if new and self.model_check is not None and isinstance(normalized, ModelSpec):
+            # Refused here, by the operator's change, never discovered later by a user's request. A version
+            # already published is left to the store: identical content is a no-op, other content a conflict.
+            await self.model_check(self._view, f"{name}@{version}", normalized)
         published = await self.store.publish(
             kind, name, version, spec_json, content_hash(spec_json), actor=actor, now=self._clock()
         )
@@ -220,11 +250,17 @@ class Registry:
     async def set_alias(
         self, kind: Kind, name: str, targets: str | Sequence[AliasTarget], *, actor: str
     ) -> Alias:
-        """Point alias `name` of `kind` at one version (a string) or at canary targets."""
+        """Point alias `name` of `kind` at one version (a string) or at canary targets (each model version
+        target passing `model_check`)."""
         check_name("alias", name)
         wanted = (AliasTarget(version=targets, weight=1.0),) if isinstance(targets, str) else tuple(targets)
         await self.refresh()
         check_targets(kind, name, wanted, self._view)
+        if self.model_check is not None and kind == "model":
+            view = self._view
+            for target in wanted:
+                ref = f"{name}@{target.version}"
+                await self.model_check(view, ref, view.spec("model", name, target.version, ModelSpec))
         alias = await self.store.set_alias(kind, name, wanted, actor=actor, now=self._clock())
         await self.refresh()
         return alias

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from registry.base import InvalidError, NotFoundError
+from registry.hashing import sha256_file
 from registry.models import (
     AliasTarget,
     GuardModelSpec,
@@ -181,3 +183,22 @@ def check_tokenizer(
                 f"tokenizer.json (sha256 {file_sha256}) does not match tokenizer {model.tokenizer} of model "
                 f"{model_ref} (content hash {tokenizer.content_hash})"
             )
+
+
+def model_dir_of(data_dir: Path, artifact: str) -> Path:
+    """The directory of a model version's files: its artifact is `<dir>/<weights file>` under the data
+    directory (absolute artifacts are used as they are)."""
+    path = Path(artifact)
+    root = path if path.is_absolute() else data_dir / path
+    return root.parent
+
+
+def check_model_files(model_ref: str, model: ModelSpec, directory: Path, tokenizer: TokenizerSpec) -> None:
+    """InvalidError unless `directory` holds model `model_ref`'s files and its tokenizer.json is the
+    tokenizer version the model requires. Blocking (it hashes the file): run it in a worker thread."""
+    if not directory.is_dir():
+        raise InvalidError(f"model {model_ref}: artifact directory {directory} does not exist")
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise InvalidError(f"model {model_ref}: {directory} has no tokenizer.json")
+    check_tokenizer(model_ref, model, tokenizer=tokenizer, file_sha256=sha256_file(tokenizer_json))

@@ -12,39 +12,56 @@ from pathlib import Path
 from typing import Any
 
 
-class PromptRenderer:
-    """The served model's tokenizer and chat template."""
+def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer of a model directory, by path and never from the network. Blocking: run it in a
+    worker thread."""
+    from transformers import AutoTokenizer
 
-    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor) -> None:
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class PromptRenderer:
+    """A tokenizer and a chat template (the registry's template text, not the one beside the tokenizer).
+
+    One fast tokenizer is shared by the executor's threads: rendering and encoding always call it with the
+    same truncation and padding settings (none), so no call mutates it and concurrent calls do not conflict
+    (tests/gateway/test_rendering_versions.py runs them concurrently on the production pool size).
+    """
+
+    def __init__(self, tokenizer: Any, executor: ThreadPoolExecutor, template: str | None = None) -> None:
+        """Render with `template` (Jinja text); None: the template the tokenizer directory holds."""
+        text = template if template is not None else getattr(tokenizer, "chat_template", None)
+        if not text:
+            raise ValueError("no chat template: the registry gave none and the tokenizer has none")
         self._tokenizer = tokenizer
         self._executor = executor
+        self.template: str = text
         # The tokenizer and its executor, shared with one-token guards on the same tokenizer.
         self.tokenizer = tokenizer
         self.executor = executor
         self.vocab_size: int = len(tokenizer)
 
     @classmethod
-    async def load(cls, model_dir: Path, executor: ThreadPoolExecutor) -> PromptRenderer:
-        """Load the tokenizer from a prepared model directory (never from the network)."""
-        from transformers import AutoTokenizer
-
+    async def load(
+        cls, model_dir: Path, executor: ThreadPoolExecutor, template: str | None = None
+    ) -> PromptRenderer:
+        """Load the tokenizer from a prepared model directory (never from the network); render with
+        `template` (None: the directory's own chat template)."""
         loop = asyncio.get_running_loop()
-        tokenizer = await loop.run_in_executor(
-            executor, lambda: AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        )
-        if not getattr(tokenizer, "chat_template", None):
+        tokenizer = await loop.run_in_executor(executor, load_tokenizer, model_dir)
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{model_dir} has no chat template")
-        return cls(tokenizer, executor)
+        return cls(tokenizer, executor, template)
 
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders a `tools` list itself (else the caller describes the tools in a
         system message, see gateway/generation/tools.py)."""
-        return "tools" in (self._tokenizer.chat_template or "")
+        return "tools" in self.template
 
     def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         text = self._tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, chat_template=self.template, add_generation_prompt=True, tokenize=False
         )
         # The template already wrote every special token the model expects.
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])

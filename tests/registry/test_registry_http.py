@@ -17,9 +17,10 @@ from gateway.config import Config, RegistryConfig
 from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Tenant
+from registry.hashing import sha256_file
 from registry.postgres import PostgresRegistryStore
 from tests.backends import DEPLOYMENTS, PG_DSN, Backends, FakeClock, deployment
-from tests.conftest import MODEL, OutcomeLog, add_key, eventually, make_config, serving
+from tests.conftest import DATA_DIR, MODEL, OutcomeLog, add_key, eventually, make_config, serving
 
 CHAT = "/v1/chat/completions"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -92,10 +93,11 @@ async def replica(
 
 
 async def publish_v2(replica: Replica) -> tuple[str, str]:
-    """Publish a second version of the default model (same tokenizer and template); return (v1, v2) refs."""
+    """Publish a second version of the default model (same files, tokenizer and template, named by an
+    absolute artifact path: a version's files must exist to be published); return (v1, v2) refs."""
     v1 = await replica.served()
     [current] = (await replica.admin_call("GET", "/versions")).json()
-    spec = dict(current["spec"], artifact="v2/model.safetensors")
+    spec = dict(current["spec"], artifact=str(DATA_DIR / current["spec"]["artifact"]))
     created = await replica.admin_call("POST", "/versions", {"version": "v2", "spec": spec})
     assert created.status_code == 201, created.text
     assert created.json()["ref"] == f"{MODEL}@v2"
@@ -274,7 +276,7 @@ MANIFEST = """
 [[tokenizer]]
 name = "tiny"
 version = "t1"
-content_hash = "%(hash)s"
+content_hash = "%(tokenizer)s"
 
 [[chat_template]]
 name = "tiny"
@@ -284,7 +286,7 @@ text = "{%% for m in messages %%}{{ m.content }}{%% endfor %%}"
 [[model]]
 name = "tiny"
 version = "1"
-artifact = "tiny/model.safetensors"
+artifact = "%(artifact)s"
 weights_sha256 = "%(hash)s"
 tokenizer = "tiny@t1"
 chat_template = "tiny@c1"
@@ -301,12 +303,19 @@ targets = [{ version = "1", weight = 1.0 }]
 async def test_a_manifest_is_applied_at_start_up_idempotently(
     backends: Backends,
     tmp_path: Path,
+    model_dir: Path,
     sim_engine: SimulatedEngine,
     renderer: PromptRenderer,
     outcomes: OutcomeLog,
 ) -> None:
     manifest = tmp_path / "registry.toml"
-    manifest.write_text(MANIFEST % {"hash": "ab" * 32}, encoding="utf-8")
+    # A model version's files must exist and match its tokenizer version: the prepared model's.
+    files = {
+        "hash": "ab" * 32,
+        "tokenizer": sha256_file(model_dir / "tokenizer.json"),
+        "artifact": str(model_dir / "model.safetensors"),
+    }
+    manifest.write_text(MANIFEST % files, encoding="utf-8")
     clock = FakeClock()
     admin, consumer = await keys(backends, clock)
     conf = msgspec.structs.replace(make_config(), registry=RegistryConfig(manifest=str(manifest)))
