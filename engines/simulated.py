@@ -4,6 +4,11 @@ It is a simulator, never the default engine: it has no model and no tokenizer. I
 deterministically and its text comes from a tiny vocabulary of its own. What it does model faithfully is
 the shape of a real engine under load: one scheduler steps a batch, step time grows with batch size and
 newly admitted prompts, KV capacity holds requests back, and closing a stream frees its slot at once.
+
+Its output has the shape a request asks for, so load and fault tests take the same paths as with a real
+engine: under a `json_schema` constraint the text is an instance of the schema (`engines.schema_example`),
+under `json_object` a small JSON object, streamed a few characters per token and finished with "stop" once
+complete; `logit_bias` bans (<= -100) and forces (>= 100) token ids; `min_tokens` holds back every end.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import asyncio
 import bisect
 import contextlib
 import itertools
+import json
 import math
 import random
 import time
+import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -32,6 +40,7 @@ from engines.base import (
     TopLogprob,
     Usage,
 )
+from engines.schema_example import SchemaError, example_instance
 
 _WORDS = (
     "the", "of", "and", "to", "in", "is", "that", "it", "for", "as", "with", "was", "on", "be", "at", "by",
@@ -58,7 +67,20 @@ class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class _Seq:
     """Scheduler-side state of one request."""
 
-    __slots__ = ("emitted", "order", "out", "req", "reserved", "rng", "text", "token_ids")
+    __slots__ = (
+        "banned",
+        "emitted",
+        "forced",
+        "json",
+        "json_pos",
+        "order",
+        "out",
+        "req",
+        "reserved",
+        "rng",
+        "text",
+        "token_ids",
+    )
 
     def __init__(self, req: EngineRequest, order: int, rng: random.Random) -> None:
         self.req = req
@@ -69,6 +91,12 @@ class _Seq:
         self.text = ""
         self.emitted = 0  # chars of `text` already sent; the rest may still turn out to be a stop string
         self.reserved = 0  # KV tokens held while running
+        bias = req.sampling.logit_bias
+        self.banned = frozenset(t for t, b in bias if b <= -100)
+        self.forced = sorted({t for t, b in bias if b >= 100} - self.banned)
+        # Under a constraint: the whole JSON text to stream, and how many of its chars are out already.
+        self.json: str | None = None
+        self.json_pos = 0
 
     def key(self) -> tuple[int, int]:
         """Admission order: lower priority value first, then arrival."""
@@ -77,6 +105,36 @@ class _Seq:
 
 def _token_text(token_id: int) -> str:
     return " " + _WORDS[token_id % len(_WORDS)]
+
+
+# What a `json_object` constraint gets: a small object, varied like any other output.
+_JSON_OBJECT_SCHEMA = {
+    "type": "object",
+    "properties": {"result": {"type": "string", "maxLength": 16}, "score": {"type": "integer"}},
+    "required": ["result"],
+}
+_MAX_JSON_PIECE = 4  # chars of JSON text per simulated token
+
+
+def _constrained_text(req: EngineRequest, rng: random.Random) -> str | None:
+    """The JSON the request's constraint makes it emit (compact, as vLLM's structured outputs without free
+    whitespace), or None without a constraint."""
+    constraint = req.sampling.constraint
+    if constraint is None:
+        return None
+    schema: Any = _JSON_OBJECT_SCHEMA
+    if constraint.kind == "json_schema":
+        try:
+            schema = json.loads(constraint.schema)
+        except json.JSONDecodeError as exc:
+            raise EngineRequestError(f"the json_schema constraint is not valid JSON: {exc}") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise EngineRequestError("the json_schema constraint must be a JSON object")
+    try:
+        instance = example_instance(schema, rng)
+    except SchemaError as exc:
+        raise EngineRequestError(f"unsupported json_schema constraint: {exc}") from exc
+    return json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
 
 
 def _usage(seq: _Seq) -> Usage:
@@ -143,9 +201,17 @@ class SimulatedEngine:
             )
         if need > cfg.kv_capacity_tokens:  # would wait forever, so refuse now
             raise EngineRequestError(f"request needs {need} KV tokens, capacity is {cfg.kv_capacity_tokens}")
+        if req.n != 1:
+            raise EngineRequestError("an engine generates one choice per request (see engines.choices)")
+        bad = [t for t, _ in req.sampling.logit_bias if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise EngineRequestError(f"logit_bias token ids must be in range({cfg.vocab_size}), got {bad}")
         if len(self._waiting) >= cfg.max_waiting:
             raise EngineOverloadedError(f"{len(self._waiting)} requests already waiting")
         seq = _Seq(req, next(self._order), random.Random(self._seed_key(req)))
+        if len(seq.banned) >= cfg.vocab_size:
+            raise EngineRequestError("logit_bias bans every token id")
+        seq.json = _constrained_text(req, seq.rng)
         bisect.insort(self._waiting, seq, key=_Seq.key)
         self._wake.set()
         try:
@@ -289,12 +355,14 @@ class SimulatedEngine:
             self._discard(seq)
             seq.out.put_nowait(EngineRequestError(f"injected failure after {len(seq.token_ids)} tokens"))
             return
-        token_id = seq.rng.randrange(cfg.vocab_size)
+        token_id, piece = self._next_token(seq)
         seq.token_ids.append(token_id)
-        seq.text += _token_text(token_id)
+        seq.text += piece
         finish: FinishReason | None = None
         end = len(seq.text)
-        stops = [s for s in sampling.stop if s]
+        # vLLM looks for stop strings only from min_tokens on; the text before is sent unchecked.
+        may_end = len(seq.token_ids) >= sampling.min_tokens
+        stops = [s for s in sampling.stop if s] if may_end else []
         if stops:
             # No stop string starts before `emitted`: the tail below is held back until it cannot.
             hits = [i for i in (seq.text.find(s, seq.emitted) for s in stops) if i >= 0]
@@ -303,9 +371,15 @@ class SimulatedEngine:
             else:
                 # Hold back a tail that might still grow into a stop string spanning tokens.
                 end = max(seq.emitted, end - max(map(len, stops)) + 1)
+        # Complete JSON is where the grammar allows only end of sequence, which ignore_eos skips.
+        json_done = seq.json is not None and seq.json_pos >= len(seq.json)
+        if finish is None and json_done and may_end and not sampling.ignore_eos:
+            finish, end = "stop", len(seq.text)
         if finish is None and len(seq.token_ids) >= sampling.max_tokens:
             finish, end = "length", len(seq.text)
-        logprobs = None if sampling.logprobs is None else (self._token_logprob(token_id, sampling.logprobs),)
+        logprobs = (
+            None if sampling.logprobs is None else (self._token_logprob(token_id, piece, sampling.logprobs),)
+        )
         text, seq.emitted = seq.text[seq.emitted : end], max(seq.emitted, end)
         usage = None
         if finish is not None:
@@ -317,11 +391,34 @@ class SimulatedEngine:
             )
         )
 
-    def _token_logprob(self, token_id: int, n: int) -> TokenLogprob:
+    def _next_token(self, seq: _Seq) -> tuple[int, str]:
+        """The next token id and its text: a piece of the constrained JSON, else a drawn word."""
+        vocab = self._cfg.vocab_size
+        if seq.json is not None:
+            start = seq.json_pos
+            # Past the end of the JSON (min_tokens or ignore_eos hold the end back) only whitespace is valid.
+            piece = seq.json[start : start + seq.rng.randint(1, _MAX_JSON_PIECE)] or " "
+            seq.json_pos = min(len(seq.json), start + len(piece))
+            # A stable id per piece, moved on past banned ids (a real vocabulary spells text many ways).
+            base = zlib.crc32(piece.encode())
+            token_id = next(t for t in ((base + k) % vocab for k in range(vocab)) if t not in seq.banned)
+            return token_id, piece
+        if seq.forced:
+            token_id = seq.rng.choice(seq.forced)
+        else:
+            token_id = seq.rng.randrange(vocab)
+            while token_id in seq.banned:  # generate() refused a request that bans every id
+                token_id = seq.rng.randrange(vocab)
+        return token_id, _token_text(token_id)
+
+    def _token_logprob(self, token_id: int, text: str, n: int) -> TokenLogprob:
         # The chosen token ranks first; alternatives step by a prime so they are distinct ids.
         ids = [(token_id + rank * 7919) % self._cfg.vocab_size for rank in range(n)]
-        top = tuple(TopLogprob(i, _token_text(i), _logprob(rank, token_id)) for rank, i in enumerate(ids))
-        return TokenLogprob(token_id, _token_text(token_id), _logprob(0, token_id), top)
+        top = tuple(
+            TopLogprob(i, text if rank == 0 else _token_text(i), _logprob(rank, token_id))
+            for rank, i in enumerate(ids)
+        )
+        return TokenLogprob(token_id, text, _logprob(0, token_id), top)
 
     def _final(self, seq: _Seq, reason: FinishReason) -> EngineDelta:
         return EngineDelta(token_ids=(), text="", finish_reason=reason, usage=_usage(seq))

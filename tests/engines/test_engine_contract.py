@@ -7,10 +7,13 @@ model as well as for the simulator.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import uuid
 from collections.abc import AsyncGenerator
+from typing import Any
 
+import jsonschema
 import pytest
 
 from engines.base import (
@@ -18,15 +21,21 @@ from engines.base import (
     EngineDelta,
     EngineError,
     EngineRequest,
+    EngineRequestError,
+    OutputConstraint,
     SamplingSpec,
 )
 
 PROMPT = tuple(range(100, 140))  # valid ids in any vocabulary of 1000 or more
+# Prompts that decode to whole words in the default model's vocabulary (PROMPT decodes to stray bytes,
+# which the real engine's incremental detokenizer puts in front of the output text).
+TEXT_PROMPT = tuple(range(300, 320))
+OTHER_TEXT_PROMPT = tuple(range(1000, 1020))
 
 
-def _request(sampling: SamplingSpec, prompt: tuple[int, ...] = PROMPT) -> EngineRequest:
+def _request(sampling: SamplingSpec, prompt: tuple[int, ...] = PROMPT, n: int = 1) -> EngineRequest:
     return EngineRequest(
-        request_id=f"contract-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling
+        request_id=f"contract-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, n=n
     )
 
 
@@ -129,3 +138,131 @@ async def test_score_next_token_scores_exactly_the_named_ids(contract_engine: En
 async def test_score_next_token_refuses_a_prompt_with_no_room(contract_engine: Engine) -> None:
     with pytest.raises(EngineError):
         await contract_engine.score_next_token([100] * contract_engine.max_model_len, [5])
+
+
+# Bounded lengths and values, so that a small model under the grammar finishes well within max_tokens.
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    # One item of vLLM's tool_choice="required" schema (vllm.tool_parsers.utils).
+    return {
+        "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+        "required": ["name", "parameters"],
+    }
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["utc_offset"],
+    "additionalProperties": False,
+}
+REQUIRED_TOOL_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "object", "anyOf": [_tool("get_weather", WEATHER), _tool("get_time", TIME)]},
+}
+
+
+def _constrained(kind: str, schema: dict[str, Any] | None = None, **sampling: Any) -> SamplingSpec:
+    constraint = OutputConstraint(kind=kind, schema=json.dumps(schema) if schema else "")  # type: ignore[arg-type]
+    return SamplingSpec(**{"max_tokens": 120, "constraint": constraint, **sampling})
+
+
+def _finished_json(deltas: list[EngineDelta]) -> Any:
+    """The JSON value the stream's text holds; the stream must have ended because the JSON was complete."""
+    text = "".join(d.text for d in deltas)
+    assert deltas[-1].finish_reason == "stop", text
+    return json.loads(text)
+
+
+async def test_json_schema_constraint_gives_a_valid_instance(contract_engine: Engine) -> None:
+    samplings = [
+        (_constrained("json_schema", CITY_SCHEMA, temperature=0.0), TEXT_PROMPT),
+        (_constrained("json_schema", CITY_SCHEMA, temperature=0.0), OTHER_TEXT_PROMPT),
+        (_constrained("json_schema", CITY_SCHEMA, temperature=1.0, seed=1), TEXT_PROMPT),
+        (_constrained("json_schema", CITY_SCHEMA, temperature=1.0, seed=2), OTHER_TEXT_PROMPT),
+    ]
+    # Concurrent: one batch on a real engine.
+    runs = await asyncio.gather(*(_collect(contract_engine, _request(s, p)) for s, p in samplings))
+    for deltas in runs:
+        jsonschema.validate(_finished_json(deltas), CITY_SCHEMA)
+
+
+async def test_json_object_constraint_gives_an_object(contract_engine: Engine) -> None:
+    samplings = [
+        (_constrained("json_object", temperature=0.0), TEXT_PROMPT),
+        (_constrained("json_object", temperature=1.0, seed=5), OTHER_TEXT_PROMPT),
+    ]
+    runs = await asyncio.gather(*(_collect(contract_engine, _request(s, p)) for s, p in samplings))
+    for deltas in runs:
+        assert isinstance(_finished_json(deltas), dict)
+
+
+async def test_required_tool_call_schema_gives_calls(contract_engine: Engine) -> None:
+    sampling = _constrained("json_schema", REQUIRED_TOOL_SCHEMA, temperature=0.0, max_tokens=160)
+    calls = _finished_json(await _collect(contract_engine, _request(sampling, TEXT_PROMPT)))
+    jsonschema.validate(calls, REQUIRED_TOOL_SCHEMA)
+    assert isinstance(calls, list)
+    assert len(calls) >= 1
+    for call in calls:
+        assert call["name"] in ("get_weather", "get_time")
+        jsonschema.validate(call["parameters"], WEATHER if call["name"] == "get_weather" else TIME)
+
+
+async def test_logit_bias_ban_keeps_a_token_out(contract_engine: Engine) -> None:
+    greedy = _token_ids(
+        await _collect(contract_engine, _request(SamplingSpec(max_tokens=4, temperature=0.0), TEXT_PROMPT))
+    )
+    banned = greedy[0]
+    sampling = SamplingSpec(max_tokens=4, temperature=0.0, logit_bias=((banned, -100.0),))
+    deltas = await _collect(contract_engine, _request(sampling, TEXT_PROMPT))
+    assert _token_ids(deltas)
+    assert banned not in _token_ids(deltas)
+
+
+async def test_min_tokens_holds_back_a_stop(contract_engine: Engine) -> None:
+    free = await _collect(contract_engine, _request(SamplingSpec(max_tokens=8, temperature=0.0), TEXT_PROMPT))
+    # A stop string in the first token with visible text: without min_tokens the output would end there.
+    stop = next(d.text for d in free if d.text.strip()).strip()[:1]
+    sampling = SamplingSpec(max_tokens=8, temperature=0.0, stop=(stop,), min_tokens=6)
+    deltas = await _collect(contract_engine, _request(sampling, TEXT_PROMPT))
+    assert len(_token_ids(deltas)) >= 6
+    assert deltas[-1].finish_reason in ("stop", "length")
+
+
+async def test_penalties_top_k_and_min_p_are_accepted(contract_engine: Engine) -> None:
+    sampling = SamplingSpec(
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        top_k=20,
+        min_p=0.05,
+    )
+    deltas = await _collect(contract_engine, _request(sampling))
+    assert deltas[-1].finish_reason in ("stop", "length")
+    assert 0 < len(_token_ids(deltas)) <= 6
+
+
+async def test_n_above_one_is_refused(contract_engine: Engine) -> None:
+    with pytest.raises(EngineRequestError):
+        await _collect(contract_engine, _request(SamplingSpec(max_tokens=4), n=2))

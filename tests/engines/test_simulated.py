@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import jsonschema
 import pytest
 import pytest_asyncio
 
@@ -16,8 +20,10 @@ from engines.base import (
     EngineOverloadedError,
     EngineRequest,
     EngineRequestError,
+    OutputConstraint,
     SamplingSpec,
 )
+from engines.schema_example import SchemaError, example_instance
 from engines.simulated import SimulatedEngine, SimulatorConfig
 
 PROMPT = tuple(range(100, 110))
@@ -330,3 +336,245 @@ async def test_not_ready_before_start() -> None:
     await engine.start()
     assert (await engine.health()).ready
     await engine.shutdown()
+
+
+# Structured outputs, logit_bias and min_tokens.
+
+SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer"},
+            "capital": {"type": "boolean"},
+            "note": {"type": ["string", "null"], "minLength": 30},
+        },
+        "required": ["city", "population", "capital"],
+        "additionalProperties": False,
+    },
+    {  # vLLM's tool_choice="required" shape, with shared $defs
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": ["get_weather"]},
+                        "parameters": {
+                            "type": "object",
+                            "properties": {
+                                "unit": {"$ref": "#/$defs/unit"},
+                                "days": {"type": "integer", "minimum": 1, "exclusiveMaximum": 8},
+                            },
+                            "required": ["unit", "days"],
+                        },
+                    },
+                    "required": ["name", "parameters"],
+                },
+                {
+                    "properties": {"name": {"const": "noop"}, "parameters": {"type": "object"}},
+                    "required": ["name"],
+                },
+            ],
+        },
+        "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+    },
+    {  # recursive, draft-7 definitions
+        "definitions": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "children": {"type": "array", "items": {"$ref": "#/definitions/node"}, "maxItems": 3},
+                },
+                "required": ["value", "children"],
+            }
+        },
+        "$ref": "#/definitions/node",
+    },
+    {
+        "allOf": [
+            {
+                "properties": {"a": {"type": "integer", "multipleOf": 7, "minimum": 10, "maximum": 60}},
+                "required": ["a"],
+            },
+            {"properties": {"b": {"type": "number", "minimum": -5.5, "maximum": -5.25}}, "required": ["b"]},
+        ],
+        "properties": {
+            "when": {"type": "string", "format": "date-time"},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 2, "maxLength": 3},
+                "minItems": 2,
+                "maxItems": 2,
+            },
+        },
+        "required": ["when", "tags"],
+    },
+    {"oneOf": [{"type": "null"}, {"type": "string"}]},
+    {"prefixItems": [{"type": "integer"}, {"const": "x"}], "minItems": 2, "maxItems": 2},
+    {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+    {},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_schema_example_validates(schema: dict[str, Any]) -> None:
+    jsonschema.validate(example_instance(schema), schema)
+    instances = [example_instance(schema, random.Random(seed)) for seed in range(100)]
+    for instance in instances:
+        jsonschema.validate(instance, schema)
+    # One seed gives one instance.
+    assert instances[7] == example_instance(schema, random.Random(7))
+
+
+def test_schema_example_refuses_unresolvable_refs() -> None:
+    for ref in ("#/$defs/missing", "https://example.com/schema.json"):
+        with pytest.raises(SchemaError):
+            example_instance({"$ref": ref})
+
+
+def _json(kind: str, schema: dict[str, Any] | None = None) -> OutputConstraint:
+    return OutputConstraint(kind=kind, schema=json.dumps(schema) if schema is not None else "")  # type: ignore[arg-type]
+
+
+def _text(deltas: list[EngineDelta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+async def test_json_schema_constraint_streams_a_valid_instance(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(vocab_size=1000))
+    for schema in SCHEMAS:
+        for seed in range(10):
+            deltas = await collect(
+                engine, req(max_tokens=2000, seed=seed, constraint=_json("json_schema", schema))
+            )
+            jsonschema.validate(json.loads(_text(deltas)), schema)
+            assert deltas[-1].finish_reason == "stop"
+            # One token per step, like free text, and the text really is spread over them.
+            assert all(len(d.token_ids) == 1 and d.text for d in deltas)
+            assert all(0 <= t < 1000 for t in token_ids(deltas))
+    # Greedy output depends on the prompt only, as without a constraint.
+    greedy = [
+        _text(
+            await collect(
+                engine, req(max_tokens=2000, temperature=0.0, constraint=_json("json_schema", SCHEMAS[0]))
+            )
+        )
+        for _ in range(2)
+    ]
+    assert greedy[0] == greedy[1]
+
+
+async def test_json_object_constraint_gives_an_object(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    for seed in range(5):
+        deltas = await collect(engine, req(max_tokens=200, seed=seed, constraint=_json("json_object")))
+        assert isinstance(json.loads(_text(deltas)), dict)
+        assert deltas[-1].finish_reason == "stop"
+        assert len(deltas) > 1
+
+
+async def test_constrained_output_is_cut_at_max_tokens(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    constraint = _json("json_schema", SCHEMAS[0])
+    full = _text(await collect(engine, req(max_tokens=500, seed=9, constraint=constraint)))
+    cut = await collect(engine, req(max_tokens=3, seed=9, constraint=constraint))
+    assert cut[-1].finish_reason == "length"
+    assert len(cut) == 3
+    assert full.startswith(_text(cut))
+    assert len(_text(cut)) < len(full)
+
+
+async def test_constrained_output_pads_to_min_tokens_or_past_eos(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    constraint = _json("json_object")
+    full = await collect(engine, req(max_tokens=100, seed=4, constraint=constraint))
+    need = len(full) + 5
+    padded = await collect(engine, req(max_tokens=100, seed=4, min_tokens=need, constraint=constraint))
+    assert len(token_ids(padded)) == need
+    assert padded[-1].finish_reason == "stop"
+    assert _text(padded) == _text(full) + " " * 5  # whitespace is all the grammar allows after the value
+    ignoring = await collect(engine, req(max_tokens=need + 3, seed=4, ignore_eos=True, constraint=constraint))
+    assert (len(ignoring), ignoring[-1].finish_reason) == (need + 3, "length")
+    assert json.loads(_text(ignoring)) == json.loads(_text(full))
+
+
+async def test_logprobs_of_constrained_tokens_carry_their_text(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    deltas = await collect(engine, req(max_tokens=200, logprobs=2, constraint=_json("json_object")))
+    for delta in deltas:
+        assert delta.logprobs is not None
+        assert delta.logprobs[0].token == delta.text == delta.logprobs[0].top[0].token
+
+
+async def test_min_tokens_holds_back_stop_strings(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    full = await collect(engine, req(max_tokens=12, temperature=0.0))
+    stop = full[1].text
+    early = await collect(engine, req(max_tokens=12, temperature=0.0, stop=(stop,)))
+    assert len(token_ids(early)) <= 2
+    late = await collect(engine, req(max_tokens=12, temperature=0.0, stop=(stop,), min_tokens=6))
+    assert len(token_ids(late)) >= 6
+    assert token_ids(late) == token_ids(full)[: len(token_ids(late))]
+    assert _text(full).startswith(_text(late))
+
+
+async def test_logit_bias_bans_and_forces(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(vocab_size=10))
+    bans = tuple((t, -100.0) for t in range(7))
+    free = await collect(engine, req(max_tokens=200, seed=1, logit_bias=bans))
+    assert set(token_ids(free)) <= {7, 8, 9}
+    json_out = await collect(
+        engine, req(max_tokens=200, seed=1, logit_bias=bans, constraint=_json("json_object"))
+    )
+    assert set(token_ids(json_out)) <= {7, 8, 9}
+    assert isinstance(json.loads(_text(json_out)), dict)
+    mild = await collect(engine, req(max_tokens=200, seed=1, logit_bias=((3, -5.0),)))
+    assert 3 in token_ids(mild)  # only a ban keeps a token out
+    forced = await collect(engine, req(max_tokens=20, seed=1, logit_bias=((4, 100.0),)))
+    assert set(token_ids(forced)) == {4}
+
+
+async def test_sampling_extras_are_accepted(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig())
+    deltas = await collect(
+        engine,
+        req(
+            max_tokens=5,
+            frequency_penalty=1.0,
+            presence_penalty=-1.0,
+            repetition_penalty=1.3,
+            top_k=5,
+            min_p=0.1,
+        ),
+    )
+    assert (len(deltas), deltas[-1].finish_reason) == (5, "length")
+
+
+@pytest.mark.parametrize(
+    ("n", "sampling"),
+    [
+        (2, {}),
+        (1, {"logit_bias": ((10, 1.0), (32000, -100.0))}),
+        (1, {"logit_bias": ((-1, -100.0),)}),
+        (1, {"constraint": OutputConstraint(kind="json_schema", schema="{not json")}),
+        (1, {"constraint": OutputConstraint(kind="json_schema", schema="[1]")}),
+        (1, {"constraint": _json("json_schema", {"$ref": "#/$defs/missing"})}),
+    ],
+)
+async def test_requests_an_engine_cannot_serve_are_refused(
+    make: Make, n: int, sampling: dict[str, Any]
+) -> None:
+    engine, _ = await make(SimulatorConfig())
+    spec = SamplingSpec(**{"max_tokens": 5, **sampling})
+    with pytest.raises(EngineRequestError):
+        await collect(engine, EngineRequest(request_id="bad", prompt_token_ids=PROMPT, sampling=spec, n=n))
+    assert (await engine.load()).waiting == 0
+
+
+async def test_banning_every_token_is_refused(make: Make) -> None:
+    engine, _ = await make(SimulatorConfig(vocab_size=4))
+    with pytest.raises(EngineRequestError):
+        await collect(engine, req(logit_bias=tuple((t, -100.0) for t in range(4))))
