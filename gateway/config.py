@@ -44,6 +44,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stream_buffer: int = 64
     # Seconds a client may leave a full stream buffer undrained before it is cut off and its request aborted.
     stream_stall_timeout: float = 30.0
+    # Most choices (`n`) one request may ask for; quota reserves n x max_tokens.
+    max_choices: int = 4
+    # Most calls one answer may hold when tool_choice is "required" (a small model may otherwise repeat
+    # calls until max_tokens); 1 when the request sets parallel_tool_calls false.
+    max_tool_calls: int = 4
     # Uvicorn log level.
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

@@ -33,11 +33,15 @@ class FunctionCall(_Request, frozen=True, kw_only=True):
 
     name: str
     arguments: str
+    # The openai SDK's parsed helpers carry this; the arguments text is what counts.
+    parsed_arguments: Any = None
 
 
 class ToolCall(_Request, frozen=True, kw_only=True):
     """A tool call of an earlier assistant turn."""
 
+    # Present when the SDK assembled the call from a stream.
+    index: int | None = None
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -59,6 +63,8 @@ class ChatMessage(_Request, frozen=True, kw_only=True):
     annotations: list[Any] | None = None
     audio: Any = None
     function_call: Any = None
+    # The openai SDK's `parse()` result carries the parsed content; `content` is what counts.
+    parsed: Any = None
 
 
 class FunctionDefinition(_Request, frozen=True, kw_only=True):
@@ -246,7 +252,8 @@ class AssistantMessage(_Response, frozen=True, kw_only=True, omit_defaults=True)
     """The answer of a non-streaming chat completion (`content` null when it only calls tools)."""
 
     content: str | None
-    role: Literal["assistant"] = "assistant"
+    # No default: omit_defaults would leave it out, and SDKs read a missing role as null.
+    role: Literal["assistant"]
     tool_calls: list[ResponseToolCall] | None = None
 
 

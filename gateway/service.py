@@ -109,6 +109,8 @@ class Services:
             ),
             default_max_tokens=self.config.model.default_max_tokens,
             max_logprobs=self.config.engine.max_logprobs,
+            max_choices=self.config.server.max_choices,
+            max_tool_calls=self.config.server.max_tool_calls,
         )
         return model, limits
 

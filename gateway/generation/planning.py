@@ -48,6 +48,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int
     max_logprobs: int
     max_choices: int = 1
+    max_tool_calls: int = 1
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,7 +242,7 @@ async def _schema(schema: object, strict: bool, param: str, renderer: PromptRend
 
 
 async def _constraint(
-    req: ChatCompletionRequest, use: ToolUse | None, renderer: PromptRenderer
+    req: ChatCompletionRequest, use: ToolUse | None, renderer: PromptRenderer, limits: Limits
 ) -> OutputConstraint | None:
     """What decoding is constrained to: a required or named tool call, or the response format."""
     fmt = req.response_format
@@ -262,7 +263,8 @@ async def _constraint(
             return OutputConstraint(
                 kind="json_schema", schema=await _schema(tool.parameters, tool.strict, param, renderer)
             )
-        schema = tool_call_schema([(t.name, t.parameters) for t in use.tools], parallel=use.parallel)
+        max_calls = limits.max_tool_calls if use.parallel else 1
+        schema = tool_call_schema([(t.name, t.parameters) for t in use.tools], max_calls=max_calls)
         strict = all(t.strict for t in use.tools)
         return OutputConstraint(kind="json_schema", schema=await _schema(schema, strict, "tools", renderer))
     if fmt is None or fmt.type == "text":
@@ -316,7 +318,7 @@ async def plan_chat(
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     use = tool_use(req)
     metadata = _metadata(req.metadata)
-    constraint = await _constraint(req, use, renderer)
+    constraint = await _constraint(req, use, renderer, limits)
     messages, tools = template_messages(req.messages, texts, use, renderer.supports_tools)
     prompt = await renderer.chat(messages, tools)
     max_tokens = _max_tokens(asked, field, len(prompt), limits.default_max_tokens, limits, "messages")

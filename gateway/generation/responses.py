@@ -215,10 +215,13 @@ class Formatter:
         use = self._plan.tools
         if use is None or filtered:
             return ChatChoice(
-                index=index, message=AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs
+                index=index,
+                message=AssistantMessage(role="assistant", content=text),
+                finish_reason=finish,
+                logprobs=logprobs,
             )
         parsed = parse_whole(use, text, self._tokenizer)
-        message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls or None)
+        message = AssistantMessage(role="assistant", content=parsed.content, tool_calls=parsed.calls or None)
         if finish is not None:
             finish = _with_calls(finish, bool(parsed.calls))
         return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=logprobs)

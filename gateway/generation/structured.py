@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jsonschema  # type: ignore[import-untyped]
+import jsonschema
 import xgrammar as xgr
 
 
@@ -129,11 +129,12 @@ def prepare_schema(schema: object, *, strict: bool) -> str:
 
 
 def tool_call_schema(
-    tools: Sequence[tuple[str, Mapping[str, Any] | None]], *, parallel: bool
+    tools: Sequence[tuple[str, Mapping[str, Any] | None]], *, max_calls: int
 ) -> dict[str, Any]:
     """The schema for tool_choice "required", in vLLM's `get_json_schema_from_tools` shape.
 
-    An array (`minItems` 1, `maxItems` 1 unless `parallel`) of `{"name", "parameters"}` objects, one `anyOf`
+    An array (`minItems` 1, `maxItems` `max_calls`: 1 when parallel calls are off; a bound otherwise, since a
+    small model may repeat calls until max_tokens) of `{"name", "parameters"}` objects, one `anyOf`
     branch per `(name, parameters)` tool; missing or empty parameters become `{"type": "object",
     "properties": {}}`. Each tool's `$defs` move to the top level, as vLLM does; two tools defining one name
     differently raise `SchemaError`. The inputs are not modified.
@@ -160,9 +161,12 @@ def tool_call_schema(
                 "required": ["name", "parameters"],
             }
         )
-    result: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
-    if not parallel:
-        result["maxItems"] = 1
+    result: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": max_calls,
+        "items": {"type": "object", "anyOf": branches},
+    }
     if all_defs:
         result["$defs"] = all_defs
     return result

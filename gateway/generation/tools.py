@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -210,8 +211,6 @@ def template_messages(
 
 
 def _call_id() -> str:
-    import secrets
-
     return f"call_{secrets.token_hex(12)}"
 
 
@@ -241,19 +240,39 @@ def parse_whole(use: ToolUse, text: str, tokenizer: Any) -> ParsedOutput:
     if use.mode == "named":
         return ParsedOutput(content=None, calls=[_response_call(use.named, text)])
     if use.mode == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return ParsedOutput(content=text, calls=[])  # cut short by max_tokens
+        items = _complete_items(text)
+        if not items:
+            return ParsedOutput(content=text, calls=[])  # max_tokens cut it before one call was whole
         calls = [
             _response_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items
         ]
-        return ParsedOutput(content=None, calls=calls if use.parallel else calls[:1])
+        return ParsedOutput(content=None, calls=calls)
     found = _hermes(tokenizer).extract_tool_calls(text, None)
     if not found.tools_called:
         return ParsedOutput(content=text, calls=[])
     calls = [_response_call(c.function.name, c.function.arguments) for c in found.tool_calls]
     return ParsedOutput(content=found.content or None, calls=calls if use.parallel else calls[:1])
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The complete items of a JSON array of calls, also when max_tokens cut it short: every whole item is a
+    call the grammar let through, so it validates; a cut-off last item is dropped."""
+    decoder = json.JSONDecoder()
+    items: list[dict[str, Any]] = []
+    position = text.find("[")
+    if position < 0:
+        return items
+    position += 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items
+        if not isinstance(item, dict) or "name" not in item or "parameters" not in item:
+            return items
+        items.append(item)
 
 
 def _response_call(name: str, arguments: str) -> ResponseToolCall:

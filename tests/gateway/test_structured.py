@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import jsonschema  # type: ignore[import-untyped]
+import jsonschema
 import pytest
 import xgrammar as xgr
 from pydantic import BaseModel, Field
@@ -277,7 +277,7 @@ TOOLS: list[tuple[str, dict[str, Any] | None]] = [
 
 
 def test_tool_call_schema_shape_matches_vllm() -> None:
-    schema = tool_call_schema(TOOLS[:2], parallel=False)
+    schema = tool_call_schema(TOOLS[:2], max_calls=1)
     assert schema == {
         "type": "array",
         "minItems": 1,
@@ -308,7 +308,7 @@ def test_tool_call_schema_shape_matches_vllm() -> None:
 def test_tool_call_schema_validates_calls(parallel: bool) -> None:
     params = TOOLS[2][1]
     assert params is not None
-    schema = tool_call_schema(TOOLS, parallel=parallel)
+    schema = tool_call_schema(TOOLS, max_calls=2 if parallel else 1)
     assert "$defs" in params, "the caller's tools are not modified"
     assert schema["$defs"] == {"P": {"type": "integer"}}
     validator = jsonschema.Draft202012Validator(schema)
@@ -317,6 +317,7 @@ def test_tool_call_schema_validates_calls(parallel: bool) -> None:
     validator.validate([one])
     assert validator.is_valid([one, two]) is parallel
     assert not validator.is_valid([])
+    assert not validator.is_valid([one, two, one]), "never more than max_calls"
     assert not validator.is_valid([{"name": "nope", "parameters": {}}])
     assert not validator.is_valid([{"name": "lookup", "parameters": {"p": "x"}}])
     text = prepare_schema(schema, strict=True)
@@ -329,11 +330,11 @@ def test_tool_call_schema_refuses_conflicting_defs_and_no_tools() -> None:
     a = {"type": "object", "$defs": {"P": {"type": "integer"}}}
     b = {"type": "object", "$defs": {"P": {"type": "string"}}}
     with pytest.raises(SchemaError, match="'P' has multiple schemas"):
-        tool_call_schema([("a", a), ("b", b)], parallel=True)
+        tool_call_schema([("a", a), ("b", b)], max_calls=4)
     with pytest.raises(SchemaError, match="must be an object"):
-        tool_call_schema([("a", {"type": "object", "$defs": []})], parallel=True)
+        tool_call_schema([("a", {"type": "object", "$defs": []})], max_calls=4)
     with pytest.raises(SchemaError, match="at least one tool"):
-        tool_call_schema([], parallel=True)
+        tool_call_schema([], max_calls=4)
 
 
 @pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="default model not downloaded")
@@ -344,7 +345,7 @@ def test_grammar_matcher_accepts_valid_json_token_by_token() -> None:
     cases = [
         (Person.model_json_schema(), '{"name":"Ann","age":30,"address":{"street":"Main St"},"kind":"b"}'),
         (NESTED, '{"user":{"id":7},"items":["x","y"],"ref":[1.5,2],"code":"ABC","when":"2024-02-29"}'),
-        (tool_call_schema(TOOLS, parallel=True), '[{"name":"ping","parameters":{}}]'),
+        (tool_call_schema(TOOLS, max_calls=4), '[{"name":"ping","parameters":{}}]'),
     ]
     for schema, instance in cases:
         text = prepare_schema(schema, strict=True)
