@@ -19,6 +19,7 @@ from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
+from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
@@ -287,6 +288,8 @@ def create_app(
         tasks = TaskSet()
         async with AsyncExitStack() as owned:
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)
+            # vLLM's tool parser takes seconds to import: never on the event loop of the first tool request.
+            await asyncio.to_thread(tool_parsers.preload)
             store = tenants
             if store is None:
                 store = await open_tenant_store(config)
