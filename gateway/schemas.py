@@ -120,7 +120,7 @@ class StreamOptions(_Request, frozen=True, kw_only=True):
     include_obfuscation: bool | None = None
 
 
-ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 
 
 class _Sampling(_Request, frozen=True, kw_only=True):
