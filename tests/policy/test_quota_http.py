@@ -179,6 +179,28 @@ async def test_completed_request_is_charged_exactly_its_usage(gateway: Gateway, 
     await eventually(charged)
 
 
+async def test_n_choices_reserve_n_times_max_tokens_and_are_charged_for_all(
+    gateway: Gateway, clock: FakeClock
+) -> None:
+    # One choice of 60 fits the 200-token bucket; three of them never can.
+    assert (await gateway.post({**chat(max_tokens=60)})).status_code == 200
+    refused = await gateway.post({**chat(max_tokens=60), "n": 3})
+    assert refused.status_code == 400
+    assert "n 3 x max_tokens 60" in refused.json()["error"]["message"]
+    clock.advance(TOKEN_BURST / TOKENS_PER_S)  # full again
+    response = await gateway.post({**chat(max_tokens=20), "n": 3})
+    assert response.status_code == 200
+    body = response.json()
+    assert len(body["choices"]) == 3
+    used: int = body["usage"]["total_tokens"]
+    assert used == body["usage"]["prompt_tokens"] + 3 * 20  # the simulator writes max_tokens per choice
+
+    async def charged() -> bool:
+        return abs(await gateway.tenant_tokens_level(clock) - (TOKEN_BURST - used)) < 1e-6
+
+    await eventually(charged)
+
+
 async def test_per_key_buckets_are_separate_and_the_tenant_bucket_is_shared(
     gateway: Gateway, clock: FakeClock
 ) -> None:
