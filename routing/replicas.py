@@ -1,0 +1,308 @@
+"""`Replica`: one engine replica as the router sees it — the weights it serves, its KV budget, its last
+reported load and its health behind a circuit breaker.
+
+KV budget. The engine reports its cache size in tokens (`EngineLoad.kv_tokens_capacity`: vLLM's blocks x
+block size). The gateway holds, per in-flight request, its prompt plus a growth reserve of
+min(max_tokens, growth_reserve_cap) output tokens, and more once its output outgrows that reserve (`grow`).
+A request fits when capacity - held - (prompt + reserve) >= 0. Reservations change synchronously on
+dispatch and on release, so the budget is exact on the gateway side between two load reports.
+
+Health. A breaker (`guard.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
+failed health checks in `refresh()` and fatal errors the pipeline reports (`record_failure`). At the
+threshold the replica is out (open) for the cooldown; then one trial (a dispatched request, or the next
+health probe, whichever comes first) is let through (half-open): success closes the breaker, failure opens
+it again. A health check that says "not ready" takes the replica out of routing at once, until a later
+check says ready, even before the breaker opens.
+
+Exceptions::
+
+    RoutingError                 base of routing failures; `status` is the HTTP status
+    ├── ReplicaUnavailableError  the replica refuses a dispatch (breaker open or its trial taken, no room)
+    ├── NoHealthyReplicaError    (router) no healthy replica serves the request's weights
+    └── RequestTooLargeError     (router) the request cannot fit any healthy replica, even idle
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from engines.base import Engine, EngineError, EngineLoad
+from guard.base import GuardUnavailableError
+from guard.breaker import BreakerState, CircuitBreaker
+from registry.view import ResolvedModel
+from routing.config import ReplicaConfig
+
+log = logging.getLogger("lockgate.routing")
+
+# Holder of the half-open trial slot while `refresh()` probes health (request ids never look like this).
+_HEALTH_PROBE = "<health-probe>"
+
+
+class RoutingError(Exception):
+    """Base of routing failures."""
+
+    status = 503
+    code = "routing_error"
+
+
+class ReplicaUnavailableError(RoutingError):
+    """A dispatch to a replica that cannot take it now."""
+
+    code = "replica_unavailable"
+
+
+def kv_tokens_for_bytes(budget_bytes: int, kv_bytes_per_token: int | ResolvedModel) -> int:
+    """Tokens a KV cache of `budget_bytes` holds for a model of `kv_bytes_per_token` (or a resolved model
+    version: the registry's `2 * layers * kv_heads * head_dim * kv_dtype_bytes`).
+
+    Used to give a replica its capacity (`Replica(kv_capacity_tokens=...)`) when the engine's own report
+    does not count in the served model version's tokens: an engine sized for another model or KV dtype than
+    the registry version's, or one that reports no capacity (a remote engine behind a proxy). The byte
+    budget is then the operator's (KV memory of the engine) and the registry's bytes per token convert it.
+    An engine that reports its capacity for the model it runs (vLLM) needs no conversion.
+    """
+    per_token = (
+        kv_bytes_per_token if isinstance(kv_bytes_per_token, int) else kv_bytes_per_token.kv_bytes_per_token
+    )
+    if per_token <= 0:
+        raise ValueError(f"KV bytes per token must be positive, got {per_token}")
+    return max(0, budget_bytes) // per_token
+
+
+class _Held:
+    """What one in-flight request holds of a replica's KV cache."""
+
+    __slots__ = ("output", "prompt", "reserve", "seq")
+
+    def __init__(self, prompt: int, reserve: int, seq: int) -> None:
+        self.prompt = prompt
+        self.reserve = reserve
+        self.output = 0  # output tokens generated so far (`Replica.grow`)
+        self.seq = seq  # dispatch number: later than the replica's last load report = not yet in it
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + max(self.reserve, self.output)
+
+
+class Replica:
+    """One engine replica: its engine, pool and weights, KV accounting, last load and circuit breaker."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        pool: str,
+        weights_sha256: str,
+        config: ReplicaConfig,
+        clock: Callable[[], float],
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """`kv_capacity_tokens`, when given, replaces the engine's reported capacity (see
+        `kv_tokens_for_bytes`); otherwise the capacity is 0 (nothing fits) until the first `refresh()`."""
+        self.engine = engine
+        self.pool = pool
+        self.weights_sha256 = weights_sha256
+        self._config = config
+        self._capacity_override = kv_capacity_tokens
+        self.breaker = CircuitBreaker(f"replica {engine.replica_id}", config.breaker, clock)
+        # Last load the engine reported (None before the first refresh) and whether its last health check
+        # said ready (assumed until a check says otherwise: replicas are registered once started).
+        self.last_load: EngineLoad | None = None
+        self.health_ready = True
+        self.health_detail = ""
+        self._held: dict[str, _Held] = {}
+        # Invariant: _held_tokens == sum(h.tokens for h in _held.values()) >= 0.
+        self._held_tokens = 0
+        self._dispatched = 0  # dispatches so far; each reservation takes the next number
+        self._reported_upto = 0  # dispatches made before the start of the last successful load report
+        self._trial: str | None = None  # holder of the half-open trial slot
+
+    @property
+    def replica_id(self) -> str:
+        """The engine replica's id."""
+        return self.engine.replica_id
+
+    # -- KV budget -------------------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV cache size in tokens: the configured override, else the engine's last report (0 before)."""
+        if self._capacity_override is not None:
+            return self._capacity_override
+        return self.last_load.kv_tokens_capacity if self.last_load is not None else 0
+
+    @property
+    def held_tokens(self) -> int:
+        """KV tokens the gateway's in-flight requests hold on this replica (prompt + growth reserve each)."""
+        return self._held_tokens
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the gateway has in flight on this replica."""
+        return len(self._held)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` holds a reservation here."""
+        return request_id in self._held
+
+    def growth_reserve(self, max_tokens: int) -> int:
+        """Output tokens reserved for a request of `max_tokens`: min(max_tokens, growth_reserve_cap)."""
+        return max(0, min(max_tokens, self._config.growth_reserve_cap))
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request fits the KV budget now: capacity - held - (prompt + reserve) >= 0."""
+        need = prompt_tokens + self.growth_reserve(max_tokens)
+        return self.kv_capacity_tokens - self._held_tokens - need >= 0
+
+    def fits_idle(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether the request would fit this replica with nothing else in flight."""
+        return prompt_tokens + self.growth_reserve(max_tokens) <= self.kv_capacity_tokens
+
+    def reserve(self, request_id: str, prompt_tokens: int, growth_reserve: int) -> None:
+        """Hold prompt + growth reserve for a request dispatched here (call it in the same event-loop step
+        as `Router.choose`). Takes the half-open trial slot if the breaker is half-open.
+
+        Raises ReplicaUnavailableError when the breaker refuses or the request does not fit, ValueError when
+        `request_id` already holds a reservation here.
+        """
+        if request_id in self._held:
+            raise ValueError(f"request {request_id} already holds KV on replica {self.replica_id}")
+        if prompt_tokens < 0 or growth_reserve < 0:
+            raise ValueError("prompt tokens and growth reserve cannot be negative")
+        if self.kv_capacity_tokens - self._held_tokens - prompt_tokens - growth_reserve < 0:
+            raise ReplicaUnavailableError(f"replica {self.replica_id} has no KV room for {request_id}")
+        self._take_trial(request_id)
+        self._dispatched += 1
+        held = _Held(prompt_tokens, growth_reserve, self._dispatched)
+        self._held[request_id] = held
+        self._held_tokens += held.tokens
+
+    def grow(self, request_id: str, tokens: int) -> None:
+        """Count `tokens` more output tokens of a request; it holds more only past its growth reserve."""
+        held = self._held.get(request_id)
+        if held is None or tokens <= 0:
+            return
+        before = held.tokens
+        held.output += tokens
+        self._held_tokens += held.tokens - before
+
+    def release(self, request_id: str) -> bool:
+        """Free what a request holds (on completion, error or cancellation alike; a second call is a no-op).
+        Returns whether it held anything.
+
+        The trial request of a half-open breaker that ends without `record_failure` closes the breaker:
+        the engine served it, or at least did not fail it, which is what the trial tests."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self._held_tokens -= held.tokens
+        if self._trial == request_id:
+            self.record_success()
+        return True
+
+    # -- load --------------------------------------------------------------------------------------
+
+    @property
+    def unreported(self) -> int:
+        """Own in-flight requests dispatched after the engine's last load report began (not in it yet)."""
+        return sum(1 for h in self._held.values() if h.seq > self._reported_upto)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests running and waiting as last reported, plus own in-flight ones not yet reported."""
+        reported = self.last_load.running + self.last_load.waiting if self.last_load is not None else 0
+        return reported + self.unreported
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Fraction of the KV cache in use: the larger of the gateway's holding and the engine's report
+        (others may use the engine too); 1.0 when the capacity is unknown."""
+        capacity = self.kv_capacity_tokens
+        if capacity <= 0:
+            return 1.0
+        used = max(self._held_tokens, self.last_load.kv_tokens_used if self.last_load is not None else 0)
+        return min(1.0, used / capacity)
+
+    async def refresh(self) -> None:
+        """Ask the engine for its health and load, within `refresh_timeout`; the owner calls it every
+        `refresh_interval`. While the breaker is open nothing is asked; half-open, the check is the trial
+        (unless a trial request holds the slot: then only the load is asked)."""
+        state = self.breaker.state
+        if state == "open":
+            return
+        probing = state == "half_open" and self._trial is None
+        if probing:
+            self._take_trial(_HEALTH_PROBE)
+        started = self._dispatched
+        check_health = state == "closed" or probing
+        try:
+            async with asyncio.timeout(self._config.refresh_timeout):
+                if check_health:
+                    health = await self.engine.health()
+                    self.health_ready, self.health_detail = health.ready, health.detail
+                load = await self.engine.load() if self.health_ready else None
+        except asyncio.CancelledError:
+            if self._trial == _HEALTH_PROBE:
+                # An unfinished probe must not hold the trial slot forever: count it as failed (one more
+                # cooldown) rather than as passed.
+                self.record_failure()
+            raise
+        # What a failed check may raise: the engine's own errors, our timeout, a broken connection.
+        except (EngineError, TimeoutError, OSError) as exc:
+            self.health_ready, self.health_detail = False, f"{type(exc).__name__}: {exc}"
+            log.warning("replica %s: check failed: %s", self.replica_id, self.health_detail)
+            self.record_failure()
+            return
+        if load is not None:
+            self.last_load = load
+            self._reported_upto = started
+        if not check_health:
+            return
+        if not self.health_ready:
+            self.record_failure()
+        elif probing:
+            self.record_success()
+
+    # -- breaker -----------------------------------------------------------------------------------
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        """closed, open (out for the cooldown) or half_open (one trial may pass)."""
+        return self.breaker.state
+
+    @property
+    def routable(self) -> bool:
+        """Whether the router may send a request here now: ready at the last check, and the breaker closed
+        or half-open with its trial slot free."""
+        if not self.health_ready:
+            return False
+        state = self.breaker.state
+        return state == "closed" or (state == "half_open" and self._trial is None)
+
+    def _take_trial(self, holder: str) -> None:
+        state = self.breaker.state
+        if state == "closed":
+            return
+        if state == "half_open" and self._trial is None:
+            try:
+                self.breaker.before_call()
+            except GuardUnavailableError as exc:  # pragma: no cover - our slot tracking mirrors the breaker's
+                raise ReplicaUnavailableError(str(exc)) from exc
+            self._trial = holder
+            return
+        raise ReplicaUnavailableError(f"replica {self.replica_id} is out of service ({state}, trial taken)")
+
+    def record_success(self) -> None:
+        """The replica served a request (or passed a probe): close the breaker."""
+        self._trial = None
+        self.breaker.success()
+
+    def record_failure(self) -> None:
+        """A fatal error from the replica (EngineDeadError, a broken connection) or a failed health check:
+        count it; the breaker opens at the threshold, or at once after a failed trial. A request's own
+        failure (EngineRequestError) or a refusal for load (EngineOverloadedError) is not the replica's."""
+        self._trial = None
+        self.breaker.failure()

@@ -1,0 +1,325 @@
+"""`Replica`: KV budget accounting, load refresh and the circuit breaker, on fake engines and a fake clock.
+
+`FakeEngine` and `FakeClock` are imported by the router tests too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+
+import pytest
+
+from engines.base import Engine, EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health, Usage
+from guard.breaker import BreakerPolicy
+from routing.config import ReplicaConfig
+from routing.replicas import Replica, ReplicaUnavailableError, kv_tokens_for_bytes
+from tests.registry.specs import LLAMA3_8B
+
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEngine:
+    """An engine whose load and health are whatever the test sets; `generate` fails with `fail` if set."""
+
+    def __init__(self, replica_id: str, *, capacity: int = 1000, running: int = 0, waiting: int = 0) -> None:
+        self.replica_id = replica_id
+        self.model_name = "fake"
+        self.max_model_len = 4096
+        self.load_value = EngineLoad(
+            running=running, waiting=waiting, kv_tokens_used=0, kv_tokens_capacity=capacity
+        )
+        self.health_value = Health(ready=True)
+        self.raise_on_check: Exception | None = None
+        self.hang = False  # health() never returns (a hung engine)
+        self.fail: Exception | None = None
+        self.health_calls = 0
+
+    def set_load(
+        self, *, running: int = 0, waiting: int = 0, used: int = 0, capacity: int | None = None
+    ) -> None:
+        """Report this load from now on."""
+        cap = self.load_value.kv_tokens_capacity if capacity is None else capacity
+        self.load_value = EngineLoad(
+            running=running, waiting=waiting, kv_tokens_used=used, kv_tokens_capacity=cap
+        )
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        """One token, or the configured failure before it."""
+        if self.fail is not None:
+            raise self.fail
+        yield EngineDelta(
+            token_ids=(1,),
+            text="x",
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=1),
+        )
+
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """Not used by routing."""
+        return {t: 0.0 for t in token_ids}
+
+    async def load(self) -> EngineLoad:
+        """The load the test set."""
+        if self.raise_on_check is not None:
+            raise self.raise_on_check
+        return self.load_value
+
+    async def health(self) -> Health:
+        """The health the test set (or an error, or a hang)."""
+        self.health_calls += 1
+        if self.raise_on_check is not None:
+            raise self.raise_on_check
+        if self.hang:
+            await asyncio.Event().wait()
+        return self.health_value
+
+    async def start(self) -> None:
+        """Nothing to start."""
+
+    async def shutdown(self) -> None:
+        """Nothing to stop."""
+
+
+def state(replica: Replica) -> str:
+    """The breaker state, as a plain str (mypy keeps a property's literal narrowed across calls)."""
+    return replica.breaker_state
+
+
+CONFIG = ReplicaConfig(growth_reserve_cap=100, breaker=BreakerPolicy(threshold=3, cooldown=10.0))
+
+
+def make_replica(
+    engine: FakeEngine,
+    clock: FakeClock,
+    *,
+    sha: str = SHA_A,
+    config: ReplicaConfig = CONFIG,
+    capacity: int | None = None,
+) -> Replica:
+    """A replica of `engine` serving weights `sha`."""
+    return Replica(
+        engine, pool="default", weights_sha256=sha, config=config, clock=clock, kv_capacity_tokens=capacity
+    )
+
+
+async def test_fake_engine_is_an_engine() -> None:
+    assert isinstance(FakeEngine("a"), Engine)
+
+
+async def test_capacity_comes_from_the_engine_after_refresh() -> None:
+    engine, clock = FakeEngine("a", capacity=1000), FakeClock()
+    replica = make_replica(engine, clock)
+    assert replica.kv_capacity_tokens == 0
+    assert not replica.fits(1, 1)  # nothing fits before the first report: requests stay queued
+    await replica.refresh()
+    assert replica.kv_capacity_tokens == 1000
+    assert replica.last_load == engine.load_value
+    engine.set_load(capacity=2000)
+    await replica.refresh()
+    assert replica.kv_capacity_tokens == 2000
+
+
+async def test_capacity_override_from_a_byte_budget() -> None:
+    per_token = LLAMA3_8B.kv_bytes_per_token()
+    assert per_token == 2 * 32 * 8 * 128 * 2
+    tokens = kv_tokens_for_bytes(8 * 2**30, per_token)
+    assert tokens == 65536
+    assert kv_tokens_for_bytes(per_token - 1, per_token) == 0
+    with pytest.raises(ValueError, match="positive"):
+        kv_tokens_for_bytes(100, 0)
+    replica = make_replica(FakeEngine("a", capacity=5), FakeClock(), capacity=tokens)
+    await replica.refresh()
+    assert replica.kv_capacity_tokens == 65536  # the override wins over the engine's report
+
+
+async def test_growth_reserve_is_capped() -> None:
+    replica = make_replica(FakeEngine("a"), FakeClock())
+    assert replica.growth_reserve(5) == 5
+    assert replica.growth_reserve(100) == 100
+    assert replica.growth_reserve(100_000) == 100
+
+
+async def test_kv_budget_reserve_and_release() -> None:
+    replica = make_replica(FakeEngine("a", capacity=1000), FakeClock())
+    await replica.refresh()
+    # 800 prompt + min(5000, 100) reserve = 900 of 1000.
+    assert replica.fits(800, 5000)
+    replica.reserve("r1", 800, replica.growth_reserve(5000))
+    assert replica.held_tokens == 900
+    assert replica.fits(50, 50)  # exactly 1000: capacity - held - need == 0 fits
+    assert not replica.fits(50, 51)
+    with pytest.raises(ReplicaUnavailableError, match="no KV room"):
+        replica.reserve("r2", 50, 51)
+    with pytest.raises(ValueError, match="already holds"):
+        replica.reserve("r1", 1, 1)
+    assert replica.release("r1")
+    assert not replica.release("r1")  # a second release is a no-op
+    assert replica.held_tokens == 0
+    assert replica.fits(50, 51)
+
+
+async def test_grow_counts_output_past_the_reserve() -> None:
+    replica = make_replica(FakeEngine("a", capacity=1000), FakeClock())
+    await replica.refresh()
+    replica.reserve("r1", 100, 50)
+    replica.grow("r1", 30)
+    assert replica.held_tokens == 150  # within the reserve: no change
+    replica.grow("r1", 40)
+    assert replica.held_tokens == 170  # 70 output tokens > 50 reserved
+    replica.grow("unknown", 10)
+    replica.release("r1")
+    assert replica.held_tokens == 0
+
+
+async def test_queue_depth_counts_own_requests_until_reported() -> None:
+    engine = FakeEngine("a", running=3, waiting=1)
+    replica = make_replica(engine, FakeClock())
+    await replica.refresh()
+    assert replica.queue_depth == 4
+    replica.reserve("r1", 10, 10)
+    replica.reserve("r2", 10, 10)
+    assert replica.unreported == 2
+    assert replica.queue_depth == 6
+    engine.set_load(running=5, waiting=1, used=40)
+    await replica.refresh()
+    assert replica.unreported == 0
+    assert replica.queue_depth == 6
+    assert replica.kv_utilisation == pytest.approx(0.04)
+
+
+async def test_fatal_errors_open_the_breaker_then_half_open_trial_closes_it() -> None:
+    clock = FakeClock()
+    replica = make_replica(FakeEngine("a"), clock)
+    await replica.refresh()
+    for _ in range(3):
+        assert replica.routable
+        replica.record_failure()
+    assert state(replica) == "open"
+    assert not replica.routable
+    with pytest.raises(ReplicaUnavailableError, match="out of service"):
+        replica.reserve("r1", 1, 1)
+    clock.now += 10.0
+    assert state(replica) == "half_open"
+    assert replica.routable
+    replica.reserve("trial", 1, 1)
+    assert not replica.routable  # one trial at a time
+    with pytest.raises(ReplicaUnavailableError):
+        replica.reserve("r2", 1, 1)
+    replica.record_success()
+    replica.release("trial")
+    assert state(replica) == "closed"
+    assert replica.routable
+
+
+async def test_failed_trial_reopens_and_an_ended_trial_closes() -> None:
+    clock = FakeClock()
+    replica = make_replica(FakeEngine("a"), clock)
+    await replica.refresh()
+    for _ in range(3):
+        replica.record_failure()
+    clock.now += 10.0
+    replica.reserve("trial", 1, 1)
+    replica.record_failure()
+    replica.release("trial")
+    assert state(replica) == "open"
+    clock.now += 10.0
+    replica.reserve("trial2", 1, 1)
+    replica.release("trial2")  # ended without a fatal error: the engine served it
+    assert state(replica) == "closed"
+
+
+async def test_failed_health_checks_take_the_replica_out_then_a_probe_brings_it_back() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.refresh()
+    engine.health_value = Health(ready=False, detail="restarting")
+    await replica.refresh()
+    assert not replica.routable  # at once, before the breaker opens
+    assert state(replica) == "closed"
+    await replica.refresh()
+    await replica.refresh()
+    assert state(replica) == "open"
+    calls = engine.health_calls
+    await replica.refresh()
+    assert engine.health_calls == calls  # not asked while open
+    clock.now += 10.0
+    engine.health_value = Health(ready=True)
+    await replica.refresh()  # the half-open probe
+    assert state(replica) == "closed"
+    assert replica.routable
+
+
+async def test_failed_probe_reopens() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    engine.raise_on_check = EngineDeadError("gone")
+    for _ in range(3):
+        await replica.refresh()
+    assert state(replica) == "open"
+    assert "EngineDeadError: gone" in replica.health_detail
+    clock.now += 10.0
+    await replica.refresh()
+    assert state(replica) == "open"
+    assert not replica.routable
+
+
+async def test_a_trial_request_holds_the_slot_so_refresh_only_reads_load() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.refresh()
+    for _ in range(3):
+        replica.record_failure()
+    clock.now += 10.0
+    replica.reserve("trial", 1, 1)
+    calls = engine.health_calls
+    engine.set_load(running=1)
+    await replica.refresh()
+    assert engine.health_calls == calls
+    assert replica.queue_depth == 1
+    assert state(replica) == "half_open"
+
+
+async def test_refresh_is_bounded_by_its_timeout() -> None:
+    config = ReplicaConfig(refresh_timeout=0.01, breaker=BreakerPolicy(threshold=1, cooldown=10.0))
+    engine = FakeEngine("a")
+    replica = make_replica(engine, FakeClock(), config=config)
+    engine.hang = True
+    await replica.refresh()
+    assert not replica.routable
+    assert state(replica) == "open"
+    assert "TimeoutError" in replica.health_detail
+
+
+async def test_a_cancelled_probe_does_not_hold_the_trial_slot() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.refresh()
+    for _ in range(3):
+        replica.record_failure()
+    clock.now += 10.0
+    engine.hang = True
+    task = asyncio.create_task(replica.refresh())
+    await asyncio.sleep(0)
+    assert not replica.routable  # the probe holds the slot
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state(replica) == "open"
+    clock.now += 10.0
+    engine.hang = False
+    await replica.refresh()
+    assert state(replica) == "closed"
