@@ -1,0 +1,467 @@
+"""The fair admission queue: which waiting request is dispatched next, and which are refused at once.
+
+A pure, synchronous data structure: no asyncio, no I/O, no clock of its own. Every method that needs the time
+takes `now` (seconds on the scheduler's injected clock); the async scheduler that waits for engine capacity
+wraps it. Every operation is O(log n) in the number of queued tickets (indexed binary heaps per class, per
+tenant and per deadline; nothing scans the queue).
+
+Order of service (`pop`)
+    1. Priority class: interactive before batch. Queue-age guard: while the oldest waiting batch ticket has
+       waited `batch_max_wait` seconds or more, the batch class is served before interactive. Every pop then
+       serves batch until no batch ticket is that old, so an aged ticket is dispatched after at most as many
+       batch pops as there are batch tickets queued: batch is never starved by sustained interactive load.
+    2. Within a class, tenants by virtual token counter (start-time fair queueing): the backlogged tenant
+       with the lowest counter is served (ties: the tenant that became active first). A tenant's counter grows
+       by (input tokens x w_in + output tokens x w_out) / tenant weight; input is charged at dispatch
+       (`pop`), output as it streams (`charge_output`). One counter per tenant, shared by both classes.
+    3. Within a tenant and class, earliest deadline first; equal deadlines in arrival (push) order.
+
+No banked credit
+    A tenant is active while it has tickets queued or requests in flight (`pop` until `finish`). A tenant
+    that becomes active is lifted to the virtual time V: counter = max(counter, V), where V is the highest
+    minimum counter of the active tenants seen so far (it is sampled whenever a tenant becomes active or
+    inactive; between those events counters only grow, so no higher minimum is missed).
+    Invariant: V <= the counter of every active tenant.
+    So a tenant that was idle while others were served comes back level with the least-served active tenant:
+    at most one request's worth ahead of anyone, never a backlog of saved-up credit.
+
+The bound (proved by the property tests)
+    Let M = max over tickets of (prompt_tokens x w_in + max_tokens x w_out) / min tenant weight, and O =
+    max_tokens x w_out / min weight. For tenants backlogged in one class from the same starting counter, at
+    every point of the schedule (also while output is being charged):
+        |service_A / weight_A - service_B / weight_B| <= M + (k - 1) x O
+    where k is the most requests in flight at once. Proof sketch: when A is popped its counter is the lowest,
+    so C_A <= C_B; after the pop A's counter rises at most by that ticket's cost / w_A (<= M) plus the output
+    still uncharged of its other k - 1 requests in flight (<= (k - 1) x O), while C_B only grows. With k = 1
+    (or output charged at dispatch) the gap stays within one request's cost: M.
+
+Admission (`push`)
+    Bounds: at most `max_queued_per_class` tickets per class (refused 503) and `max_queued_per_tenant` per
+    tenant over both classes (refused 429): `QueueFullError(reason, retry_after)`, reason naming the bound.
+    Deadlines: refused at once with `DeadlineUnmeetableError(retry_after)` when the predicted wait exceeds the
+    time left to the ticket's deadline. The prediction (`predicted_wait`) is the work served before the ticket
+    divided by the measured service rate. Work of a ticket = prompt_tokens + max_tokens (the whole reserve:
+    pessimistic for short answers). Work served first = everything queued in higher classes + the ticket's
+    own tenant's queued work in its class scaled by the tenant's fair share, W / w (W: weights of the tenants
+    backlogged in the class, itself included), capped by the class's whole queued work. The approximation
+    ignores counter lag (at most M either way), EDF position within the tenant (it counts the whole tenant
+    backlog, pessimistic), aged batch tickets overtaking interactive, and future arrivals.
+    Service rate: tokens per second reported by `record_service`, an exponentially weighted average over busy
+    time (half-life `service_rate_halflife`; gaps beyond `service_idle_gap` count as idle). It starts from
+    `initial_service_rate`, which fades out as measurements arrive.
+    Expiry: `expire(now)` removes and returns tickets whose deadline passed (deadline < now; the scheduler
+    answers them 503 `deadline_expired`). `pop(now)` never returns such a ticket: it sets them aside for the
+    next `expire`.
+
+Exceptions::
+
+    AdmissionError                 base; `status_code`, `code` and `retry_after` for the HTTP answer
+    ├── QueueFullError             a bound is reached (`reason`: max_queued_per_class | max_queued_per_tenant)
+    └── DeadlineUnmeetableError    the predicted wait exceeds the ticket's deadline
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from routing.admission_config import (
+    CLASSES,
+    AdmissionConfig,
+    AdmissionError,
+    DeadlineUnmeetableError,
+    Klass,
+    QueueFullError,
+    Ticket,
+    ceil_retry_after,
+)
+
+__all__ = [
+    "AdmissionConfig",
+    "AdmissionError",
+    "DeadlineUnmeetableError",
+    "FairQueue",
+    "QueueFullError",
+    "ServiceRate",
+    "Ticket",
+    "ceil_retry_after",
+]
+
+T = TypeVar("T")
+Key = tuple[float, int]
+
+
+class _IndexedHeap(Generic[T]):
+    """A binary min-heap of distinct items with keys, that can remove or re-key any item in O(log n)."""
+
+    __slots__ = ("_items", "_pos")
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Key, T]] = []
+        # Invariant: self._items[self._pos[item]][1] == item for every item in the heap.
+        self._pos: dict[T, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._pos
+
+    def peek(self) -> tuple[Key, T]:
+        return self._items[0]
+
+    def push(self, item: T, key: Key) -> None:
+        self._items.append((key, item))
+        self._pos[item] = len(self._items) - 1
+        self._up(len(self._items) - 1)
+
+    def rekey(self, item: T, key: Key) -> None:
+        i = self._pos[item]
+        self._items[i] = (key, item)
+        self._up(i)
+        self._down(self._pos[item])
+
+    def remove(self, item: T) -> None:
+        i = self._pos.pop(item)
+        last = self._items.pop()
+        if i < len(self._items):
+            self._items[i] = last
+            self._pos[last[1]] = i
+            self._up(i)
+            self._down(self._pos[last[1]])
+
+    def _swap(self, i: int, j: int) -> None:
+        items = self._items
+        items[i], items[j] = items[j], items[i]
+        self._pos[items[i][1]] = i
+        self._pos[items[j][1]] = j
+
+    def _up(self, i: int) -> None:
+        while i > 0:
+            parent = (i - 1) // 2
+            if self._items[i][0] >= self._items[parent][0]:
+                return
+            self._swap(i, parent)
+            i = parent
+
+    def _down(self, i: int) -> None:
+        n = len(self._items)
+        while True:
+            smallest, left = i, 2 * i + 1
+            for child in (left, left + 1):
+                if child < n and self._items[child][0] < self._items[smallest][0]:
+                    smallest = child
+            if smallest == i:
+                return
+            self._swap(i, smallest)
+            i = smallest
+
+
+class ServiceRate:
+    """Tokens served per second: an exponentially weighted average over busy time, seeded by a prior."""
+
+    def __init__(self, initial_rate: float, halflife: float, idle_gap: float) -> None:
+        self._halflife = halflife
+        self._idle_gap = idle_gap
+        # Weighted tokens over weighted seconds; the prior counts as one half-life of service at initial_rate.
+        self._tokens = initial_rate * halflife
+        self._seconds = halflife
+        self._last: float | None = None
+
+    @property
+    def rate(self) -> float:
+        """The current estimate, tokens per second."""
+        return self._tokens / self._seconds
+
+    def record(self, tokens: float, now: float) -> None:
+        """`tokens` of work completed by `now` (a first report only starts the clock)."""
+        if self._last is None:
+            self._last = now
+            return
+        busy = min(max(now - self._last, 0.0), self._idle_gap)
+        self._last = max(self._last, now)
+        decay = 0.5 ** (busy / self._halflife)
+        self._tokens = self._tokens * decay + tokens
+        self._seconds = self._seconds * decay + busy
+
+
+@dataclass(slots=True, eq=False)
+class _Tenant:
+    name: str
+    weight: float
+    counter: float = 0.0
+    # Tie-break among equal counters: the order in which tenants became active.
+    seq: int = 0
+    in_flight: int = 0
+    queued: int = 0
+    # Per class: this tenant's queued request ids keyed by (deadline, push seq), and their work.
+    queues: dict[Klass, _IndexedHeap[str]] = field(
+        default_factory=lambda: {k: _IndexedHeap[str]() for k in CLASSES}
+    )
+    work: dict[Klass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+
+    @property
+    def key(self) -> Key:
+        return (self.counter, self.seq)
+
+
+@dataclass(slots=True, eq=False)
+class _Class:
+    # Tenants with tickets queued in this class, keyed by (counter, activation seq).
+    tenants: _IndexedHeap[str] = field(default_factory=_IndexedHeap)
+    # Queued request ids keyed by (arrival, push seq): the oldest one drives the queue-age guard.
+    arrivals: _IndexedHeap[str] = field(default_factory=_IndexedHeap)
+    work: int = 0
+    # Sum of the weights of the tenants in `tenants`.
+    weight: float = 0.0
+
+
+class FairQueue:
+    """Priority classes, then tenants by virtual token counter, then earliest deadline (module docstring)."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self._config = config
+        self._rate = ServiceRate(
+            config.initial_service_rate, config.service_rate_halflife, config.service_idle_gap
+        )
+        self._classes: dict[Klass, _Class] = {k: _Class() for k in CLASSES}
+        self._tenants: dict[str, _Tenant] = {}
+        self._queued: dict[str, tuple[Ticket, int]] = {}
+        self._in_flight: dict[str, str] = {}
+        self._by_deadline: _IndexedHeap[str] = _IndexedHeap()
+        # Active tenants (queued or in flight), and inactive ones kept because their counter is above V.
+        self._active: _IndexedHeap[str] = _IndexedHeap()
+        self._idle: _IndexedHeap[str] = _IndexedHeap()
+        self._vtime = 0.0
+        self._seq = 0
+        self._expired: list[Ticket] = []
+
+    # -- observation -------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._queued
+
+    def depth(self, klass: Klass) -> int:
+        """Tickets queued in one priority class."""
+        return len(self._classes[klass].arrivals)
+
+    def tenant_depth(self, tenant: str) -> int:
+        """Tickets queued for one tenant, both classes."""
+        state = self._tenants.get(tenant)
+        return state.queued if state is not None else 0
+
+    def in_flight(self, tenant: str) -> int:
+        """Requests of one tenant popped and not yet finished."""
+        state = self._tenants.get(tenant)
+        return state.in_flight if state is not None else 0
+
+    def counter(self, tenant: str) -> float:
+        """A tenant's virtual token counter; an unknown tenant reads as the virtual time it would start at."""
+        state = self._tenants.get(tenant)
+        return state.counter if state is not None else self._vtime
+
+    def oldest_wait(self, klass: Klass, now: float) -> float:
+        """Seconds the oldest ticket of a class has waited (0 when the class is empty)."""
+        arrivals = self._classes[klass].arrivals
+        return max(now - arrivals.peek()[0][0], 0.0) if len(arrivals) else 0.0
+
+    @property
+    def service_rate(self) -> float:
+        """The measured service rate, tokens per second."""
+        return self._rate.rate
+
+    def predicted_wait(self, ticket: Ticket) -> float:
+        """Seconds `ticket` is predicted to wait before dispatch if pushed now (see the module docstring)."""
+        ahead = 0
+        for klass in CLASSES[: CLASSES.index(ticket.klass)]:
+            ahead += self._classes[klass].work
+        cls = self._classes[ticket.klass]
+        state = self._tenants.get(ticket.tenant)
+        queued = ticket.request_id in self._queued
+        own = (state.work[ticket.klass] if state is not None else 0) - (ticket.work if queued else 0)
+        class_work = cls.work - (ticket.work if queued else 0)
+        if state is not None and ticket.tenant in cls.tenants:
+            weight, total = state.weight, cls.weight
+        else:
+            weight, total = ticket.tenant_weight, cls.weight + ticket.tenant_weight
+        in_class = min(float(class_work), own * total / weight)
+        return (ahead + in_class) / self._rate.rate
+
+    # -- admission ---------------------------------------------------------------------------------------
+
+    def push(self, ticket: Ticket, now: float) -> None:
+        """Queue `ticket` or refuse it (`QueueFullError` past a bound, `DeadlineUnmeetableError` too late)."""
+        if ticket.request_id in self._queued or ticket.request_id in self._in_flight:
+            raise ValueError(f"request {ticket.request_id} is already queued or in flight")
+        if not ticket.tenant_weight > 0 or ticket.prompt_tokens < 0 or ticket.max_tokens < 0:
+            raise ValueError(f"ticket {ticket.request_id}: weight must be > 0 and token counts >= 0")
+        cls = self._classes[ticket.klass]
+        state = self._tenants.get(ticket.tenant)
+        if len(cls.arrivals) >= self._config.max_queued_per_class:
+            raise QueueFullError("max_queued_per_class", self._next_slot(cls.work, len(cls.arrivals), 1.0))
+        if state is not None and state.queued >= self._config.max_queued_per_tenant:
+            share = max(cls.weight, state.weight) / state.weight
+            work = sum(state.work.values())
+            raise QueueFullError("max_queued_per_tenant", self._next_slot(work, state.queued, share))
+        wait = self.predicted_wait(ticket)
+        left = ticket.deadline - now
+        if wait > left:
+            raise DeadlineUnmeetableError(retry_after=wait - left, predicted_wait=wait)
+        self._insert(ticket)
+
+    def _next_slot(self, work: int, count: int, share: float) -> float:
+        # Seconds until one of `count` tickets holding `work` is served, at `share` x their fair rate.
+        return max(work / max(count, 1) * share / self._rate.rate, 1e-3)
+
+    def _insert(self, ticket: Ticket) -> None:
+        state = self._tenants.get(ticket.tenant)
+        if state is None:
+            state = self._tenants[ticket.tenant] = _Tenant(ticket.tenant, ticket.tenant_weight)
+        if not self._is_active(state):
+            self._activate(state)
+        for klass in CLASSES:
+            if ticket.tenant in self._classes[klass].tenants:
+                self._classes[klass].weight += ticket.tenant_weight - state.weight
+        state.weight = ticket.tenant_weight
+        self._seq += 1
+        rid, cls = ticket.request_id, self._classes[ticket.klass]
+        if ticket.tenant not in cls.tenants:
+            cls.tenants.push(ticket.tenant, state.key)
+            cls.weight += state.weight
+        self._queued[rid] = (ticket, self._seq)
+        state.queues[ticket.klass].push(rid, (ticket.deadline, self._seq))
+        state.work[ticket.klass] += ticket.work
+        state.queued += 1
+        cls.arrivals.push(rid, (ticket.arrival, self._seq))
+        cls.work += ticket.work
+        self._by_deadline.push(rid, (ticket.deadline, self._seq))
+
+    # -- dispatch ----------------------------------------------------------------------------------------
+
+    def pop(self, now: float) -> Ticket | None:
+        """The next ticket to dispatch (never one whose deadline passed), charging its input; None if empty.
+
+        The caller must later call `finish(request_id)` once, however the request ends.
+        """
+        self._collect_expired(now)
+        klass = self._choose_class(now)
+        if klass is None:
+            return None
+        tenant = self._classes[klass].tenants.peek()[1]
+        state = self._tenants[tenant]
+        rid = state.queues[klass].peek()[1]
+        # In flight before leaving the queue, so the tenant stays active through the handover.
+        state.in_flight += 1
+        self._in_flight[rid] = tenant
+        ticket = self._unqueue(rid)
+        self._charge(state, ticket.prompt_tokens * self._config.w_in)
+        return ticket
+
+    def _choose_class(self, now: float) -> Klass | None:
+        interactive, batch = self._classes["interactive"], self._classes["batch"]
+        if len(batch.arrivals) and (
+            not len(interactive.arrivals) or now - batch.arrivals.peek()[0][0] >= self._config.batch_max_wait
+        ):
+            return "batch"
+        return "interactive" if len(interactive.arrivals) else None
+
+    def charge_output(self, tenant: str, tokens: int) -> None:
+        """Charge `tokens` generated for `tenant` (called as they stream) to its virtual counter."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            # A late report after the tenant went idle and was forgotten: it restarts from V, then pays.
+            state = self._tenants[tenant] = _Tenant(tenant, 1.0, counter=self._vtime)
+            self._idle.push(tenant, state.key)
+        self._charge(state, tokens * self._config.w_out)
+
+    def finish(self, request_id: str) -> None:
+        """A popped request ended (completed, failed or cancelled): its tenant may become inactive."""
+        tenant = self._in_flight.pop(request_id, None)
+        if tenant is None:
+            return
+        state = self._tenants[tenant]
+        state.in_flight -= 1
+        self._maybe_deactivate(state)
+
+    def record_service(self, tokens: float, now: float) -> None:
+        """The pipeline completed `tokens` of work (prompt and generated) by `now`: feeds the service rate."""
+        self._rate.record(tokens, now)
+
+    # -- removal -----------------------------------------------------------------------------------------
+
+    def remove(self, request_id: str) -> Ticket | None:
+        """Take a queued ticket out (its client left); None if it is not queued."""
+        return self._unqueue(request_id) if request_id in self._queued else None
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Remove and return every ticket whose deadline passed (deadline < now), those `pop` skipped too."""
+        self._collect_expired(now)
+        expired, self._expired = self._expired, []
+        return expired
+
+    def _collect_expired(self, now: float) -> None:
+        while len(self._by_deadline) and self._by_deadline.peek()[0][0] < now:
+            self._expired.append(self._unqueue(self._by_deadline.peek()[1]))
+
+    def _unqueue(self, rid: str) -> Ticket:
+        ticket, _ = self._queued.pop(rid)
+        state, cls = self._tenants[ticket.tenant], self._classes[ticket.klass]
+        self._by_deadline.remove(rid)
+        cls.arrivals.remove(rid)
+        cls.work -= ticket.work
+        queue = state.queues[ticket.klass]
+        queue.remove(rid)
+        state.work[ticket.klass] -= ticket.work
+        state.queued -= 1
+        if not len(queue):
+            cls.tenants.remove(ticket.tenant)
+            # Reset when empty so float rounding of weight sums cannot drift.
+            cls.weight = cls.weight - state.weight if len(cls.tenants) else 0.0
+        self._maybe_deactivate(state)
+        return ticket
+
+    # -- virtual counters --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _is_active(state: _Tenant) -> bool:
+        return state.queued > 0 or state.in_flight > 0
+
+    def _sample_vtime(self) -> None:
+        if len(self._active):
+            self._vtime = max(self._vtime, self._active.peek()[0][0])
+        # Forget idle tenants that would be lifted to V anyway.
+        while len(self._idle) and self._idle.peek()[0][0] <= self._vtime:
+            tenant = self._idle.peek()[1]
+            self._idle.remove(tenant)
+            del self._tenants[tenant]
+
+    def _activate(self, state: _Tenant) -> None:
+        if state.name in self._idle:
+            self._idle.remove(state.name)
+        self._sample_vtime()
+        self._seq += 1
+        state.counter, state.seq = max(state.counter, self._vtime), self._seq
+        self._active.push(state.name, state.key)
+
+    def _maybe_deactivate(self, state: _Tenant) -> None:
+        if self._is_active(state) or state.name not in self._active:
+            return
+        self._sample_vtime()
+        self._active.remove(state.name)
+        if state.counter <= self._vtime:
+            del self._tenants[state.name]
+        else:
+            self._idle.push(state.name, state.key)
+
+    def _charge(self, state: _Tenant, cost: float) -> None:
+        state.counter += cost / state.weight
+        key = state.key
+        for klass in CLASSES:
+            if state.name in self._classes[klass].tenants:
+                self._classes[klass].tenants.rekey(state.name, key)
+        for heap in (self._active, self._idle):
+            if state.name in heap:
+                heap.rekey(state.name, key)
