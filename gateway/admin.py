@@ -2,7 +2,8 @@
 
 Policy administrators of the operating organisation (tenant `lockgate`) administer every tenant. A
 `policy_admin` key of another tenant may read its own tenant and manage its own keys, never another tenant's,
-and may not change its own quotas or weight. Every change is recorded by the store (who, what, before, after).
+and may not change its own quotas, weight or priority class. Every change is recorded by the store (who, what,
+before, after).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from policy.auth import Principal
 from policy.tenants import keys
 from policy.tenants.base import ConflictError
 from policy.tenants.base import NotFoundError as StoreNotFoundError
-from policy.tenants.models import AdminChange, ApiKey, Limits, Quotas, Role, Tenant
+from policy.tenants.models import AdminChange, ApiKey, Limits, PriorityClass, Quotas, Role, Tenant
 from registry.base import RegistryError
 
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     quotas: Quotas | None = None
     policy: str | None = None
     retain_prompts: bool | None = None
+    max_priority: PriorityClass | None = None
 
 
 class KeyCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -183,7 +185,7 @@ async def update_tenant(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
 ) -> Tenant:
-    """Change a tenant's name, weight, quotas, policy or retention (operator administrators only)."""
+    """Change any of a tenant's fields but its id and created_at (operator administrators only)."""
     body = _tenant_update.decode(await read_body(request))
     changes = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
     return await _update(services, principal, tenant_id, changes)

@@ -3,7 +3,8 @@
 Tables::
 
     schema_migrations(version)                 one row per applied migration
-    tenants(tenant_id PK, display_name, weight, quotas JSON, policy, retain_prompts 0/1, created_at)
+    tenants(tenant_id PK, display_name, weight, quotas JSON, policy, retain_prompts 0/1, created_at,
+            max_priority 'interactive'/'batch')
     api_keys(key_id PK, tenant_id FK, roles JSON, label, created_at, expires_at, revoked_at, secret_hash)
     admin_changes(id PK, at, actor, action, target, before JSON, after JSON)    append-only
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from policy.tenants.models import AdminChange, ApiKey, Quotas, Role, StoredKey, Tenant
+from policy.tenants.models import AdminChange, ApiKey, PriorityClass, Quotas, Role, StoredKey, Tenant
 from registry.db import Row
 from registry.db import migrations as db
 
@@ -84,6 +85,12 @@ MIGRATIONS: tuple[Migration, ...] = (
                FOR EACH ROW EXECUTE FUNCTION admin_changes_append_only()""",
         ),
     ),
+    Migration(
+        version=3,
+        summary="tenants.max_priority",
+        # Tenants created before priority classes keep what they had: everything interactive.
+        shared=("ALTER TABLE tenants ADD COLUMN max_priority TEXT NOT NULL DEFAULT 'interactive'",),
+    ),
 )
 
 
@@ -93,7 +100,20 @@ def pending(applied: set[int]) -> list[Migration]:
 
 
 # Row codecs. Column lists are fixed so rows decode by position on both drivers.
-TENANT_COLUMNS = "tenant_id, display_name, weight, quotas, policy, retain_prompts, created_at"
+# The stores build their tenant statements from these names, so no statement can miss a column.
+TENANT_FIELDS = (
+    "tenant_id",
+    "display_name",
+    "weight",
+    "quotas",
+    "policy",
+    "retain_prompts",
+    "created_at",
+    "max_priority",
+)
+TENANT_COLUMNS = ", ".join(TENANT_FIELDS)
+# What an update sets: every column but the id and created_at, which never change (`tenant_update_row`).
+TENANT_UPDATE_COLUMNS = tuple(c for c in TENANT_FIELDS if c not in ("tenant_id", "created_at"))
 KEY_COLUMNS = "key_id, tenant_id, roles, label, created_at, expires_at, revoked_at, secret_hash"
 CHANGE_COLUMNS = "id, at, actor, action, target, before, after"
 RECORD_COLUMNS = "at, actor, action, target, before, after"
@@ -104,7 +124,7 @@ _encode = msgspec.json.Encoder()
 
 
 def tenant_row(tenant: Tenant) -> tuple[object, ...]:
-    """Column values of a tenant, in TENANT_COLUMNS order."""
+    """Column values of a tenant, in TENANT_FIELDS order."""
     quotas = _encode.encode(tenant.quotas).decode()
     return (
         tenant.tenant_id,
@@ -115,7 +135,14 @@ def tenant_row(tenant: Tenant) -> tuple[object, ...]:
         tenant.policy,
         int(tenant.retain_prompts),
         float(tenant.created_at),
+        tenant.max_priority,
     )
+
+
+def tenant_update_row(tenant: Tenant) -> tuple[object, ...]:
+    """Column values of a tenant, in TENANT_UPDATE_COLUMNS order."""
+    row = dict(zip(TENANT_FIELDS, tenant_row(tenant), strict=True))
+    return tuple(row[column] for column in TENANT_UPDATE_COLUMNS)
 
 
 def tenant_from_row(row: Row) -> Tenant:
@@ -128,6 +155,7 @@ def tenant_from_row(row: Row) -> Tenant:
         policy=row[4],
         retain_prompts=bool(row[5]),
         created_at=float(row[6]),
+        max_priority=msgspec.convert(row[7], PriorityClass),
     )
 
 

@@ -9,6 +9,8 @@ import msgspec
 Role = Literal["consumer", "policy_admin", "reviewer", "operator"]
 ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator")
 FailMode = Literal["open", "closed"]
+# Admission classes, highest first: `interactive` requests are admitted ahead of `batch` ones.
+PriorityClass = Literal["interactive", "batch"]
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,6 +43,9 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     policy: str = "default"
     # Whether prompts and completions may be retained in logs and audit records.
     retain_prompts: bool = False
+    # The highest admission class this tenant's requests may use. A request may ask for a lower class with a
+    # header, never a higher one, so a `batch` tenant only ever runs as batch.
+    max_priority: PriorityClass = "interactive"
     created_at: float = 0.0
 
 

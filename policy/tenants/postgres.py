@@ -23,6 +23,8 @@ from policy.tenants.migrations import (
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     TENANT_COLUMNS,
+    TENANT_FIELDS,
+    TENANT_UPDATE_COLUMNS,
     change_from_row,
     change_row,
     encode_roles,
@@ -30,6 +32,7 @@ from policy.tenants.migrations import (
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
+    tenant_update_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
 from registry.db.postgres import UNREACHABLE, open_pool
@@ -42,6 +45,13 @@ _open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, l
 _BY_KEY = 'ORDER BY created_at, key_id COLLATE "C"'
 
 _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"
+_INSERT_TENANT = (
+    f"INSERT INTO tenants ({TENANT_COLUMNS})"
+    f" VALUES ({', '.join(f'${i}' for i in range(1, len(TENANT_FIELDS) + 1))})"
+    " ON CONFLICT (tenant_id) DO NOTHING RETURNING 1"
+)
+_SET = ", ".join(f"{column} = ${i}" for i, column in enumerate(TENANT_UPDATE_COLUMNS, start=1))
+_UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ${len(TENANT_UPDATE_COLUMNS) + 1}"
 
 
 class PostgresTenantStore:
@@ -90,11 +100,7 @@ class PostgresTenantStore:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
         stored = msgspec.structs.replace(tenant, created_at=now)
         async with self._conn(write=True) as conn:
-            inserted = await conn.fetchval(
-                f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
-                " ON CONFLICT (tenant_id) DO NOTHING RETURNING 1",
-                *tenant_row(stored),
-            )
+            inserted = await conn.fetchval(_INSERT_TENANT, *tenant_row(stored))
             if inserted is None:
                 raise ConflictError(f"tenant {tenant.tenant_id!r} exists")
             await conn.execute(_RECORD, *change_row(now, actor, "tenant.create", None, stored))
@@ -117,12 +123,7 @@ class PostgresTenantStore:
             before = await _tenant(conn, tenant.tenant_id, lock=True)
             after = msgspec.structs.replace(tenant, created_at=before.created_at)
             if after != before:
-                await conn.execute(
-                    "UPDATE tenants SET display_name = $1, weight = $2, quotas = $3, policy = $4,"
-                    " retain_prompts = $5 WHERE tenant_id = $6",
-                    *tenant_row(after)[1:6],
-                    tenant.tenant_id,
-                )
+                await conn.execute(_UPDATE_TENANT, *tenant_update_row(after), tenant.tenant_id)
                 await conn.execute(_RECORD, *change_row(now, actor, "tenant.update", before, after))
         return after
 

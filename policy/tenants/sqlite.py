@@ -23,6 +23,8 @@ from policy.tenants.migrations import (
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     TENANT_COLUMNS,
+    TENANT_FIELDS,
+    TENANT_UPDATE_COLUMNS,
     change_from_row,
     change_row,
     encode_roles,
@@ -30,6 +32,7 @@ from policy.tenants.migrations import (
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
+    tenant_update_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
 from registry.db.sqlite import Conn, SqliteWorker, transaction
@@ -37,6 +40,12 @@ from registry.db.sqlite import Conn, SqliteWorker, transaction
 T = TypeVar("T")
 
 _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_TENANT = (
+    f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES ({', '.join('?' for _ in TENANT_FIELDS)})"
+    " ON CONFLICT (tenant_id) DO NOTHING"
+)
+_SET = ", ".join(f"{column} = ?" for column in TENANT_UPDATE_COLUMNS)
+_UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ?"
 
 
 class SqliteTenantStore:
@@ -69,11 +78,7 @@ class SqliteTenantStore:
 
         def create(conn: Conn) -> Tenant:
             with transaction(conn):
-                inserted = conn.execute(
-                    f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT (tenant_id) DO NOTHING",
-                    tenant_row(stored),
-                ).rowcount
+                inserted = conn.execute(_INSERT_TENANT, tenant_row(stored)).rowcount
                 if inserted == 0:
                     raise ConflictError(f"tenant {tenant.tenant_id!r} exists")
                 conn.execute(_RECORD, change_row(now, actor, "tenant.create", None, stored))
@@ -98,11 +103,7 @@ class SqliteTenantStore:
                 before = _tenant(conn, tenant.tenant_id)
                 after = msgspec.structs.replace(tenant, created_at=before.created_at)
                 if after != before:
-                    conn.execute(
-                        "UPDATE tenants SET display_name = ?, weight = ?, quotas = ?, policy = ?,"
-                        " retain_prompts = ? WHERE tenant_id = ?",
-                        (*tenant_row(after)[1:6], tenant.tenant_id),
-                    )
+                    conn.execute(_UPDATE_TENANT, (*tenant_update_row(after), tenant.tenant_id))
                     conn.execute(_RECORD, change_row(now, actor, "tenant.update", before, after))
             return after
 

@@ -30,6 +30,7 @@ ACME: dict[str, Any] = {
     "quotas": {"tenant": LIMITS, "per_key": {**LIMITS, "request_burst": 2.0}, "fail_mode": "open"},
     "policy": "strict",
     "retain_prompts": True,
+    "max_priority": "interactive",
 }
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -155,6 +156,7 @@ async def test_create_tenant_defaults(admin: Admin) -> None:
         "quotas": {"tenant": None, "per_key": None, "fail_mode": "closed"},
         "policy": "default",
         "retain_prompts": False,
+        "max_priority": "interactive",
         "created_at": admin.clock(),
     }
 
@@ -195,6 +197,9 @@ def _limits(**changes: Any) -> dict[str, Any]:
         (_acme(quotas={"per_key": _limits(token_burst=-3)}), "quotas.per_key.token_burst"),
         (_acme(quotas={"tenant": {**LIMITS, "burst": 1}}), "quotas.tenant.burst"),
         (_acme(quotas={"fail_mode": "maybe"}), "quotas.fail_mode"),
+        (_acme(max_priority="urgent"), "max_priority"),
+        (_acme(max_priority="Batch"), "max_priority"),
+        (_acme(max_priority=None), "max_priority"),
         (_acme(colour="red"), "colour"),
         ({"tenant_id": "acme"}, "display_name"),
     ],
@@ -239,6 +244,42 @@ async def test_list_get_patch_and_put_quotas(admin: Admin) -> None:
     assert (await admin.request("GET", "/admin/tenants/globex")).json()["display_name"] == "Globex"
 
 
+async def test_max_priority_on_create_and_patch(admin: Admin) -> None:
+    created = await admin.create_tenant("bulk", max_priority="batch")
+    assert created["max_priority"] == "batch"
+    assert (await admin.store.get_tenant("bulk")).max_priority == "batch"
+    assert (await admin.request("GET", "/admin/tenants/bulk")).json() == created
+
+    # A PATCH of other fields leaves it; a PATCH of it changes only it, and is recorded.
+    admin.clock.advance(1)
+    renamed = await admin.request("PATCH", "/admin/tenants/bulk", {"display_name": "Bulk Ltd"})
+    assert renamed.json() == {**created, "display_name": "Bulk Ltd"}
+    admin.clock.advance(1)
+    raised = await admin.request("PATCH", "/admin/tenants/bulk", {"max_priority": "interactive"})
+    assert raised.status_code == 200, raised.text
+    assert raised.json() == {**renamed.json(), "max_priority": "interactive"}
+    assert (await admin.store.get_tenant("bulk")).max_priority == "interactive"
+    [change] = await admin.store.changes(1, target="tenant:bulk")
+    assert (change.actor, change.action, change.at) == (admin.key_id, "tenant.update", admin.clock())
+    assert msgspec.json.decode(change.before or "") == renamed.json()
+    assert msgspec.json.decode(change.after or "") == raised.json()
+
+    lowered = await admin.request("PATCH", "/admin/tenants/bulk", {"max_priority": "batch"})
+    assert lowered.json()["max_priority"] == "batch"
+    # Setting what it already is changes and records nothing.
+    again = await admin.request("PATCH", "/admin/tenants/bulk", {"max_priority": "batch"})
+    assert again.json() == lowered.json()
+    assert len(await admin.store.changes(target="tenant:bulk")) == 4
+
+    # A tenant's own administrator may not raise its class.
+    own_admin, _ = await mint(admin.store, "bulk", ("policy_admin",), admin.clock())
+    refused = await admin.request(
+        "PATCH", "/admin/tenants/bulk", {"max_priority": "interactive"}, key=own_admin
+    )
+    assert_403(refused, "operator_only")
+    assert (await admin.store.get_tenant("bulk")).max_priority == "batch"
+
+
 ACME_PATH = "/admin/tenants/acme"
 QUOTAS_PATH = "/admin/tenants/acme/quotas"
 
@@ -251,6 +292,8 @@ QUOTAS_PATH = "/admin/tenants/acme/quotas"
         ("PATCH", ACME_PATH, {"quotas": {"tenant": _limits(token_burst=0)}}, "quotas.tenant.token_burst"),
         ("PATCH", ACME_PATH, {"tenant_id": "other"}, "tenant_id"),
         ("PATCH", ACME_PATH, {"created_at": 5}, "created_at"),
+        ("PATCH", ACME_PATH, {"max_priority": "realtime"}, "max_priority"),
+        ("PATCH", ACME_PATH, {"max_priority": 0}, "max_priority"),
         ("PUT", QUOTAS_PATH, {"tenant": _limits(request_burst=0)}, "tenant.request_burst"),
         ("PUT", QUOTAS_PATH, {"per_key": _limits(requests_per_second=-1)}, "per_key.requests_per_second"),
         ("PUT", QUOTAS_PATH, {"per_key": _limits(token_burst="x")}, "per_key.token_burst"),

@@ -30,6 +30,9 @@ from policy.tenants import (
     parse_key,
     verify,
 )
+from policy.tenants.migrations import MIGRATIONS_TABLE
+from registry.db.postgres import open_pool
+from registry.db.sqlite import SqliteWorker
 from tests.backends import PG_DSN, SqlBackend, sql_backend
 
 QUOTAS = Quotas(
@@ -38,7 +41,13 @@ QUOTAS = Quotas(
     fail_mode="open",
 )
 ACME = Tenant(
-    tenant_id="acme", display_name="Acme", weight=2.5, quotas=QUOTAS, policy="strict", retain_prompts=True
+    tenant_id="acme",
+    display_name="Acme",
+    weight=2.5,
+    quotas=QUOTAS,
+    policy="strict",
+    retain_prompts=True,
+    max_priority="batch",
 )
 
 
@@ -72,11 +81,14 @@ async def test_create_get_list_update_tenant(tenant_store: TenantStore) -> None:
     assert await tenant_store.get_tenant("acme") == created
     # Floats inside the JSON quotas and in their own columns come back bit for bit.
     assert (await tenant_store.get_tenant("acme")).quotas == QUOTAS
+    assert (await tenant_store.get_tenant("acme")).max_priority == "batch"
 
+    # Every field but the id and created_at is replaced (max_priority back to its default among them).
     changed = Tenant(tenant_id="acme", display_name="Acme Ltd", weight=0.1, policy="lenient", created_at=5.0)
     updated = await tenant_store.update_tenant(changed, actor="k1", now=2000.0)
     assert updated == msgspec.structs.replace(changed, created_at=1000.25)
     assert await tenant_store.get_tenant("acme") == updated
+    assert updated.max_priority == "interactive"
 
     # Ids sort by code point on every backend, whatever the database collation.
     for tenant_id in ("b", "a-b", "aa", "A"):
@@ -185,6 +197,36 @@ async def test_every_change_is_recorded(tenant_store: TenantStore) -> None:
     assert await tenant_store.changes(target="tenant:nobody") == []
 
 
+async def test_max_priority_update_is_stored_and_recorded(tenant_store: TenantStore) -> None:
+    plain = await tenant_store.create_tenant(
+        Tenant(tenant_id="plain", display_name="Plain"), actor="bootstrap", now=1.0
+    )
+    assert plain.max_priority == "interactive"
+    assert (await tenant_store.get_tenant("plain")).max_priority == "interactive"
+
+    batch = await tenant_store.update_tenant(
+        msgspec.structs.replace(plain, max_priority="batch"), actor="k-admin", now=2.0
+    )
+    assert batch == msgspec.structs.replace(plain, max_priority="batch")
+    assert await tenant_store.get_tenant("plain") == batch
+    assert [t.max_priority for t in await tenant_store.list_tenants()] == ["batch"]
+
+    [change, _] = await tenant_store.changes(target="tenant:plain")
+    assert (change.actor, change.action) == ("k-admin", "tenant.update")
+    assert msgspec.json.decode(change.before or "")["max_priority"] == "interactive"
+    assert msgspec.json.decode(change.after or "")["max_priority"] == "batch"
+    assert msgspec.json.decode(change.after or "", type=Tenant) == batch
+
+    back = await tenant_store.update_tenant(plain, actor="k-admin", now=3.0)
+    assert back == plain
+    assert (await tenant_store.get_tenant("plain")).max_priority == "interactive"
+    assert [c.action for c in await tenant_store.changes(target="tenant:plain")] == [
+        "tenant.update",
+        "tenant.update",
+        "tenant.create",
+    ]
+
+
 async def test_admin_changes_are_append_only(backend: Backend) -> None:
     store = await backend.open()
     await store.create_tenant(ACME, actor="bootstrap", now=1.0)
@@ -200,7 +242,64 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get_tenant("acme") == await first.get_tenant("acme")
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3]
+
+
+async def _open_at_migration_2(backend: Backend) -> None:
+    """Create the backend's database as a release with migrations 1 and 2 left it, then close it."""
+    released = MIGRATIONS[:2]
+    assert [m.version for m in released] == [1, 2]
+    if backend.name == "sqlite":
+        worker = await SqliteWorker.open(
+            backend.location, migrations=released, table=MIGRATIONS_TABLE, foreign_keys=True
+        )
+        await worker.close()
+    else:
+        pool = await open_pool(
+            PG_DSN,
+            schema=backend.location,
+            migrations=released,
+            table=MIGRATIONS_TABLE,
+            lock_key=0x4C6B6774_74657374,
+            min_size=1,
+            max_size=1,
+        )
+        await pool.close()
+
+
+async def test_a_database_at_migration_2_migrates_to_interactive(backend: Backend) -> None:
+    await _open_at_migration_2(backend)
+    # A tenant as the release with two migrations wrote it: no max_priority column yet.
+    await backend.raw(
+        "INSERT INTO {schema}.tenants (tenant_id, display_name, weight, quotas, policy, retain_prompts,"
+        """ created_at) VALUES ('old', 'Old', 2.0, '{"fail_mode":"open"}', 'strict', 1, 7.5)"""
+    )
+    assert await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+    ]
+
+    store = await backend.open()
+    expected = Tenant(
+        tenant_id="old",
+        display_name="Old",
+        weight=2.0,
+        quotas=Quotas(fail_mode="open"),
+        policy="strict",
+        retain_prompts=True,
+        created_at=7.5,
+        max_priority="interactive",
+    )
+    assert await store.get_tenant("old") == expected
+    rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
+    assert [row[0] for row in rows] == [1, 2, 3]
+    # The migrated table takes the new column like a fresh one.
+    batch = await store.update_tenant(
+        msgspec.structs.replace(expected, max_priority="batch"), actor="a", now=8.0
+    )
+    assert await store.get_tenant("old") == batch
+    created = await store.create_tenant(ACME, actor="a", now=9.0)
+    assert await store.get_tenant("acme") == created
 
 
 async def test_sqlite_never_blocks_the_event_loop(tmp_path: Path) -> None:
