@@ -341,22 +341,29 @@ class FairQueue:
 
     # -- dispatch ----------------------------------------------------------------------------------------
 
-    def pop(self, now: float) -> Ticket | None:
-        """The next ticket to dispatch (never one whose deadline passed), charging its input; None if empty.
-
-        The caller must later call `finish(request_id)` once, however the request ends.
-        """
+    def peek(self, now: float) -> Ticket | None:
+        """The ticket `pop(now)` would return, left queued (the scheduler looks for room for it first)."""
         self._collect_expired(now)
         klass = self._choose_class(now)
         if klass is None:
             return None
         tenant = self._classes[klass].tenants.peek()[1]
-        state = self._tenants[tenant]
-        rid = state.queues[klass].peek()[1]
+        return self._queued[self._tenants[tenant].queues[klass].peek()[1]][0]
+
+    def pop(self, now: float) -> Ticket | None:
+        """The next ticket to dispatch (never one whose deadline passed), charging its input; None if empty.
+
+        The caller must later call `finish(request_id)` once, however the request ends.
+        """
+        ticket = self.peek(now)
+        if ticket is None:
+            return None
+        state = self._tenants[ticket.tenant]
+        rid = ticket.request_id
         # In flight before leaving the queue, so the tenant stays active through the handover.
         state.in_flight += 1
-        self._in_flight[rid] = tenant
-        ticket = self._unqueue(rid)
+        self._in_flight[rid] = ticket.tenant
+        self._unqueue(rid)
         self._charge(state, ticket.prompt_tokens * self._config.w_in)
         return ticket
 
@@ -395,6 +402,10 @@ class FairQueue:
     def remove(self, request_id: str) -> Ticket | None:
         """Take a queued ticket out (its client left); None if it is not queued."""
         return self._unqueue(request_id) if request_id in self._queued else None
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a queued ticket (when the scheduler must next look for expiries)."""
+        return self._by_deadline.peek()[0][0] if len(self._by_deadline) else None
 
     def expire(self, now: float) -> list[Ticket]:
         """Remove and return every ticket whose deadline passed (deadline < now), those `pop` skipped too."""

@@ -1,0 +1,234 @@
+"""`Scheduler`: the fair queue and the router together, in the event loop.
+
+A request asks for a `Lease` with `admit(ticket, route)`. It is pushed into the fair queue of the weights it
+needs (one `FairQueue` per weights hash: replicas that serve the same weights are one capacity), which may
+refuse it at once (`QueueFullError`, `DeadlineUnmeetableError`); then the dispatcher takes tickets in fair
+order and hands each one the replica the router picks, with the ticket's KV budget reserved there. The
+head of a queue waits until some replica has room for it (strict order: a smaller ticket behind it does not
+overtake, or fairness would not hold). Dispatch runs whenever something changes: a ticket arrives, a lease
+is released, replicas report load (the refresh loop), or the earliest queued deadline passes; a ticket whose
+deadline passes while queued is answered with `DeadlineExpiredError`.
+
+A lease lasts until the request ends, however it ends: `Lease.release()` frees its KV budget on the replica,
+finishes it in the fair queue and reports the work done to the queue's service rate. While it runs,
+`Lease.observe(tokens)` charges generated tokens to the tenant's virtual counter and to the replica's KV
+accounting. `fail_over(lease)` moves a request that failed before its first token to another replica.
+
+Exceptions::
+
+    AdmissionError (routing.admission_config)   refused at push: queue_full (429 tenant / 503 class),
+    │                                           deadline_unmeetable (503)
+    └── DeadlineExpiredError                    its deadline passed while queued (504 deadline_expired)
+    RoutingError (routing.replicas)             no_healthy_replica (503), context_length_exceeded (400)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from routing.admission_config import AdmissionConfig, AdmissionError, Klass, Ticket
+from routing.fair_queue import FairQueue
+from routing.replicas import Replica
+from routing.router import NoHealthyReplicaError, Router, RouteRequest
+
+log = logging.getLogger("lockgate.routing")
+
+# vLLM's priority (lower runs earlier) of each class, so the engine's own waiting queue agrees with ours.
+ENGINE_PRIORITY: dict[Klass, int] = {"interactive": 0, "batch": 10}
+
+
+class DeadlineExpiredError(AdmissionError):
+    """The request's queue deadline passed before a replica had room for it."""
+
+    status_code = 504
+    code = "deadline_expired"
+
+
+class Lease:
+    """A dispatched request: the replica holding its KV budget, and its place in the fair queue."""
+
+    def __init__(
+        self, scheduler: Scheduler, ticket: Ticket, route: RouteRequest, replica: Replica, queue_wait: float
+    ) -> None:
+        self._scheduler = scheduler
+        self.ticket = ticket
+        self.route = route
+        self.replica = replica
+        # Seconds the request waited in the queue before dispatch.
+        self.queue_wait = queue_wait
+        self.attempts = 1
+        self._output = 0
+        self._released = False
+
+    def observe(self, tokens: int) -> None:
+        """`tokens` more were generated: charge the tenant, count them against the replica's KV budget."""
+        if self._released or tokens <= 0:
+            return
+        self._output += tokens
+        self._scheduler.queue(self.route.weights_sha256).charge_output(self.ticket.tenant, tokens)
+        self.replica.grow(self.ticket.request_id, self._output)
+
+    def release(self) -> None:
+        """The request ended: free its budget and its fair-queue slot, report its work (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        self._scheduler.finished(self, self.ticket.prompt_tokens + self._output)
+
+
+class _Waiter:
+    """A queued ticket's route and the future its `admit` awaits."""
+
+    def __init__(self, ticket: Ticket, route: RouteRequest, future: asyncio.Future[Lease]) -> None:
+        self.ticket = ticket
+        self.route = route
+        self.future = future
+
+
+class Scheduler:
+    """Admission (fair queues per weights) and dispatch (router over replicas) for one gateway process."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: Router,
+        config: AdmissionConfig,
+        clock: Callable[[], float],
+        *,
+        refresh_interval: float = 1.0,
+    ) -> None:
+        self.replicas = list(replicas)
+        self.config = config
+        self._router = router
+        self._clock = clock
+        self._refresh_interval = refresh_interval
+        self._queues: dict[str, FairQueue] = {}
+        self._waiters: dict[str, _Waiter] = {}
+        self._wake = asyncio.Event()
+
+    def queue(self, weights_sha256: str) -> FairQueue:
+        """The fair queue of one weights hash (created on first use)."""
+        queue = self._queues.get(weights_sha256)
+        if queue is None:
+            queue = self._queues[weights_sha256] = FairQueue(self.config)
+        return queue
+
+    def depth(self) -> int:
+        """Requests queued, all weights."""
+        return sum(len(q) for q in self._queues.values())
+
+    async def admit(self, ticket: Ticket, route: RouteRequest) -> Lease:
+        """Queue `ticket` and wait until a replica serving `route.weights_sha256` has room for it.
+
+        Raises at once what refuses it (no healthy replica, a full queue, an unmeetable deadline), later
+        DeadlineExpiredError. Cancelled while waiting, the ticket leaves the queue; a lease granted in the
+        same instant is released.
+        """
+        if not any(r.weights_sha256 == route.weights_sha256 and r.routable for r in self.replicas):
+            raise NoHealthyReplicaError(f"no healthy replica serves weights {route.weights_sha256[:12]}")
+        queue = self.queue(route.weights_sha256)
+        queue.push(ticket, self._clock())
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.request_id] = _Waiter(ticket, route, future)
+        self.dispatch()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._waiters.pop(ticket.request_id, None)
+            queue.remove(ticket.request_id)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()
+            raise
+
+    def dispatch(self) -> None:
+        """Give every queue's head a replica while one has room; answer expired and unroutable tickets."""
+        now = self._clock()
+        for queue in self._queues.values():
+            for expired in queue.expire(now):
+                waited = expired.deadline - expired.arrival
+                message = f"no replica had room before the queue deadline ({waited:.1f} s after arrival)"
+                self._fail(expired, DeadlineExpiredError(message, retry_after=1.0))
+            while (ticket := queue.peek(now)) is not None:
+                waiter = self._waiters.get(ticket.request_id)
+                if waiter is None:  # its client left between push and now
+                    queue.remove(ticket.request_id)
+                    continue
+                try:
+                    replica = self._router.dispatch(waiter.route, self.replicas, now)
+                except Exception as exc:  # no healthy replica any more, or too large for every replica
+                    queue.remove(ticket.request_id)
+                    self._fail(ticket, exc)
+                    continue
+                if replica is None:
+                    break
+                queue.pop(now)  # the ticket peeked: nothing ran in between
+                del self._waiters[ticket.request_id]
+                lease = Lease(self, ticket, waiter.route, replica, max(0.0, now - ticket.arrival))
+                if waiter.future.done():  # cancelled in the same instant
+                    lease.release()
+                else:
+                    waiter.future.set_result(lease)
+
+    def _fail(self, ticket: Ticket, exc: Exception) -> None:
+        waiter = self._waiters.pop(ticket.request_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_exception(exc)
+
+    def finished(self, lease: Lease, work: int) -> None:
+        """A lease was released: free what it held, then dispatch what now fits."""
+        lease.replica.release(lease.ticket.request_id)
+        queue = self.queue(lease.route.weights_sha256)
+        queue.finish(lease.ticket.request_id)
+        queue.record_service(work, self._clock())
+        self.dispatch()
+
+    def fail_over(self, lease: Lease) -> Lease | None:
+        """Move a request that failed before its first token to another replica (its KV budget with it);
+        None when no other replica can take it now (the caller reports the original error)."""
+        request_id = lease.ticket.request_id
+        lease.replica.release(request_id)
+        try:
+            replica = self._router.dispatch(
+                lease.route, self.replicas, self._clock(), exclude={lease.replica.replica_id}
+            )
+        except Exception:
+            replica = None
+        if replica is None:
+            # Nothing to move to: the lease keeps no budget anywhere; release() still finishes it.
+            return None
+        lease.replica = replica
+        lease.attempts += 1
+        return lease
+
+    async def refresh(self) -> None:
+        """Refresh every replica's load and health once (bounded per replica), then dispatch."""
+        await asyncio.gather(*(r.refresh() for r in self.replicas), return_exceptions=True)
+        self.dispatch()
+
+    async def run(self) -> None:
+        """Until cancelled: refresh replicas every `refresh_interval` seconds, and dispatch when the
+        earliest queued deadline passes (so expired tickets are answered without waiting for traffic)."""
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time()
+        while True:
+            if loop.time() >= next_refresh:
+                try:
+                    await self.refresh()
+                except Exception:  # a refresh must never stop the loop
+                    log.exception("replica refresh failed")
+                next_refresh = loop.time() + self._refresh_interval
+            timeout = next_refresh - loop.time()
+            deadlines = [d for q in self._queues.values() if (d := q.next_deadline()) is not None]
+            if deadlines:
+                timeout = min(timeout, max(0.0, min(deadlines) - self._clock()) + 1e-3)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0))
+            self.dispatch()
+
+    def wake(self) -> None:
+        """Make `run` look again now (tests that move an injected clock)."""
+        self._wake.set()
