@@ -69,7 +69,8 @@ class Lease:
             return
         self._output += tokens
         self._scheduler.queue(self.route.weights_sha256).charge_output(self.ticket.tenant, tokens)
-        self.replica.grow(self.ticket.request_id, self._output)
+        # Replica.grow takes the increment, not the running total.
+        self.replica.grow(self.ticket.request_id, tokens)
 
     def release(self) -> None:
         """The request ended: free its budget and its fair-queue slot, report its work (idempotent)."""
@@ -134,6 +135,9 @@ class Scheduler:
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = _Waiter(ticket, route, future)
         self.dispatch()
+        if not future.done():
+            # `run` may be waiting past this ticket's deadline: make it look at the deadlines again.
+            self._wake.set()
         try:
             return await future
         except asyncio.CancelledError:
@@ -188,6 +192,8 @@ class Scheduler:
     def fail_over(self, lease: Lease) -> Lease | None:
         """Move a request that failed before its first token to another replica (its KV budget with it);
         None when no other replica can take it now (the caller reports the original error)."""
+        if lease._released:  # reserving again would hold budget that no release frees
+            return None
         request_id = lease.ticket.request_id
         lease.replica.release(request_id)
         try:
@@ -196,12 +202,13 @@ class Scheduler:
             )
         except Exception:
             replica = None
-        if replica is None:
-            # Nothing to move to: the lease keeps no budget anywhere; release() still finishes it.
-            return None
-        lease.replica = replica
-        lease.attempts += 1
-        return lease
+        if replica is not None:
+            lease.replica = replica
+            lease.attempts += 1
+        # The failed replica's budget is free: queued tickets may fit there now.
+        self.dispatch()
+        # None: nothing to move to; the lease keeps no budget anywhere and release() still finishes it.
+        return lease if replica is not None else None
 
     async def refresh(self) -> None:
         """Refresh every replica's load and health once (bounded per replica), then dispatch."""
