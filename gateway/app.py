@@ -14,11 +14,11 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from engines.base import Engine
-from engines.supervisor import SupervisedEngine
 from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
+from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
@@ -28,7 +28,7 @@ from gateway.guards import GuardFactory
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
-from gateway.service import DEFAULT_POOL, Services
+from gateway.service import Services
 from guard.default_guard import judge_spec
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
@@ -43,58 +43,12 @@ from registry.base import RegistryStore
 from registry.default_model import register_default_model
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
-from registry.validation import model_dir_of
-from registry.view import ResolvedModel, ResolvedPolicy
+from registry.view import ResolvedPolicy
+from routing.router import Router
+from routing.scheduler import Scheduler
 
 # Guard model name of the zero-shot one-token judge on the served model (one version per served version).
 ZERO_SHOT_JUDGE = "zero-shot-judge"
-
-
-class ModelNotPreparedError(Exception):
-    """The model directory is missing or incomplete."""
-
-
-def build_engine(config: Config, model_dir: Path | None = None, name: str | None = None) -> SupervisedEngine:
-    """The engine the configuration names (not started), under a supervisor that restarts it if it dies.
-
-    By default it serves the configured model; a guard pool passes its own model directory and name.
-    """
-    model_name = name or config.model.name
-    if config.engine.kind == "simulated":
-        from engines.simulated import SimulatedEngine
-
-        return SupervisedEngine(
-            lambda: SimulatedEngine(config.engine.simulator, model_name=model_name),
-            config.engine.supervisor,
-        )
-    from engines.vllm_local import VllmLocalEngine
-
-    directory = model_dir or config.model.model_dir()
-    if not (directory / "config.json").is_file():
-        raise ModelNotPreparedError(
-            f"no prepared model in {directory}; run `lockgate models prepare` (or `make serve`) first"
-        )
-    engine = config.engine
-    return SupervisedEngine(
-        lambda: VllmLocalEngine(
-            directory,
-            model_name=model_name,
-            max_model_len=config.model.max_model_len,
-            dtype=engine.dtype,
-            kv_cache_bytes=engine.kv_cache_bytes,
-            max_logprobs=engine.max_logprobs,
-            enforce_eager=engine.enforce_eager,
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            step_target_s=engine.step_target,
-        ),
-        engine.supervisor,
-    )
-
-
-def _model_dir_of(config: Config, model: ResolvedModel) -> Path:
-    """The directory of a registered model version's files."""
-    return model_dir_of(config.model.data_path(), model.spec.artifact)
 
 
 async def _guard_pools(
@@ -106,7 +60,7 @@ async def _guard_pools(
         if model is None or model.spec.engine_pool in pools:
             continue
         pool = model.spec.engine_pool
-        engine = build_engine(config, _model_dir_of(config, model), name=model.ref)
+        engine = build_engine(config, model_dir(config, model), name=model.ref)
         await engine.start()
         owned.push_async_callback(engine.shutdown)
         pools[pool] = engine
@@ -304,16 +258,34 @@ def create_app(
                 owned.push_async_callback(versions.close)
             live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
             owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
-            active = engine
-            if active is None:
-                active = build_engine(config)
-                await active.start()
-                owned.push_async_callback(active.shutdown)
+            served = live_registry.view.resolve_model(config.model.name, request_id="")
+            tokenizer = prompts.tokenizer
+            replicas = await start_fleet(
+                config,
+                live_registry.view,
+                served,
+                engine,
+                owned,
+                token_text=lambda token_id: str(tokenizer.decode([token_id])),
+                clock=clock,
+            )
+            active = replicas[0].engine
+            scheduler = Scheduler(
+                replicas,
+                Router(config.routing.router),
+                config.admission,
+                clock,
+                refresh_interval=config.routing.replicas.refresh_interval,
+            )
+            # Capacities and health known before the first request; then kept fresh in the background.
+            await scheduler.refresh()
+            owned.push_async_callback(_stop, asyncio.create_task(scheduler.run()))
             meter = quota_meter(config, buckets, clock)
-            pools: dict[str, Engine] = {DEFAULT_POOL: active, **(guard_pools or {})}
+            # The first replica of each pool answers for it where one engine is needed (guard calls, limits).
+            pools: dict[str, Engine] = {r.pool: r.engine for r in reversed(replicas)}
+            pools.update(guard_pools or {})
             default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
             await _guard_pools(config, default_policy, pools, owned)
-            served = live_registry.view.resolve_model(config.model.name, request_id="")
             factory = GuardFactory(
                 pools=pools,
                 renderer=prompts,
@@ -347,6 +319,7 @@ def create_app(
                 clock=clock,
                 pools=pools,
                 renderers=renderers,
+                scheduler=scheduler,
             )
             try:
                 yield

@@ -19,7 +19,10 @@ import msgspec
 
 from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
+from engines.vllm_remote_wire import RemoteEngineConfig
 from guard.breaker import BreakerPolicy
+from routing.admission_config import AdmissionConfig
+from routing.config import RoutingConfig
 
 ENV_PREFIX = "LOCKGATE_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -203,9 +206,27 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
 
 
+class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine replica of `[[engines]]`."""
+
+    # `vllm_local`: vLLM in this process, with the [engine] settings. `vllm_remote`: a `vllm serve` replica
+    # reached over HTTP ([engines.remote]). `simulated`: the timing-model simulator ([engine.simulator]).
+    kind: Literal["vllm_local", "vllm_remote", "simulated"]
+    # The pool it serves (a model version names its pool; guard models may have pools of their own).
+    pool: str = "default"
+    # name@version of the model version whose weights it serves; "" = the version `model.name` names at
+    # start-up. A local replica's weights are checked against the version's sha256; a remote one must list
+    # its `served_model` name, and is trusted to serve that version's weights.
+    model: str = ""
+    # Only for `vllm_remote`.
+    remote: RemoteEngineConfig | None = None
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
+    # Engine replicas; empty = one replica from [engine] serving the configured model in pool "default".
+    engines: list[ReplicaSpec] = msgspec.field(default_factory=list)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
@@ -214,6 +235,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

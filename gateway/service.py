@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from engines.base import Engine
 from engines.supervisor import SupervisedEngine
@@ -24,6 +25,7 @@ from registry.base import InvalidError as RegistryInvalidError
 from registry.base import NotFoundError as RegistryNotFoundError
 from registry.service import Registry
 from registry.view import ResolvedModel, ResolvedPolicy
+from routing.scheduler import Scheduler
 
 DEFAULT_POOL = "default"
 
@@ -46,15 +48,19 @@ class Services:
         gate: SafetyGate,
         clock: Clock,
         guards: GuardFactory | None = None,
+        scheduler: Scheduler,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
+        # Fair admission and routing over the engine replicas (built in the lifespan).
+        self.scheduler = scheduler
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
-        # Pools that only guard models run on (every pool but the served engine's).
-        self.guard_pools = frozenset(p for p, e in self.pools.items() if e is not engine)
+        # Pools that only guard models run on (every pool no generation replica serves).
+        served = {r.pool for r in scheduler.replicas}
+        self.guard_pools = frozenset(p for p in self.pools if p not in served)
         # The served model's renderer; `renderers` holds every version pair's (None: `renderer` serves all).
         self.renderer = renderer
         self.renderers = renderers
@@ -138,10 +144,13 @@ class Services:
                 code="policy_unavailable",
             ) from exc
 
-    def settle_on_outcome(self, charge: Charge) -> OutcomeSink:
-        """The sink for one request: report the outcome, then settle its quota with the usage it had."""
+    def settle_on_outcome(self, charge: Charge, release: Callable[[], None] | None = None) -> OutcomeSink:
+        """The sink for one request: free its engine capacity (`release`), report the outcome, then settle
+        its quota with the usage it had."""
 
         def sink(outcome: Outcome) -> None:
+            if release is not None:
+                release()
             self.sink(outcome)
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
             # The meter's own task, not the request TaskSet: shutdown cancels those, and drains these.

@@ -58,6 +58,15 @@ async def renderer(model_dir: Path) -> AsyncIterator[PromptRenderer]:
     executor.shutdown()
 
 
+@pytest.fixture(scope="session")
+async def vllm_server(model_dir: Path) -> AsyncIterator[str]:
+    """A real `vllm serve` replica (vLLM's OpenAI server in a subprocess) for the session; its base URL."""
+    from tests.vllm_server import running_server
+
+    async with running_server(model_dir) as url:
+        yield url
+
+
 @pytest.fixture
 async def sim_engine() -> AsyncIterator[SimulatedEngine]:
     """A fresh simulated engine (fast steps) named like the default model."""

@@ -81,7 +81,7 @@ def test_example_file_documents_every_field() -> None:
     for path in nullable:
         assert f"# {path.rsplit('.', 1)[1]} = " in text
     # Each field line (set or commented out) has a comment line directly above it.
-    leaf_names = {path.rsplit(".", 1)[1] for path in fields}
+    leaf_names = {path.rsplit(".", 1)[-1] for path in fields}
     for index, line in enumerate(lines):
         name = line.lstrip("# ").split(" = ", 1)[0]
         if " = " in line and name in leaf_names:

@@ -1,6 +1,7 @@
 """One generation request from top to bottom: read this module first.
 
-    decode -> resolve -> render (plan) -> reserve quota -> input guard -> generate -> output guard -> respond
+    decode -> resolve -> render (plan) -> reserve quota -> input guard -> admit (fair queue, replica)
+           -> generate -> output guard -> respond
 
 The route handlers decode the body and call `run_chat` / `run_completion`; every later stage is one call into
 the package that owns it: `planning` (validate, render, count tokens), `metering` (quota), the safety gate
@@ -37,6 +38,15 @@ from gateway.errors import (
     EngineFailedError,
     EngineUnavailableError,
     InvalidRequestError,
+)
+from gateway.generation.admission import (
+    QUEUE_WAIT_HEADER,
+    admit,
+    for_engine,
+    priority_class,
+    queue_deadline,
+    routed,
+    session_of,
 )
 from gateway.generation.flow import ClientDisconnectedError, Transform, collect, pump, race_disconnect
 from gateway.generation.metering import charge_headers, reserve
@@ -199,7 +209,10 @@ def _refund(services: Services, charge: Charge) -> None:
 async def _run(
     services: Services, plan: Plan, request: Request[Any, Any, Any], principal: Principal, tokenizer: Any
 ) -> Response[Any]:
-    req = plan.engine_request
+    # Headers are checked before anything is reserved: a bad one costs nothing.
+    klass = priority_class(request, principal)
+    wait = queue_deadline(request, services, klass)
+    req = for_engine(plan, klass, principal.tenant.tenant_id)
     policy = services.policy_for(principal, plan.request_id)
     charge = await reserve(services.meter, principal, plan)
     headers = charge_headers(charge)
@@ -216,25 +229,40 @@ async def _run(
     if decision is not None and decision.action != "allow":
         _refund(services, charge)
         raise guard_api_error(decision, headers)
+    # Admission: wait (bounded by the queue deadline) for a replica with room; the client may leave meanwhile.
+    try:
+        lease = await race_disconnect(
+            admit(services, plan, req, principal, klass, wait, session_of(request, plan.user, principal)),
+            request.receive,
+        )
+    except ClientDisconnectedError:
+        _refund(services, charge)
+        return Response(content=b"", status_code=CLIENT_CLOSED)
+    except BaseException:
+        _refund(services, charge)
+        raise
+    headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
     tracker = RequestTracker(
         plan.request_id,
         plan.model.ref,
         len(req.prompt_token_ids),
         plan.stream,
-        services.settle_on_outcome(charge),
+        services.settle_on_outcome(charge, lease.release),
         tokenizer=plan.model.tokenizer.ref,
         chat_template=plan.model.chat_template.ref,
         choices=plan.choices,
         metadata=plan.metadata,
+        on_output=lease.observe,
     )
     output = (
         _OutputGuard(services, policy, context, tracker) if services.gate.guards(policy, "output") else None
     )
     prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
     formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()), tokenizer)
-    engine = services.pools[plan.model.spec.engine_pool]
-    # One engine request per choice (engines generate one sequence each); the flow merges them by index.
-    sources = [engine.generate(choice) for choice in split_choices(req)]
+    # One engine request per choice (engines generate one sequence each), all on the lease's replica; the
+    # flow merges them by index. A single choice fails over to another replica before its first token.
+    choices = split_choices(req)
+    sources = [routed(services.scheduler, lease, c, fail_over=len(choices) == 1) for c in choices]
     source = sources[0] if len(sources) == 1 else sources
     try:
         if not plan.stream:

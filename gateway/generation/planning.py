@@ -72,6 +72,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     tools: ToolUse | None = None
     # Chat: the client's `metadata`, kept with the outcome.
     metadata: dict[str, str] | None = None
+    # The client's `user` (session affinity when it sends no x-session-id).
+    user: str | None = None
 
     @property
     def choices(self) -> int:
@@ -342,6 +344,7 @@ async def plan_chat(
         ),
         tools=use,
         metadata=metadata,
+        user=req.user,
     )
 
 
@@ -407,4 +410,5 @@ async def plan_completion(
         include_usage=_include_usage(req),
         logprobs=req.logprobs is not None,
         spans=(Span(text=text, source="user"),),
+        user=req.user,
     )

@@ -67,10 +67,13 @@ class RequestTracker:
         chat_template: str = "",
         choices: int = 1,
         metadata: dict[str, str] | None = None,
+        on_output: Callable[[int], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self._choices = choices
         self._metadata = metadata
+        # Told how many tokens each delta brought (the admission lease charges the tenant and the replica).
+        self._on_output = on_output
         self._model = model
         self._tokenizer = tokenizer
         self._chat_template = chat_template
@@ -87,6 +90,8 @@ class RequestTracker:
     def observe(self, delta: EngineDelta) -> None:
         """Count a delta as the engine produced it."""
         self._completion_tokens += len(delta.token_ids)
+        if self._on_output is not None and delta.token_ids:
+            self._on_output(len(delta.token_ids))
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
             if delta.usage is not None:

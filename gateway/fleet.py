@@ -1,0 +1,152 @@
+"""The engine fleet: every replica the configuration names, started, checked, and wrapped for the router.
+
+With no `[[engines]]`, the fleet is one replica built from `[engine]` (or the engine the caller passed in),
+serving the configured model in pool `default`. Otherwise each `[[engines]]` entry is one replica of the pool
+it names, serving the weights of the model version it names:
+
+- `vllm_local`: vLLM in this process on that version's model directory, whose weights must hash to the
+  version's `weights_sha256` (read from the directory's manifest) before it is started;
+- `vllm_remote`: a `vllm serve` replica over HTTP; its `start()` refuses a server that does not list the
+  configured `served_model`, and the operator's `model` names the weights it serves;
+- `simulated`: the timing-model simulator (load and fault testing only).
+
+Replica ids are unique in the fleet (`<kind>-<index>`, or the remote URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from engines.base import Engine
+from engines.supervisor import SupervisedEngine
+from gateway.config import Config, ReplicaSpec
+from registry.default_model import read_model_dir
+from registry.validation import model_dir_of
+from registry.view import RegistryView, ResolvedModel
+from routing.replicas import Replica
+
+
+class ModelNotPreparedError(Exception):
+    """The model directory is missing or incomplete."""
+
+
+class FleetError(Exception):
+    """A configured replica cannot serve what it claims (wrong weights, missing settings)."""
+
+
+def build_engine(
+    config: Config,
+    model_dir: Path | None = None,
+    name: str | None = None,
+    *,
+    kind: str | None = None,
+    replica_id: str | None = None,
+) -> SupervisedEngine:
+    """An in-process engine (not started) under a supervisor that restarts it if it dies: `kind`
+    (default `engine.kind`) on `model_dir` (default the configured model's), named `name`."""
+    model_name = name or config.model.name
+    if (kind or config.engine.kind) == "simulated":
+        from engines.simulated import SimulatedEngine
+
+        return SupervisedEngine(
+            lambda: SimulatedEngine(
+                config.engine.simulator, model_name=model_name, replica_id=replica_id or "sim-0"
+            ),
+            config.engine.supervisor,
+        )
+    from engines.vllm_local import VllmLocalEngine
+
+    directory = model_dir or config.model.model_dir()
+    if not (directory / "config.json").is_file():
+        raise ModelNotPreparedError(
+            f"no prepared model in {directory}; run `lockgate models prepare` (or `make serve`) first"
+        )
+    engine = config.engine
+    return SupervisedEngine(
+        lambda: VllmLocalEngine(
+            directory,
+            model_name=model_name,
+            max_model_len=config.model.max_model_len,
+            dtype=engine.dtype,
+            kv_cache_bytes=engine.kv_cache_bytes,
+            max_logprobs=engine.max_logprobs,
+            enforce_eager=engine.enforce_eager,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            step_target_s=engine.step_target,
+            replica_id=replica_id or "vllm-local-0",
+        ),
+        engine.supervisor,
+    )
+
+
+def model_dir(config: Config, model: ResolvedModel) -> Path:
+    """The directory of a registered model version's files."""
+    return model_dir_of(config.model.data_path(), model.spec.artifact)
+
+
+async def _replica_engine(
+    config: Config,
+    spec: ReplicaSpec,
+    model: ResolvedModel,
+    index: int,
+    token_text: Callable[[int], str],
+) -> Engine:
+    if spec.kind == "vllm_remote":
+        if spec.remote is None:
+            raise FleetError(f"engines[{index}] is vllm_remote and needs an [engines.remote] table")
+        from engines.vllm_remote import VllmRemoteEngine
+
+        return VllmRemoteEngine(spec.remote, token_text=token_text)
+    replica_id = f"{spec.kind}-{index}"
+    if spec.kind == "simulated":
+        return build_engine(config, name=model.ref, kind="simulated", replica_id=replica_id)
+    directory = model_dir(config, model)
+    files = await asyncio.to_thread(read_model_dir, directory)
+    if files.weights_sha256 != model.spec.weights_sha256:
+        raise FleetError(
+            f"engines[{index}]: {directory} holds weights {files.weights_sha256[:12]}, not those of "
+            f"{model.ref} ({model.spec.weights_sha256[:12]})"
+        )
+    return build_engine(config, directory, model.ref, kind="vllm_local", replica_id=replica_id)
+
+
+async def start_fleet(
+    config: Config,
+    view: RegistryView,
+    served: ResolvedModel,
+    engine: Engine | None,
+    owned: AsyncExitStack,
+    *,
+    token_text: Callable[[int], str],
+    clock: Callable[[], float],
+) -> list[Replica]:
+    """Start every replica (those this function builds are shut down by `owned`) and wrap it for the
+    router. `engine`, when given, is the single replica of a configuration without `[[engines]]`."""
+
+    def replica(engine: Engine, pool: str, model: ResolvedModel) -> Replica:
+        return Replica(
+            engine,
+            pool=pool,
+            weights_sha256=model.spec.weights_sha256,
+            config=config.routing.replicas,
+            clock=clock,
+        )
+
+    if not config.engines:
+        if engine is None:
+            engine = build_engine(config)
+            await engine.start()
+            owned.push_async_callback(engine.shutdown)
+        return [replica(engine, "default", served)]
+    replicas = []
+    for index, spec in enumerate(config.engines):
+        model = view.resolve_model(spec.model, request_id="") if spec.model else served
+        built = await _replica_engine(config, spec, model, index, token_text)
+        await built.start()
+        owned.push_async_callback(built.shutdown)
+        replicas.append(replica(built, spec.pool, model))
+    return replicas

@@ -1,0 +1,179 @@
+"""The admission stage of a request: its priority class and queue deadline, its place in the fair queue, the
+replica it runs on, and the failover of a request that fails before its first token.
+
+Request headers:
+- `x-lockgate-priority: interactive | batch`: the class; default the tenant's `max_priority`, and never above
+  it (a batch tenant asking for interactive is refused, 400).
+- `x-lockgate-queue-deadline: <seconds>`: how long the request may wait in the queue; it may only lower the
+  class default (`admission.interactive_deadline` / `batch_deadline`).
+Response header `x-lockgate-queue-wait`: seconds the request waited for a replica.
+
+Every engine request carries the class's engine priority (vLLM: lower runs earlier) and the tenant's
+`cache_salt`, so tenants never share vLLM's prefix cache (a timing side channel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+from litestar import Request
+
+from engines.base import EngineDelta, EngineRequest
+from gateway.errors import APIError, InvalidRequestError
+from gateway.generation.planning import Plan
+from gateway.service import Services
+from policy.auth import Principal
+from routing.admission_config import CLASSES, AdmissionError, Klass, Ticket
+from routing.replicas import RoutingError
+from routing.router import RouteRequest, is_replica_failure, may_fail_over, session_key
+from routing.scheduler import ENGINE_PRIORITY, Lease, Scheduler
+
+PRIORITY_HEADER = "x-lockgate-priority"
+DEADLINE_HEADER = "x-lockgate-queue-deadline"
+QUEUE_WAIT_HEADER = "x-lockgate-queue-wait"
+
+
+class AdmissionAPIError(APIError):
+    """An admission or routing refusal, with the status and code the refusal names."""
+
+    error_type = "service_unavailable"
+
+    def __init__(self, status: int, message: str, *, code: str, retry_after: float | None) -> None:
+        headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        super().__init__(message, code=code, headers=headers)
+        self.status_code = status
+        if status == 429:
+            self.error_type = "rate_limit_exceeded"
+        elif status == 400:
+            self.error_type = "invalid_request_error"
+
+
+def admission_api_error(exc: AdmissionError | RoutingError) -> APIError:
+    """The HTTP answer to a refusal: queue_full (429 own backlog / 503), deadline_unmeetable (503),
+    deadline_expired (504), no_healthy_replica (503), context_length_exceeded (400)."""
+    if isinstance(exc, AdmissionError):
+        return AdmissionAPIError(exc.status_code, str(exc), code=exc.code, retry_after=exc.retry_after)
+    retry = None if exc.status == 400 else 1.0
+    return AdmissionAPIError(exc.status, str(exc), code=exc.code, retry_after=retry)
+
+
+def priority_class(request: Request[Any, Any, Any], principal: Principal) -> Klass:
+    """The request's class: the header's, or the tenant's highest; never above the tenant's allowance."""
+    allowed = principal.tenant.max_priority
+    asked = request.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return allowed
+    if asked not in CLASSES:
+        raise InvalidRequestError(
+            f"{PRIORITY_HEADER} must be one of {', '.join(CLASSES)}", param=PRIORITY_HEADER
+        )
+    klass: Klass = "interactive" if asked == "interactive" else "batch"
+    if CLASSES.index(klass) < CLASSES.index(allowed):
+        raise InvalidRequestError(
+            f"this tenant may use priority class {allowed} at most, not {klass}", param=PRIORITY_HEADER
+        )
+    return klass
+
+
+def queue_deadline(request: Request[Any, Any, Any], services: Services, klass: Klass) -> float:
+    """Seconds the request may wait in the queue: the class default, or less when the header says so."""
+    config = services.config.admission
+    default = config.interactive_deadline if klass == "interactive" else config.batch_deadline
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return default
+    try:
+        asked = float(raw)
+    except ValueError:
+        asked = math.nan
+    if not 0 < asked < math.inf:
+        raise InvalidRequestError(
+            f"{DEADLINE_HEADER} must be a positive number of seconds", param=DEADLINE_HEADER
+        )
+    return min(asked, default)
+
+
+def cache_salt(tenant_id: str) -> str:
+    """The tenant's prefix-cache salt: requests share vLLM's prefix cache only within one tenant."""
+    return hashlib.sha256(f"lockgate-cache-salt:{tenant_id}".encode()).hexdigest()[:32]
+
+
+def for_engine(plan: Plan, klass: Klass, tenant_id: str) -> EngineRequest:
+    """The plan's engine request with the class's engine priority and the tenant's cache salt."""
+    return msgspec.structs.replace(
+        plan.engine_request, priority=ENGINE_PRIORITY[klass], cache_salt=cache_salt(tenant_id)
+    )
+
+
+async def admit(
+    services: Services,
+    plan: Plan,
+    req: EngineRequest,
+    principal: Principal,
+    klass: Klass,
+    wait: float,
+    session: str | None,
+) -> Lease:
+    """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens)."""
+    now = services.clock()
+    tenant = principal.tenant
+    reserve = req.n * req.sampling.max_tokens
+    ticket = Ticket(
+        request_id=req.request_id,
+        tenant=tenant.tenant_id,
+        tenant_weight=tenant.weight,
+        klass=klass,
+        arrival=now,
+        deadline=now + wait,
+        prompt_tokens=len(req.prompt_token_ids),
+        max_tokens=reserve,
+    )
+    route = RouteRequest(
+        request_id=req.request_id,
+        weights_sha256=plan.model.spec.weights_sha256,
+        prompt_token_ids=req.prompt_token_ids,
+        max_tokens=reserve,
+        session=session,
+        cache_salt=req.cache_salt,
+        pool=plan.model.spec.engine_pool,
+    )
+    try:
+        return await services.scheduler.admit(ticket, route)
+    except (AdmissionError, RoutingError) as exc:
+        raise admission_api_error(exc) from exc
+
+
+def session_of(request: Request[Any, Any, Any], user: str | None, principal: Principal) -> str | None:
+    """The request's session for replica affinity (`x-session-id`, else `user`), scoped to its tenant."""
+    return session_key(request.headers, user, tenant=principal.tenant.tenant_id)
+
+
+async def routed(
+    scheduler: Scheduler, lease: Lease, req: EngineRequest, *, fail_over: bool
+) -> AsyncGenerator[EngineDelta, None]:
+    """The engine stream of `req` on the lease's replica; a replica failure before the first token moves
+    the request to another replica once (when `fail_over`), after it never. Replica failures and successes
+    feed the replica's circuit breaker."""
+    while True:
+        replica = lease.replica
+        stream = replica.engine.generate(req)
+        started = False
+        try:
+            async for delta in stream:
+                started = True
+                yield delta
+            replica.record_success()
+            return
+        except Exception as exc:
+            if is_replica_failure(exc):
+                replica.record_failure()
+            if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
+                raise
+            if scheduler.fail_over(lease) is None:
+                raise
+        finally:
+            await stream.aclose()

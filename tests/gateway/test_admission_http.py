@@ -1,0 +1,230 @@
+"""Fair admission and routing through the gateway, on simulated replicas configured as `[[engines]]`.
+
+Each replica has room for one request at a time (its KV capacity), so requests queue in the gateway and the
+order, the deadlines and the bounds of the admission queue show in what clients get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+
+from engines.base import EngineDeadError, EngineDelta, EngineRequest, Health
+from engines.simulated import SimulatorConfig
+from gateway.app import create_app
+from gateway.config import Config, EngineConfig, ReplicaSpec
+from gateway.generation.prompts import PromptRenderer
+from gateway.service import Services
+from policy.tenants.models import Tenant
+from routing.admission_config import AdmissionConfig
+from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
+
+QUESTION = [{"role": "user", "content": "hi"}]
+# Decode steps of 20 ms: a request of 40 tokens holds its replica for about 0.8 s.
+STEP = 0.02
+MAX_TOKENS = 40
+
+
+def config(replicas: int = 1, **admission: Any) -> Config:
+    """Simulated replicas with room for one request each, and the admission settings given."""
+    base = make_config()
+    simulator = SimulatorConfig(decode_step_s=STEP, decode_step_s_per_seq=0.0, kv_capacity_tokens=100)
+    return msgspec.structs.replace(
+        base,
+        engines=[ReplicaSpec(kind="simulated") for _ in range(replicas)],
+        engine=EngineConfig(kind="simulated", simulator=simulator),
+        admission=msgspec.convert(admission, AdmissionConfig),
+    )
+
+
+class Gateway:
+    """An app served in-process, with keys of two tenants: `acme` (interactive) and `bulk` (batch only)."""
+
+    def __init__(self, http: httpx.AsyncClient, services: Services, acme: str, bulk: str) -> None:
+        self.http = http
+        self.services = services
+        self.acme = acme
+        self.bulk = bulk
+
+    async def chat(self, key: str, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+        payload = {"model": MODEL, "messages": QUESTION, "max_tokens": MAX_TOKENS, **body}
+        return await self.http.post(
+            "/v1/chat/completions",
+            json=payload,
+            headers={"authorization": f"Bearer {key}", **(headers or {})},
+        )
+
+    async def queued(self, count: int) -> None:
+        """Wait until `count` requests wait in the admission queue."""
+
+        async def enough() -> bool:
+            return self.services.scheduler.depth() >= count
+
+        await eventually(enough, within=10.0)
+
+
+@asynccontextmanager
+async def gateway_for(
+    cfg: Config, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> AsyncIterator[Gateway]:
+    """The app on `cfg`, served in-process."""
+    store = tenancy.store
+    await store.create_tenant(
+        Tenant(tenant_id="bulk", display_name="Bulk", max_priority="batch"), actor="test", now=0.0
+    )
+    bulk = await add_key(store, "bulk", ("consumer",))
+    app = create_app(cfg, renderer=renderer, tenants=store, sink=outcomes)
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        yield Gateway(http, app.state.services, tenancy.consumer, bulk)
+
+
+def error_of(response: httpx.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["code"]
+
+
+async def test_a_light_tenant_is_not_starved_by_a_heavy_ones_backlog(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
+        heavy_key = await add_key(tenancy.store, "acme", ("consumer",))
+        await tenancy.store.create_tenant(Tenant(tenant_id="light", display_name="Light"), actor="t", now=0.0)
+        light_key = await add_key(tenancy.store, "light", ("consumer",))
+        heavy = [asyncio.create_task(gw.chat(heavy_key)) for _ in range(5)]
+        await gw.queued(4)
+        light = await gw.chat(light_key)
+        assert light.status_code == 200
+        # The light request went next (its counter starts at the heavy tenant's, which then grows with the
+        # output of the request it had running): at least three heavy requests were still waiting or running.
+        done_before_light = sum(task.done() for task in heavy)
+        assert done_before_light <= 2
+        responses = await asyncio.gather(*heavy)
+        assert all(r.status_code == 200 for r in responses)
+        waits = sorted(float(r.headers["x-lockgate-queue-wait"]) for r in responses)
+        assert waits[0] < waits[-1]
+        assert float(light.headers["x-lockgate-queue-wait"]) < waits[-1]
+
+
+async def test_priority_and_deadline_headers_are_checked(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
+        assert (await gw.chat(gw.acme, {"x-lockgate-priority": "batch"})).status_code == 200
+        bad = await gw.chat(gw.acme, {"x-lockgate-priority": "urgent"})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "x-lockgate-priority"
+        # A batch tenant never runs as interactive.
+        higher = await gw.chat(gw.bulk, {"x-lockgate-priority": "interactive"})
+        assert higher.status_code == 400
+        assert (await gw.chat(gw.bulk)).status_code == 200
+        for value in ("0", "-1", "soon", "inf"):
+            refused = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": value})
+            assert refused.status_code == 400, value
+            assert refused.json()["error"]["param"] == "x-lockgate-queue-deadline"
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_gets_504(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
+        running = asyncio.create_task(gw.chat(gw.acme, max_tokens=MAX_TOKENS))
+        await eventually(lambda: _in_flight(gw.services, 1))
+        late = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "0.1"})
+        assert error_of(late) == (504, "deadline_expired")
+        assert "Retry-After" in late.headers
+        assert (await running).status_code == 200
+        assert gw.services.scheduler.depth() == 0
+
+
+async def test_an_unmeetable_deadline_is_refused_at_once(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # One token per second: the prediction says a queued request ahead takes far longer than 1 s.
+    async with gateway_for(config(initial_service_rate=1.0), renderer, outcomes, tenancy) as gw:
+        first = asyncio.create_task(gw.chat(gw.acme))
+        await eventually(lambda: _in_flight(gw.services, 1))
+        second = asyncio.create_task(gw.chat(gw.acme))
+        await gw.queued(1)
+        refused = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "1"})
+        assert error_of(refused) == (503, "deadline_unmeetable")
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+
+
+async def test_a_full_tenant_queue_is_a_429(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(max_queued_per_tenant=1), renderer, outcomes, tenancy) as gw:
+        first = asyncio.create_task(gw.chat(gw.acme))
+        await eventually(lambda: _in_flight(gw.services, 1))
+        second = asyncio.create_task(gw.chat(gw.acme))
+        await gw.queued(1)
+        refused = await gw.chat(gw.acme)
+        assert error_of(refused) == (429, "queue_full")
+        assert "Retry-After" in refused.headers
+        # Another tenant still gets in.
+        assert (await gw.chat(gw.bulk)).status_code == 200
+        assert [r.status_code for r in await asyncio.gather(first, second)] == [200, 200]
+
+
+async def test_weights_no_replica_serves_are_a_503(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
+        registry = gw.services.registry
+        served = registry.view.resolve_model(MODEL, request_id="")
+        other = msgspec.structs.replace(served.spec, weights_sha256="0" * 64)
+        await registry.publish("model", MODEL, "unserved", other, actor="test")
+        refused = await gw.chat(gw.acme, model=f"{MODEL}@unserved")
+        assert error_of(refused) == (503, "no_healthy_replica")
+
+
+class DeadEngine:
+    """A replica whose engine died: every request fails before its first token."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.model_name = MODEL
+        self.max_model_len = 2048
+        self.calls = 0
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        self.calls += 1
+        raise EngineDeadError(f"{self.replica_id} died")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def health(self) -> Health:
+        return Health(ready=True)
+
+
+def _kill(replicas: Sequence[Any], index: int) -> DeadEngine:
+    dead = DeadEngine(replicas[index].engine.replica_id)
+    replicas[index].engine = dead
+    return dead
+
+
+async def test_a_request_fails_over_to_another_replica_before_its_first_token(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(replicas=2), renderer, outcomes, tenancy) as gw:
+        replicas = gw.services.scheduler.replicas
+        dead = _kill(replicas, 0)  # the router's first choice: both are idle and its id sorts first
+        response = await gw.chat(gw.acme, stream=True)
+        assert response.status_code == 200
+        assert "data: [DONE]" in response.text
+        assert dead.calls == 1
+        assert replicas[0].in_flight == replicas[1].in_flight == 0
+        # With both dead, the client is told the engine is unavailable (no second failover).
+        other = _kill(replicas, 1)
+        refused = await gw.chat(gw.acme)
+        assert refused.status_code == 503
+        assert dead.calls + other.calls >= 2
+        assert all(r.in_flight == 0 for r in replicas)
+
+
+async def _in_flight(services: Services, count: int) -> bool:
+    return sum(r.in_flight for r in services.scheduler.replicas) >= count

@@ -1,0 +1,98 @@
+"""The gateway in front of a real `vllm serve` replica (vLLM's OpenAI server in a subprocess), configured as
+`[[engines]]` kind `vllm_remote`: answers, streams, and a client that leaves aborts the request there."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+import pytest
+
+from engines.vllm_remote import RemoteEngineConfig
+from gateway.app import create_app
+from gateway.config import ReplicaSpec
+from gateway.generation.prompts import PromptRenderer
+from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, make_config, serving
+from tests.vllm_server import SERVER_START_TIMEOUT
+
+
+@pytest.fixture
+async def gateway(
+    vllm_server: str, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> AsyncIterator[httpx.AsyncClient]:
+    remote = RemoteEngineConfig(
+        url=vllm_server,
+        served_model=MODEL,
+        max_model_len=2048,
+        first_token_timeout=120.0,
+        token_timeout=60.0,
+        metrics_interval=0.2,
+        start_timeout=SERVER_START_TIMEOUT,
+    )
+    config = msgspec.structs.replace(make_config(), engines=[ReplicaSpec(kind="vllm_remote", remote=remote)])
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    async with (
+        serving(app, startup_timeout=SERVER_START_TIMEOUT + 30) as url,
+        httpx.AsyncClient(base_url=url, timeout=120, headers=tenancy.consumer_headers) as http,
+    ):
+        yield http
+
+
+async def running_there(server: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{server}/metrics")).text
+    match = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, "the server reports vllm:num_requests_running"
+    return float(match.group(1))
+
+
+async def test_a_remote_replica_answers_through_the_gateway(gateway: httpx.AsyncClient) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
+    response = await gateway.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    assert answer["usage"]["completion_tokens"] > 0
+    assert response.headers["x-lockgate-model"].startswith(f"{MODEL}@")
+    assert "x-lockgate-queue-wait" in response.headers
+
+
+async def test_a_client_that_leaves_aborts_the_request_on_the_replica(
+    gateway: httpx.AsyncClient, vllm_server: str, outcomes: OutcomeLog
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 1500,
+        "stream": True,
+        "min_tokens": 1000,
+    }
+    async with gateway.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        chunks = 0
+        async for line in response.aiter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 5:
+                break
+
+        async def running() -> bool:
+            return await running_there(vllm_server) >= 1
+
+        await eventually(running, within=30)
+    # The response is closed: the gateway closed its upstream stream, and vLLM aborted the request.
+    outcome = await outcomes.wait_for(request_id, within=30)
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens < 1000
+
+    async def gone() -> bool:
+        return await running_there(vllm_server) == 0
+
+    await eventually(gone, within=30)

