@@ -33,7 +33,7 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # conservative middle (API price lists put output at 2-5x input).
     w_out: float = 2.0
     # Queue deadline in seconds after arrival for an interactive request that names none: past it the
-    # request is answered 503 `deadline_expired` instead of being dispatched.
+    # request is answered 504 `deadline_expired` instead of being dispatched.
     interactive_deadline: float = 10.0
     # Queue deadline in seconds after arrival for a batch request that names none.
     batch_deadline: float = 300.0

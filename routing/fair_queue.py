@@ -50,7 +50,7 @@ Admission (`push`)
     time (half-life `service_rate_halflife`; gaps beyond `service_idle_gap` count as idle). It starts from
     `initial_service_rate`, which fades out as measurements arrive.
     Expiry: `expire(now)` removes and returns tickets whose deadline passed (deadline < now; the scheduler
-    answers them 503 `deadline_expired`). `pop(now)` never returns such a ticket: it sets them aside for the
+    answers them 504 `deadline_expired`). `pop(now)` never returns such a ticket: it sets them aside for the
     next `expire`.
 
 Exceptions::

@@ -128,7 +128,12 @@ class Scheduler:
         DeadlineExpiredError. Cancelled while waiting, the ticket leaves the queue; a lease granted in the
         same instant is released.
         """
-        if not any(r.weights_sha256 == route.weights_sha256 and r.routable for r in self.replicas):
+        if not any(
+            r.weights_sha256 == route.weights_sha256
+            and (route.pool is None or r.pool == route.pool)
+            and r.routable
+            for r in self.replicas
+        ):
             raise NoHealthyReplicaError(f"no healthy replica serves weights {route.weights_sha256[:12]}")
         queue = self.queue(route.weights_sha256)
         queue.push(ticket, self._clock())
