@@ -98,18 +98,23 @@ async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str
 
 @get("/readyz")
 async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
-    """Every engine (the served one and the guards' pools) is ready to serve, and the registry view is fresh
-    (refreshed within `registry.max_staleness` seconds, its refresher running)."""
-    healths = {pool: await engine.health() for pool, engine in services.pools.items()}
+    """Every pool has a ready engine (the generation replicas and the guards' pools), and the registry view is
+    fresh (refreshed within `registry.max_staleness` seconds, its refresher running)."""
+    engines = [(r.pool, r.engine) for r in services.scheduler.replicas]
+    engines += [(pool, services.pools[pool]) for pool in sorted(services.guard_pools)]
+    healths = [(pool, engine.replica_id, await engine.health()) for pool, engine in engines]
+    pools: dict[str, bool] = {}
+    for pool, _, health in healths:
+        pools[pool] = pools.get(pool, False) or health.ready
     # The registry part: "stale" with the view's age while refreshes keep failing (the last view is still
     # served, but a replica that cannot see rollouts should leave the load balancer's rotation).
     registry = services.registry.health(services.config.registry.max_staleness)
-    engines_ready = all(h.ready for h in healths.values())
+    engines_ready = all(pools.values())
     ready = engines_ready and registry.ready
     body = {
         "status": "ready" if ready else "not_ready",
-        "engines": {services.pools[pool].replica_id: h.ready for pool, h in healths.items()},
-        "pools": {pool: h.ready for pool, h in healths.items()},
+        "engines": {replica_id: health.ready for _, replica_id, health in healths},
+        "pools": pools,
         "registry": {
             "status": "fresh" if registry.ready else "stale",
             "age_s": round(registry.age_s, 3),
@@ -119,8 +124,9 @@ async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]
             "last_error": registry.last_error,
         },
     }
-    if not engines_ready:
-        body["detail"] = "; ".join(f"{pool}: {h.detail}" for pool, h in healths.items() if not h.ready)
+    down = [f"{pool} {replica_id}: {h.detail}" for pool, replica_id, h in healths if not h.ready]
+    if down:
+        body["detail"] = "; ".join(down)
     return Response(content=body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

@@ -201,8 +201,8 @@ class DeadEngine:
         return Health(ready=True)
 
 
-def _kill(replicas: Sequence[Any], index: int) -> DeadEngine:
-    dead = DeadEngine(replicas[index].engine.replica_id)
+def _kill(replicas: Sequence[Any], index: int, kind: type[DeadEngine] = DeadEngine) -> DeadEngine:
+    dead = kind(replicas[index].engine.replica_id)
     replicas[index].engine = dead
     return dead
 
@@ -228,3 +228,28 @@ async def test_a_request_fails_over_to_another_replica_before_its_first_token(
 
 async def _in_flight(services: Services, count: int) -> bool:
     return sum(r.in_flight for r in services.scheduler.replicas) >= count
+
+
+class DownEngine(DeadEngine):
+    """A replica whose health check fails."""
+
+    async def health(self) -> Health:
+        return Health(ready=False, detail="gone")
+
+
+async def test_readyz_lists_every_replica_and_a_pool_is_ready_while_one_is(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(replicas=2), renderer, outcomes, tenancy) as gw:
+        body = (await gw.http.get("/readyz")).json()
+        assert body["engines"] == {"simulated-0": True, "simulated-1": True}
+        assert body["pools"] == {"default": True}
+        replicas = gw.services.scheduler.replicas
+        _kill(replicas, 0, DownEngine)
+        response = await gw.http.get("/readyz")
+        assert response.status_code == 200
+        assert response.json()["engines"] == {"simulated-0": False, "simulated-1": True}
+        _kill(replicas, 1, DownEngine)
+        response = await gw.http.get("/readyz")
+        assert response.status_code == 503
+        assert "simulated-1: gone" in response.json()["detail"]
