@@ -41,10 +41,11 @@ _HEALTH_PROBE = "<health-probe>"
 
 
 class RoutingError(Exception):
-    """Base of routing failures."""
+    """Base of routing failures; `retry_after` (seconds) when it is known when to try again."""
 
     status = 503
     code = "routing_error"
+    retry_after: float | None = None
 
 
 class ReplicaUnavailableError(RoutingError):
@@ -229,7 +230,8 @@ class Replica:
     async def refresh(self) -> None:
         """Ask the engine for its health and load, within `refresh_timeout`; the owner calls it every
         `refresh_interval`. While the breaker is open nothing is asked; half-open, the check is the trial
-        (unless a trial request holds the slot: then only the load is asked)."""
+        (unless a trial request holds the slot: then only the load is asked). A check that fails (an error,
+        a timeout) counts toward the breaker; a "not ready" answer only keeps the replica out until ready."""
         state = self.breaker.state
         if state == "open":
             return
@@ -259,12 +261,14 @@ class Replica:
         if load is not None:
             self.last_load = load
             self._reported_upto = started
-        if not check_health:
+        if not check_health or not probing:
+            # A replica that answers "not ready" (an engine restarting) is out of routing until it answers
+            # ready again, at once: an honest answer is not a fault, so it does not count toward the breaker.
             return
-        if not self.health_ready:
-            self.record_failure()
-        elif probing:
+        if self.health_ready:
             self.record_success()
+        else:
+            self.record_failure()
 
     # -- breaker -----------------------------------------------------------------------------------
 

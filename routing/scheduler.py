@@ -128,13 +128,25 @@ class Scheduler:
         DeadlineExpiredError. Cancelled while waiting, the ticket leaves the queue; a lease granted in the
         same instant is released.
         """
-        if not any(
-            r.weights_sha256 == route.weights_sha256
-            and (route.pool is None or r.pool == route.pool)
-            and r.routable
+        serving = [
+            r
             for r in self.replicas
-        ):
-            raise NoHealthyReplicaError(f"no healthy replica serves weights {route.weights_sha256[:12]}")
+            if r.weights_sha256 == route.weights_sha256 and (route.pool is None or r.pool == route.pool)
+        ]
+        if serving and not any(r.routable for r in serving):
+            # What the last refresh saw may be stale (an engine that has just restarted): ask again now.
+            await asyncio.gather(*(r.refresh() for r in serving), return_exceptions=True)
+        if not any(r.routable for r in serving):
+            down = f" ({len(serving)} down: {serving[0].health_detail or 'taken out'})" if serving else ""
+            error = NoHealthyReplicaError(
+                f"no healthy replica serves weights {route.weights_sha256[:12]}{down}"
+            )
+            # An engine that is restarting says how long its last start took.
+            waits = [
+                w for r in serving if isinstance(w := getattr(r.engine, "retry_after", None), float | int)
+            ]
+            error.retry_after = float(min(waits)) if waits else None
+            raise error
         queue = self.queue(route.weights_sha256)
         queue.push(ticket, self._clock())
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()

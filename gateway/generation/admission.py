@@ -15,6 +15,7 @@ Every engine request carries the class's engine priority (vLLM: lower runs earli
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -28,9 +29,11 @@ from gateway.generation.planning import Plan
 from gateway.service import Services
 from policy.auth import Principal
 from routing.admission_config import CLASSES, AdmissionError, Klass, Ticket
-from routing.replicas import RoutingError
+from routing.replicas import Replica, RoutingError
 from routing.router import RouteRequest, is_replica_failure, may_fail_over, session_key
 from routing.scheduler import ENGINE_PRIORITY, Lease, Scheduler
+
+log = logging.getLogger("lockgate.routing")
 
 PRIORITY_HEADER = "x-lockgate-priority"
 DEADLINE_HEADER = "x-lockgate-queue-deadline"
@@ -57,7 +60,7 @@ def admission_api_error(exc: AdmissionError | RoutingError) -> APIError:
     deadline_expired (504), no_healthy_replica (503), context_length_exceeded (400)."""
     if isinstance(exc, AdmissionError):
         return AdmissionAPIError(exc.status_code, str(exc), code=exc.code, retry_after=exc.retry_after)
-    retry = None if exc.status == 400 else 1.0
+    retry = None if exc.status == 400 else (exc.retry_after or 1.0)
     return AdmissionAPIError(exc.status, str(exc), code=exc.code, retry_after=retry)
 
 
@@ -152,12 +155,26 @@ def session_of(request: Request[Any, Any, Any], user: str | None, principal: Pri
     return session_key(request.headers, user, tenant=principal.tenant.tenant_id)
 
 
+async def _judge(replica: Replica) -> None:
+    """A replica failed a request before its first token: ask its health now. One that says it is not ready
+    (an engine restarting) is out of routing until it is ready again; one that says it is ready but fails
+    requests counts a failure toward its circuit breaker. (A death mid-stream is one event for all its
+    streams: the supervisor and the next health check deal with it.)"""
+    try:
+        await replica.refresh()
+    except Exception:  # the original failure is what the caller reports; this one only counts against it
+        log.exception("replica %s: health check after a failure raised", replica.replica_id)
+        replica.health_ready = False
+    if replica.health_ready:
+        replica.record_failure()
+
+
 async def routed(
     scheduler: Scheduler, lease: Lease, req: EngineRequest, *, fail_over: bool
 ) -> AsyncGenerator[EngineDelta, None]:
     """The engine stream of `req` on the lease's replica; a replica failure before the first token moves
-    the request to another replica once (when `fail_over`), after it never. Replica failures and successes
-    feed the replica's circuit breaker."""
+    the request to another replica once (when `fail_over`), after it never. Successes and failures before
+    the first token feed the replica's health and circuit breaker (`_judge`)."""
     while True:
         replica = lease.replica
         stream = replica.engine.generate(req)
@@ -169,8 +186,8 @@ async def routed(
             replica.record_success()
             return
         except Exception as exc:
-            if is_replica_failure(exc):
-                replica.record_failure()
+            if is_replica_failure(exc) and not started:
+                await _judge(replica)
             if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
                 raise
             if scheduler.fail_over(lease) is None:

@@ -7,6 +7,7 @@ order, the deadlines and the bounds of the admission queue show in what clients 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,15 +15,15 @@ from typing import Any
 import httpx
 import msgspec
 
-from engines.base import EngineDeadError, EngineDelta, EngineRequest, Health
+from engines.base import EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health
 from engines.simulated import SimulatorConfig
 from gateway.app import create_app
-from gateway.config import Config, EngineConfig, ReplicaSpec
+from gateway.config import Config, EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.tenants.models import Tenant
 from routing.admission_config import AdmissionConfig
-from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
+from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
 
 QUESTION = [{"role": "user", "content": "hi"}]
 # Decode steps of 20 ms: a request of 40 tokens holds its replica for about 0.8 s.
@@ -33,6 +34,9 @@ MAX_TOKENS = 40
 def config(replicas: int = 1, **admission: Any) -> Config:
     """Simulated replicas with room for one request each, and the admission settings given."""
     base = make_config()
+    # A registry of its own: a test publishes versions that others must not see.
+    path = SESSION_DIR / f"admission-{uuid.uuid4().hex}.sqlite3"
+    base = msgspec.structs.replace(base, storage=StorageConfig(sqlite_path=str(path)))
     simulator = SimulatorConfig(decode_step_s=STEP, decode_step_s_per_seq=0.0, kv_capacity_tokens=100)
     return msgspec.structs.replace(
         base,
@@ -199,6 +203,9 @@ class DeadEngine:
 
     async def health(self) -> Health:
         return Health(ready=True)
+
+    async def load(self) -> EngineLoad:
+        return EngineLoad(running=0, waiting=0, kv_tokens_used=0, kv_tokens_capacity=100)
 
 
 def _kill(replicas: Sequence[Any], index: int, kind: type[DeadEngine] = DeadEngine) -> DeadEngine:

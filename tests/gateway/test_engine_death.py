@@ -153,7 +153,8 @@ async def test_a_dead_engine_is_restarted_and_service_resumes(deploy: Deploy, ou
         with pytest.raises(openai.APIStatusError) as refused:
             await gw.sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
         assert refused.value.status_code == 503
-        assert refused.value.code == "engine_unavailable"
+        # The engine's own refusal, or the router's once a refresh has taken the replica out.
+        assert refused.value.code in ("engine_unavailable", "no_healthy_replica")
         assert int(refused.value.response.headers["Retry-After"]) >= 1
         assert await gw.status("/readyz") == 503
         assert await gw.status("/healthz") == 200  # it recovers by itself: no process restart wanted
@@ -222,7 +223,8 @@ async def test_killing_and_stopping_the_vllm_engine_core_mid_stream(
             await engine.wait_for("restarting")
             with pytest.raises(openai.APIStatusError) as refused:
                 await gw.sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
-            assert (refused.value.status_code, refused.value.code) == (503, "engine_unavailable")
+            assert refused.value.status_code == 503
+            assert refused.value.code in ("engine_unavailable", "no_healthy_replica")
             assert "Retry-After" in refused.value.response.headers
             assert await gw.status("/readyz") == 503
             gate.open()

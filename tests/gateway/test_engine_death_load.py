@@ -2,9 +2,10 @@
 
 Eight SDK clients keep sending a mix of streaming and whole requests to a gateway whose supervised
 (simulated) engine is killed twice. Every request must end in one of three declared ways: completed, a stream
-ended by an error event, or 503 `engine_unavailable` with Retry-After; none may hang; every quota reservation
-settles with the usage its request had; `/healthz` stays 200 (the gateway recovers by itself); and after each
-restart every client is served again, with no action on the gateway.
+ended by an error event, or 503 `engine_unavailable` (or `no_healthy_replica`, once a refresh has taken the
+replica out) with Retry-After; none may hang; every quota reservation settles with the usage its request
+had; `/healthz` stays 200 (the gateway recovers by itself); and after each restart every client is served
+again, with no action on the gateway.
 
 Deterministic by events: the supervisor's backoff sleep is a gate the test opens, a refused client waits for
 the test to say its Retry-After has passed (after the restart), and the kill happens while the test's own
@@ -133,7 +134,8 @@ async def one_request(sdk: openai.AsyncOpenAI, stream: bool, max_tokens: int) ->
                 return COMPLETED
     except openai.APIStatusError as exc:
         retry_after = exc.response.headers.get("Retry-After", "")
-        declared = (exc.status_code, exc.code) == (503, "engine_unavailable")
+        # Refused by the dead engine itself, or by the router once a refresh has taken the replica out.
+        declared = exc.status_code == 503 and exc.code in ("engine_unavailable", "no_healthy_replica")
         if declared and retry_after.isdigit() and int(retry_after) >= 1:
             return REFUSED
         return f"HTTP {exc.status_code} {exc.code} Retry-After={retry_after!r}: {exc.message}"

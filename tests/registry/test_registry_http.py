@@ -17,6 +17,7 @@ from gateway.config import Config, RegistryConfig
 from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Tenant
+from registry.default_model import read_model_dir
 from registry.hashing import sha256_file
 from registry.postgres import PostgresRegistryStore
 from tests.backends import DEPLOYMENTS, PG_DSN, Backends, FakeClock, deployment
@@ -309,9 +310,10 @@ async def test_a_manifest_is_applied_at_start_up_idempotently(
     outcomes: OutcomeLog,
 ) -> None:
     manifest = tmp_path / "registry.toml"
-    # A model version's files must exist and match its tokenizer version: the prepared model's.
+    # A model version's files must exist and match its tokenizer version, and a replica must serve its
+    # weights: the prepared model's (the simulated replica serves the configured model's weights).
     files = {
-        "hash": "ab" * 32,
+        "hash": read_model_dir(model_dir).weights_sha256,
         "tokenizer": sha256_file(model_dir / "tokenizer.json"),
         "artifact": str(model_dir / "model.safetensors"),
     }

@@ -242,17 +242,33 @@ async def test_failed_trial_reopens_and_an_ended_trial_closes() -> None:
     assert state(replica) == "closed"
 
 
-async def test_failed_health_checks_take_the_replica_out_then_a_probe_brings_it_back() -> None:
+async def test_a_replica_that_is_not_ready_is_out_until_it_is_ready_again() -> None:
     clock, engine = FakeClock(), FakeEngine("a")
     replica = make_replica(engine, clock)
     await replica.refresh()
     engine.health_value = Health(ready=False, detail="restarting")
+    for _ in range(5):
+        await replica.refresh()
+        assert not replica.routable  # at once
+    # An honest "not ready" (an engine restarting) is no fault: back as soon as it says ready.
+    assert state(replica) == "closed"
+    engine.health_value = Health(ready=True)
+    await replica.refresh()
+    assert replica.routable
+
+
+async def test_failed_health_checks_take_the_replica_out_then_a_probe_brings_it_back() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.refresh()
+    engine.raise_on_check = EngineDeadError("connection refused")
     await replica.refresh()
     assert not replica.routable  # at once, before the breaker opens
     assert state(replica) == "closed"
     await replica.refresh()
     await replica.refresh()
     assert state(replica) == "open"
+    engine.raise_on_check = None
     calls = engine.health_calls
     await replica.refresh()
     assert engine.health_calls == calls  # not asked while open
