@@ -1,0 +1,184 @@
+"""`PostgresAuditStore`: the audit log in PostgreSQL, shared by gateway replicas (asyncpg pool).
+
+Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
+migrates on `open` (`registry.db.postgres.open_pool`); it may be the tenant store's schema. An append locks
+each of its tenants' `audit_heads` row (`SELECT ... FOR UPDATE`, tenants in a fixed order so two batches
+never deadlock) before reading the head and writing after it, so appends from any number of replicas extend
+each chain one transaction at a time and never fork it. Losing the database (down, restarting, out of
+connections, a statement over `command_timeout`) raises `AuditUnavailableError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import msgspec
+
+from policy.audit.base import AuditQuery, AuditUnavailableError, NotFoundError
+from policy.audit.migrations import (
+    MIGRATIONS,
+    MIGRATIONS_TABLE,
+    RECORD_COLUMNS,
+    RECORD_FIELDS,
+    record_from_row,
+    record_row,
+)
+from policy.audit.query import query_sql
+from policy.audit.records import (
+    GENESIS_HASH,
+    AuditDraft,
+    AuditRecord,
+    ChainReport,
+    ChainVerifier,
+    chain,
+    normalize,
+)
+from registry.db.postgres import UNREACHABLE, open_pool
+
+# Arbitrary but fixed ("Lkgtaudi"): replicas migrating the audit tables wait on each other, not other stores.
+_MIGRATION_LOCK = 0x4C6B6774_61756469
+_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
+
+_INSERT = (
+    f"INSERT INTO audit_records ({RECORD_COLUMNS})"
+    f" VALUES ({', '.join(f'${i}' for i in range(1, len(RECORD_FIELDS) + 1))})"
+)
+# A new tenant's head starts at seq 0, so there is always a row to lock; rolled back with a failed append.
+_ENSURE_HEAD = (
+    "INSERT INTO audit_heads (tenant, seq, hash) VALUES ($1, 0, '') ON CONFLICT (tenant) DO NOTHING"
+)
+_LOCK_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1 FOR UPDATE"
+_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1"
+_SET_HEAD = "UPDATE audit_heads SET seq = $2, hash = $3 WHERE tenant = $1"
+_CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 ORDER BY seq"
+
+
+class PostgresAuditStore:
+    """An `AuditStore` in one PostgreSQL schema."""
+
+    def __init__(self, pool: Any) -> None:
+        """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
+        self._pool = pool
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        *,
+        schema: str = "public",
+        min_size: int = 1,
+        max_size: int = 10,
+        connect_timeout: float = 5.0,
+        command_timeout: float = 10.0,
+    ) -> PostgresAuditStore:
+        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
+        pool = await _open_pool(
+            dsn,
+            schema=schema,
+            min_size=min_size,
+            max_size=max_size,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+        )
+        return cls(pool)
+
+    @asynccontextmanager
+    async def _conn(self, *, write: bool = False, snapshot: bool = False) -> AsyncIterator[Any]:
+        """A pooled connection, in a transaction if `write` (or a read-only repeatable-read one if
+        `snapshot`); losing the database is `AuditUnavailableError`."""
+        try:
+            async with self._pool.acquire() as conn:
+                if write:
+                    async with conn.transaction():
+                        yield conn
+                elif snapshot:
+                    async with conn.transaction(isolation="repeatable_read", readonly=True):
+                        yield conn
+                else:
+                    yield conn
+        except UNREACHABLE as exc:
+            raise AuditUnavailableError(f"the audit database is unreachable: {exc!r}") from exc
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+        """Record `drafts` atomically and in order, each as its tenant's next seq, chained."""
+        clean = [normalize(draft) for draft in drafts]
+        if not clean:
+            return []
+        records: list[AuditRecord] = []
+        async with self._conn(write=True) as conn:
+            heads: dict[str, tuple[int, str]] = {}
+            # Sorted: two batches naming the same tenants lock them in the same order, so never deadlock.
+            for tenant in sorted({draft.tenant for draft in clean}):
+                await conn.execute(_ENSURE_HEAD, tenant)
+                row = await conn.fetchrow(_LOCK_HEAD, tenant)
+                heads[tenant] = (int(row[0]), row[1] if row[0] else GENESIS_HASH)
+            rows = []
+            for draft in clean:
+                seq, prev_hash = heads[draft.tenant]
+                record = chain(draft, seq + 1, prev_hash)
+                rows.append(record_row(record))
+                heads[draft.tenant] = (record.seq, record.hash)
+                records.append(record)
+            await conn.executemany(_INSERT, rows)
+            for tenant, (seq, head_hash) in heads.items():
+                await conn.execute(_SET_HEAD, tenant, seq, head_hash)
+        return records
+
+    async def get(self, tenant: str, seq: int) -> AuditRecord:
+        """One record, or NotFoundError."""
+        sql = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND seq = $2"
+        async with self._conn() as conn:
+            row = await conn.fetchrow(sql, tenant, seq)
+        if row is None:
+            raise NotFoundError(f"no audit record {seq} of tenant {tenant!r}")
+        return record_from_row(row)
+
+    async def find(self, tenant: str | None, request_id: str) -> list[AuditRecord]:
+        """The records of one request (of one tenant, or of any), ordered by (tenant, seq)."""
+        order = 'ORDER BY tenant COLLATE "C", seq'
+        async with self._conn() as conn:
+            if tenant is None:
+                sql = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE request_id = $1 {order}"
+                rows = await conn.fetch(sql, request_id)
+            else:
+                where = "request_id = $1 AND tenant = $2"
+                sql = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE {where} {order}"
+                rows = await conn.fetch(sql, request_id, tenant)
+        return [record_from_row(row) for row in rows]
+
+    async def query(self, q: AuditQuery) -> list[AuditRecord]:
+        """At most `q.page_size()` records matching `q`, ordered by (tenant, seq), after `q`'s keyset."""
+        sql, args = query_sql(q, "postgres")
+        async with self._conn() as conn:
+            rows = await conn.fetch(sql, *args)
+        return [record_from_row(row) for row in rows]
+
+    async def verify(self, tenant: str) -> ChainReport:
+        """Read the tenant's chain in order (one snapshot, streamed), verify it, and check the head."""
+        verifier = ChainVerifier(tenant)
+        async with self._conn(snapshot=True) as conn:
+            async for row in conn.cursor(_CHAIN, tenant, prefetch=500):
+                try:
+                    record = record_from_row(row)
+                except msgspec.ValidationError as exc:
+                    verifier.fail(int(row[1]), "hash", f"the stored record does not decode: {exc}")
+                    break
+                if not verifier.feed(record):
+                    break
+            head = await conn.fetchrow(_HEAD, tenant)
+        verifier.check_head(*((0, GENESIS_HASH) if head is None else (int(head[0]), head[1])))
+        return verifier.report()
+
+    async def purge_content(self, tenant: str, before: float) -> int:
+        """Null the content of the tenant's records with `at < before`; the number of records changed."""
+        sql = "UPDATE audit_records SET content = NULL WHERE tenant = $1 AND at < $2 AND content IS NOT NULL"
+        async with self._conn(write=True) as conn:
+            status: str = await conn.execute(sql, tenant, float(before))
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def close(self) -> None:
+        """Close the pool (waiting for connections in use to be released)."""
+        await self._pool.close()

@@ -1,0 +1,254 @@
+"""Audit records and their hash chain: what one gate decision leaves behind, and how tampering shows.
+
+Each tenant has its own chain: record `seq` n (1, 2, 3, ... with no gaps) carries the hash of record n - 1
+(`prev_hash`, `GENESIS_HASH` for seq 1) and its own `hash`::
+
+    hash = sha256(DOMAIN + canonical JSON of every field but `hash` and `content`)
+
+The canonical JSON has sorted keys, floats as floats (an int `at` hashes as the float the database returns),
+and includes `seq`, `prev_hash` and `content_hash`. `content_hash` stands for the content, so purging the
+content (retention) leaves every hash valid, while changing any other field, deleting a record or reordering
+records breaks the chain, and `verify_chain` names the first record where it breaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+Stage = Literal["quota", "input", "output", "admission", "review"]
+Decision = Literal["allow", "block", "refuse", "deny", "flag", "reversal", "uphold"]
+# Why a chain does not verify (`ChainReport.reason`).
+ChainFault = Literal[
+    "seq_gap",  # a record is missing (or the chain does not start at 1): first_bad_seq is the missing seq
+    "prev_hash",  # prev_hash is not the previous record's hash
+    "hash",  # the record's fields do not hash to its `hash`: it was changed
+    "content",  # content is present, but its sha256 is not content_hash
+    "tenant",  # a record of another tenant is in the chain
+    "head",  # the store's head (last seq and hash) is not the last record: records were cut off the end
+]
+
+# prev_hash of each tenant's first record.
+GENESIS_HASH = ""
+# Prefixed to what is hashed, so a record hash can never be mistaken for a hash of anything else.
+_DOMAIN = b"lockgate-audit-v1\n"
+
+
+class StageRun(msgspec.Struct, frozen=True, kw_only=True):
+    """One guard stage as it ran for a decision."""
+
+    stage: str  # "rules" or the guard version name@version
+    kind: Literal["rules", "model"]
+    model: str | None = None  # model@version the guard ran on
+    template_hash: str | None = None
+    score: float | None = None
+    allow_below: float | None = None
+    block_above: float | None = None
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+class AuditDraft(msgspec.Struct, frozen=True, kw_only=True):
+    """A decision to record: everything but its place in the tenant's chain (`AuditStore.append` adds it)."""
+
+    tenant: str
+    key_id: str
+    request_id: str
+    at: float
+    stage: Stage
+    decision: Decision
+    source: str  # none|rules|model|band|fail_open|fail_closed|quota|deadline|reviewer|...
+    policy: str = ""  # policy name@version
+    policy_hash: str = ""
+    stages: tuple[StageRun, ...] = ()
+    category: str | None = None
+    severity: str | None = None
+    flagged: bool = False  # escalated for human review
+    content_hash: str = ""  # sha256 of the checked content (always)
+    content: str | None = None  # the content itself, only when the tenant's retention allows
+    detail: str = ""
+    reverses: int | None = None  # seq of the record a reversal (or uphold) refers to
+    actor: str = ""  # reviewer key id for review records
+
+
+class AuditRecord(AuditDraft, frozen=True, kw_only=True):
+    """A stored decision: a draft with its place in the tenant's hash chain."""
+
+    seq: int  # per tenant, 1, 2, 3, ... (no gaps)
+    prev_hash: str  # hash of the tenant's previous record (GENESIS_HASH for seq 1)
+    hash: str
+
+
+class ChainReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The result of verifying one tenant's chain: `ok`, or the first bad seq and why."""
+
+    ok: bool
+    checked: int  # records read up to and including the first bad one
+    first_bad_seq: int | None = None
+    reason: ChainFault | None = None
+    detail: str = ""
+    last_seq: int = 0  # the last good record's seq (0: none)
+    last_hash: str = GENESIS_HASH
+
+
+_DRAFT_FIELDS: tuple[str, ...] = AuditDraft.__struct_fields__
+_encode_sorted = msgspec.json.Encoder(order="sorted")
+
+
+class InvalidDraftError(ValueError):
+    """A draft that cannot be recorded: a field of the wrong type, a non-finite number, or content whose
+    sha256 is not its content_hash."""
+
+
+def content_sha256(text: str) -> str:
+    """sha256 (hex) of content, as `content_hash` holds it."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def normalize(draft: AuditDraft) -> AuditDraft:
+    """`draft` (or the draft part of a record) checked and in canonical types (floats as floats).
+
+    Fills in `content_hash` from `content` when it is empty. InvalidDraftError when a field has the wrong
+    type, a number is not finite, or content does not match a given content_hash.
+    """
+    fields = {name: getattr(draft, name) for name in _DRAFT_FIELDS}
+    try:
+        clean = msgspec.convert(msgspec.to_builtins(fields), AuditDraft)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise InvalidDraftError(f"invalid audit draft: {exc}") from exc
+    numbers = [clean.at, *(n for run in clean.stages for n in _stage_numbers(run))]
+    if not all(math.isfinite(n) for n in numbers):
+        raise InvalidDraftError("audit draft numbers must be finite")
+    if clean.content is not None:
+        digest = content_sha256(clean.content)
+        if not clean.content_hash:
+            clean = msgspec.structs.replace(clean, content_hash=digest)
+        elif clean.content_hash != digest:
+            raise InvalidDraftError("content_hash is not the sha256 of content")
+    return clean
+
+
+def _stage_numbers(run: StageRun) -> list[float]:
+    values = (run.score, run.allow_below, run.block_above, run.latency_s)
+    return [v for v in values if v is not None]
+
+
+def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
+    """The bytes hashed for a record: every field but `hash` and `content`, keys sorted."""
+    fields: dict[str, Any] = {name: getattr(draft, name) for name in _DRAFT_FIELDS if name != "content"}
+    # Through `convert`, so an int where a float belongs hashes as that float (what the database returns).
+    payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(fields), AuditDraft))
+    del payload["content"]
+    payload["seq"] = int(seq)
+    payload["prev_hash"] = prev_hash
+    return _encode_sorted.encode(payload)
+
+
+def record_hash(draft: AuditDraft, seq: int, prev_hash: str) -> str:
+    """The hash of `draft` (or a record's draft part) at `seq` after a record hashed `prev_hash`."""
+    return hashlib.sha256(_DOMAIN + canonical_json(draft, seq, prev_hash)).hexdigest()
+
+
+def chain(draft: AuditDraft, seq: int, prev_hash: str) -> AuditRecord:
+    """`draft` (normalized) as the record at `seq` after `prev_hash`."""
+    clean = normalize(draft)
+    fields = {name: getattr(clean, name) for name in _DRAFT_FIELDS}
+    return AuditRecord(**fields, seq=seq, prev_hash=prev_hash, hash=record_hash(clean, seq, prev_hash))
+
+
+class ChainVerifier:
+    """Checks one tenant's records fed in seq order, one at a time (so a long chain is never all in memory).
+
+    Invariant: while `ok`, the records fed so far are seq 1..last_seq, each chained to the one before.
+    """
+
+    def __init__(self, tenant: str | None = None) -> None:
+        """Check records of `tenant` (None: of the tenant of the first record)."""
+        self._tenant = tenant
+        self._checked = 0
+        self._last_seq = 0
+        self._last_hash = GENESIS_HASH
+        self._fault: tuple[int, ChainFault, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No fault found so far."""
+        return self._fault is None
+
+    def feed(self, record: AuditRecord) -> bool:
+        """Check the next record; False (and no further checks) once a fault is found."""
+        if self._fault is not None:
+            return False
+        self._checked += 1
+        fault = self._check(record)
+        if fault is not None:
+            self._fault = fault
+            return False
+        self._last_seq, self._last_hash = record.seq, record.hash
+        return True
+
+    def _check(self, record: AuditRecord) -> tuple[int, ChainFault, str] | None:
+        if self._tenant is None:
+            self._tenant = record.tenant
+        if record.tenant != self._tenant:
+            return record.seq, "tenant", f"record of tenant {record.tenant!r} in {self._tenant!r}'s chain"
+        expected = self._last_seq + 1
+        if record.seq != expected:
+            return expected, "seq_gap", f"expected seq {expected}, found {record.seq}"
+        if record.prev_hash != self._last_hash:
+            return record.seq, "prev_hash", "prev_hash is not the previous record's hash"
+        try:
+            actual = record_hash(record, record.seq, record.prev_hash)
+        except (msgspec.ValidationError, TypeError) as exc:
+            return record.seq, "hash", f"record does not hash: {exc}"
+        if actual != record.hash:
+            return record.seq, "hash", "the record's fields do not match its hash"
+        if record.content is not None and content_sha256(record.content) != record.content_hash:
+            return record.seq, "content", "content is not what content_hash was computed from"
+        return None
+
+    def fail(self, seq: int, reason: ChainFault, detail: str) -> None:
+        """Record a fault found outside `feed` (a stored row that does not even decode), unless one was."""
+        if self._fault is None:
+            self._checked += 1
+            self._fault = (seq, reason, detail)
+
+    def check_head(self, seq: int, head_hash: str) -> None:
+        """Check, after the last record, that the store's head (last seq and hash it recorded) matches it."""
+        if self._fault is None and (seq, head_hash) != (self._last_seq, self._last_hash):
+            missing = self._last_seq + 1
+            self._fault = (
+                missing,
+                "head",
+                f"the head is seq {seq}, the last record seq {self._last_seq}",
+            )
+
+    def report(self) -> ChainReport:
+        """What was found so far."""
+        if self._fault is None:
+            return ChainReport(
+                ok=True, checked=self._checked, last_seq=self._last_seq, last_hash=self._last_hash
+            )
+        seq, reason, detail = self._fault
+        return ChainReport(
+            ok=False,
+            checked=self._checked,
+            first_bad_seq=seq,
+            reason=reason,
+            detail=detail,
+            last_seq=self._last_seq,
+            last_hash=self._last_hash,
+        )
+
+
+def verify_chain(records: Iterable[AuditRecord], *, tenant: str | None = None) -> ChainReport:
+    """Verify one tenant's whole chain, given in seq order from seq 1 (an empty chain is ok)."""
+    verifier = ChainVerifier(tenant)
+    for record in records:
+        if not verifier.feed(record):
+            break
+    return verifier.report()

@@ -1,0 +1,161 @@
+"""`SqliteAuditStore`: the embedded audit log, on the stdlib `sqlite3` module and one worker thread.
+
+Every call runs on the single thread of a `registry.db.sqlite.SqliteWorker`, so the event loop never blocks.
+An append is one `BEGIN IMMEDIATE` transaction: it holds the database's write lock from reading each
+tenant's head to writing the new records and head, so neither another task of this process (serialised on
+the worker anyway) nor another process (a replica, the CLI) can fork a chain. An operational error (the file
+locked past `busy_timeout`, a disk error) is `AuditUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from policy.audit.base import AuditQuery, AuditStoreError, AuditUnavailableError, NotFoundError
+from policy.audit.migrations import (
+    MIGRATIONS,
+    MIGRATIONS_TABLE,
+    RECORD_COLUMNS,
+    RECORD_FIELDS,
+    record_from_row,
+    record_row,
+)
+from policy.audit.query import query_sql
+from policy.audit.records import (
+    GENESIS_HASH,
+    AuditDraft,
+    AuditRecord,
+    ChainReport,
+    ChainVerifier,
+    chain,
+    normalize,
+)
+from registry.db.sqlite import Conn, SqliteWorker, transaction
+
+T = TypeVar("T")
+
+_INSERT = f"INSERT INTO audit_records ({RECORD_COLUMNS}) VALUES ({', '.join('?' for _ in RECORD_FIELDS)})"
+_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = ?"
+_SET_HEAD = (
+    "INSERT INTO audit_heads (tenant, seq, hash) VALUES (?, ?, ?)"
+    " ON CONFLICT (tenant) DO UPDATE SET seq = excluded.seq, hash = excluded.hash"
+)
+_CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? ORDER BY seq"
+
+
+class SqliteAuditStore:
+    """An `AuditStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
+
+    def __init__(self, db: SqliteWorker) -> None:
+        """Use `open`; this takes a worker whose database is already migrated."""
+        self._db = db
+
+    @classmethod
+    async def open(cls, path: str | Path) -> SqliteAuditStore:
+        """Open (creating if needed) and migrate the database at `path` (may be the tenant store's file)."""
+        db = await SqliteWorker.open(
+            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=False, name="audit"
+        )
+        return cls(db)
+
+    async def _run(self, fn: Callable[[Conn], T]) -> T:
+        if self._db.closed:
+            raise AuditStoreError("the audit store is closed")
+        try:
+            return await self._db.run(fn)
+        except sqlite3.OperationalError as exc:
+            raise AuditUnavailableError(f"the audit database is unavailable: {exc}") from exc
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+        """Record `drafts` atomically and in order, each as its tenant's next seq, chained."""
+        # Checked on the loop, before the write lock is taken: an invalid draft writes nothing.
+        clean = [normalize(draft) for draft in drafts]
+        if not clean:
+            return []
+
+        def append(conn: Conn) -> list[AuditRecord]:
+            heads: dict[str, tuple[int, str]] = {}
+            records: list[AuditRecord] = []
+            with transaction(conn):
+                for draft in clean:
+                    if draft.tenant not in heads:
+                        row = conn.execute(_HEAD, (draft.tenant,)).fetchone()
+                        heads[draft.tenant] = (0, GENESIS_HASH) if row is None else (int(row[0]), row[1])
+                    seq, prev_hash = heads[draft.tenant]
+                    record = chain(draft, seq + 1, prev_hash)
+                    conn.execute(_INSERT, record_row(record))
+                    heads[draft.tenant] = (record.seq, record.hash)
+                    records.append(record)
+                for tenant, (seq, head_hash) in heads.items():
+                    conn.execute(_SET_HEAD, (tenant, seq, head_hash))
+            return records
+
+        return await self._run(append)
+
+    async def get(self, tenant: str, seq: int) -> AuditRecord:
+        """One record, or NotFoundError."""
+        sql = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND seq = ?"
+        row = await self._run(lambda conn: conn.execute(sql, (tenant, seq)).fetchone())
+        if row is None:
+            raise NotFoundError(f"no audit record {seq} of tenant {tenant!r}")
+        return record_from_row(row)
+
+    async def find(self, tenant: str | None, request_id: str) -> list[AuditRecord]:
+        """The records of one request (of one tenant, or of any), ordered by (tenant, seq)."""
+        where, args = (
+            ("request_id = ?", (request_id,))
+            if tenant is None
+            else ("request_id = ? AND tenant = ?", (request_id, tenant))
+        )
+        sql = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE {where} ORDER BY tenant, seq"
+        rows = await self._run(lambda conn: conn.execute(sql, args).fetchall())
+        return [record_from_row(row) for row in rows]
+
+    async def query(self, q: AuditQuery) -> list[AuditRecord]:
+        """At most `q.page_size()` records matching `q`, ordered by (tenant, seq), after `q`'s keyset."""
+        sql, args = query_sql(q, "sqlite")
+        rows = await self._run(lambda conn: conn.execute(sql, args).fetchall())
+        return [record_from_row(row) for row in rows]
+
+    async def verify(self, tenant: str) -> ChainReport:
+        """Read the tenant's chain in order (one read transaction), verify it, and check the head."""
+
+        def verify(conn: Conn) -> ChainReport:
+            verifier = ChainVerifier(tenant)
+            # One read transaction: the records and the head are one snapshot, even while others append.
+            conn.execute("BEGIN")
+            try:
+                for row in conn.execute(_CHAIN, (tenant,)):
+                    try:
+                        record = record_from_row(row)
+                    except msgspec.ValidationError as exc:
+                        verifier.fail(int(row[1]), "hash", f"the stored record does not decode: {exc}")
+                        break
+                    if not verifier.feed(record):
+                        break
+                head = conn.execute(_HEAD, (tenant,)).fetchone()
+            finally:
+                conn.execute("COMMIT")
+            verifier.check_head(*((0, GENESIS_HASH) if head is None else (int(head[0]), head[1])))
+            return verifier.report()
+
+        return await self._run(verify)
+
+    async def purge_content(self, tenant: str, before: float) -> int:
+        """Null the content of the tenant's records with `at < before`; the number of records changed."""
+        sql = "UPDATE audit_records SET content = NULL WHERE tenant = ? AND at < ? AND content IS NOT NULL"
+
+        def purge(conn: Conn) -> int:
+            with transaction(conn):
+                return conn.execute(sql, (tenant, float(before))).rowcount
+
+        return await self._run(purge)
+
+    async def close(self) -> None:
+        """Close the connection and let the worker thread end. Safe to call twice."""
+        await self._db.close()

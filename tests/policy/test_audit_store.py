@@ -1,0 +1,504 @@
+"""The `AuditStore` contract, run on SQLite (a file) and on a real PostgreSQL; and the hash chain itself."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import policy.audit
+from policy.audit import (
+    GENESIS_HASH,
+    MAX_QUERY_LIMIT,
+    AuditDraft,
+    AuditQuery,
+    AuditRecord,
+    AuditStore,
+    AuditStoreError,
+    AuditUnavailableError,
+    ChainReport,
+    InvalidDraftError,
+    NotFoundError,
+    PostgresAuditStore,
+    SqliteAuditStore,
+    StageRun,
+    content_sha256,
+    record_hash,
+    verify_chain,
+)
+from policy.audit.records import chain
+from policy.tenants import PostgresTenantStore, SqliteTenantStore, Tenant
+from tests.backends import PG_DSN, SqlBackend, postgres_schema, sql_backend
+
+Backend = SqlBackend[AuditStore]
+APPEND_ONLY = (sqlite3.DatabaseError, asyncpg.PostgresError)
+
+RUNS = (
+    StageRun(stage="rules", kind="rules", latency_s=0.0001),
+    StageRun(
+        stage="guard@3",
+        kind="model",
+        model="qwen-guard@1",
+        template_hash="t" * 64,
+        score=0.8125,
+        allow_below=0.2,
+        block_above=0.7,
+        latency_s=0.031,
+    ),
+)
+
+
+def draft(tenant: str = "acme", n: int = 0, **changes: Any) -> AuditDraft:
+    """A distinct input decision of `tenant` at time 1000 + n."""
+    content = f"prompt {n} of {tenant}"
+    fields: dict[str, Any] = {
+        "tenant": tenant,
+        "key_id": f"k-{tenant}",
+        "request_id": f"req-{tenant}-{n}",
+        "at": 1000.0 + n,
+        "stage": "input",
+        "decision": "allow",
+        "source": "model",
+        "policy": "strict@2",
+        "policy_hash": "p" * 64,
+        "stages": RUNS,
+        "content_hash": content_sha256(content),
+        "content": content,
+    }
+    fields.update(changes)
+    return AuditDraft(**fields)
+
+
+def chained(drafts: list[AuditDraft]) -> list[AuditRecord]:
+    """`drafts` of one tenant chained as a store would."""
+    records: list[AuditRecord] = []
+    for d in drafts:
+        records.append(chain(d, len(records) + 1, records[-1].hash if records else GENESIS_HASH))
+    return records
+
+
+# --- the chain, without a database -------------------------------------------------------------------------
+
+
+def test_record_hash_covers_every_field_but_content() -> None:
+    d = draft()
+    base = record_hash(d, 1, GENESIS_HASH)
+    assert base == record_hash(d, 1, GENESIS_HASH)
+    assert len(base) == 64
+    # The content itself is not hashed (content_hash stands for it), so a purge keeps the hash.
+    assert record_hash(msgspec.structs.replace(d, content=None), 1, GENESIS_HASH) == base
+    # An int where a float belongs hashes as the float a database returns.
+    assert record_hash(msgspec.structs.replace(d, at=1000), 1, GENESIS_HASH) == base
+    changed = {
+        "tenant": "other",
+        "key_id": "k2",
+        "request_id": "r2",
+        "at": 1000.5,
+        "stage": "output",
+        "decision": "block",
+        "source": "rules",
+        "policy": "strict@3",
+        "policy_hash": "q",
+        "stages": RUNS[:1],
+        "category": "violence",
+        "severity": "high",
+        "flagged": True,
+        "content_hash": "0" * 64,
+        "detail": "x",
+        "reverses": 1,
+        "actor": "reviewer",
+    }
+    assert set(changed) == set(AuditDraft.__struct_fields__) - {"content"}
+    for name, value in changed.items():
+        assert record_hash(msgspec.structs.replace(d, **{name: value}), 1, GENESIS_HASH) != base, name
+    other_run = msgspec.structs.replace(RUNS[1], score=0.8126)
+    assert record_hash(msgspec.structs.replace(d, stages=(RUNS[0], other_run)), 1, "") != base
+    assert record_hash(d, 2, GENESIS_HASH) != base
+    assert record_hash(d, 1, "a" * 64) != base
+
+
+def test_verify_chain_finds_the_first_bad_record() -> None:
+    records = chained([draft(n=i) for i in range(5)])
+    report = verify_chain(records)
+    assert report == ChainReport(ok=True, checked=5, last_seq=5, last_hash=records[-1].hash)
+    assert verify_chain([]) == ChainReport(ok=True, checked=0)
+
+    tampered = [*records]
+    tampered[2] = msgspec.structs.replace(records[2], decision="block")
+    assert (verify_chain(tampered).first_bad_seq, verify_chain(tampered).reason) == (3, "hash")
+    # Rehashing the tampered record moves the break to the next record's prev_hash.
+    tampered[2] = chain(msgspec.structs.replace(records[2], decision="block"), 3, records[1].hash)
+    assert (verify_chain(tampered).first_bad_seq, verify_chain(tampered).reason) == (4, "prev_hash")
+
+    deleted = records[:2] + records[3:]
+    report = verify_chain(deleted)
+    assert (report.ok, report.first_bad_seq, report.reason, report.last_seq) == (False, 3, "seq_gap", 2)
+    assert verify_chain(records[1:]).first_bad_seq == 1
+
+    swapped = [records[0], records[2], records[1], *records[3:]]
+    assert (verify_chain(swapped).first_bad_seq, verify_chain(swapped).reason) == (2, "seq_gap")
+    # Swapping the rows' contents but keeping their seqs breaks the hashes instead.
+    relabelled = [
+        records[0],
+        msgspec.structs.replace(records[2], seq=2, prev_hash=records[0].hash),
+        msgspec.structs.replace(records[1], seq=3, prev_hash=records[2].hash),
+    ]
+    assert (verify_chain(relabelled).first_bad_seq, verify_chain(relabelled).reason) == (2, "hash")
+
+    purged = [msgspec.structs.replace(r, content=None) for r in records]
+    assert verify_chain(purged).ok
+    wrong_content = [records[0], msgspec.structs.replace(records[1], content="not what was checked")]
+    assert (verify_chain(wrong_content).first_bad_seq, verify_chain(wrong_content).reason) == (2, "content")
+
+    mixed = [records[0], chain(draft("beta", 1), 2, records[0].hash)]
+    assert verify_chain(mixed).reason == "tenant"
+    assert verify_chain(records, tenant="beta").reason == "tenant"
+
+
+def test_drafts_are_checked_and_content_hash_filled() -> None:
+    d = draft(content_hash="")
+    assert chain(d, 1, "").content_hash == content_sha256(d.content or "")
+    with pytest.raises(InvalidDraftError, match="content_hash"):
+        chain(draft(content_hash="0" * 64), 1, "")
+    with pytest.raises(InvalidDraftError, match="finite"):
+        chain(draft(at=float("nan")), 1, "")
+    with pytest.raises(InvalidDraftError):
+        chain(draft(stage="nowhere"), 1, "")
+    # No content (not retained, or nothing checked): content_hash may say what was checked, or be empty.
+    assert chain(draft(content=None, content_hash=""), 1, "").content_hash == ""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tenants=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=30),
+    purge=st.sets(st.integers(min_value=0, max_value=29)),
+    data=st.data(),
+)
+def test_any_sequence_of_appends_verifies(tenants: list[str], purge: set[int], data: st.DataObject) -> None:
+    chains: dict[str, list[AuditRecord]] = {}
+    for n, tenant in enumerate(tenants):
+        own = chains.setdefault(tenant, [])
+        own.append(chain(draft(tenant, n), len(own) + 1, own[-1].hash if own else GENESIS_HASH))
+    for tenant, records in chains.items():
+        kept = [msgspec.structs.replace(r, content=None) if i in purge else r for i, r in enumerate(records)]
+        assert verify_chain(kept, tenant=tenant).ok
+        # Any one field changed in any one record is found, at that record.
+        victim = data.draw(st.integers(min_value=0, max_value=len(records) - 1))
+        field = data.draw(st.sampled_from(["key_id", "request_id", "source", "detail", "actor", "policy"]))
+        bad = [*kept]
+        bad[victim] = msgspec.structs.replace(bad[victim], **{field: "tampered"})
+        report = verify_chain(bad, tenant=tenant)
+        assert (report.ok, report.first_bad_seq) == (False, victim + 1)
+
+
+# --- the store, on both databases --------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    """A SQLite file in tmp_path, or a fresh PostgreSQL schema dropped afterwards. No PostgreSQL = failure."""
+
+    async def postgres(schema: str) -> AuditStore:
+        return await PostgresAuditStore.open(PG_DSN, schema=schema)
+
+    async with sql_backend(request.param, tmp_path, SqliteAuditStore.open, postgres) as opened:
+        yield opened
+
+
+@pytest.fixture
+async def store(backend: Backend) -> AuditStore:
+    """A migrated, empty audit store on each backend."""
+    return await backend.open()
+
+
+async def bypass_triggers(backend: Backend) -> None:
+    """Let raw SQL change and delete audit records (what an attacker with database access could do)."""
+    if backend.name == "sqlite":
+        await backend.raw("DROP TRIGGER audit_records_only_purge")
+        await backend.raw("DROP TRIGGER audit_records_no_delete")
+    else:
+        await backend.raw("ALTER TABLE {schema}.audit_records DISABLE TRIGGER USER")
+
+
+async def test_append_assigns_seq_per_tenant(store: AuditStore) -> None:
+    first = await store.append([draft("acme", 0), draft("beta", 1), draft("acme", 2)])
+    assert [(r.tenant, r.seq) for r in first] == [("acme", 1), ("beta", 1), ("acme", 2)]
+    assert first[0].prev_hash == first[1].prev_hash == GENESIS_HASH
+    assert first[2].prev_hash == first[0].hash
+    second = await store.append([draft("beta", 3), draft("acme", 4)])
+    assert [(r.tenant, r.seq) for r in second] == [("beta", 2), ("acme", 3)]
+    assert second[0].prev_hash == first[1].hash
+    assert await store.append([]) == []
+
+    # What append returns is what is stored, field for field (floats and stage runs included).
+    for record in first + second:
+        assert await store.get(record.tenant, record.seq) == record
+    assert (await store.get("acme", 1)).stages == RUNS
+    with pytest.raises(NotFoundError):
+        await store.get("acme", 4)
+    with pytest.raises(NotFoundError):
+        await store.get("nobody", 1)
+    assert issubclass(NotFoundError, AuditStoreError)
+
+    for tenant, count in (("acme", 3), ("beta", 2)):
+        report = await store.verify(tenant)
+        assert (report.ok, report.checked, report.last_seq) == (True, count, count)
+    assert (await store.verify("nobody")) == ChainReport(ok=True, checked=0)
+
+
+async def test_an_invalid_draft_writes_nothing(store: AuditStore) -> None:
+    with pytest.raises(InvalidDraftError):
+        await store.append([draft(n=0), draft(n=1, content_hash="0" * 64)])
+    assert await store.find(None, "req-acme-0") == []
+    assert (await store.append([draft(n=2)]))[0].seq == 1
+
+
+async def test_find_by_request_id(store: AuditStore) -> None:
+    await store.append([draft("beta", 0, request_id="r1"), draft("acme", 0, request_id="r1")])
+    await store.append([draft("acme", 1, request_id="r2"), draft("acme", 2, request_id="r1", stage="output")])
+    assert [(r.tenant, r.seq) for r in await store.find(None, "r1")] == [
+        ("acme", 1),
+        ("acme", 3),
+        ("beta", 1),
+    ]
+    assert [(r.tenant, r.seq) for r in await store.find("acme", "r1")] == [("acme", 1), ("acme", 3)]
+    assert [r.seq for r in await store.find("beta", "r2")] == []
+    assert await store.find(None, "missing") == []
+
+
+async def test_tampering_is_detected_at_the_first_bad_seq(backend: Backend, store: AuditStore) -> None:
+    await store.append([draft(n=i) for i in range(6)])
+    await store.append([draft("beta", 0)])
+    await bypass_triggers(backend)
+    await backend.raw(
+        "UPDATE {schema}.audit_records SET decision = 'block' WHERE tenant = 'acme' AND seq = 4"
+    )
+    report = await store.verify("acme")
+    assert (report.ok, report.first_bad_seq, report.reason, report.last_seq) == (False, 4, "hash", 3)
+    assert (await store.verify("beta")).ok
+    # A value no record can hold (not even decodable) is a broken record too, not a crash.
+    await backend.raw("UPDATE {schema}.audit_records SET stage = 'nowhere' WHERE tenant = 'acme' AND seq = 2")
+    report = await store.verify("acme")
+    assert (report.first_bad_seq, report.reason) == (2, "hash")
+    # Content that is not what was checked.
+    await backend.raw("UPDATE {schema}.audit_records SET content = 'forged' WHERE tenant = 'beta'")
+    assert ((await store.verify("beta")).first_bad_seq, (await store.verify("beta")).reason) == (1, "content")
+
+
+async def test_deleting_records_is_detected(backend: Backend, store: AuditStore) -> None:
+    await store.append([draft(n=i) for i in range(5)])
+    await bypass_triggers(backend)
+    await backend.raw("DELETE FROM {schema}.audit_records WHERE tenant = 'acme' AND seq = 3")
+    report = await store.verify("acme")
+    assert (report.ok, report.first_bad_seq, report.reason, report.checked) == (False, 3, "seq_gap", 3)
+    # Cutting records off the end leaves a chain that is consistent in itself: the head shows it.
+    await backend.raw("DELETE FROM {schema}.audit_records WHERE tenant = 'acme' AND seq >= 3")
+    report = await store.verify("acme")
+    assert (report.ok, report.first_bad_seq, report.reason, report.last_seq) == (False, 3, "head", 2)
+
+
+async def test_triggers_refuse_updates_and_deletes(backend: Backend, store: AuditStore) -> None:
+    await store.append([draft(n=0), draft(n=1)])
+    refused = [
+        "UPDATE {schema}.audit_records SET decision = 'block'",
+        "UPDATE {schema}.audit_records SET content = 'other'",
+        "UPDATE {schema}.audit_records SET content = NULL, detail = 'x'",
+        "UPDATE {schema}.audit_records SET seq = seq + 10",
+        "DELETE FROM {schema}.audit_records WHERE seq = 2",
+        "DELETE FROM {schema}.audit_heads",
+        "UPDATE {schema}.audit_heads SET seq = 1",
+        "UPDATE {schema}.audit_heads SET hash = 'x'",
+    ]
+    if backend.name == "postgres":
+        refused += ["TRUNCATE {schema}.audit_records", "TRUNCATE {schema}.audit_heads"]
+    for sql in refused:
+        with pytest.raises(APPEND_ONLY, match=r"append-only|only move forward"):
+            await backend.raw(sql)
+    assert (await store.verify("acme")).ok
+    # Nulling content, and nothing else, is allowed: that is a purge.
+    await backend.raw("UPDATE {schema}.audit_records SET content = NULL WHERE seq = 1")
+    assert (await store.get("acme", 1)).content is None
+    assert (await store.verify("acme")).ok
+
+
+async def test_purge_content_keeps_the_chain(store: AuditStore) -> None:
+    await store.append([draft(n=i) for i in range(6)] + [draft("beta", i) for i in range(6)])
+    assert await store.purge_content("acme", before=1003.0) == 3
+    records = await store.query(AuditQuery(tenant="acme"))
+    assert [r.content is None for r in records] == [True, True, True, False, False, False]
+    assert all(r.content_hash == content_sha256(f"prompt {r.seq - 1} of acme") for r in records)
+    assert await store.purge_content("acme", before=1003.0) == 0
+    assert all(r.content is not None for r in await store.query(AuditQuery(tenant="beta")))
+    assert (await store.verify("acme")).ok
+    assert await store.purge_content("acme", before=2000.0) == 3
+    assert (await store.verify("acme")).ok
+    assert await store.purge_content("nobody", before=2000.0) == 0
+
+
+async def test_query_filters(store: AuditStore) -> None:
+    await store.append(
+        [
+            draft("acme", 0),
+            draft("acme", 1, decision="block", category="violence", severity="high", source="rules"),
+            draft("acme", 2, stage="output", source="fail_open", policy="strict@3"),
+            draft("acme", 3, flagged=True, decision="flag", policy="strict_x@1"),
+            draft(
+                "acme", 4, stage="review", decision="reversal", reverses=2, actor="k-rev", source="reviewer"
+            ),
+            draft("beta", 5, decision="block", category="violence", source="fail_open", flagged=True),
+        ]
+    )
+
+    async def seqs(**filters: Any) -> list[tuple[str, int]]:
+        return [(r.tenant, r.seq) for r in await store.query(AuditQuery(**filters))]
+
+    assert await seqs(tenant="acme") == [("acme", i) for i in range(1, 6)]
+    assert await seqs() == [*(("acme", i) for i in range(1, 6)), ("beta", 1)]
+    assert await seqs(tenant="acme", since=1001.0, until=1003.0) == [("acme", 2), ("acme", 3)]
+    assert await seqs(decision="block") == [("acme", 2), ("beta", 1)]
+    # Tenant isolation: a tenant's query never returns another tenant's records.
+    assert await seqs(tenant="acme", decision="block") == [("acme", 2)]
+    assert await seqs(tenant="beta", decision="allow") == []
+    assert await seqs(stage="output") == [("acme", 3)]
+    assert await seqs(stage="review") == [("acme", 5)]
+    assert await seqs(category="violence", tenant="beta") == [("beta", 1)]
+    assert await seqs(fail_open_only=True) == [("acme", 3), ("beta", 1)]
+    assert await seqs(fail_open_only=True, tenant="acme") == [("acme", 3)]
+    assert await seqs(flagged_only=True) == [("acme", 4), ("beta", 1)]
+    # A bare name matches its every version (not other names it prefixes); name@version matches exactly.
+    assert await seqs(tenant="acme", policy="strict") == [("acme", i) for i in (1, 2, 3, 5)]
+    assert await seqs(tenant="acme", policy="strict@3") == [("acme", 3)]
+    assert await seqs(tenant="acme", policy="strict_") == []
+    assert await seqs(policy="strict_x") == [("acme", 4)]
+    assert await seqs(tenant="nobody") == []
+
+
+async def test_pagination_is_stable(store: AuditStore) -> None:
+    for tenant in ("b", "A", "a"):
+        await store.append([draft(tenant, i) for i in range(7)])
+    expected = [(t, s) for t in ("A", "a", "b") for s in range(1, 8)]
+
+    async def pages(q: AuditQuery) -> list[tuple[str, int]]:
+        seen: list[tuple[str, int]] = []
+        while page := await store.query(q):
+            seen += [(r.tenant, r.seq) for r in page]
+            assert len(page) <= q.page_size()
+            q = q.after(page[-1])
+            # Records appended meanwhile come after what was read (per tenant), never inside it.
+            await store.append([draft("a", 100 + len(seen))])
+        return seen
+
+    seen = await pages(AuditQuery(limit=4))
+    # Every record once, in (tenant by code point, seq) order, none skipped (appended ones included).
+    assert seen == sorted(set(seen), key=lambda key: (key[0].encode(), key[1]))
+    assert [key for key in seen if key[0] != "a"] == [key for key in expected if key[0] != "a"]
+    a_seqs = [s for t, s in seen if t == "a"]
+    assert a_seqs == list(range(1, len(a_seqs) + 1))
+    assert len(a_seqs) > 7
+    assert await pages(AuditQuery(tenant="b", limit=3)) == [("b", s) for s in range(1, 8)]
+    assert AuditQuery(limit=10**6).page_size() == MAX_QUERY_LIMIT
+    assert AuditQuery(limit=0).page_size() == 1
+
+
+async def test_concurrent_appends_keep_one_chain(store: AuditStore) -> None:
+    batches = await asyncio.gather(*(store.append([draft(n=i), draft("beta", i)]) for i in range(50)))
+    acme = sorted(r.seq for batch in batches for r in batch if r.tenant == "acme")
+    assert acme == list(range(1, 51))
+    report = await store.verify("acme")
+    assert (report.ok, report.checked) == (True, 50)
+    assert (await store.verify("beta")).ok
+    # Each batch's two records went in together: equal seqs, as every batch appended to both tenants.
+    assert all(batch[0].seq == batch[1].seq for batch in batches)
+
+
+async def test_two_stores_appending_at_once_keep_one_chain(backend: Backend) -> None:
+    """Two store instances (two gateway processes' worth of connections) on one database."""
+    first, second = await backend.open(), await backend.open()
+    await asyncio.gather(
+        *(s.append([draft(n=i)]) for i in range(40) for s in (first, second)),
+    )
+    rows = await backend.raw("SELECT seq FROM {schema}.audit_records WHERE tenant = 'acme' ORDER BY seq")
+    assert [row[0] for row in rows] == list(range(1, 81))
+    for s in (first, second):
+        report = await s.verify("acme")
+        assert (report.ok, report.checked) == (True, 80)
+
+
+async def test_migrations_are_idempotent_and_share_the_tenant_database(backend: Backend) -> None:
+    first = await backend.open()
+    await first.append([draft()])
+    second = await backend.open()
+    assert await second.get("acme", 1) == await first.get("acme", 1)
+    rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1]
+    # The tenant store lives beside it, in the same file or schema, with its own migrations.
+    if backend.name == "sqlite":
+        tenants: Any = await SqliteTenantStore.open(backend.location)
+    else:
+        tenants = await PostgresTenantStore.open(PG_DSN, schema=backend.location)
+    try:
+        await tenants.create_tenant(Tenant(tenant_id="acme", display_name="Acme"), actor="a", now=1.0)
+        assert (await tenants.get_tenant("acme")).display_name == "Acme"
+    finally:
+        await tenants.close()
+    assert (await second.verify("acme")).ok
+
+
+async def test_a_locked_database_is_unavailable(tmp_path: Path) -> None:
+    """A write that cannot get its lock in time is AuditUnavailableError; the store works once it can."""
+    path = tmp_path / "locked.sqlite3"
+    store = await SqliteAuditStore.open(path)
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        await asyncio.to_thread(other.execute, "BEGIN EXCLUSIVE")
+        with pytest.raises(AuditUnavailableError):
+            await store.append([draft()])
+        await asyncio.to_thread(other.execute, "ROLLBACK")
+        assert (await store.append([draft()]))[0].seq == 1
+    finally:
+        other.close()
+        await store.close()
+
+    async with postgres_schema() as (schema, admin):
+        pg = await PostgresAuditStore.open(PG_DSN, schema=schema, command_timeout=0.5)
+        try:
+            async with admin.transaction():
+                await admin.execute(f"LOCK TABLE {schema}.audit_heads IN ACCESS EXCLUSIVE MODE")
+                with pytest.raises(AuditUnavailableError):
+                    await pg.append([draft()])
+            assert (await pg.append([draft()]))[0].seq == 1
+            assert (await pg.verify("acme")).ok
+        finally:
+            await pg.close()
+
+
+async def test_sqlite_closed_and_in_memory(tmp_path: Path) -> None:
+    store = await SqliteAuditStore.open(":memory:")
+    await store.append([draft()])
+    assert (await store.verify("acme")).ok
+    await store.close()
+    with pytest.raises(AuditStoreError, match="closed"):
+        await store.get("acme", 1)
+    await store.close()
+
+
+async def test_postgres_refuses_unsafe_schema_names() -> None:
+    with pytest.raises(ValueError, match="schema"):
+        await PostgresAuditStore.open(PG_DSN, schema='x"; DROP TABLE audit_records; --')
+
+
+def test_public_names() -> None:
+    assert set(policy.audit.__all__) >= {
+        *("AuditStore", "AuditStoreError", "AuditUnavailableError", "NotFoundError", "InvalidDraftError"),
+        *("AuditDraft", "AuditRecord", "StageRun", "Stage", "Decision", "AuditQuery", "MAX_QUERY_LIMIT"),
+        *("ChainReport", "ChainFault", "ChainVerifier", "GENESIS_HASH", "MIGRATIONS"),
+        *("SqliteAuditStore", "PostgresAuditStore", "record_hash", "verify_chain", "content_sha256"),
+    }
