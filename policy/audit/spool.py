@@ -1,0 +1,204 @@
+"""The audit writer's durable local spool: drafts the store could not take, on disk, in order.
+
+The spool is a directory of append-only files `spool-<n>.jsonl` (n = 1, 2, 3, ... in the order they were
+written), one msgspec-JSON `AuditDraft` per line, and a `cursor.json` saying how far replay has got (file n,
+byte offset). Every write is fsync'd, and all file work runs in a worker thread, never on the event loop.
+
+Replay reads from the cursor (`read`), the caller appends those drafts to the store, then `commit` moves the
+cursor past them (written to a temporary file, fsync'd, renamed over `cursor.json`) and deletes files that
+are fully replayed. A crash between the store append and the cursor write replays that one batch again after
+the restart: the spool is at-least-once, and a duplicate is at most one replay batch.
+
+A process that dies during a write leaves at most a torn last line, never acknowledged as durable: it is
+skipped on replay. After a restart new drafts go to a new file, never after a torn line.
+
+One `Spool` is used by one task at a time (the writer's); it keeps no lock of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from policy.audit.records import AuditDraft
+
+log = logging.getLogger("lockgate.audit")
+
+_encoder = msgspec.json.Encoder()
+_draft_decoder = msgspec.json.Decoder(AuditDraft)
+_PREFIX = "spool-"
+_SUFFIX = ".jsonl"
+_CURSOR = "cursor.json"
+
+
+class Cursor(msgspec.Struct, frozen=True):
+    """Where replay stands: byte `offset` into spool file number `file`."""
+
+    file: int
+    offset: int
+
+
+_cursor_decoder = msgspec.json.Decoder(Cursor)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    """Append-only spool files in `directory`; call `open` once before anything else."""
+
+    def __init__(self, directory: Path | str, *, file_max_bytes: int = 4 << 20) -> None:
+        self.directory = Path(directory)
+        # A file is closed for new writes past this size, so replayed files can be deleted early.
+        self._file_max_bytes = file_max_bytes
+        # Invariant: _sizes holds every spool file (number -> size in bytes), oldest first, and
+        # _cursor.file is the oldest of them (or any number when there are none).
+        self._sizes: dict[int, int] = {}
+        self._cursor = Cursor(1, 0)
+        # The file new drafts go to; None: start a new one (after a restart, never append after a torn line).
+        self._active: int | None = None
+        self.corrupt_lines = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes written and not replayed yet."""
+        return sum(self._sizes.values()) - (self._cursor.offset if self._sizes else 0)
+
+    @property
+    def files(self) -> int:
+        """Spool files on disk."""
+        return len(self._sizes)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing left to replay."""
+        return self.pending_bytes == 0
+
+    def _path(self, number: int) -> Path:
+        return self.directory / f"{_PREFIX}{number:012d}{_SUFFIX}"
+
+    async def open(self) -> None:
+        """Create the directory if needed and find leftover files and the replay cursor."""
+        await asyncio.to_thread(self._open)
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found: dict[int, int] = {}
+        for path in self.directory.glob(f"{_PREFIX}*{_SUFFIX}"):
+            digits = path.name[len(_PREFIX) : -len(_SUFFIX)]
+            if digits.isdigit():
+                found[int(digits)] = path.stat().st_size
+        self._sizes = dict(sorted(found.items()))
+        cursor_path = self.directory / _CURSOR
+        cursor = _cursor_decoder.decode(cursor_path.read_bytes()) if cursor_path.exists() else None
+        if cursor is None:
+            cursor = Cursor(next(iter(self._sizes), 1), 0)
+        for number in [n for n in self._sizes if n < cursor.file]:
+            # Spent before a crash that came between the cursor write and the delete.
+            self._path(number).unlink(missing_ok=True)
+            del self._sizes[number]
+        if self._sizes and cursor.file not in self._sizes:
+            cursor = Cursor(next(iter(self._sizes)), 0)
+        self._cursor = cursor
+        self._active = None
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> int:
+        """Write `drafts` (in order) and fsync them; returns the bytes written. Raises OSError."""
+        data = b"".join(_encoder.encode(d) + b"\n" for d in drafts)
+        if not data:
+            return 0
+        number = self._active
+        if number is None or self._sizes.get(number, 0) >= self._file_max_bytes or number not in self._sizes:
+            number = max(self._sizes, default=self._cursor.file - 1) + 1
+        await asyncio.to_thread(self._write, number, data)
+        if not self._sizes:
+            self._cursor = Cursor(number, 0)
+        self._sizes[number] = self._sizes.get(number, 0) + len(data)
+        self._active = number
+        return len(data)
+
+    def _write(self, number: int, data: bytes) -> None:
+        path = self._path(number)
+        new = not path.exists()
+        with path.open("ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            _fsync_dir(self.directory)
+
+    async def read(self, limit: int) -> tuple[list[AuditDraft], Cursor]:
+        """Up to `limit` drafts from the cursor on (within one file), and the cursor past them."""
+        while self._sizes:
+            cursor = self._cursor
+            size = self._sizes[cursor.file]
+            if cursor.offset < size:
+                drafts, offset = await asyncio.to_thread(self._read, cursor, size, limit)
+                return drafts, Cursor(cursor.file, offset)
+            if cursor.file == self._active:
+                break
+            # Fully replayed (or only a torn tail left): move on to the next file.
+            await self.commit(Cursor(cursor.file, size))
+        return [], self._cursor
+
+    def _read(self, cursor: Cursor, size: int, limit: int) -> tuple[list[AuditDraft], int]:
+        drafts: list[AuditDraft] = []
+        offset = cursor.offset
+        with self._path(cursor.file).open("rb") as f:
+            f.seek(offset)
+            while len(drafts) < limit and offset < size:
+                line = f.readline(size - offset)
+                if not line.endswith(b"\n"):
+                    # A torn tail from a crash mid-write: never acknowledged, so never replayed.
+                    log.warning("audit spool %s: skipping a torn last line", cursor.file)
+                    offset = size
+                    break
+                offset += len(line)
+                try:
+                    drafts.append(_draft_decoder.decode(line))
+                except msgspec.DecodeError as exc:
+                    self.corrupt_lines += 1
+                    log.error(
+                        "audit spool %s: skipping an unreadable line at %d: %s", cursor.file, offset, exc
+                    )
+        return drafts, offset
+
+    async def commit(self, cursor: Cursor) -> None:
+        """Mark everything before `cursor` (from `read`) as stored: save the cursor, delete spent files."""
+        size = self._sizes.get(cursor.file, 0)
+        spent = cursor.offset >= size
+        if spent:
+            later = [n for n in self._sizes if n > cursor.file]
+            # The active file, once spent, is deleted too: the next append starts a new one.
+            nxt = Cursor(later[0] if later else cursor.file + 1, 0)
+            await asyncio.to_thread(self._save_and_delete, nxt, cursor.file)
+            del self._sizes[cursor.file]
+            if self._active == cursor.file:
+                self._active = None
+            self._cursor = nxt
+        else:
+            await asyncio.to_thread(self._save_and_delete, cursor, None)
+            self._cursor = cursor
+
+    def _save_and_delete(self, cursor: Cursor, spent: int | None) -> None:
+        # The cursor first: a crash after it and before the delete leaves a file the cursor has passed,
+        # which `_open` recognises (the cursor names a later file) and replays no line of twice.
+        tmp = self.directory / f"{_CURSOR}.tmp"
+        with tmp.open("wb") as f:
+            f.write(_encoder.encode(cursor))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.directory / _CURSOR)
+        if spent is not None:
+            self._path(spent).unlink(missing_ok=True)
+        _fsync_dir(self.directory)

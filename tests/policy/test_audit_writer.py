@@ -1,0 +1,376 @@
+"""AuditWriter: outage -> spool -> replay without losing or reordering a draft, restart, backpressure,
+`record` durability, close, and a round trip through the real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from policy.audit.base import AuditQuery, AuditUnavailableError, NotFoundError
+from policy.audit.records import (
+    GENESIS_HASH,
+    AuditDraft,
+    AuditRecord,
+    ChainReport,
+    InvalidDraftError,
+    chain,
+    verify_chain,
+)
+from policy.audit.spool import Spool
+from policy.audit.sqlite import SqliteAuditStore
+from policy.audit.writer import (
+    AuditBackpressureError,
+    AuditSpoolFullError,
+    AuditWriter,
+    AuditWriterClosedError,
+    RetryPolicy,
+)
+
+TENANTS = ("acme", "globex", "initech")
+
+
+async def fast_sleep(_: float) -> None:
+    """Every flush interval and backoff elapses at the next turn of the loop."""
+    await asyncio.sleep(0)
+
+
+async def never(_: float) -> None:
+    """A timer that never fires: only batch_size, `record` and `close` flush."""
+    await asyncio.Event().wait()
+
+
+class FakeStore:
+    """An in-memory AuditStore that chains records like the real ones and can be switched to fail."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[AuditRecord]] = {}
+        self.down = False
+        self.error: Exception | None = None  # raised once by the next append (an unexpected failure)
+        self.gate: asyncio.Event | None = None  # when set: appends wait for it
+        self.calls = 0
+        self.on_append: Callable[[], None] | None = None
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+        self.calls += 1
+        if self.on_append is not None:
+            self.on_append()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        if self.down:
+            raise AuditUnavailableError("database is down")
+        out = []
+        for draft in drafts:
+            chain_ = self.records.setdefault(draft.tenant, [])
+            prev = chain_[-1].hash if chain_ else GENESIS_HASH
+            chain_.append(chain(draft, len(chain_) + 1, prev))
+            out.append(chain_[-1])
+        return out
+
+    async def get(self, tenant: str, seq: int) -> AuditRecord:
+        try:
+            return self.records[tenant][seq - 1]
+        except (KeyError, IndexError):
+            raise NotFoundError(f"{tenant} {seq}") from None
+
+    async def find(self, tenant: str | None, request_id: str) -> list[AuditRecord]:
+        return [r for rs in self.records.values() for r in rs if r.request_id == request_id]
+
+    async def query(self, q: AuditQuery) -> list[AuditRecord]:
+        return list(self.records.get(q.tenant or "", []))[: q.page_size()]
+
+    async def verify(self, tenant: str) -> ChainReport:
+        return verify_chain(self.records.get(tenant, []), tenant=tenant)
+
+    async def purge_content(self, tenant: str, before: float) -> int:
+        return 0
+
+    async def close(self) -> None:
+        return None
+
+    def ids(self, tenant: str) -> list[str]:
+        return [r.request_id for r in self.records.get(tenant, [])]
+
+    def total(self) -> int:
+        return sum(len(rs) for rs in self.records.values())
+
+
+def draft(i: int, tenant: str | None = None) -> AuditDraft:
+    return AuditDraft(
+        tenant=tenant or TENANTS[i % len(TENANTS)],
+        key_id="k1",
+        request_id=f"req-{i:05d}",
+        at=float(i),
+        stage="input",
+        decision="allow",
+        source="model",
+        content_hash="0" * 64,
+    )
+
+
+def expected(ids: range, tenant: str) -> list[str]:
+    return [f"req-{i:05d}" for i in ids if TENANTS[i % len(TENANTS)] == tenant]
+
+
+async def until(cond: Callable[[], bool], turns: int = 200_000) -> None:
+    """Let the writer (and its spool threads) run until `cond` holds; fails rather than hang."""
+    for _ in range(turns):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def make(store: FakeStore | SqliteAuditStore, spool: Path, **kw: object) -> AuditWriter:
+    opts: dict[str, object] = {"batch_size": 50, "sleep": fast_sleep, "retry": RetryPolicy()}
+    opts.update(kw)
+    clock = itertools.count().__next__
+    return AuditWriter(store, spool, clock=lambda: float(clock()), **opts)  # type: ignore[arg-type]
+
+
+async def test_outage_half_way_loses_nothing_and_keeps_each_tenants_order(tmp_path: Path) -> None:
+    store = FakeStore()
+    writer = make(store, tmp_path / "spool")
+    await writer.start()
+    for i in range(1000):
+        if i == 500:
+            await until(lambda: store.total() > 0)
+            store.down = True
+        writer.submit(draft(i))
+        if i % 97 == 0:
+            await asyncio.sleep(0)
+    await until(lambda: writer.counters["spooled"] > 0 and not writer.state().store_up)
+    assert writer.state().dropped == 0
+    store.down = False
+    await until(lambda: store.total() == 1000 and writer.state().spooled_bytes == 0)
+    await writer.close()
+    assert store.total() == 1000
+    for tenant in TENANTS:
+        assert store.ids(tenant) == expected(range(1000), tenant)
+        assert (await store.verify(tenant)).ok
+    c = writer.counters
+    assert c["appended"] + c["replayed"] == 1000
+    assert c["replayed"] > 0
+    assert c["flush_failures"] > 0
+    assert writer.state().spool_files == 0
+
+
+async def test_submissions_during_replay_go_behind_the_spool(tmp_path: Path) -> None:
+    store = FakeStore()
+    writer = make(store, tmp_path / "spool", batch_size=10)
+    await writer.start()
+    store.down = True
+    for i in range(100):
+        writer.submit(draft(i))
+    await until(lambda: writer.state().spooled_bytes > 0 and writer.state().buffered == 0)
+    submitted = iter(range(100, 200))
+
+    def submit_more() -> None:
+        # While the spool replays, new drafts keep coming: they must land after every spooled one.
+        for i in itertools.islice(submitted, 10):
+            writer.submit(draft(i))
+
+    store.on_append = submit_more
+    store.down = False
+    await until(lambda: store.total() == 200 and writer.state().spooled_bytes == 0)
+    store.on_append = None
+    for i in range(200, 230):  # back to direct appends
+        writer.submit(draft(i))
+    await writer.close()
+    for tenant in TENANTS:
+        assert store.ids(tenant) == expected(range(230), tenant)
+    assert writer.counters["replayed"] >= 100
+
+
+async def test_restart_replays_leftover_spool_first(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.down = True
+    first = make(store, tmp_path / "spool", sleep=never)
+    await first.start()
+    for i in range(120):
+        first.submit(draft(i))
+    await first.close()  # the store is down: everything buffered goes to the spool
+    assert store.total() == 0
+    assert first.counters["spooled"] == 120
+    store.down = False
+    second = make(store, tmp_path / "spool")
+    await second.start()
+    assert second.state().spooled_bytes > 0
+    for i in range(120, 150):
+        second.submit(draft(i))
+    await until(lambda: store.total() == 150)
+    await second.close()
+    for tenant in TENANTS:
+        assert store.ids(tenant) == expected(range(150), tenant)
+    assert second.counters["replayed"] >= 120  # the new ones may be spooled behind them
+    assert not list((tmp_path / "spool").glob("spool-*"))
+
+
+async def test_spool_full_refuses_and_drops_nothing(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.down = True
+    writer = make(store, tmp_path / "spool", batch_size=5, spool_max_bytes=3000)
+    await writer.start()
+    accepted = 0
+    refused: AuditSpoolFullError | None = None
+    while refused is None and accepted < 10_000:
+        try:
+            writer.submit(draft(accepted))
+        except AuditSpoolFullError as exc:
+            refused = exc
+            break
+        accepted += 1
+        await until(lambda: writer.state().buffered < 5)
+    assert refused is not None
+    assert 0 < accepted < 10_000
+    state = writer.state()
+    assert state.spooled_bytes >= 3000
+    assert not state.store_up
+    assert state.dropped == 0
+    with pytest.raises(AuditBackpressureError):
+        await writer.record(draft(accepted))
+    store.down = False
+    await until(lambda: store.total() == accepted and writer.state().spooled_bytes == 0)
+    writer.submit(draft(accepted))  # accepted again once the spool drained
+    await writer.close()
+    assert store.total() == accepted + 1
+    for tenant in TENANTS:
+        assert store.ids(tenant) == expected(range(accepted + 1), tenant)
+
+
+async def test_record_returns_only_once_durable(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.gate = asyncio.Event()
+    writer = make(store, tmp_path / "spool", sleep=never)
+    await writer.start()
+    writer.submit(draft(0))
+    task = asyncio.create_task(writer.record(draft(1)))
+    await until(lambda: store.calls == 1)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not task.done()  # the store has not answered
+    store.gate.set()
+    await task
+    assert store.total() == 2
+    # During an outage, durable means fsync'd in the spool.
+    store.down = True
+    await writer.record(draft(2))
+    assert writer.counters["spooled"] == 1
+    assert writer.state().spooled_bytes > 0
+    await writer.close()
+
+
+async def test_close_flushes_to_the_store_or_the_spool(tmp_path: Path) -> None:
+    store = FakeStore()
+    writer = make(store, tmp_path / "a", sleep=never, batch_size=1000)
+    await writer.start()
+    for i in range(30):
+        writer.submit(draft(i))
+    assert store.total() == 0  # neither batch_size nor a timer reached
+    await writer.close()
+    assert store.total() == 30
+    with pytest.raises(AuditWriterClosedError):
+        writer.submit(draft(99))
+    # A store that hangs: close's bound cuts the append off, the drafts go to the spool.
+    hung = FakeStore()
+    hung.gate = asyncio.Event()
+    writer = make(hung, tmp_path / "b", sleep=never, batch_size=5)
+    await writer.start()
+    for i in range(7):
+        writer.submit(draft(i))
+    await until(lambda: hung.calls == 1)
+    await writer.close(within=0.0)
+    assert writer.state().buffered == 0
+    assert writer.counters["spooled"] == 7
+    spool = Spool(tmp_path / "b")
+    await spool.open()
+    drafts, _ = await spool.read(100)
+    assert [d.request_id for d in drafts] == [f"req-{i:05d}" for i in range(7)]
+
+
+async def test_unexpected_append_error_does_not_kill_the_writer(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.error = RuntimeError("a bug in the driver")
+    writer = make(store, tmp_path / "spool", batch_size=10)
+    await writer.start()
+    for i in range(40):
+        writer.submit(draft(i))
+    await until(lambda: store.total() == 40)
+    for i in range(40, 60):
+        writer.submit(draft(i))
+    await writer.close()
+    assert store.total() == 60
+    assert writer.counters["flush_failures"] == 1
+    assert writer.state().last_error == "RuntimeError: a bug in the driver"
+    for tenant in TENANTS:
+        assert store.ids(tenant) == expected(range(60), tenant)
+
+
+async def test_invalid_draft_is_refused_at_submission(tmp_path: Path) -> None:
+    writer = make(FakeStore(), tmp_path / "spool")
+    await writer.start()
+    with pytest.raises(InvalidDraftError):
+        writer.submit(msgspec.structs.replace(draft(0), at=float("nan")))
+    await writer.close()
+
+
+def crash_mid_write(spool_dir: Path) -> None:
+    """A torn last line, and a restart after the first file's cursor moved on, before its delete."""
+    files = sorted(spool_dir.glob("spool-*"))
+    with files[-1].open("ab") as f:
+        f.write(b'{"tenant": "acme", "torn')
+    (spool_dir / "cursor.json").write_bytes(b'{"file": 2, "offset": 0}')
+
+
+async def test_spool_skips_a_torn_tail_and_survives_a_crash_after_the_cursor_write(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, file_max_bytes=1)  # one file per append
+    await spool.open()
+    await spool.append([draft(0), draft(1)])
+    await spool.append([draft(2)])
+    await asyncio.to_thread(crash_mid_write, tmp_path)
+    spool = Spool(tmp_path)
+    await spool.open()
+    assert spool.files == 1
+    drafts, cursor = await spool.read(10)
+    assert [d.request_id for d in drafts] == ["req-00002"]
+    await spool.commit(cursor)
+    assert (await spool.read(10))[0] == []
+    assert spool.empty
+    assert spool.files == 0
+
+
+async def test_sqlite_round_trip_through_an_outage_verifies(tmp_path: Path) -> None:
+    real = await SqliteAuditStore.open(tmp_path / "audit.db")
+    down = False
+
+    class Flaky(FakeStore):
+        async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+            if down:
+                raise AuditUnavailableError("sqlite is away")
+            return await real.append(drafts)
+
+    writer = make(Flaky(), tmp_path / "spool", batch_size=25)
+    await writer.start()
+    try:
+        for i in range(300):
+            if i == 150:
+                down = True
+            writer.submit(draft(i))
+            await asyncio.sleep(0)
+        await until(lambda: writer.state().spooled_bytes > 0)
+        down = False
+        await until(lambda: writer.counters["appended"] + writer.counters["replayed"] == 300)
+        await writer.close()
+        for tenant in TENANTS:
+            records = await real.query(AuditQuery(tenant=tenant, limit=1000))
+            assert [r.request_id for r in records] == expected(range(300), tenant)
+            assert (await real.verify(tenant)).ok
+    finally:
+        await real.close()
