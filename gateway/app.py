@@ -30,14 +30,16 @@ from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import Services
 from guard.default_guard import judge_spec
+from policy.audit.base import AuditStore
+from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.quota.settle import SettlePolicy
-from policy.safety.decision import RecordSink
+from policy.safety.decision import GuardRecord, RecordSink
 from policy.safety.defaults import DEFAULT_POLICY, TrainedGuards, register_default_policy
 from policy.safety.gate import SafetyGate
-from policy.safety.records import log_record
+from policy.safety.records import audit_draft, log_record
 from policy.tenants.base import TenantStore
 from registry.base import RegistryStore
 from registry.default_model import register_default_model
@@ -102,6 +104,52 @@ async def open_registry_store(config: Config) -> RegistryStore:
     from registry.sqlite import SqliteRegistryStore
 
     return await SqliteRegistryStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+
+
+async def open_audit_store(config: Config) -> AuditStore:
+    """The audit store, in the same database as the tenant store."""
+    if config.storage.backend == "postgres":
+        from policy.audit.postgres import PostgresAuditStore
+
+        return await PostgresAuditStore.open(
+            config.storage.postgres_dsn,
+            schema=config.storage.postgres_schema,
+            connect_timeout=config.storage.postgres_connect_timeout,
+            command_timeout=config.storage.postgres_command_timeout,
+        )
+    from policy.audit.sqlite import SqliteAuditStore
+
+    return await SqliteAuditStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+
+
+async def _audit_writer(
+    config: Config, store: AuditStore, clock: Clock, owned: AsyncExitStack
+) -> AuditWriter:
+    """The write-behind writer of gate decisions (its spool replayed first), flushed at shutdown."""
+    audit = config.audit
+    writer = AuditWriter(
+        store,
+        audit.spool_path(config.storage),
+        clock=clock,
+        batch_size=audit.batch_size,
+        flush_interval=audit.flush_interval,
+        buffer_size=audit.buffer_size,
+        spool_max_bytes=audit.spool_max_bytes,
+    )
+    await writer.start()
+    owned.push_async_callback(writer.close, audit.close_timeout)
+    return writer
+
+
+def _recording(writer: AuditWriter, sink: RecordSink) -> RecordSink:
+    """Gate records to `sink` (the log by default) and to the audit trail (AuditBackpressureError when it
+    cannot take them: the gate applies the policy's fail mode)."""
+
+    def record(guard_record: GuardRecord) -> None:
+        sink(guard_record)
+        writer.submit(audit_draft(guard_record))
+
+    return record
 
 
 async def _trained_guards(config: Config, registry: Registry, served: str) -> TrainedGuards | None:
@@ -228,6 +276,7 @@ def create_app(
     sink: OutcomeSink = log_outcome,
     guard_pools: Mapping[str, Engine] | None = None,
     guard_sink: RecordSink = log_record,
+    audit: AuditStore | None = None,
 ) -> Litestar:
     """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
     app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
@@ -296,7 +345,12 @@ def create_app(
             owned.callback(factory.close)
             # The default policy's guards are loaded before the first request: it is served guarded.
             await factory.ready(default_policy.guards)
-            gate = SafetyGate(factory, guard_sink, clock, config.guard.breaker)
+            audit_store = audit
+            if audit_store is None:
+                audit_store = await open_audit_store(config)
+                owned.push_async_callback(audit_store.close)
+            writer = await _audit_writer(config, audit_store, clock, owned)
+            gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
             app.state.services = Services(
                 config=config,
                 engine=active,

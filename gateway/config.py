@@ -206,6 +206,30 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
 
 
+class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The audit trail of gate decisions (kept in the [storage] database)."""
+
+    # Directory of the durable spool that holds decisions while the audit store cannot be reached; replayed in
+    # order when it returns. One gateway process per directory. "" = `audit-spool` beside the SQLite file.
+    spool_dir: str = ""
+    # Bytes the spool may hold; past it a decision cannot be recorded, and the policy's fail mode decides:
+    # an allow under a policy with a fail-closed category is refused (503), otherwise served unaudited.
+    spool_max_bytes: int = 1_073_741_824
+    # Decisions written to the store in one batch, and seconds between two flushes of the buffer.
+    batch_size: int = 256
+    flush_interval: float = 0.2
+    # Decisions waiting in memory for the next flush.
+    buffer_size: int = 10_000
+    # Seconds shutdown waits to flush what is buffered to the store before it goes to the spool.
+    close_timeout: float = 10.0
+
+    def spool_path(self, storage: StorageConfig) -> Path:
+        """The spool directory."""
+        if self.spool_dir:
+            return Path(self.spool_dir).expanduser()
+        return Path(storage.sqlite_path).expanduser().parent / "audit-spool"
+
+
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine replica of `[[engines]]`."""
 
@@ -236,6 +260,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ from litestar import Litestar
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.app import running
-from gateway.config import Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
+from gateway.config import AuditConfig, Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
@@ -162,6 +163,8 @@ def make_config(**server: float | int) -> Config:
         storage=StorageConfig(sqlite_path=str(SESSION_DIR / "lockgate.sqlite3")),
         # The rules stage alone: every request passes a real cascade without a guard engine per test.
         guard=GuardConfig(default_policy="rules"),
+        # One audit spool per app: apps of one test session run side by side.
+        audit=AuditConfig(spool_dir=str(SESSION_DIR / f"audit-spool-{uuid.uuid4().hex}")),
     )
 
 

@@ -97,6 +97,7 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     content_sha256: str
     content: str | None = None  # only under retention = "full"
     at: float
+    severity: str | None = None  # the decided category's severity in the policy
 
 
 RecordSink = Callable[[GuardRecord], None]

@@ -9,6 +9,7 @@ Every decision goes to the record sink (the audit trail) before the caller acts 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 
@@ -18,8 +19,11 @@ from guard.base import Classifier, Direction, GuardInput
 from guard.breaker import BreakerPolicy, CircuitBreaker
 from guard.cascade import Cascade, Stage
 from guard.rules import RulesClassifier
+from policy.audit.writer import AuditBackpressureError
 from policy.safety.decision import GuardDecision, GuardRecord, RecordSink, content_digest, decide
 from registry.view import ResolvedGuard, ResolvedPolicy
+
+log = logging.getLogger("lockgate.guard")
 
 ClassifierFactory = Callable[[ResolvedGuard], Classifier]
 
@@ -104,23 +108,35 @@ class SafetyGate:
         result = await self.cascade(policy).run(item)
         decision = decide(result, policy.spec, item.direction)
         text = item.text()
-        self._sink(
-            GuardRecord(
-                tenant=context.tenant,
-                key_id=context.key_id,
-                request_id=context.request_id,
-                direction=item.direction,
-                policy=policy.ref,
-                policy_hash=policy.policy.content_hash,
-                action=decision.action,
-                source=decision.source,
-                category=decision.category,
-                flagged=decision.flagged,
-                runs=result.runs,
-                content_sha256=content_digest(text),
-                content=text if policy.spec.retention == "full" else None,
-                at=self._clock(),
-            )
+        severities = {c.name: c.severity for c in policy.spec.categories}
+        record = GuardRecord(
+            tenant=context.tenant,
+            key_id=context.key_id,
+            request_id=context.request_id,
+            direction=item.direction,
+            policy=policy.ref,
+            policy_hash=policy.policy.content_hash,
+            action=decision.action,
+            source=decision.source,
+            category=decision.category,
+            flagged=decision.flagged,
+            runs=result.runs,
+            content_sha256=content_digest(text),
+            content=text if policy.spec.retention == "full" else None,
+            at=self._clock(),
+            severity=severities.get(decision.category),
         )
+        try:
+            self._sink(record)
+        except AuditBackpressureError:
+            # The audit trail cannot take the record now (its spool is full). A block is enforced anyway; an
+            # allow follows the policy: any category failing closed refuses the request (503), else it is
+            # served unaudited (logged and counted).
+            self.counts[(item.direction, "audit_backpressure", decision.action)] += 1
+            log.error("audit trail full: %s decision on %s not recorded", decision.action, context.request_id)
+            if decision.action == "allow" and "closed" in policy.spec.fail_modes.values():
+                decision = GuardDecision(
+                    direction=item.direction, action="refuse", source="fail_closed", category="audit"
+                )
         self.counts[(item.direction, decision.source, decision.action)] += 1
         return decision

@@ -1,9 +1,10 @@
-"""Where gate decisions go until the audit trail stores them: one log line each, never the content."""
+"""Where gate decisions go: one log line each (never the content), and the audit trail's record of them."""
 
 from __future__ import annotations
 
 import logging
 
+from policy.audit.records import AuditDraft, StageRun
 from policy.safety.decision import GuardRecord
 
 log = logging.getLogger("lockgate.guard")
@@ -27,4 +28,38 @@ def log_record(record: GuardRecord) -> None:
         record.flagged,
         record.content_sha256[:16],
         stages,
+    )
+
+
+def audit_draft(record: GuardRecord) -> AuditDraft:
+    """The audit trail's record of one gate decision (the content only where the record carries it)."""
+    return AuditDraft(
+        tenant=record.tenant,
+        key_id=record.key_id,
+        request_id=record.request_id,
+        at=record.at,
+        stage=record.direction,
+        decision=record.action,
+        source=record.source,
+        policy=record.policy,
+        policy_hash=record.policy_hash,
+        stages=tuple(
+            StageRun(
+                stage=run.guard,
+                kind="rules" if run.guard == "rules" else "model",
+                model=run.model or None,
+                template_hash=run.template_sha256 or None,
+                score=run.p_unsafe,
+                allow_below=run.allow_below,
+                block_above=run.block_above,
+                latency_s=run.latency_s,
+                error=run.error or None,
+            )
+            for run in record.runs
+        ),
+        category=record.category or None,
+        severity=record.severity,
+        flagged=record.flagged,
+        content_hash=record.content_sha256,
+        content=record.content,
     )
