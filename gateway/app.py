@@ -374,6 +374,8 @@ def create_app(
                 pools=pools,
                 renderers=renderers,
                 scheduler=scheduler,
+                audit=audit_store,
+                audit_writer=writer,
             )
             try:
                 yield

@@ -17,6 +17,8 @@ from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from policy.audit.base import AuditStore
+from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
 from policy.safety.gate import SafetyGate
@@ -49,6 +51,8 @@ class Services:
         clock: Clock,
         guards: GuardFactory | None = None,
         scheduler: Scheduler,
+        audit: AuditStore,
+        audit_writer: AuditWriter,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
     ) -> None:
@@ -56,6 +60,9 @@ class Services:
         self.engine = engine
         # Fair admission and routing over the engine replicas (built in the lifespan).
         self.scheduler = scheduler
+        # The audit trail: the store (reviewer routes read it) and the write-behind writer (the gate feeds it).
+        self.audit = audit
+        self.audit_writer = audit_writer
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         # Pools that only guard models run on (every pool no generation replica serves).
