@@ -60,7 +60,7 @@ class Services:
         self.engine = engine
         # Fair admission and routing over the engine replicas (built in the lifespan).
         self.scheduler = scheduler
-        # The audit trail: the store (reviewer routes read it) and the write-behind writer (the gate feeds it).
+        # The audit trail: its store (the reviewer routes read it) and its writer (the gate feeds it).
         self.audit = audit
         self.audit_writer = audit_writer
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
