@@ -48,6 +48,7 @@ from gateway.generation.admission import (
     routed,
     session_of,
 )
+from gateway.generation.audit import record_refusal
 from gateway.generation.flow import ClientDisconnectedError, Transform, collect, pump, race_disconnect
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, plan_chat, plan_completion
@@ -214,7 +215,11 @@ async def _run(
     wait = queue_deadline(request, services, klass)
     req = for_engine(plan, klass, principal.tenant.tenant_id)
     policy = services.policy_for(principal, plan.request_id)
-    charge = await reserve(services.meter, principal, plan)
+    try:
+        charge = await reserve(services.meter, principal, plan)
+    except APIError as exc:
+        record_refusal(services, principal, plan.request_id, "quota", exc)
+        raise
     headers = charge_headers(charge)
     headers[MODEL_HEADER] = plan.model.ref
     context = RecordContext(
@@ -238,8 +243,10 @@ async def _run(
     except ClientDisconnectedError:
         _refund(services, charge)
         return Response(content=b"", status_code=CLIENT_CLOSED)
-    except BaseException:
+    except BaseException as exc:
         _refund(services, charge)
+        if isinstance(exc, APIError):
+            record_refusal(services, principal, plan.request_id, "admission", exc)
         raise
     headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
     tracker = RequestTracker(

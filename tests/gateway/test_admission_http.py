@@ -140,6 +140,18 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504(
         late = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "0.1"})
         assert error_of(late) == (504, "deadline_expired")
         assert "Retry-After" in late.headers
+        # The refusal is in the audit trail.
+        request_id = late.headers["x-request-id"]
+
+        async def refusals() -> list[tuple[str, str, str]]:
+            records = await gw.services.audit.find("acme", request_id)
+            return [(r.stage, r.decision, r.source) for r in records if r.stage == "admission"]
+
+        async def recorded() -> bool:
+            return bool(await refusals())
+
+        await eventually(recorded)
+        assert await refusals() == [("admission", "refuse", "deadline_expired")]
         assert (await running).status_code == 200
         assert gw.services.scheduler.depth() == 0
 

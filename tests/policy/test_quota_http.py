@@ -20,6 +20,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import QuotaConfig
 from gateway.generation.prompts import PromptRenderer
+from policy.audit.base import AuditStore
 from policy.quota.meter import applicable
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.models import Limits, Quotas, Tenant
@@ -43,11 +44,14 @@ def chat(max_tokens: int = 20, stream: bool = False) -> dict[str, Any]:
 class Gateway:
     """One app on a deployment, with tenant `acme` under QUOTAS and a consumer key."""
 
-    def __init__(self, http: httpx.AsyncClient, backends: Backends, tenant: Tenant, key: str) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, backends: Backends, tenant: Tenant, key: str, audit: AuditStore
+    ) -> None:
         self.http = http
         self.backends = backends
         self.tenant = tenant
         self.key = key
+        self.audit = audit
 
     async def post(self, body: dict[str, Any], key: str | None = None) -> httpx.Response:
         headers = {"authorization": f"Bearer {key or self.key}"}
@@ -89,7 +93,7 @@ async def gateway(
             sink=outcomes,
         )
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
-            yield Gateway(http, backends, tenant, key)
+            yield Gateway(http, backends, tenant, key, app.state.services.audit)
 
 
 def remaining(response: httpx.Response, name: str) -> int:
@@ -119,6 +123,16 @@ async def test_denial_is_429_with_a_retry_after_that_is_honoured(gateway: Gatewa
     assert response.status_code == 429
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_exceeded", "rate_limit_exceeded")
+    # The denial is in the audit trail.
+    audit = gateway.audit
+    request_id = response.headers["x-request-id"]
+
+    async def recorded() -> bool:
+        return bool(await audit.find("acme", request_id))
+
+    await eventually(recorded)
+    [record] = await audit.find("acme", request_id)
+    assert (record.stage, record.decision, record.source) == ("quota", "deny", "rate_limit_exceeded")
     assert remaining(response, "tenant-tokens") < 20 + 40  # what is left is less than one request
     retry_after = int(response.headers["Retry-After"])
     assert retry_after >= 1
