@@ -16,6 +16,7 @@ from litestar.di import Provide
 from engines.base import Engine
 from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
+from gateway.appeal_routes import APPEAL_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
@@ -30,6 +31,7 @@ from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import Services
 from guard.default_guard import judge_spec
+from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
@@ -120,6 +122,22 @@ async def open_audit_store(config: Config) -> AuditStore:
     from policy.audit.sqlite import SqliteAuditStore
 
     return await SqliteAuditStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+
+
+async def open_appeal_store(config: Config) -> AppealStore:
+    """The appeal store, in the audit store's database (the [storage] SQLite file or PostgreSQL schema)."""
+    if config.storage.backend == "postgres":
+        from policy.audit.appeals_postgres import PostgresAppealStore
+
+        return await PostgresAppealStore.open(
+            config.storage.postgres_dsn,
+            schema=config.storage.postgres_schema,
+            connect_timeout=config.storage.postgres_connect_timeout,
+            command_timeout=config.storage.postgres_command_timeout,
+        )
+    from policy.audit.appeals_sqlite import SqliteAppealStore
+
+    return await SqliteAppealStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
 
 
 async def _audit_writer(
@@ -350,6 +368,8 @@ def create_app(
                 audit_store = await open_audit_store(config)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, clock, owned)
+            appeals = await open_appeal_store(config)
+            owned.push_async_callback(appeals.close)
             gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
             app.state.services = Services(
                 config=config,
@@ -376,6 +396,7 @@ def create_app(
                 scheduler=scheduler,
                 audit=audit_store,
                 audit_writer=writer,
+                appeals=appeals,
             )
             try:
                 yield
@@ -389,7 +410,7 @@ def create_app(
                 await meter.drain(config.quota.settle_drain_timeout)
 
     app = Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES, *APPEAL_ROUTES],
         lifespan=[lifespan],
         dependencies={
             "services": Provide(_services, sync_to_thread=False),

@@ -17,6 +17,7 @@ from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock, Principal
@@ -53,6 +54,7 @@ class Services:
         scheduler: Scheduler,
         audit: AuditStore,
         audit_writer: AuditWriter,
+        appeals: AppealStore,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
     ) -> None:
@@ -63,6 +65,8 @@ class Services:
         # The audit trail: its store (the reviewer routes read it) and its writer (the gate feeds it).
         self.audit = audit
         self.audit_writer = audit_writer
+        # Appeals of recorded decisions and their review (the appeal routes), in the audit store's database.
+        self.appeals = appeals
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         # Pools that only guard models run on (every pool no generation replica serves).

@@ -1,5 +1,21 @@
-"""The audit log: the `AuditStore` protocol, its SQLite and PostgreSQL backends, and the hash chain."""
+"""The audit log: the `AuditStore` protocol, its SQLite and PostgreSQL backends, and the hash chain; and
+appeals of recorded decisions (`AppealStore`, in the same database)."""
 
+from policy.audit.appeals import (
+    APPEAL_STATES,
+    MAX_APPEAL_LIMIT,
+    TRANSITIONS,
+    Appeal,
+    AppealConflictError,
+    AppealError,
+    AppealEvent,
+    AppealNotFoundError,
+    AppealState,
+    AppealStore,
+    InvalidTransitionError,
+)
+from policy.audit.appeals_postgres import PostgresAppealStore
+from policy.audit.appeals_sqlite import SqliteAppealStore
 from policy.audit.base import (
     MAX_QUERY_LIMIT,
     AuditQuery,
@@ -28,9 +44,19 @@ from policy.audit.records import (
 from policy.audit.sqlite import SqliteAuditStore
 
 __all__ = [
+    "APPEAL_STATES",
     "GENESIS_HASH",
+    "MAX_APPEAL_LIMIT",
     "MAX_QUERY_LIMIT",
     "MIGRATIONS",
+    "TRANSITIONS",
+    "Appeal",
+    "AppealConflictError",
+    "AppealError",
+    "AppealEvent",
+    "AppealNotFoundError",
+    "AppealState",
+    "AppealStore",
     "AuditDraft",
     "AuditQuery",
     "AuditRecord",
@@ -42,8 +68,11 @@ __all__ = [
     "ChainVerifier",
     "Decision",
     "InvalidDraftError",
+    "InvalidTransitionError",
     "NotFoundError",
+    "PostgresAppealStore",
     "PostgresAuditStore",
+    "SqliteAppealStore",
     "SqliteAuditStore",
     "Stage",
     "StageRun",

@@ -7,6 +7,11 @@ Tables (in the same database as the tenants, with their own migrations table)::
         PRIMARY KEY (tenant, seq)          append-only: UPDATE may only null `content`; no DELETE
     audit_heads(tenant PK, seq, hash)      each tenant's last record; the row appends lock per tenant.
                                            seq only grows; no DELETE
+    appeals(appeal_id PK, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at)
+        UNIQUE (tenant, decision_seq)      one appeal per decision; UPDATE may only move `state` along an
+                                           allowed step (and set updated_at); no DELETE
+    appeal_events(appeal_id, n, at, actor, from_state, to_state, note)
+        PRIMARY KEY (appeal_id, n)         append-only: no UPDATE, no DELETE
 
 The triggers make the log evidence in the database itself, not by convention (as `admin_changes` is for
 the tenant store). Never edit a released migration: append a new one.
@@ -52,6 +57,16 @@ RECORD_COLUMNS = ", ".join(RECORD_FIELDS)
 
 _NOT_ONLY_CONTENT_NULLED = " OR ".join(
     ["NEW.content IS NOT NULL", *(f"NEW.{c} IS NOT OLD.{c}" for c in RECORD_FIELDS if c != "content")]
+)
+
+# The appeal state machine (policy.audit.appeals.TRANSITIONS) as SQL over OLD and NEW.
+_A_TRANSITION = (
+    "(OLD.state = 'open' AND NEW.state = 'in_review')"
+    " OR (OLD.state = 'in_review' AND NEW.state IN ('upheld', 'overturned'))"
+)
+_APPEAL_FIXED = ("appeal_id", "tenant", "request_id", "decision_seq", "reason", "filed_by", "filed_at")
+_NOT_A_TRANSITION = " OR ".join(
+    [*(f"NEW.{c} IS NOT OLD.{c}" for c in _APPEAL_FIXED), f"NOT ({_A_TRANSITION})"]
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -128,6 +143,71 @@ MIGRATIONS: tuple[Migration, ...] = (
                FOR EACH ROW EXECUTE FUNCTION audit_heads_forward()""",
             """CREATE TRIGGER audit_heads_no_truncate BEFORE TRUNCATE ON audit_heads
                FOR EACH STATEMENT EXECUTE FUNCTION audit_heads_forward()""",
+        ),
+    ),
+    Migration(
+        version=2,
+        summary="appeals, appeal_events (append-only), state-machine and append-only triggers",
+        shared=(
+            """CREATE TABLE appeals (
+                appeal_id TEXT PRIMARY KEY,
+                tenant TEXT NOT NULL,
+                request_id TEXT NOT NULL,
+                decision_seq BIGINT NOT NULL,
+                reason TEXT NOT NULL,
+                state TEXT NOT NULL CHECK (state IN ('open', 'in_review', 'upheld', 'overturned')),
+                filed_by TEXT NOT NULL,
+                filed_at DOUBLE PRECISION NOT NULL,
+                updated_at DOUBLE PRECISION NOT NULL,
+                UNIQUE (tenant, decision_seq)
+            )""",
+            "CREATE INDEX appeals_by_state ON appeals (state, filed_at, appeal_id)",
+            "CREATE INDEX appeals_by_tenant ON appeals (tenant, filed_at, appeal_id)",
+            """CREATE TABLE appeal_events (
+                appeal_id TEXT NOT NULL REFERENCES appeals (appeal_id),
+                n INTEGER NOT NULL CHECK (n >= 1),
+                at DOUBLE PRECISION NOT NULL,
+                actor TEXT NOT NULL,
+                from_state TEXT,
+                to_state TEXT NOT NULL,
+                note TEXT NOT NULL,
+                PRIMARY KEY (appeal_id, n)
+            )""",
+        ),
+        sqlite=(
+            f"""CREATE TRIGGER appeals_transition BEFORE UPDATE ON appeals
+                WHEN {_NOT_A_TRANSITION}
+                BEGIN SELECT RAISE(ABORT, 'appeals only change state along open->in_review->decided'); END""",
+            """CREATE TRIGGER appeals_no_delete BEFORE DELETE ON appeals
+               BEGIN SELECT RAISE(ABORT, 'appeals are never deleted'); END""",
+            """CREATE TRIGGER appeal_events_no_update BEFORE UPDATE ON appeal_events
+               BEGIN SELECT RAISE(ABORT, 'appeal_events is append-only'); END""",
+            """CREATE TRIGGER appeal_events_no_delete BEFORE DELETE ON appeal_events
+               BEGIN SELECT RAISE(ABORT, 'appeal_events is append-only'); END""",
+        ),
+        postgres=(
+            # Only state and updated_at may change, and state only along an allowed step.
+            f"""CREATE FUNCTION appeals_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN
+                 IF TG_OP = 'UPDATE'
+                    AND (to_jsonb(NEW) - 'state' - 'updated_at') = (to_jsonb(OLD) - 'state' - 'updated_at')
+                    AND ({_A_TRANSITION}) THEN
+                   RETURN NEW;
+                 END IF;
+                 RAISE EXCEPTION 'appeals only change state along open->in_review->decided';
+               END $$""",
+            """CREATE TRIGGER appeals_transition BEFORE UPDATE OR DELETE ON appeals
+               FOR EACH ROW EXECUTE FUNCTION appeals_transition()""",
+            """CREATE TRIGGER appeals_no_truncate BEFORE TRUNCATE ON appeals
+               FOR EACH STATEMENT EXECUTE FUNCTION appeals_transition()""",
+            """CREATE FUNCTION appeal_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN
+                 RAISE EXCEPTION 'appeal_events is append-only';
+               END $$""",
+            """CREATE TRIGGER appeal_events_append_only BEFORE UPDATE OR DELETE ON appeal_events
+               FOR EACH ROW EXECUTE FUNCTION appeal_events_append_only()""",
+            """CREATE TRIGGER appeal_events_no_truncate BEFORE TRUNCATE ON appeal_events
+               FOR EACH STATEMENT EXECUTE FUNCTION appeal_events_append_only()""",
         ),
     ),
 )

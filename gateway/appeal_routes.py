@@ -1,0 +1,266 @@
+"""Appeals over HTTP: consumers appeal their own tenant's decisions; reviewers decide them.
+
+Consumers (role `consumer`)::
+
+    POST /v1/appeals                            {request_id, reason}: appeal the latest block, refusal or
+                                                flag recorded for that request of the caller's tenant
+    GET  /v1/appeals/{appeal_id}                the appeal and its events (own tenant only)
+
+Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
+
+    GET  /audit/appeals?state=&limit=&after=    the review queue, oldest first
+    GET  /audit/appeals/{appeal_id}             the appeal and its events
+    POST /audit/appeals/{appeal_id}/transition  {to, note}: open -> in_review -> upheld | overturned
+
+Deciding an appeal appends a review record to the decision's tenant's audit chain (decision `uphold` or
+`reversal`, `reverses` = the appealed record's seq, `actor` = the reviewer's key id), durable before the
+answer; the appealed record itself is never changed. Another tenant's appeal or decision is 404 (never 403,
+so ids cannot be probed), an invalid step or a second appeal of a decision 409.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from litestar import Request, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, QueryParameter
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
+
+from gateway.admin import ConflictAPIError
+from gateway.decoding import Decoder, read_body
+from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
+from gateway.security import allow
+from gateway.service import Services
+from policy.audit.appeals import (
+    APPEAL_STATES,
+    MAX_APPEAL_LIMIT,
+    Appeal,
+    AppealConflictError,
+    AppealEvent,
+    AppealNotFoundError,
+    AppealState,
+    InvalidTransitionError,
+)
+from policy.audit.base import AuditUnavailableError
+from policy.audit.records import AuditDraft, AuditRecord, Decision
+from policy.audit.writer import AuditWriterError
+from policy.auth import SYSTEM_TENANT, Principal
+
+T = TypeVar("T")
+log = logging.getLogger("lockgate.appeals")
+
+# The decisions a tenant may appeal.
+APPEALABLE: frozenset[Decision] = frozenset({"block", "refuse", "flag"})
+# The review record each decided state leaves in the audit chain.
+_REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
+
+
+class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/appeals`."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=4000)]
+
+
+class AppealTransition(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /audit/appeals/{id}/transition`."""
+
+    to: AppealState
+    note: Annotated[str, msgspec.Meta(max_length=4000)] = ""
+
+
+class AppealDetail(Appeal, frozen=True, kw_only=True):
+    """An appeal with its events (n = 1 is the filing); after a decision, the review record's seq."""
+
+    events: tuple[AppealEvent, ...]
+    review_seq: int | None = None
+
+
+class AppealPage(msgspec.Struct, frozen=True, kw_only=True):
+    """A page of the review queue: pass `last_id` as `after` for the next one while `has_more`."""
+
+    object: str = "list"
+    data: list[Appeal]
+    has_more: bool
+    last_id: str | None
+
+
+_appeal_create = Decoder(AppealCreate)
+_appeal_transition = Decoder(AppealTransition)
+
+
+def reviewer_scope(principal: Principal) -> str | None:
+    """The tenant a reviewer may see (None: every tenant, for reviewers of the operator tenant); 403 unless
+    the key has the `reviewer` role. Shared with the reviewer routes of the audit log."""
+    allow(principal, "reviewer")
+    tenant_id = principal.tenant.tenant_id
+    return None if tenant_id == SYSTEM_TENANT else tenant_id
+
+
+async def _store(call: Awaitable[T]) -> T:
+    """Run an appeal or audit store call, mapping its errors to HTTP ones."""
+    try:
+        return await call
+    except AppealNotFoundError as exc:
+        raise NotFoundError(str(exc), code="appeal_not_found") from exc
+    except AppealConflictError as exc:
+        raise ConflictAPIError(str(exc), code="already_appealed") from exc
+    except InvalidTransitionError as exc:
+        raise ConflictAPIError(str(exc), param="to", code="invalid_transition") from exc
+    except AuditUnavailableError as exc:
+        raise StoreUnavailableError(
+            "the audit database is unavailable; try again shortly", retry_after=1, code="audit_unavailable"
+        ) from exc
+
+
+async def _detail(services: Services, appeal: Appeal, review_seq: int | None = None) -> AppealDetail:
+    events = await _store(services.appeals.events(appeal.tenant, appeal.appeal_id))
+    fields = msgspec.structs.asdict(appeal)
+    return AppealDetail(**fields, events=tuple(events), review_seq=review_seq)
+
+
+@post("/v1/appeals", status_code=HTTP_201_CREATED)
+async def file_appeal(
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> AppealDetail:
+    """Appeal the latest appealable decision recorded for one of the caller's tenant's requests."""
+    allow(principal, "consumer")
+    body = _appeal_create.decode(await read_body(request))
+    tenant = principal.tenant.tenant_id
+    records = await _store(services.audit.find(tenant, body.request_id))
+    decisions = [r for r in records if r.decision in APPEALABLE]
+    if not decisions:
+        raise NotFoundError(
+            f"no appealable decision is recorded for request {body.request_id!r}",
+            param="request_id",
+            code="decision_not_found",
+        )
+    appeal = await _store(
+        services.appeals.file(
+            tenant=tenant,
+            request_id=body.request_id,
+            decision_seq=decisions[-1].seq,
+            reason=body.reason,
+            filed_by=principal.key.key_id,
+            now=services.clock(),
+        )
+    )
+    return await _detail(services, appeal)
+
+
+@get("/v1/appeals/{appeal_id:str}")
+async def get_own_appeal(
+    appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> AppealDetail:
+    """One of the caller's tenant's appeals, with its events."""
+    allow(principal, "consumer")
+    appeal = await _store(services.appeals.get(principal.tenant.tenant_id, appeal_id))
+    return await _detail(services, appeal)
+
+
+@get("/audit/appeals")
+async def review_queue(
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    # `state` is a name Litestar reserves for the app state.
+    state_: Annotated[str | None, QueryParameter(name="state")] = None,
+    limit: FromQuery[int] = 100,
+    after: FromQuery[str | None] = None,
+) -> AppealPage:
+    """The appeals the reviewer may see (in `state`, or all), oldest filed first."""
+    scope = reviewer_scope(principal)
+    if state_ is not None and state_ not in APPEAL_STATES:
+        raise InvalidRequestError(
+            f"state must be one of {', '.join(APPEAL_STATES)}", param="state", code="invalid_value"
+        )
+    if not 1 <= limit <= MAX_APPEAL_LIMIT:
+        raise InvalidRequestError(
+            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
+        )
+    wanted: AppealState | None = next((s for s in APPEAL_STATES if s == state_), None)
+    rows = await _store(services.appeals.list(scope, wanted, limit + 1, after))
+    page = rows[:limit]
+    return AppealPage(data=page, has_more=len(rows) > limit, last_id=page[-1].appeal_id if page else None)
+
+
+@get("/audit/appeals/{appeal_id:str}")
+async def review_appeal(
+    appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> AppealDetail:
+    """One appeal the reviewer may see, with its events."""
+    appeal = await _store(services.appeals.get(reviewer_scope(principal), appeal_id))
+    return await _detail(services, appeal)
+
+
+@post("/audit/appeals/{appeal_id:str}/transition", status_code=HTTP_200_OK)
+async def transition_appeal(
+    appeal_id: FromPath[str],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> AppealDetail:
+    """Move an appeal one step; deciding it records the review in the decision's tenant's audit chain."""
+    scope = reviewer_scope(principal)
+    body = _appeal_transition.decode(await read_body(request))
+    reviewer = principal.key.key_id
+    now = services.clock()
+    appeal = await _store(
+        services.appeals.transition(scope, appeal_id, body.to, actor=reviewer, note=body.note, now=now)
+    )
+    review_seq = None
+    decision = _REVIEW_DECISION.get(appeal.state)
+    if decision is not None:
+        original = await _store(services.audit.get(appeal.tenant, appeal.decision_seq))
+        review_seq = await _record_review(services, original, decision, reviewer, body.note, now)
+    return await _detail(services, appeal, review_seq)
+
+
+async def _record_review(
+    services: Services, original: AuditRecord, decision: Decision, reviewer: str, note: str, now: float
+) -> int | None:
+    """Append the review record (durable before the answer); its seq once it is in the store (None while it
+    waits in the writer's spool). The appeal is already decided: a record that cannot be made durable is a
+    503 the reviewer sees, and logged, never silently dropped."""
+    draft = AuditDraft(
+        tenant=original.tenant,
+        key_id=original.key_id,
+        request_id=original.request_id,
+        at=now,
+        stage="review",
+        decision=decision,
+        source="reviewer",
+        policy=original.policy,
+        policy_hash=original.policy_hash,
+        category=original.category,
+        severity=original.severity,
+        content_hash=original.content_hash,
+        detail=note,
+        reverses=original.seq,
+        actor=reviewer,
+    )
+    try:
+        await services.audit_writer.record(draft)
+    except AuditWriterError as exc:
+        log.error("review record of %s seq %d not recorded: %s", original.tenant, original.seq, exc)
+        raise StoreUnavailableError(
+            f"the appeal is decided but its {decision} record could not be made durable: {exc}",
+            retry_after=1,
+            code="audit_unavailable",
+        ) from exc
+    try:
+        recorded = await services.audit.find(original.tenant, original.request_id)
+    except AuditUnavailableError:
+        return None
+    reviews = [
+        r for r in recorded if r.reverses == original.seq and r.actor == reviewer and r.decision == decision
+    ]
+    return reviews[-1].seq if reviews else None
+
+
+APPEAL_ROUTES = [file_appeal, get_own_appeal, review_queue, review_appeal, transition_appeal]

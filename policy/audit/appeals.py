@@ -1,0 +1,163 @@
+"""Appeals of gate decisions: the `Appeal` and its events, the review state machine, and the `AppealStore`.
+
+A tenant appeals one recorded decision (an audit record: a block, refusal or flag); a reviewer moves the
+appeal through its states::
+
+    open ──> in_review ──> upheld
+                      └──> overturned
+
+Nothing else: an appeal is decided once, and a decided appeal stays decided. Every step appends an
+`AppealEvent` (filing is event 1), in the same transaction that changes the appeal's state. The events table
+is append-only and the appeal row may only change its state along the arrows above, in the database itself
+(triggers, `policy.audit.migrations`). The decision itself is never edited: the routes record the outcome of
+a review as a new audit record (`stage="review"`, decision `reversal` or `uphold`, `reverses` = its seq).
+
+The store lives in the audit store's database (SQLite file or PostgreSQL schema) and migrations.
+
+Exceptions::
+
+    AuditStoreError                 (policy.audit.base)
+    ├── AppealError                 base of appeal failures
+    │   ├── AppealNotFoundError     no such appeal, or it belongs to a tenant the caller may not see
+    │   ├── AppealConflictError     the decision already has an appeal
+    │   └── InvalidTransitionError  the appeal's state does not allow that step
+    └── AuditUnavailableError       the database cannot be reached now
+"""
+
+from __future__ import annotations
+
+import builtins
+import secrets
+from collections.abc import Iterable
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from policy.audit.base import MAX_QUERY_LIMIT, AuditStoreError
+
+AppealState = Literal["open", "in_review", "upheld", "overturned"]
+APPEAL_STATES: tuple[AppealState, ...] = ("open", "in_review", "upheld", "overturned")
+# The only steps an appeal may take (from, to); the database triggers allow exactly these.
+TRANSITIONS: frozenset[tuple[AppealState, AppealState]] = frozenset(
+    {("open", "in_review"), ("in_review", "upheld"), ("in_review", "overturned")}
+)
+# The most appeals one `list` returns; a larger limit is cut to this.
+MAX_APPEAL_LIMIT = MAX_QUERY_LIMIT
+
+
+class AppealError(AuditStoreError):
+    """Base of appeal failures."""
+
+
+class AppealNotFoundError(AppealError):
+    """No such appeal in the caller's view (another tenant's appeal is not found, never forbidden)."""
+
+
+class AppealConflictError(AppealError):
+    """The decision already has an appeal (one appeal per decision)."""
+
+
+class InvalidTransitionError(AppealError):
+    """The appeal's current state does not allow the requested step."""
+
+
+class Appeal(msgspec.Struct, frozen=True, kw_only=True):
+    """One appeal of one recorded decision."""
+
+    appeal_id: str  # random and unguessable ("apl_" + 32 hex digits)
+    tenant: str  # the tenant of the decision (and of the key that filed it)
+    request_id: str
+    decision_seq: int  # seq of the appealed audit record in the tenant's chain
+    reason: str
+    state: AppealState
+    filed_by: str  # key id
+    filed_at: float
+    updated_at: float
+
+
+class AppealEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One step of an appeal: n = 1 is the filing (from_state None), then one per transition."""
+
+    appeal_id: str
+    n: int
+    at: float
+    actor: str  # key id of the filer or reviewer
+    from_state: AppealState | None
+    to_state: AppealState
+    note: str = ""
+
+
+def new_appeal_id() -> str:
+    """A fresh appeal id: 128 random bits, so ids of other tenants cannot be guessed."""
+    return f"apl_{secrets.token_hex(16)}"
+
+
+def check_transition(appeal: Appeal, to_state: str) -> AppealState:
+    """`to_state` if the appeal may step there now, else InvalidTransitionError."""
+    for state in APPEAL_STATES:
+        if state == to_state and (appeal.state, state) in TRANSITIONS:
+            return state
+    raise InvalidTransitionError(
+        f"appeal {appeal.appeal_id} is {appeal.state}; it cannot move to {to_state!r}"
+    )
+
+
+def page_size(limit: int) -> int:
+    """`limit` within 1..MAX_APPEAL_LIMIT."""
+    return max(1, min(int(limit), MAX_APPEAL_LIMIT))
+
+
+# Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
+APPEAL_FIELDS: tuple[str, ...] = Appeal.__struct_fields__
+APPEAL_COLUMNS = ", ".join(APPEAL_FIELDS)
+EVENT_FIELDS: tuple[str, ...] = AppealEvent.__struct_fields__
+EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
+
+
+def appeal_from_row(row: Iterable[Any]) -> Appeal:
+    """An appeal from a row selected as APPEAL_COLUMNS."""
+    return msgspec.convert(dict(zip(APPEAL_FIELDS, row, strict=True)), Appeal)
+
+
+def event_from_row(row: Iterable[Any]) -> AppealEvent:
+    """An event from a row selected as EVENT_COLUMNS."""
+    return msgspec.convert(dict(zip(EVENT_FIELDS, row, strict=True)), AppealEvent)
+
+
+class AppealStore(Protocol):
+    """Appeals and their events, in SQLite or PostgreSQL. `tenant=None` is a global reviewer's view; with a
+    tenant, another tenant's appeal is AppealNotFoundError."""
+
+    async def file(
+        self, *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+    ) -> Appeal:
+        """Open an appeal of the tenant's decision `decision_seq` (and append its filing event).
+        AppealConflictError if that decision already has one."""
+        ...
+
+    async def get(self, tenant: str | None, appeal_id: str) -> Appeal:
+        """One appeal, or AppealNotFoundError."""
+        ...
+
+    async def list(
+        self, tenant: str | None, state: AppealState | None = None, limit: int = 100, after: str | None = None
+    ) -> builtins.list[Appeal]:
+        """At most `page_size(limit)` appeals (of one tenant or of all, in `state` or any), oldest filed
+        first, ordered by (filed_at, appeal_id). Keyset: `after` is the last appeal id of the previous page
+        (an id the caller cannot see gives an empty page)."""
+        ...
+
+    async def transition(
+        self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float
+    ) -> Appeal:
+        """Move the appeal to `to_state` and append the event, in one transaction; the appeal as it is now.
+        AppealNotFoundError, or InvalidTransitionError (nothing changes) for a step TRANSITIONS lacks."""
+        ...
+
+    async def events(self, tenant: str | None, appeal_id: str) -> builtins.list[AppealEvent]:
+        """The appeal's events in order (n = 1, 2, ...), or AppealNotFoundError."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

@@ -1,0 +1,263 @@
+"""The `AppealStore` contract, run on SQLite (a file) and on a real PostgreSQL: the review state machine, its
+events, append-only tables, tenant scoping and one appeal per decision."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+import policy.audit
+from policy.audit import (
+    APPEAL_STATES,
+    TRANSITIONS,
+    Appeal,
+    AppealConflictError,
+    AppealNotFoundError,
+    AppealStore,
+    InvalidTransitionError,
+    PostgresAppealStore,
+    SqliteAppealStore,
+    SqliteAuditStore,
+)
+from tests.backends import PG_DSN, SqlBackend, sql_backend
+
+Backend = SqlBackend[AppealStore]
+REFUSED = (sqlite3.DatabaseError, asyncpg.PostgresError)
+
+
+async def _sqlite(path: Path) -> AppealStore:
+    return await SqliteAppealStore.open(path)
+
+
+async def _postgres(schema: str) -> AppealStore:
+    return await PostgresAppealStore.open(PG_DSN, schema=schema)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    async with sql_backend(request.param, tmp_path, _sqlite, _postgres) as b:
+        yield b
+
+
+@pytest.fixture
+async def store(backend: Backend) -> AppealStore:
+    return await backend.open()
+
+
+async def file(store: AppealStore, tenant: str = "acme", seq: int = 1, now: float = 100.0) -> Appeal:
+    return await store.file(
+        tenant=tenant,
+        request_id=f"req-{tenant}-{seq}",
+        decision_seq=seq,
+        reason="this was a false positive",
+        filed_by=f"k-{tenant}",
+        now=now,
+    )
+
+
+async def test_filing_opens_an_appeal_with_its_first_event(store: AppealStore) -> None:
+    appeal = await file(store)
+    assert appeal.state == "open"
+    assert appeal.appeal_id.startswith("apl_")
+    assert len(appeal.appeal_id) == 36
+    assert (appeal.tenant, appeal.decision_seq, appeal.filed_by) == ("acme", 1, "k-acme")
+    assert appeal.filed_at == appeal.updated_at == 100.0
+    assert await store.get("acme", appeal.appeal_id) == appeal
+    assert await store.get(None, appeal.appeal_id) == appeal
+    [filed] = await store.events("acme", appeal.appeal_id)
+    assert (filed.n, filed.from_state, filed.to_state, filed.actor, filed.at) == (
+        1,
+        None,
+        "open",
+        "k-acme",
+        100.0,
+    )
+    # Ids are random: a second appeal never gets a guessable neighbour.
+    assert (await file(store, seq=2)).appeal_id != appeal.appeal_id
+
+
+async def test_one_appeal_per_decision(store: AppealStore) -> None:
+    first = await file(store)
+    with pytest.raises(AppealConflictError):
+        await file(store, now=200.0)
+    # The same seq of another tenant is another decision.
+    await file(store, tenant="beta")
+    assert [a.appeal_id for a in await store.list("acme")] == [first.appeal_id]
+    assert len(await store.events("acme", first.appeal_id)) == 1
+
+
+async def test_the_state_machine_and_its_events(store: AppealStore) -> None:
+    overturn = await file(store, seq=1)
+    step = await store.transition(
+        "acme", overturn.appeal_id, "in_review", actor="rev", note="looking", now=110.0
+    )
+    assert (step.state, step.updated_at, step.filed_at) == ("in_review", 110.0, 100.0)
+    done = await store.transition(
+        None, overturn.appeal_id, "overturned", actor="boss", note="wrong", now=120.0
+    )
+    assert done.state == "overturned"
+    assert await store.get("acme", overturn.appeal_id) == done
+    events = await store.events(None, overturn.appeal_id)
+    assert [(e.n, e.from_state, e.to_state, e.actor, e.note, e.at) for e in events] == [
+        (1, None, "open", "k-acme", "", 100.0),
+        (2, "open", "in_review", "rev", "looking", 110.0),
+        (3, "in_review", "overturned", "boss", "wrong", 120.0),
+    ]
+    uphold = await file(store, seq=2)
+    await store.transition("acme", uphold.appeal_id, "in_review", actor="rev", note="", now=130.0)
+    assert (
+        await store.transition("acme", uphold.appeal_id, "upheld", actor="rev", note="", now=131.0)
+    ).state == ("upheld")
+
+
+async def test_every_other_transition_is_invalid_and_changes_nothing(store: AppealStore) -> None:
+    # One appeal in each state, then every (from, to) pair TRANSITIONS lacks.
+    paths: dict[str, list[str]] = {
+        "open": [],
+        "in_review": ["in_review"],
+        "upheld": ["in_review", "upheld"],
+        "overturned": ["in_review", "overturned"],
+    }
+    appeals: dict[str, Appeal] = {}
+    for seq, (state, steps) in enumerate(paths.items(), start=1):
+        appeal = await file(store, seq=seq)
+        for to in steps:
+            appeal = await store.transition("acme", appeal.appeal_id, to, actor="rev", note="", now=150.0)
+        assert appeal.state == state
+        appeals[state] = appeal
+    tried = 0
+    for state, appeal in appeals.items():
+        before = await store.events("acme", appeal.appeal_id)
+        for to in (*APPEAL_STATES, "closed", ""):
+            if (state, to) in TRANSITIONS:
+                continue
+            with pytest.raises(InvalidTransitionError):
+                await store.transition("acme", appeal.appeal_id, to, actor="rev", note="x", now=160.0)
+            tried += 1
+        assert await store.get("acme", appeal.appeal_id) == appeal
+        assert await store.events("acme", appeal.appeal_id) == before
+    assert tried == 4 * 6 - len(TRANSITIONS)
+
+
+async def test_concurrent_reviewers_decide_an_appeal_once(store: AppealStore, backend: Backend) -> None:
+    appeal = await file(store)
+    await store.transition("acme", appeal.appeal_id, "in_review", actor="rev", note="", now=110.0)
+    other = await backend.open()
+    results = await asyncio.gather(
+        *(
+            s.transition("acme", appeal.appeal_id, to, actor=to, note="", now=120.0)
+            for s, to in ((store, "upheld"), (other, "overturned"), (store, "overturned"), (other, "upheld"))
+        ),
+        return_exceptions=True,
+    )
+    decided = [r for r in results if isinstance(r, Appeal)]
+    assert len(decided) == 1, results
+    assert all(isinstance(r, InvalidTransitionError) for r in results if not isinstance(r, Appeal))
+    events = await store.events(None, appeal.appeal_id)
+    assert [e.n for e in events] == [1, 2, 3]
+    assert events[-1].to_state == decided[0].state == (await other.get(None, appeal.appeal_id)).state
+
+
+async def test_tenants_see_only_their_own_appeals(store: AppealStore) -> None:
+    acme = await file(store, "acme", 1, now=100.0)
+    beta = await file(store, "beta", 1, now=101.0)
+    for call in (
+        store.get("acme", beta.appeal_id),
+        store.events("acme", beta.appeal_id),
+        store.transition("acme", beta.appeal_id, "in_review", actor="rev", note="", now=110.0),
+        store.get("acme", "apl_" + "0" * 32),
+    ):
+        with pytest.raises(AppealNotFoundError):
+            await call
+    assert (await store.get("beta", beta.appeal_id)).state == "open"
+    assert [a.appeal_id for a in await store.list("acme")] == [acme.appeal_id]
+    assert [a.appeal_id for a in await store.list(None)] == [acme.appeal_id, beta.appeal_id]
+    # Another tenant's id as a keyset is unseen: an empty page, not a probe.
+    assert await store.list("beta", after=acme.appeal_id) == []
+
+
+async def test_the_queue_filters_by_state_and_pages(store: AppealStore) -> None:
+    filed = [await file(store, "acme" if i % 2 else "beta", i, now=100.0 + i // 3) for i in range(1, 13)]
+    for appeal in filed[:4]:
+        await store.transition(None, appeal.appeal_id, "in_review", actor="rev", note="", now=200.0)
+    expected = sorted(filed, key=lambda a: (a.filed_at, a.appeal_id))
+    pages: list[Appeal] = []
+    after: str | None = None
+    while page := await store.list(None, limit=5, after=after):
+        assert len(page) <= 5
+        pages.extend(page)
+        after = page[-1].appeal_id
+    assert [a.appeal_id for a in pages] == [a.appeal_id for a in expected]
+    open_ids = [a.appeal_id for a in await store.list(None, "open")]
+    assert open_ids == [a.appeal_id for a in expected if a not in filed[:4]]
+    in_review = await store.list("acme", "in_review")
+    assert {a.appeal_id for a in in_review} == {a.appeal_id for a in filed[:4] if a.tenant == "acme"}
+    assert len(await store.list(None, limit=0)) == 1  # cut to 1..MAX_APPEAL_LIMIT
+
+
+async def test_the_database_enforces_append_only_and_the_state_machine(
+    store: AppealStore, backend: Backend
+) -> None:
+    appeal = await file(store)
+    await store.transition("acme", appeal.appeal_id, "in_review", actor="rev", note="", now=110.0)
+    where = f"WHERE appeal_id = '{appeal.appeal_id}'"
+    forbidden = [
+        f"UPDATE {{schema}}.appeal_events SET note = 'rewritten' {where}",
+        f"DELETE FROM {{schema}}.appeal_events {where}",
+        f"DELETE FROM {{schema}}.appeals {where}",
+        f"UPDATE {{schema}}.appeals SET reason = 'changed' {where}",
+        f"UPDATE {{schema}}.appeals SET decision_seq = 9 {where}",
+        f"UPDATE {{schema}}.appeals SET tenant = 'beta' {where}",
+        # Skipping or reversing a step, even behind the store's back.
+        f"UPDATE {{schema}}.appeals SET state = 'open' {where}",
+        f"UPDATE {{schema}}.appeals SET state = 'in_review' {where}",
+        f"UPDATE {{schema}}.appeals SET state = 'closed' {where}",
+    ]
+    if backend.name == "postgres":
+        forbidden += ["TRUNCATE {schema}.appeal_events", "TRUNCATE {schema}.appeals CASCADE"]
+    for sql in forbidden:
+        with pytest.raises(REFUSED):
+            await backend.raw(sql)
+    assert await store.get("acme", appeal.appeal_id) == await store.get(None, appeal.appeal_id)
+    assert (await store.get(None, appeal.appeal_id)).state == "in_review"
+    assert len(await store.events(None, appeal.appeal_id)) == 2
+    # An allowed step is allowed in SQL too (the triggers are the state machine, not a lock).
+    await backend.raw(f"UPDATE {{schema}}.appeals SET state = 'upheld', updated_at = 1.0 {where}")
+
+
+async def test_shares_the_audit_database_and_its_migrations(backend: Backend, tmp_path: Path) -> None:
+    store = await backend.open()
+    again = await backend.open()
+    appeal = await file(store)
+    assert await again.get(None, appeal.appeal_id) == appeal
+    rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS]
+    if backend.name == "sqlite":
+        audit = await SqliteAuditStore.open(backend.location)
+        try:
+            assert (await audit.verify("acme")).ok
+        finally:
+            await audit.close()
+
+
+async def test_sqlite_closed(tmp_path: Path) -> None:
+    store = await SqliteAppealStore.open(tmp_path / "a.sqlite3")
+    await store.close()
+    with pytest.raises(policy.audit.AuditStoreError, match="closed"):
+        await store.get(None, "apl_x")
+    await store.close()
+
+
+def test_public_names() -> None:
+    names: set[Any] = set(policy.audit.__all__)
+    assert names >= {
+        *("Appeal", "AppealEvent", "AppealState", "AppealStore", "AppealError", "AppealNotFoundError"),
+        *("AppealConflictError", "InvalidTransitionError", "SqliteAppealStore", "PostgresAppealStore"),
+        *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT"),
+    }
