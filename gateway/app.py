@@ -17,6 +17,7 @@ from engines.base import Engine
 from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.appeal_routes import APPEAL_ROUTES
+from gateway.audit_routes import AUDIT_ROUTES
 from gateway.config import Config
 from gateway.errors import exception_handlers
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
@@ -33,6 +34,7 @@ from gateway.service import Services
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
+from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
@@ -370,6 +372,8 @@ def create_app(
             writer = await _audit_writer(config, audit_store, clock, owned)
             appeals = await open_appeal_store(config)
             owned.push_async_callback(appeals.close)
+            retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
+            owned.push_async_callback(_stop, asyncio.create_task(retention))
             gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
             app.state.services = Services(
                 config=config,
@@ -410,7 +414,7 @@ def create_app(
                 await meter.drain(config.quota.settle_drain_timeout)
 
     app = Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES, *APPEAL_ROUTES],
+        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES, *AUDIT_ROUTES, *APPEAL_ROUTES],
         lifespan=[lifespan],
         dependencies={
             "services": Provide(_services, sync_to_thread=False),

@@ -222,6 +222,10 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     buffer_size: int = 10_000
     # Seconds shutdown waits to flush what is buffered to the store before it goes to the spool.
     close_timeout: float = 10.0
+    # Days the checked text of a decision is kept (only for tenants with retain_prompts, and only where the
+    # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
+    # content of tenants without retain_prompts is purged at the next pass. One period for every tenant.
+    content_retention_days: float = 30.0
 
     def spool_path(self, storage: StorageConfig) -> Path:
         """The spool directory."""

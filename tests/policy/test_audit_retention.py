@@ -1,0 +1,154 @@
+"""Content retention of the audit trail, on SQLite and a real PostgreSQL: expired content is purged, the
+decisions and their hashes stay, and every chain still verifies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from policy.audit import (
+    AuditDraft,
+    AuditQuery,
+    AuditRecord,
+    AuditStore,
+    AuditUnavailableError,
+    PostgresAuditStore,
+    SqliteAuditStore,
+    content_sha256,
+)
+from policy.audit.retention import DAY_S, purge_expired, run_retention
+from policy.tenants import SqliteTenantStore, Tenant
+from tests.backends import PG_DSN, FakeClock, SqlBackend, sql_backend
+from tests.conftest import eventually
+
+NOW = 1_800_000_000.0
+
+
+def draft(tenant: str, n: int, age_days: float) -> AuditDraft:
+    """A decision of `tenant` with its content, `age_days` before NOW."""
+    content = f"prompt {n} of {tenant}"
+    return AuditDraft(
+        tenant=tenant,
+        key_id=f"k-{tenant}",
+        request_id=f"req-{tenant}-{n}",
+        at=NOW - age_days * DAY_S,
+        stage="input",
+        decision="block" if n % 2 else "allow",
+        source="model",
+        policy="strict@2",
+        content_hash=content_sha256(content),
+        content=content,
+    )
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AuditStore]:
+    """An empty audit store on each database."""
+
+    async def postgres(schema: str) -> AuditStore:
+        return await PostgresAuditStore.open(PG_DSN, schema=schema)
+
+    async with sql_backend(request.param, tmp_path, SqliteAuditStore.open, postgres) as backend:
+        opened: SqlBackend[AuditStore] = backend
+        yield await opened.open()
+
+
+@pytest.fixture
+async def tenants(tmp_path: Path) -> AsyncIterator[SqliteTenantStore]:
+    """`keeper` retains prompts, `private` does not."""
+    tenant_store = await SqliteTenantStore.open(tmp_path / "tenants.sqlite3")
+    for tenant_id, retain in (("keeper", True), ("private", False)):
+        tenant = Tenant(tenant_id=tenant_id, display_name=tenant_id, retain_prompts=retain)
+        await tenant_store.create_tenant(tenant, actor="test", now=0.0)
+    yield tenant_store
+    await tenant_store.close()
+
+
+async def records(store: AuditStore, tenant: str) -> list[AuditRecord]:
+    """Every record of `tenant`, in seq order."""
+    return await store.query(AuditQuery(tenant=tenant, limit=1000))
+
+
+def without_content(rows: Sequence[AuditRecord]) -> list[dict[str, Any]]:
+    """Every field but the content."""
+    return [{k: v for k, v in msgspec.structs.asdict(r).items() if k != "content"} for r in rows]
+
+
+async def test_expired_content_is_purged_and_the_decisions_and_chain_remain(
+    store: AuditStore, tenants: SqliteTenantStore
+) -> None:
+    ages = [45.0, 31.0, 29.0, 1.0, 0.0]
+    await store.append([draft(t, n, age) for n, age in enumerate(ages) for t in ("keeper", "private")])
+    before = {t: await records(store, t) for t in ("keeper", "private")}
+
+    purged = await purge_expired(store, tenants, NOW, days=30)
+    # `keeper` keeps 30 days of content; `private` (no retain_prompts) keeps none.
+    assert purged == {"keeper": 2, "private": 5}
+    for tenant in ("keeper", "private"):
+        after = await records(store, tenant)
+        assert without_content(after) == without_content(before[tenant])  # hashes and decisions stay
+        report = await store.verify(tenant)
+        assert (report.ok, report.checked, report.last_seq) == (True, 5, 5)
+    assert [r.content for r in await records(store, "keeper")] == [
+        None,
+        None,
+        "prompt 2 of keeper",
+        "prompt 3 of keeper",
+        "prompt 4 of keeper",
+    ]
+    assert all(r.content is None for r in await records(store, "private"))
+
+    # Nothing more to purge until time moves on; then the next day's worth.
+    assert await purge_expired(store, tenants, NOW, days=30) == {"keeper": 0, "private": 0}
+    assert await purge_expired(store, tenants, NOW + 1.5 * DAY_S, days=30) == {"keeper": 1, "private": 0}
+    assert (await store.verify("keeper")).ok
+
+
+class Flaky(SqliteAuditStore):
+    """The SQLite store, down for one tenant."""
+
+    down_for = ""
+
+    async def purge_content(self, tenant: str, before: float) -> int:
+        if tenant == self.down_for:
+            raise AuditUnavailableError("down (test)")
+        return await super().purge_content(tenant, before)
+
+
+async def test_a_store_outage_skips_a_tenant_and_the_next_pass_catches_up(
+    tmp_path: Path, tenants: SqliteTenantStore
+) -> None:
+    store = await Flaky.open(tmp_path / "audit.sqlite3")
+    assert isinstance(store, Flaky)
+    await store.append([draft("keeper", 0, 40.0), draft("private", 1, 0.0)])
+    store.down_for = "keeper"
+    assert await purge_expired(store, tenants, NOW, days=30) == {"private": 1}
+    store.down_for = ""
+    assert await purge_expired(store, tenants, NOW, days=30) == {"keeper": 1, "private": 0}
+    await store.close()
+
+
+async def test_the_retention_loop_purges_at_start_and_on_every_interval(
+    tmp_path: Path, tenants: SqliteTenantStore
+) -> None:
+    store = await SqliteAuditStore.open(tmp_path / "audit.sqlite3")
+    clock = FakeClock(NOW)
+    await store.append([draft("keeper", 0, 40.0), draft("keeper", 1, 29.5)])
+    task = asyncio.create_task(run_retention(store, tenants, clock, days=30, interval=0.01))
+
+    async def content_is(expected: list[str | None]) -> bool:
+        return [r.content for r in await records(store, "keeper")] == expected
+
+    # The first pass runs at once; the next after `interval`, on the (advanced) clock.
+    await eventually(lambda: content_is([None, "prompt 1 of keeper"]))
+    clock.advance(DAY_S)
+    await eventually(lambda: content_is([None, None]))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert (await store.verify("keeper")).ok
+    await store.close()
