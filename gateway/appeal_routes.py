@@ -33,7 +33,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.admin import ConflictAPIError
 from gateway.decoding import Decoder, read_body
 from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
-from gateway.security import allow
+from gateway.security import allow, reviewer_scope
 from gateway.service import Services
 from policy.audit.appeals import (
     APPEAL_STATES,
@@ -48,7 +48,7 @@ from policy.audit.appeals import (
 from policy.audit.base import AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
 from policy.audit.writer import AuditWriterError
-from policy.auth import SYSTEM_TENANT, Principal
+from policy.auth import Principal
 
 T = TypeVar("T")
 log = logging.getLogger("lockgate.appeals")
@@ -91,14 +91,6 @@ class AppealPage(msgspec.Struct, frozen=True, kw_only=True):
 
 _appeal_create = Decoder(AppealCreate)
 _appeal_transition = Decoder(AppealTransition)
-
-
-def reviewer_scope(principal: Principal) -> str | None:
-    """The tenant a reviewer may see (None: every tenant, for reviewers of the operator tenant); 403 unless
-    the key has the `reviewer` role. Shared with the reviewer routes of the audit log."""
-    allow(principal, "reviewer")
-    tenant_id = principal.tenant.tenant_id
-    return None if tenant_id == SYSTEM_TENANT else tenant_id
 
 
 async def _store(call: Awaitable[T]) -> T:

@@ -39,12 +39,12 @@ from gateway.errors import (
     PermissionDeniedError,
     StoreUnavailableError,
 )
-from gateway.security import allow
+from gateway.security import reviewer_scope
 from gateway.service import Services
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore, AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.audit.records import AuditRecord, ChainFault, ChainReport, Decision, Stage
-from policy.auth import SYSTEM_TENANT, Principal
+from policy.auth import Principal
 
 T = TypeVar("T")
 
@@ -90,13 +90,6 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     ok: bool
     tenants: dict[str, ChainStatus]
     error: ErrorBody | None = None
-
-
-def reviewer_scope(principal: Principal) -> str | None:
-    """The tenant whose records the caller may read (None: every tenant), or 403 without role `reviewer`."""
-    allow(principal, "reviewer")
-    tenant = principal.tenant.tenant_id
-    return None if tenant == SYSTEM_TENANT else tenant
 
 
 def encode_cursor(record: AuditRecord) -> str:

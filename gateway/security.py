@@ -8,7 +8,7 @@ from litestar import Request
 from litestar.datastructures import State
 
 from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
-from policy.auth import AuthError, ForbiddenError, Principal, require_role
+from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 from policy.tenants.models import Role
 
@@ -50,3 +50,11 @@ def allow_operator(principal: Principal) -> None:
         raise PermissionDeniedError(
             "only policy administrators of the operating organisation may do this", code="operator_only"
         )
+
+
+def reviewer_scope(principal: Principal) -> str | None:
+    """The tenant whose decisions and appeals the caller may review (None: every tenant, for reviewers of the
+    operating organisation); 403 without the `reviewer` role."""
+    allow(principal, "reviewer")
+    tenant = principal.tenant.tenant_id
+    return None if tenant == SYSTEM_TENANT else tenant
