@@ -31,6 +31,7 @@ from engines.base import (
     EngineError,
     EngineOverloadedError,
     EngineRequestError,
+    Usage,
 )
 from engines.choices import split_choices
 from gateway.errors import (
@@ -54,7 +55,7 @@ from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, plan_chat, plan_completion
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
-from gateway.generation.tracking import RequestTracker
+from gateway.generation.tracking import Outcome, RequestTracker, Status
 from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
@@ -202,6 +203,23 @@ async def _input_guard(
     return await services.gate.check(policy, item, context)
 
 
+def _unserved(services: Services, plan: Plan, status: Status) -> None:
+    """The outcome of a request that never reached an engine (refunded whole: no usage)."""
+    services.sink(
+        Outcome(
+            request_id=plan.request_id,
+            model=plan.model.ref,
+            status=status,
+            finish_reason=None,
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            stream=plan.stream,
+            tokenizer=plan.model.tokenizer.ref,
+            chat_template=plan.model.chat_template.ref,
+            metadata=plan.metadata,
+        )
+    )
+
+
 def _refund(services: Services, charge: Charge) -> None:
     # Nothing reached an engine: the whole reservation goes back.
     services.meter.settle_later(charge, 0)
@@ -242,9 +260,11 @@ async def _run(
         )
     except ClientDisconnectedError:
         _refund(services, charge)
+        _unserved(services, plan, "cancelled")
         return Response(content=b"", status_code=CLIENT_CLOSED)
     except BaseException as exc:
         _refund(services, charge)
+        _unserved(services, plan, "refused")
         if isinstance(exc, APIError):
             record_refusal(services, principal, plan.request_id, "admission", exc)
         raise

@@ -16,8 +16,9 @@ from engines.base import EngineDelta, FinishReason, Usage
 
 log = logging.getLogger("lockgate.requests")
 
-# `blocked`: the output guard stopped it (its usage so far is charged).
-Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked"]
+# `blocked`: the output guard stopped it (its usage so far is charged). `refused`: admission refused it before
+# any engine saw it (refunded whole).
+Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked", "refused"]
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
