@@ -19,6 +19,7 @@ from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.appeal_routes import APPEAL_ROUTES
 from gateway.audit_routes import AUDIT_ROUTES
 from gateway.config import Config
+from gateway.console import CONSOLE_ROUTES
 from gateway.errors import exception_handlers
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
@@ -414,7 +415,14 @@ def create_app(
                 await meter.drain(config.quota.settle_drain_timeout)
 
     app = Litestar(
-        route_handlers=[*ROUTES, *ADMIN_ROUTES, *REGISTRY_ROUTES, *AUDIT_ROUTES, *APPEAL_ROUTES],
+        route_handlers=[
+            *ROUTES,
+            *ADMIN_ROUTES,
+            *REGISTRY_ROUTES,
+            *AUDIT_ROUTES,
+            *APPEAL_ROUTES,
+            *CONSOLE_ROUTES,
+        ],
         lifespan=[lifespan],
         dependencies={
             "services": Provide(_services, sync_to_thread=False),

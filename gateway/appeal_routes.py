@@ -56,7 +56,7 @@ log = logging.getLogger("lockgate.appeals")
 # The decisions a tenant may appeal.
 APPEALABLE: frozenset[Decision] = frozenset({"block", "refuse", "flag"})
 # The review record each decided state leaves in the audit chain.
-_REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
+REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
 
 
 class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -206,19 +206,21 @@ async def transition_appeal(
         services.appeals.transition(scope, appeal_id, body.to, actor=reviewer, note=body.note, now=now)
     )
     review_seq = None
-    decision = _REVIEW_DECISION.get(appeal.state)
+    decision = REVIEW_DECISION.get(appeal.state)
     if decision is not None:
         original = await _store(services.audit.get(appeal.tenant, appeal.decision_seq))
-        review_seq = await _record_review(services, original, decision, reviewer, body.note, now)
+        review_seq = await record_review(services, original, decision, reviewer, body.note, now)
     return await _detail(services, appeal, review_seq)
 
 
-async def _record_review(
+async def record_review(
     services: Services, original: AuditRecord, decision: Decision, reviewer: str, note: str, now: float
 ) -> int | None:
-    """Append the review record (durable before the answer); its seq once it is in the store (None while it
-    waits in the writer's spool). The appeal is already decided: a record that cannot be made durable is a
-    503 the reviewer sees, and logged, never silently dropped."""
+    """Append the review record of a decided appeal of `original` (decision `reversal` or `uphold`, `reverses`
+    = its seq, `actor` = the reviewer's key id), durable before the answer; its seq once it is in the store
+    (None while it waits in the writer's spool). The API and the reviewer console both decide through this.
+    The appeal is already decided: a record that cannot be made durable is a 503 (StoreUnavailableError) the
+    reviewer sees, and logged, never silently dropped."""
     draft = AuditDraft(
         tenant=original.tenant,
         key_id=original.key_id,

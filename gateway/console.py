@@ -1,0 +1,253 @@
+"""The reviewer console: server-rendered pages over the audit trail and appeals, for people with a
+`reviewer` key (scoped like the reviewer API: their own tenant, or every tenant for the operator's keys).
+
+    GET  /console                               sign-in form, or (signed in) the review queue
+    POST /console/login                         {key}: a reviewer key starts a session (cookie)
+    POST /console/logout                        {csrf}: ends it
+    GET  /console/decisions/{tenant}/{seq}      one decision: fields, stages, content, appeal and events
+    POST /console/decisions/{tenant}/{seq}/decide   {csrf, outcome=uphold|overturn, note}
+    GET  /console/policies                      per policy version: decisions per hour, score histograms
+
+Sessions (`gateway.console_sessions`): the cookie holds a random session id only; the key is authenticated
+again on every request; every POST after sign-in carries the session's CSRF token. Another tenant's
+decision is 404, like a missing one.
+
+Deciding through the console is the API's review: a decision without an appeal gets one filed on the
+reviewer's behalf, the appeal steps open -> in_review -> upheld | overturned in the AppealStore, and
+`record_review` appends the same `uphold` / `reversal` record the API does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, Router, get, post
+from litestar.datastructures import Cookie
+from litestar.di import NamedDependency
+from litestar.params import FromPath
+from litestar.response import Redirect
+
+from gateway import console_views as views
+from gateway.appeal_routes import APPEALABLE, REVIEW_DECISION, record_review
+from gateway.console_sessions import (
+    COOKIE,
+    HEADERS,
+    SESSION_TTL_S,
+    PageError,
+    Reviewer,
+    call,
+    error_response,
+    form,
+    html,
+    posted,
+    sessions_of,
+    signed_in,
+)
+from gateway.console_stats import collect, stats_body
+from gateway.service import Services
+from policy.audit.appeals import MAX_APPEAL_LIMIT, Appeal, AppealState
+from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
+from policy.audit.records import AuditRecord
+from policy.auth import AuthError, ForbiddenError, require_role
+from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
+
+# The queue reads flagged decisions of this window, at most QUEUE_MAX_RECORDS of them, and shows QUEUE_SHOWN.
+QUEUE_WINDOW_S = 30 * 86400.0
+QUEUE_MAX_RECORDS = 5000
+QUEUE_SHOWN = 200
+MAX_APPEAL_PAGES = 20
+FLAGGED_REASON = "flagged for review"
+_OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
+
+
+async def all_appeals(services: Services, reviewer: Reviewer, tenant: str | None) -> list[Appeal]:
+    """Every appeal of `tenant` (None: every tenant), page by page (at most MAX_APPEAL_PAGES pages)."""
+    found: list[Appeal] = []
+    after: str | None = None
+    for _ in range(MAX_APPEAL_PAGES):
+        page = await call(reviewer, services.appeals.list(tenant, None, MAX_APPEAL_LIMIT, after))
+        found.extend(page)
+        if len(page) < MAX_APPEAL_LIMIT:
+            break
+        after = page[-1].appeal_id
+    return found
+
+
+@get("/")
+async def queue(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[str]:
+    """The sign-in form, or the queue: open and in-review appeals, then unreviewed flagged decisions."""
+    reviewer = await signed_in(request, services)
+    if reviewer is None:
+        return html(views.login_page())
+    appeals = await all_appeals(services, reviewer, reviewer.scope)
+    appealed = {(a.tenant, a.decision_seq) for a in appeals}
+    pending = sorted((a for a in appeals if a.state in ("open", "in_review")), key=lambda a: -a.filed_at)
+    q = AuditQuery(
+        tenant=reviewer.scope,
+        flagged_only=True,
+        since=services.clock() - QUEUE_WINDOW_S,
+        limit=MAX_QUERY_LIMIT,
+    )
+    flagged: list[AuditRecord] = []
+    read, truncated = 0, True
+    while read < QUEUE_MAX_RECORDS:
+        page = await call(reviewer, services.audit.query(q))
+        read += len(page)
+        flagged.extend(r for r in page if r.stage != "review" and (r.tenant, r.seq) not in appealed)
+        if len(page) < q.page_size():
+            truncated = False
+            break
+        q = q.after(page[-1])
+    flagged.sort(key=lambda r: -r.at)
+    truncated = truncated or len(flagged) > QUEUE_SHOWN
+    body = views.queue_page(
+        pending, flagged[:QUEUE_SHOWN], truncated=truncated, csrf=reviewer.session.csrf, who=reviewer.who
+    )
+    return html(body)
+
+
+@post("/login", status_code=303)
+async def login(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
+    """Start a session for a reviewer key: 401 for a bad key, 403 for a key without the reviewer role."""
+    key = (await form(request)).get("key", "").strip()
+    authorization = f"Bearer {key}"
+    try:
+        principal = await services.auth.authenticate(authorization)
+        require_role(principal, "reviewer")
+    except AuthError as exc:
+        return html(views.login_page(f"Sign-in refused: {exc}"), 401)
+    except ForbiddenError:
+        return html(views.login_page("Sign-in refused: this key lacks the reviewer role"), 403)
+    except KeyStoreUnavailableError as exc:
+        raise PageError(503, f"{exc}; try again shortly") from exc
+    sessions = sessions_of(request, services)
+    sessions.close(request.cookies.get(COOKIE))
+    sid, _session = sessions.open(authorization)
+    cookie = Cookie(
+        key=COOKIE,
+        value=sid,
+        path="/console",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        max_age=int(SESSION_TTL_S),
+    )
+    return Redirect("/console", status_code=303, cookies=[cookie], headers=HEADERS)
+
+
+@post("/logout", status_code=303)
+async def logout(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
+    """End the session."""
+    reviewer, _fields = await posted(request, services)
+    sessions_of(request, services).close(reviewer.sid)
+    response: Response[Any] = Redirect("/console", status_code=303, headers=HEADERS)
+    response.delete_cookie(COOKIE, path="/console")
+    return response
+
+
+def decidable(record: AuditRecord, appeal: Appeal | None) -> bool:
+    """Whether a reviewer can still uphold or overturn this decision."""
+    reviewable = record.stage != "review" and (record.decision in APPEALABLE or record.flagged)
+    return reviewable and (appeal is None or appeal.state in ("open", "in_review"))
+
+
+async def _show(
+    services: Services, reviewer: Reviewer, tenant: str, seq: int, outcome: str = ""
+) -> tuple[AuditRecord, Appeal | None, str]:
+    """The decision (404 outside the reviewer's scope), its appeal, and the page."""
+    if reviewer.scope is not None and tenant != reviewer.scope:
+        raise PageError(404, "no such decision", reviewer.session, reviewer.who)
+    record = await call(reviewer, services.audit.get(tenant, seq))
+    appeals = await all_appeals(services, reviewer, tenant)
+    appeal = next((a for a in appeals if a.decision_seq == seq), None)
+    events = [] if appeal is None else await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
+    body = views.decision_page(
+        record,
+        appeal,
+        events,
+        decidable=decidable(record, appeal),
+        outcome=outcome,
+        csrf=reviewer.session.csrf,
+        who=reviewer.who,
+    )
+    return record, appeal, body
+
+
+@get("/decisions/{tenant:str}/{seq:int}")
+async def decision(
+    tenant: FromPath[str],
+    seq: FromPath[int],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+) -> Response[Any]:
+    """One decision with everything recorded about it and its appeal."""
+    reviewer = await signed_in(request, services)
+    if reviewer is None:
+        return Redirect("/console", status_code=303)
+    _record, _appeal, body = await _show(services, reviewer, tenant, seq)
+    return html(body)
+
+
+@post("/decisions/{tenant:str}/{seq:int}/decide", status_code=200)
+async def decide(
+    tenant: FromPath[str],
+    seq: FromPath[int],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+) -> Response[str]:
+    """Uphold or overturn a decision, through its appeal (filed on the reviewer's behalf if it has none)."""
+    reviewer, fields = await posted(request, services)
+    to = _OUTCOMES.get(fields.get("outcome", ""))
+    note = fields.get("note", "")
+    if to is None or len(note) > 4000:
+        raise PageError(
+            400,
+            "choose Uphold or Overturn (a note of at most 4000 characters)",
+            reviewer.session,
+            reviewer.who,
+        )
+    record, appeal, _body = await _show(services, reviewer, tenant, seq)
+    if not decidable(record, appeal):
+        raise PageError(409, "this decision cannot be decided (again)", reviewer.session, reviewer.who)
+    actor, now = reviewer.principal.key.key_id, services.clock()
+    if appeal is None:
+        filing = services.appeals.file(
+            tenant=tenant, request_id=record.request_id, decision_seq=seq, reason=FLAGGED_REASON,
+            filed_by=actor, now=now,
+        )  # fmt: skip
+        appeal = await call(reviewer, filing)
+    step = services.appeals.transition
+    if appeal.state == "open":
+        appeal = await call(
+            reviewer, step(reviewer.scope, appeal.appeal_id, "in_review", actor=actor, note="", now=now)
+        )
+    appeal = await call(reviewer, step(reviewer.scope, appeal.appeal_id, to, actor=actor, note=note, now=now))
+    review = REVIEW_DECISION[appeal.state]
+    review_seq = await call(reviewer, record_review(services, record, review, actor, note, now))
+    recorded = f"seq {review_seq}" if review_seq is not None else "queued for the audit store"
+    outcome = f"Appeal {appeal.appeal_id} {appeal.state}: {review} record {recorded}."
+    _record, _appeal, body = await _show(services, reviewer, tenant, seq, outcome)
+    return html(body)
+
+
+@get("/policies")
+async def policies(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
+    """Per policy version: decisions per hour and score histograms per guard stage."""
+    reviewer = await signed_in(request, services)
+    if reviewer is None:
+        return Redirect("/console", status_code=303)
+    now = services.clock()
+    stats, truncated = await call(reviewer, collect(services.audit, reviewer.scope, now))
+    body = views.page(
+        "Policies", stats_body(stats, now, truncated), csrf=reviewer.session.csrf, who=reviewer.who
+    )
+    return html(body)
+
+
+CONSOLE_ROUTES = [
+    Router(
+        path="/console",
+        route_handlers=[queue, login, logout, decision, decide, policies],
+        exception_handlers={PageError: error_response},
+    )
+]

@@ -1,0 +1,158 @@
+"""The console's policy statistics: per policy version, decisions per hour and guard-score histograms per
+stage, drawn as inline SVG so that drift (scores moving) and a threshold change (a second threshold line)
+are visible without any script or external asset.
+
+Bounded: at most `MAX_RECORDS` records of the last `WINDOW_S` seconds in the reviewer's scope are read
+(`AuditStore.query` pages); the page says when that cut the window short.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from html import escape
+
+import msgspec
+
+from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore
+from policy.audit.records import AuditRecord
+
+WINDOW_S = 48 * 3600.0
+MAX_RECORDS = 5000
+BINS = 20
+_HOUR = 3600.0
+_COLOURS = {
+    "allow": "#3a9d5d", "flag": "#e0a526", "block": "#c8372d", "refuse": "#8e44ad",
+    "deny": "#555e6b", "reversal": "#2a6fdb", "uphold": "#1d2330",
+}  # fmt: skip
+
+
+class StageScores(msgspec.Struct, kw_only=True):
+    """One stage's scores (histogram bins over 0..1) and the thresholds it ran with."""
+
+    bins: list[int]
+    allow_below: set[float]
+    block_above: set[float]
+
+
+class PolicyStats(msgspec.Struct, kw_only=True):
+    """One policy version's decisions by hour and the score distribution of each of its stages."""
+
+    hourly: dict[int, Counter[str]]  # hour index (unix hour) -> decision -> count
+    stages: dict[str, StageScores]
+
+
+async def collect(store: AuditStore, scope: str | None, now: float) -> tuple[dict[str, PolicyStats], bool]:
+    """The statistics of the gate's decisions (not review records) in scope over the window; and whether
+    `MAX_RECORDS` cut it short."""
+    q = AuditQuery(tenant=scope, since=now - WINDOW_S, limit=MAX_QUERY_LIMIT)
+    stats: dict[str, PolicyStats] = {}
+    read = 0
+    while read < MAX_RECORDS:
+        page = await store.query(q)
+        for record in page[: MAX_RECORDS - read]:
+            _add(stats, record)
+        read += len(page)
+        if len(page) < q.page_size():
+            return stats, False
+        q = q.after(page[-1])
+    return stats, True
+
+
+def _add(stats: dict[str, PolicyStats], record: AuditRecord) -> None:
+    if record.stage == "review":
+        return
+    policy = stats.setdefault(record.policy or "(none)", PolicyStats(hourly={}, stages={}))
+    policy.hourly.setdefault(int(record.at // _HOUR), Counter())[record.decision] += 1
+    for run in record.stages:
+        if run.score is None:
+            continue
+        scores = policy.stages.setdefault(
+            run.stage, StageScores(bins=[0] * BINS, allow_below=set(), block_above=set())
+        )
+        clamped = min(max(run.score, 0.0), 1.0)
+        scores.bins[min(int(clamped * BINS), BINS - 1)] += 1
+        if run.allow_below is not None:
+            scores.allow_below.add(run.allow_below)
+        if run.block_above is not None:
+            scores.block_above.add(run.block_above)
+
+
+def hourly_svg(hourly: dict[int, Counter[str]], now: float) -> str:
+    """Stacked bars: decisions per hour over the window, oldest left, coloured by decision."""
+    hours = int(WINDOW_S // _HOUR)
+    last = int(now // _HOUR)
+    width, height, bar = hours * 12, 120, 10
+    peak = max((sum(c.values()) for c in hourly.values()), default=0) or 1
+    parts = [f'<svg class="hourly" width="{width}" height="{height + 20}" role="img">']
+    for i in range(hours):
+        counts = hourly.get(last - hours + 1 + i, Counter())
+        y = float(height)
+        for decision in sorted(counts):
+            h = counts[decision] / peak * height
+            y -= h
+            colour = _COLOURS.get(decision, "#999")
+            parts.append(
+                f'<rect x="{i * 12}" y="{y:.1f}" width="{bar}" height="{h:.1f}" fill="{colour}">'
+                f"<title>{escape(decision)}: {counts[decision]}</title></rect>"
+            )
+    parts.append(f'<text x="0" y="{height + 15}" font-size="10">{hours} h ago</text>')
+    parts.append(f'<text x="{width - 30}" y="{height + 15}" font-size="10">now</text></svg>')
+    return "".join(parts)
+
+
+def histogram_svg(scores: StageScores) -> str:
+    """Score histogram over 0..1 with a line at each threshold the stage ran with (two lines of one kind:
+    the threshold changed in the window)."""
+    width, height = BINS * 16, 100
+    peak = max(scores.bins) or 1
+    parts = [f'<svg class="histogram" width="{width}" height="{height + 20}" role="img">']
+    for i, n in enumerate(scores.bins):
+        h = n / peak * height
+        lo = i / BINS
+        parts.append(
+            f'<rect x="{i * 16}" y="{height - h:.1f}" width="14" height="{h:.1f}" fill="#2a6fdb">'
+            f"<title>{lo:.2f}-{lo + 1 / BINS:.2f}: {n}</title></rect>"
+        )
+    for values, colour, label in ((scores.allow_below, "#3a9d5d", "allow below"),
+                                  (scores.block_above, "#c8372d", "block above")):  # fmt: skip
+        for value in sorted(v for v in values if math.isfinite(v)):
+            x = min(max(value, 0.0), 1.0) * width
+            parts.append(
+                f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{height}" stroke="{colour}" stroke-width="2">'
+                f"<title>{label} {value}</title></line>"
+            )
+    parts.append(f'<text x="0" y="{height + 15}" font-size="10">0</text>')
+    parts.append(f'<text x="{width - 10}" y="{height + 15}" font-size="10">1</text></svg>')
+    return "".join(parts)
+
+
+def stats_body(stats: dict[str, PolicyStats], now: float, truncated: bool) -> str:
+    """The statistics page's body, one section per policy version."""
+    hours = int(WINDOW_S // _HOUR)
+    head = f"<p>Decisions of the last {hours} hours in your scope"
+    head += f" (only the first {MAX_RECORDS} records were read).</p>" if truncated else ".</p>"
+    legend = " ".join(
+        f'<span style="color:{colour}">■ {escape(name)}</span>' for name, colour in _COLOURS.items()
+    )
+    sections = [head, f"<p>{legend}</p>"]
+    for name in sorted(stats):
+        policy = stats[name]
+        total = Counter[str]()
+        for counts in policy.hourly.values():
+            total.update(counts)
+        summary = ", ".join(f"{escape(d)} {n}" for d, n in sorted(total.items()))
+        sections.append(
+            f'<section class="policy"><h2>{escape(name)}</h2><p>{summary}</p>'
+            f"<h3>Decisions per hour</h3>{hourly_svg(policy.hourly, now)}"
+        )
+        for stage in sorted(policy.stages):
+            scores = policy.stages[stage]
+            thresholds = f"allow below {sorted(scores.allow_below)}, block above {sorted(scores.block_above)}"
+            sections.append(
+                f"<h3>Scores of {escape(stage)}</h3><p>{escape(thresholds)}</p>{histogram_svg(scores)}"
+            )
+        sections.append("</section>")
+    if not stats:
+        sections.append("<p>No decisions in this window.</p>")
+    return "".join(sections)

@@ -1,0 +1,177 @@
+"""The reviewer console's HTML: server-rendered pages, every value passed through `html.escape`.
+
+No script and no external asset: the only styles are the inline sheet below, and the page's
+Content-Security-Policy (set by `gateway.console`) forbids fetching anything else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from html import escape
+
+from policy.audit.appeals import Appeal, AppealEvent
+from policy.audit.records import AuditRecord, StageRun
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
+header{background:#1d2330;color:#fff;padding:.6rem 1.2rem;display:flex;gap:1.2rem;align-items:center}
+header a{color:#cfe1ff}header form{margin-left:auto}main{padding:1rem 1.2rem;max-width:72rem}
+table{border-collapse:collapse;background:#fff;margin:.5rem 0 1.2rem}
+td,th{border:1px solid #d5d9e0;padding:.3rem .6rem;text-align:left;vertical-align:top}
+pre{white-space:pre-wrap;background:#fff;border:1px solid #d5d9e0;padding:.6rem}
+.error{color:#a01616}.notice{background:#e5f4e8;border:1px solid #8bc79a;padding:.6rem}
+.over{color:#a01616;font-weight:600}.under{color:#1b6e2c}
+textarea{width:30rem;height:4rem}button{margin-right:.6rem}
+"""
+
+
+def _t(value: object) -> str:
+    """Any value as escaped text (None as an em dash)."""
+    return "—" if value is None else escape(str(value), quote=True)
+
+
+def when(at: float) -> str:
+    """A unix time as UTC text."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
+def page(title: str, body: str, *, csrf: str | None = None, who: str = "") -> str:
+    """A whole page; signed in (`csrf` given), with the navigation and a sign-out button."""
+    nav = ""
+    if csrf is not None:
+        nav = (
+            '<a href="/console">Queue</a><a href="/console/policies">Policies</a>'
+            f"<span>{_t(who)}</span>"
+            f'<form method="post" action="/console/logout">{csrf_field(csrf)}'
+            '<button type="submit">Sign out</button></form>'
+        )
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_t(title)} · Lockgate review</title><style>{_STYLE}</style></head>"
+        f"<body><header><strong>Lockgate review</strong>{nav}</header><main><h1>{_t(title)}</h1>"
+        f"{body}</main></body></html>"
+    )
+
+
+def csrf_field(token: str) -> str:
+    """The hidden form field that carries the session's CSRF token."""
+    return f'<input type="hidden" name="csrf" value="{_t(token)}">'
+
+
+def login_page(message: str = "") -> str:
+    """The sign-in form (with an error `message`, after a refused attempt)."""
+    error = f'<p class="error" role="alert">{_t(message)}</p>' if message else ""
+    form = (
+        f'{error}<form method="post" action="/console/login">'
+        '<label>API key of a reviewer <input type="password" name="key" autocomplete="off" required>'
+        '</label> <button type="submit">Sign in</button></form>'
+    )
+    return page("Sign in", form)
+
+
+def error_page(message: str, *, csrf: str | None = None, who: str = "") -> str:
+    """An error, in words."""
+    return page("Error", f'<p class="error" role="alert">{_t(message)}</p>', csrf=csrf, who=who)
+
+
+def _link(tenant: str, seq: int) -> str:
+    return f'<a href="/console/decisions/{_t(tenant)}/{seq}">{_t(tenant)} #{seq}</a>'
+
+
+def queue_page(
+    appeals: Iterable[Appeal], flagged: Iterable[AuditRecord], *, truncated: bool, csrf: str, who: str
+) -> str:
+    """Open and in-review appeals, then flagged decisions nobody has reviewed, newest first."""
+    appeal_rows = "".join(
+        f"<tr><td>{_link(a.tenant, a.decision_seq)}</td><td>{_t(a.state)}</td><td>{_t(when(a.filed_at))}"
+        f"</td><td>{_t(a.filed_by)}</td><td>{_t(a.reason)}</td></tr>"
+        for a in appeals
+    )
+    flagged_rows = "".join(
+        f"<tr><td>{_link(r.tenant, r.seq)}</td><td>{_t(r.decision)}</td><td>{_t(r.source)}</td>"
+        f"<td>{_t(r.policy)}</td><td>{_t(r.category)}</td><td>{_t(when(r.at))}</td></tr>"
+        for r in flagged
+    )
+    note = "<p>Only the most recent flagged decisions were read.</p>" if truncated else ""
+    body = (
+        '<h2>Appeals</h2><table id="appeals"><tr><th>Decision</th><th>State</th><th>Filed</th><th>By</th>'
+        f"<th>Reason</th></tr>{appeal_rows or '<tr><td colspan=5>None open</td></tr>'}</table>"
+        '<h2>Flagged decisions</h2><table id="flagged"><tr><th>Decision</th><th>Outcome</th><th>Source</th>'
+        "<th>Policy</th><th>Category</th><th>At</th></tr>"
+        f"{flagged_rows or '<tr><td colspan=6>None to review</td></tr>'}</table>{note}"
+    )
+    return page("Review queue", body, csrf=csrf, who=who)
+
+
+def _stage_row(run: StageRun) -> str:
+    verdict = ""
+    if run.score is not None:
+        if run.block_above is not None and run.score > run.block_above:
+            verdict = '<span class="over">above block threshold</span>'
+        elif run.allow_below is not None and run.score < run.allow_below:
+            verdict = '<span class="under">below allow threshold</span>'
+        elif run.allow_below is not None or run.block_above is not None:
+            verdict = "in the review band"
+    return (
+        f"<tr><td>{_t(run.stage)}</td><td>{_t(run.kind)}</td><td>{_t(run.model)}</td>"
+        f"<td>{_t(run.score)}</td><td>{_t(run.allow_below)}</td><td>{_t(run.block_above)}</td>"
+        f"<td>{verdict}</td><td>{run.latency_s:.4f}</td><td>{_t(run.error)}</td>"
+        f"<td>{_t(run.template_hash)}</td></tr>"
+    )
+
+
+_FIELDS = (
+    "tenant", "seq", "request_id", "key_id", "stage", "decision", "source", "policy", "policy_hash",
+    "category", "severity", "flagged", "detail", "reverses", "actor", "content_hash", "prev_hash", "hash",
+)  # fmt: skip
+
+
+def decision_page(
+    record: AuditRecord,
+    appeal: Appeal | None,
+    events: Iterable[AppealEvent],
+    *,
+    decidable: bool,
+    outcome: str = "",
+    csrf: str,
+    who: str,
+) -> str:
+    """Every field of one recorded decision, its stages against their thresholds, its content if retained,
+    its appeal and events, and the uphold / overturn form while it can still be decided."""
+    fields = "".join(f"<tr><th>{name}</th><td>{_t(getattr(record, name))}</td></tr>" for name in _FIELDS)
+    fields += f"<tr><th>at</th><td>{_t(when(record.at))} ({record.at})</td></tr>"
+    stages = "".join(_stage_row(run) for run in record.stages) or "<tr><td colspan=10>None</td></tr>"
+    if record.content is None:
+        content = "<p>Not retained.</p>"
+    else:
+        content = f'<pre id="content">{_t(record.content)}</pre>'
+    body = f'<p class="notice" id="outcome" role="status">{_t(outcome)}</p>' if outcome else ""
+    body += (
+        f'<table id="fields">{fields}</table><h2>Stages</h2><table id="stages"><tr><th>Stage</th>'
+        "<th>Kind</th><th>Model</th><th>Score</th><th>Allow below</th><th>Block above</th><th>Verdict</th>"
+        f"<th>Latency (s)</th><th>Error</th><th>Template</th></tr>{stages}</table>"
+        f"<h2>Content</h2>{content}<h2>Appeal</h2>"
+    )
+    if appeal is None:
+        body += "<p>No appeal.</p>"
+    else:
+        rows = "".join(
+            f"<tr><td>{e.n}</td><td>{_t(when(e.at))}</td><td>{_t(e.actor)}</td><td>{_t(e.from_state)}</td>"
+            f"<td>{_t(e.to_state)}</td><td>{_t(e.note)}</td></tr>"
+            for e in events
+        )
+        body += (
+            f'<p id="appeal-state">{_t(appeal.appeal_id)}: <strong>{_t(appeal.state)}</strong> '
+            f'(reason: {_t(appeal.reason)})</p><table id="events"><tr><th>n</th><th>At</th><th>Actor</th>'
+            f"<th>From</th><th>To</th><th>Note</th></tr>{rows}</table>"
+        )
+    if decidable:
+        action = f"/console/decisions/{_t(record.tenant)}/{record.seq}/decide"
+        body += (
+            f'<h2>Decide</h2><form method="post" action="{action}">{csrf_field(csrf)}'
+            '<p><label>Note <textarea name="note" maxlength="4000"></textarea></label></p>'
+            '<button type="submit" name="outcome" value="uphold">Uphold</button>'
+            '<button type="submit" name="outcome" value="overturn">Overturn</button></form>'
+        )
+    return page(f"Decision {record.tenant} #{record.seq}", body, csrf=csrf, who=who)

@@ -1,0 +1,266 @@
+"""The reviewer console (`/console`) through the gateway (simulated engine, default rules policy, SQLite):
+sign-in and its refusals, the session cookie, CSRF, tenant isolation and escaping over plain HTTP; then a
+reviewer in headless Chromium (Debian's, through Playwright) overturning a flagged decision."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.console_sessions import COOKIE, ConsoleSessions
+from gateway.generation.prompts import PromptRenderer
+from gateway.service import Services
+from policy.audit import AuditDraft, AuditRecord
+from policy.auth import SYSTEM_TENANT
+from policy.tenants import Tenant
+from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
+
+CHROMIUM = Path("/usr/bin/chromium")
+HAVE_CHROMIUM = CHROMIUM.exists()
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
+
+
+class Console:
+    """A running gateway with keys by name: `acme` (consumer), `rev-acme`, `rev-beta` (reviewers of those
+    tenants) and `rev-global` (a reviewer of the operator tenant)."""
+
+    def __init__(self, url: str, services: Services) -> None:
+        self.url = url
+        self.services = services
+        self.keys: dict[str, str] = {}
+
+    def client(self) -> httpx.AsyncClient:
+        """A client of its own (its own cookie jar), not following redirects."""
+        return httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    async def login(self, http: httpx.AsyncClient, who: str) -> str:
+        """Sign `http` in as `who`; the CSRF token of the session."""
+        response = await http.post("/console/login", data={"key": self.keys[who]})
+        assert response.status_code == 303, response.text
+        page = await http.get("/console")
+        assert page.status_code == 200
+        found = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert found is not None, page.text
+        return found.group(1)
+
+    async def flagged(self, who: str, content: str = "What is the capital of France?") -> AuditRecord:
+        """An ordinary request of `who`'s tenant (a consumer name is its tenant): allowed, flagged."""
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+        async with self.client() as http:
+            response = await http.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {self.keys[who]}"}
+            )
+        assert response.status_code == 200, response.text
+        request_id = response.headers["x-request-id"]
+        found: list[AuditRecord] = []
+
+        async def recorded() -> bool:
+            found[:] = [r for r in await self.services.audit.find(who, request_id) if r.flagged]
+            return bool(found)
+
+        await eventually(recorded)
+        return found[-1]
+
+
+@pytest.fixture
+async def console(
+    tmp_path: Path,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+) -> AsyncIterator[Console]:
+    config = make_config()
+    storage = msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3"))
+    config = msgspec.structs.replace(config, storage=storage)
+    await tenancy.store.create_tenant(Tenant(tenant_id="beta", display_name="Beta"), actor="t", now=0.0)
+    app = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    async with serving(app) as url:
+        gw = Console(url, app.state.services)
+        gw.keys["acme"] = tenancy.consumer
+        gw.keys["rev-acme"] = await add_key(tenancy.store, "acme", ("reviewer",))
+        gw.keys["rev-beta"] = await add_key(tenancy.store, "beta", ("reviewer",))
+        gw.keys["rev-global"] = await add_key(tenancy.store, SYSTEM_TENANT, ("reviewer",))
+        yield gw
+
+
+async def test_sign_in_is_refused_without_a_reviewer_key(console: Console) -> None:
+    async with console.client() as http:
+        consumer = await http.post("/console/login", data={"key": console.keys["acme"]})
+        assert consumer.status_code == 403
+        assert "reviewer role" in consumer.text
+        bad = await http.post("/console/login", data={"key": "lg_nonsense"})
+        assert bad.status_code == 401
+        empty = await http.post("/console/login", data={})
+        assert empty.status_code == 401
+        assert COOKIE not in http.cookies
+        # Not signed in: the pages send the browser to the sign-in form.
+        assert (await http.get("/console/policies")).status_code == 303
+        assert 'action="/console/login"' in (await http.get("/console")).text
+
+
+async def test_the_session_cookie_is_http_only_and_holds_no_key(console: Console) -> None:
+    async with console.client() as http:
+        response = await http.post("/console/login", data={"key": console.keys["rev-acme"]})
+        assert response.status_code == 303
+        cookie = response.headers["set-cookie"]
+        attributes = {part.strip().lower() for part in cookie.split(";")}
+        assert {"httponly", "samesite=strict", "path=/console"} <= attributes
+        assert console.keys["rev-acme"] not in cookie
+        page = await http.get("/console")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert 'id="flagged"' in page.text
+        # Signing out needs the token too; after it the session is gone.
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert csrf is not None
+        assert (await http.post("/console/logout", data={"csrf": csrf.group(1)})).status_code == 303
+        http.cookies.set(COOKIE, response.cookies[COOKIE], path="/console")
+        assert (await http.get("/console/policies")).status_code == 303
+
+
+async def test_a_scoped_reviewer_cannot_see_another_tenants_decision(console: Console) -> None:
+    record = await console.flagged("acme")
+    path = f"/console/decisions/acme/{record.seq}"
+    async with console.client() as beta, console.client() as acme, console.client() as everyone:
+        await console.login(beta, "rev-beta")
+        await console.login(acme, "rev-acme")
+        await console.login(everyone, "rev-global")
+        assert (await beta.get(path)).status_code == 404
+        assert (await beta.get("/console/decisions/acme/999999")).status_code == 404
+        assert path not in (await beta.get("/console")).text
+        assert (await acme.get(path)).status_code == 200
+        assert path in (await acme.get("/console")).text
+        assert (await everyone.get(path)).status_code == 200
+        assert path in (await everyone.get("/console")).text
+
+
+async def test_a_post_without_the_csrf_token_is_refused(console: Console) -> None:
+    record = await console.flagged("acme")
+    decide = f"/console/decisions/acme/{record.seq}/decide"
+    async with console.client() as http:
+        csrf = await console.login(http, "rev-acme")
+        missing = await http.post(decide, data={"outcome": "overturn", "note": "n"})
+        assert missing.status_code == 403
+        wrong = await http.post(decide, data={"outcome": "overturn", "csrf": csrf + "x"})
+        assert wrong.status_code == 403
+        assert (await http.post("/console/logout", data={})).status_code == 403
+    assert not [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
+    async with console.client() as other:
+        # Another session's token is no good either.
+        await console.login(other, "rev-acme")
+        assert (await other.post(decide, data={"outcome": "uphold", "csrf": csrf})).status_code == 403
+
+
+async def test_content_is_escaped(console: Console) -> None:
+    [record] = await console.services.audit.append(
+        [
+            AuditDraft(
+                tenant="acme", key_id="k", request_id="hostile", at=console.services.clock(), stage="input",
+                decision="flag", source="band", policy=f"p{HOSTILE}@1", flagged=True, content=HOSTILE,
+                detail=HOSTILE,
+            )
+        ]
+    )  # fmt: skip
+    async with console.client() as http:
+        await console.login(http, "rev-acme")
+        page = await http.get(f"/console/decisions/acme/{record.seq}")
+        assert page.status_code == 200
+        assert "<script>" not in page.text
+        assert "<b>bold</b>" not in page.text
+        assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in page.text
+        assert "<script>" not in (await http.get("/console/policies")).text
+        assert "<script>" not in (await http.get("/console")).text
+
+
+async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Console) -> None:
+    record = await console.flagged("acme")
+    async with console.client() as http:
+        csrf = await console.login(http, "rev-global")
+        path = f"/console/decisions/acme/{record.seq}"
+        done = await http.post(f"{path}/decide", data={"outcome": "uphold", "note": "fine", "csrf": csrf})
+        assert done.status_code == 200, done.text
+        assert "upheld" in done.text
+        again = await http.post(f"{path}/decide", data={"outcome": "overturn", "csrf": csrf})
+        assert again.status_code == 409
+    [appeal] = await console.services.appeals.list("acme")
+    assert (appeal.decision_seq, appeal.state, appeal.reason) == (record.seq, "upheld", "flagged for review")
+    events = await console.services.appeals.events("acme", appeal.appeal_id)
+    assert [(e.from_state, e.to_state) for e in events] == [
+        (None, "open"),
+        ("open", "in_review"),
+        ("in_review", "upheld"),
+    ]
+    reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
+    assert [(r.decision, r.reverses, r.detail) for r in reviews] == [("uphold", record.seq, "fine")]
+
+
+async def test_a_reviewer_overturns_a_flagged_decision_in_a_browser(console: Console) -> None:
+    if not HAVE_CHROMIUM:
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (.ci/run does)")
+    from playwright.async_api import async_playwright
+
+    record = await console.flagged("acme")
+    path = f"/console/decisions/acme/{record.seq}"
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(f"{console.url}/console")
+            await page.fill('input[name="key"]', console.keys["rev-acme"])
+            await page.click('button[type="submit"]')
+            await page.wait_for_selector("#flagged")
+            await page.click(f'#flagged a[href="{path}"]')
+            await page.wait_for_selector("#stages")
+            assert page.url == f"{console.url}{path}"
+            await page.fill('textarea[name="note"]', "not harmful after all")
+            await page.click('button[value="overturn"]')
+            outcome = await page.text_content("#outcome")
+            assert outcome is not None
+            assert "overturned" in outcome
+            assert "reversal record seq" in outcome
+            events = await page.text_content("#events")
+            assert events is not None
+            assert "not harmful after all" in events
+            await page.goto(f"{console.url}/console/policies")
+            assert await page.locator("svg.hourly").count() >= 1
+            assert await page.locator("svg.histogram").count() >= 1
+        finally:
+            await browser.close()
+    reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
+    assert [(r.decision, r.reverses) for r in reviews] == [("reversal", record.seq)]
+    assert f"reversal record seq {reviews[0].seq}" in outcome
+    assert (await console.services.audit.verify("acme")).ok
+
+
+def test_sessions_expire_and_stay_bounded() -> None:
+    now = [1000.0]
+    sessions = ConsoleSessions(lambda: now[0], ttl=60.0, max_sessions=2)
+    first, _ = sessions.open("Bearer a")
+    second, session = sessions.open("Bearer b")
+    assert sessions.get(first) is not None
+    third, _ = sessions.open("Bearer c")
+    # The oldest made room for the third.
+    assert sessions.get(first) is None
+    assert sessions.get(second) == session
+    assert len({first, second, third}) == 3
+    now[0] += 60.0
+    assert sessions.get(second) is None
+    assert sessions.get(third) is None
+    assert sessions.get(None) is None
