@@ -48,6 +48,8 @@ class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     quotas: Quotas | None = None
     policy: str | None = None
     retain_prompts: bool | None = None
+    # Omitted or null leaves it as it is (as for every field here).
+    content_retention_days: float | None = None
     max_priority: PriorityClass | None = None
 
 
@@ -98,6 +100,11 @@ def _check_tenant(tenant: Tenant, prefix: str = "") -> None:
         )
     if tenant.weight <= 0:
         raise InvalidRequestError("weight must be > 0", param="weight", code="invalid_value")
+    days = tenant.content_retention_days
+    if days is not None and not days > 0:
+        raise InvalidRequestError(
+            "content_retention_days must be > 0", param="content_retention_days", code="invalid_value"
+        )
     _check_limits(tenant.quotas.tenant, f"{prefix}quotas.tenant")
     _check_limits(tenant.quotas.per_key, f"{prefix}quotas.per_key")
 

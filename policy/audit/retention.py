@@ -5,10 +5,10 @@ A record keeps its content only while the tenant's retention allows. `purge_expi
 chain still verifies and the decision, its stages and the content's sha256 remain. `run_retention` does that
 for every tenant, at start and then every `interval` seconds, in the app's lifespan.
 
-Retention per tenant: a tenant that retains prompts (`Tenant.retain_prompts`) keeps content for
-`[audit] content_retention_days`; one that does not keeps none, and whatever content a policy with retention
-`full` stored for it is purged at the next pass. The period is global: a per-tenant period would need a
-column in the tenant store.
+Retention per tenant: a tenant that retains prompts (`Tenant.retain_prompts`) keeps content for its own
+`Tenant.content_retention_days` when set, else for `[audit] content_retention_days` (the `days` passed here);
+one that does not keeps none, and whatever content a policy with retention `full` stored for it is purged
+at the next pass.
 """
 
 from __future__ import annotations
@@ -31,15 +31,19 @@ PURGE_INTERVAL_S = 3600.0
 
 
 def expiry(tenant: Tenant, now: float, days: float) -> float:
-    """The `at` before which `tenant`'s content has expired at `now`."""
+    """The `at` before which `tenant`'s content has expired at `now`; `days` is the default period."""
     if not tenant.retain_prompts:
         # All of it, records stamped ahead of this clock (another replica's) included.
         return math.inf
+    if tenant.content_retention_days is not None:
+        days = tenant.content_retention_days
     return now - max(0.0, days) * DAY_S
 
 
 async def purge_expired(store: AuditStore, tenants: TenantStore, now: float, days: float) -> dict[str, int]:
     """Null the expired content of every tenant's records; the number of records purged, by tenant.
+
+    `days` is the default period, for tenants without their own `content_retention_days`.
 
     A tenant whose purge fails (the audit store is down) is skipped and logged; the next pass retries it,
     and the others are purged all the same.

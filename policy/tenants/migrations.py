@@ -4,7 +4,7 @@ Tables::
 
     schema_migrations(version)                 one row per applied migration
     tenants(tenant_id PK, display_name, weight, quotas JSON, policy, retain_prompts 0/1, created_at,
-            max_priority 'interactive'/'batch')
+            max_priority 'interactive'/'batch', content_retention_days NULL = the default)
     api_keys(key_id PK, tenant_id FK, roles JSON, label, created_at, expires_at, revoked_at, secret_hash)
     admin_changes(id PK, at, actor, action, target, before JSON, after JSON)    append-only
 
@@ -91,6 +91,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         # Tenants created before priority classes keep what they had: everything interactive.
         shared=("ALTER TABLE tenants ADD COLUMN max_priority TEXT NOT NULL DEFAULT 'interactive'",),
     ),
+    Migration(
+        version=4,
+        summary="tenants.content_retention_days",
+        # NULL: the tenant keeps content for the configured default, as every tenant did before.
+        shared=("ALTER TABLE tenants ADD COLUMN content_retention_days DOUBLE PRECISION",),
+    ),
 )
 
 
@@ -110,6 +116,7 @@ TENANT_FIELDS = (
     "retain_prompts",
     "created_at",
     "max_priority",
+    "content_retention_days",
 )
 TENANT_COLUMNS = ", ".join(TENANT_FIELDS)
 # What an update sets: every column but the id and created_at, which never change (`tenant_update_row`).
@@ -136,6 +143,7 @@ def tenant_row(tenant: Tenant) -> tuple[object, ...]:
         int(tenant.retain_prompts),
         float(tenant.created_at),
         tenant.max_priority,
+        _opt_float(tenant.content_retention_days),
     )
 
 
@@ -156,6 +164,7 @@ def tenant_from_row(row: Row) -> Tenant:
         retain_prompts=bool(row[5]),
         created_at=float(row[6]),
         max_priority=msgspec.convert(row[7], PriorityClass),
+        content_retention_days=_opt_float(row[8]),
     )
 
 

@@ -43,6 +43,9 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     policy: str = "default"
     # Whether prompts and completions may be retained in logs and audit records.
     retain_prompts: bool = False
+    # Days the audit trail keeps this tenant's checked content (with retain_prompts); None = the configured
+    # `[audit] content_retention_days`. Must be > 0 when set.
+    content_retention_days: float | None = None
     # The highest admission class this tenant's requests may use. A request may ask for a lower class with a
     # header, never a higher one, so a `batch` tenant only ever runs as batch.
     max_priority: PriorityClass = "interactive"

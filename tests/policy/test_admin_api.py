@@ -30,6 +30,7 @@ ACME: dict[str, Any] = {
     "quotas": {"tenant": LIMITS, "per_key": {**LIMITS, "request_burst": 2.0}, "fail_mode": "open"},
     "policy": "strict",
     "retain_prompts": True,
+    "content_retention_days": None,
     "max_priority": "interactive",
 }
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -156,6 +157,7 @@ async def test_create_tenant_defaults(admin: Admin) -> None:
         "quotas": {"tenant": None, "per_key": None, "fail_mode": "closed"},
         "policy": "default",
         "retain_prompts": False,
+        "content_retention_days": None,
         "max_priority": "interactive",
         "created_at": admin.clock(),
     }
@@ -200,6 +202,9 @@ def _limits(**changes: Any) -> dict[str, Any]:
         (_acme(max_priority="urgent"), "max_priority"),
         (_acme(max_priority="Batch"), "max_priority"),
         (_acme(max_priority=None), "max_priority"),
+        (_acme(content_retention_days=0), "content_retention_days"),
+        (_acme(content_retention_days=-7), "content_retention_days"),
+        (_acme(content_retention_days="week"), "content_retention_days"),
         (_acme(colour="red"), "colour"),
         ({"tenant_id": "acme"}, "display_name"),
     ],
@@ -280,6 +285,24 @@ async def test_max_priority_on_create_and_patch(admin: Admin) -> None:
     assert (await admin.store.get_tenant("bulk")).max_priority == "batch"
 
 
+async def test_content_retention_days_on_create_and_patch(admin: Admin) -> None:
+    created = await admin.request("POST", "/admin/tenants", _acme(content_retention_days=90))
+    assert created.status_code == 201, created.text
+    assert created.json()["content_retention_days"] == 90.0
+    assert (await admin.store.get_tenant("acme")).content_retention_days == 90.0
+
+    admin.clock.advance(1)
+    patched = await admin.request("PATCH", "/admin/tenants/acme", {"content_retention_days": 7.5})
+    assert patched.status_code == 200, patched.text
+    assert patched.json() == {**created.json(), "content_retention_days": 7.5}
+    assert (await admin.store.get_tenant("acme")).content_retention_days == 7.5
+    [change] = await admin.store.changes(1, target="tenant:acme")
+    assert (change.action, msgspec.json.decode(change.after or "")) == ("tenant.update", patched.json())
+    # A PATCH of other fields leaves it.
+    renamed = await admin.request("PATCH", "/admin/tenants/acme", {"display_name": "Acme Ltd"})
+    assert renamed.json()["content_retention_days"] == 7.5
+
+
 ACME_PATH = "/admin/tenants/acme"
 QUOTAS_PATH = "/admin/tenants/acme/quotas"
 
@@ -294,6 +317,9 @@ QUOTAS_PATH = "/admin/tenants/acme/quotas"
         ("PATCH", ACME_PATH, {"created_at": 5}, "created_at"),
         ("PATCH", ACME_PATH, {"max_priority": "realtime"}, "max_priority"),
         ("PATCH", ACME_PATH, {"max_priority": 0}, "max_priority"),
+        ("PATCH", ACME_PATH, {"content_retention_days": 0}, "content_retention_days"),
+        ("PATCH", ACME_PATH, {"content_retention_days": -0.5}, "content_retention_days"),
+        ("PATCH", ACME_PATH, {"content_retention_days": "30"}, "content_retention_days"),
         ("PUT", QUOTAS_PATH, {"tenant": _limits(request_burst=0)}, "tenant.request_burst"),
         ("PUT", QUOTAS_PATH, {"per_key": _limits(requests_per_second=-1)}, "per_key.requests_per_second"),
         ("PUT", QUOTAS_PATH, {"per_key": _limits(token_burst="x")}, "per_key.token_burst"),

@@ -60,10 +60,12 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 
 @pytest.fixture
 async def tenants(tmp_path: Path) -> AsyncIterator[SqliteTenantStore]:
-    """`keeper` retains prompts, `private` does not."""
+    """`keeper` retains prompts for the default period, `brief` for its own 7 days, `private` not at all."""
     tenant_store = await SqliteTenantStore.open(tmp_path / "tenants.sqlite3")
-    for tenant_id, retain in (("keeper", True), ("private", False)):
-        tenant = Tenant(tenant_id=tenant_id, display_name=tenant_id, retain_prompts=retain)
+    for tenant_id, retain, days in (("keeper", True, None), ("brief", True, 7.0), ("private", False, None)):
+        tenant = Tenant(
+            tenant_id=tenant_id, display_name=tenant_id, retain_prompts=retain, content_retention_days=days
+        )
         await tenant_store.create_tenant(tenant, actor="test", now=0.0)
     yield tenant_store
     await tenant_store.close()
@@ -88,7 +90,7 @@ async def test_expired_content_is_purged_and_the_decisions_and_chain_remain(
 
     purged = await purge_expired(store, tenants, NOW, days=30)
     # `keeper` keeps 30 days of content; `private` (no retain_prompts) keeps none.
-    assert purged == {"keeper": 2, "private": 5}
+    assert purged == {"brief": 0, "keeper": 2, "private": 5}
     for tenant in ("keeper", "private"):
         after = await records(store, tenant)
         assert without_content(after) == without_content(before[tenant])  # hashes and decisions stay
@@ -104,9 +106,38 @@ async def test_expired_content_is_purged_and_the_decisions_and_chain_remain(
     assert all(r.content is None for r in await records(store, "private"))
 
     # Nothing more to purge until time moves on; then the next day's worth.
-    assert await purge_expired(store, tenants, NOW, days=30) == {"keeper": 0, "private": 0}
-    assert await purge_expired(store, tenants, NOW + 1.5 * DAY_S, days=30) == {"keeper": 1, "private": 0}
+    assert await purge_expired(store, tenants, NOW, days=30) == {"brief": 0, "keeper": 0, "private": 0}
+    assert await purge_expired(store, tenants, NOW + 1.5 * DAY_S, days=30) == {
+        "brief": 0,
+        "keeper": 1,
+        "private": 0,
+    }
     assert (await store.verify("keeper")).ok
+
+
+async def test_a_tenant_with_its_own_shorter_period_is_purged_earlier(
+    store: AuditStore, tenants: SqliteTenantStore
+) -> None:
+    ages = [45.0, 10.0, 6.0, 1.0]
+    await store.append([draft(t, n, age) for n, age in enumerate(ages) for t in ("keeper", "brief")])
+
+    # `brief` keeps its own 7 days; `keeper` the default 30.
+    assert await purge_expired(store, tenants, NOW, days=30) == {"brief": 2, "keeper": 1, "private": 0}
+    assert [r.content for r in await records(store, "brief")] == [
+        None,
+        None,
+        "prompt 2 of brief",
+        "prompt 3 of brief",
+    ]
+    assert [r.content is None for r in await records(store, "keeper")] == [True, False, False, False]
+    # A day and a half on, `brief`'s 6-day-old record has expired; nothing of `keeper`'s has.
+    later = NOW + 1.5 * DAY_S
+    assert await purge_expired(store, tenants, later, days=30) == {"brief": 1, "keeper": 0, "private": 0}
+    # Its own period holds whatever the default: a longer default changes nothing for it.
+    assert await purge_expired(store, tenants, later, days=365) == {"brief": 0, "keeper": 0, "private": 0}
+    for tenant in ("brief", "keeper"):
+        report = await store.verify(tenant)
+        assert (report.ok, report.checked) == (True, 4)
 
 
 class Flaky(SqliteAuditStore):
@@ -127,9 +158,9 @@ async def test_a_store_outage_skips_a_tenant_and_the_next_pass_catches_up(
     assert isinstance(store, Flaky)
     await store.append([draft("keeper", 0, 40.0), draft("private", 1, 0.0)])
     store.down_for = "keeper"
-    assert await purge_expired(store, tenants, NOW, days=30) == {"private": 1}
+    assert await purge_expired(store, tenants, NOW, days=30) == {"brief": 0, "private": 1}
     store.down_for = ""
-    assert await purge_expired(store, tenants, NOW, days=30) == {"keeper": 1, "private": 0}
+    assert await purge_expired(store, tenants, NOW, days=30) == {"brief": 0, "keeper": 1, "private": 0}
     await store.close()
 
 

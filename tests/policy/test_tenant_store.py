@@ -47,6 +47,7 @@ ACME = Tenant(
     quotas=QUOTAS,
     policy="strict",
     retain_prompts=True,
+    content_retention_days=1 / 3,
     max_priority="batch",
 )
 
@@ -82,13 +83,22 @@ async def test_create_get_list_update_tenant(tenant_store: TenantStore) -> None:
     # Floats inside the JSON quotas and in their own columns come back bit for bit.
     assert (await tenant_store.get_tenant("acme")).quotas == QUOTAS
     assert (await tenant_store.get_tenant("acme")).max_priority == "batch"
+    assert (await tenant_store.get_tenant("acme")).content_retention_days == 1 / 3
 
-    # Every field but the id and created_at is replaced (max_priority back to its default among them).
+    # Every field but the id and created_at is replaced (max_priority and content_retention_days back to
+    # their defaults among them).
     changed = Tenant(tenant_id="acme", display_name="Acme Ltd", weight=0.1, policy="lenient", created_at=5.0)
     updated = await tenant_store.update_tenant(changed, actor="k1", now=2000.0)
     assert updated == msgspec.structs.replace(changed, created_at=1000.25)
     assert await tenant_store.get_tenant("acme") == updated
     assert updated.max_priority == "interactive"
+    assert updated.content_retention_days is None
+    # And set again: a period is stored as given, bit for bit.
+    longer = await tenant_store.update_tenant(
+        msgspec.structs.replace(updated, content_retention_days=365.25), actor="k1", now=2001.0
+    )
+    assert longer.content_retention_days == 365.25
+    assert await tenant_store.get_tenant("acme") == longer
 
     # Ids sort by code point on every backend, whatever the database collation.
     for tenant_id in ("b", "a-b", "aa", "A"):
@@ -242,7 +252,7 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get_tenant("acme") == await first.get_tenant("acme")
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3, 4]
 
 
 async def _open_at_migration_2(backend: Backend) -> None:
@@ -289,13 +299,16 @@ async def test_a_database_at_migration_2_migrates_to_interactive(backend: Backen
         retain_prompts=True,
         created_at=7.5,
         max_priority="interactive",
+        content_retention_days=None,
     )
     assert await store.get_tenant("old") == expected
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [1, 2, 3]
-    # The migrated table takes the new column like a fresh one.
+    assert [row[0] for row in rows] == [1, 2, 3, 4]
+    # The migrated table takes the new columns like a fresh one.
     batch = await store.update_tenant(
-        msgspec.structs.replace(expected, max_priority="batch"), actor="a", now=8.0
+        msgspec.structs.replace(expected, max_priority="batch", content_retention_days=90.0),
+        actor="a",
+        now=8.0,
     )
     assert await store.get_tenant("old") == batch
     created = await store.create_tenant(ACME, actor="a", now=9.0)
