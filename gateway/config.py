@@ -224,7 +224,7 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     close_timeout: float = 10.0
     # Days the checked text of a decision is kept (only for tenants with retain_prompts, and only where the
     # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
-    # content of tenants without retain_prompts is purged at the next pass. One period for every tenant.
+    # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
     content_retention_days: float = 30.0
 
     def spool_path(self, storage: StorageConfig) -> Path:
