@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -78,15 +79,10 @@ async def open_tenant_store(config: Config) -> TenantStore:
     if config.storage.backend == "postgres":
         from policy.tenants.postgres import PostgresTenantStore
 
-        return await PostgresTenantStore.open(
-            config.storage.postgres_dsn,
-            schema=config.storage.postgres_schema,
-            connect_timeout=config.storage.postgres_connect_timeout,
-            command_timeout=config.storage.postgres_command_timeout,
-        )
+        return await PostgresTenantStore.open(config.storage.postgres_dsn, **_postgres_options(config))
     from policy.tenants.sqlite import SqliteTenantStore
 
-    return await SqliteTenantStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+    return await SqliteTenantStore.open(await _sqlite_path(config))
 
 
 def _sqlite_file(raw: str) -> Path:
@@ -95,20 +91,30 @@ def _sqlite_file(raw: str) -> Path:
     return path
 
 
+async def _sqlite_path(config: Config) -> Path:
+    """The [storage] SQLite file every SQLite store opens (its directory created, off the event loop)."""
+    return await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path)
+
+
+def _postgres_options(config: Config) -> dict[str, Any]:
+    """The [storage] PostgreSQL schema and time limits every PostgreSQL store opens with."""
+    storage = config.storage
+    return {
+        "schema": storage.postgres_schema,
+        "connect_timeout": storage.postgres_connect_timeout,
+        "command_timeout": storage.postgres_command_timeout,
+    }
+
+
 async def open_registry_store(config: Config) -> RegistryStore:
     """The registry store, in the same database as the tenant store."""
     if config.storage.backend == "postgres":
         from registry.postgres import PostgresRegistryStore
 
-        return await PostgresRegistryStore.open(
-            config.storage.postgres_dsn,
-            schema=config.storage.postgres_schema,
-            connect_timeout=config.storage.postgres_connect_timeout,
-            command_timeout=config.storage.postgres_command_timeout,
-        )
+        return await PostgresRegistryStore.open(config.storage.postgres_dsn, **_postgres_options(config))
     from registry.sqlite import SqliteRegistryStore
 
-    return await SqliteRegistryStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+    return await SqliteRegistryStore.open(await _sqlite_path(config))
 
 
 async def open_audit_store(config: Config) -> AuditStore:
@@ -116,15 +122,10 @@ async def open_audit_store(config: Config) -> AuditStore:
     if config.storage.backend == "postgres":
         from policy.audit.postgres import PostgresAuditStore
 
-        return await PostgresAuditStore.open(
-            config.storage.postgres_dsn,
-            schema=config.storage.postgres_schema,
-            connect_timeout=config.storage.postgres_connect_timeout,
-            command_timeout=config.storage.postgres_command_timeout,
-        )
+        return await PostgresAuditStore.open(config.storage.postgres_dsn, **_postgres_options(config))
     from policy.audit.sqlite import SqliteAuditStore
 
-    return await SqliteAuditStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+    return await SqliteAuditStore.open(await _sqlite_path(config))
 
 
 async def open_appeal_store(config: Config) -> AppealStore:
@@ -132,15 +133,10 @@ async def open_appeal_store(config: Config) -> AppealStore:
     if config.storage.backend == "postgres":
         from policy.audit.appeals_postgres import PostgresAppealStore
 
-        return await PostgresAppealStore.open(
-            config.storage.postgres_dsn,
-            schema=config.storage.postgres_schema,
-            connect_timeout=config.storage.postgres_connect_timeout,
-            command_timeout=config.storage.postgres_command_timeout,
-        )
+        return await PostgresAppealStore.open(config.storage.postgres_dsn, **_postgres_options(config))
     from policy.audit.appeals_sqlite import SqliteAppealStore
 
-    return await SqliteAppealStore.open(await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path))
+    return await SqliteAppealStore.open(await _sqlite_path(config))
 
 
 async def _audit_writer(
