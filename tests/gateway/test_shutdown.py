@@ -90,10 +90,12 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 async def refused(url: str) -> bool:
+    """New requests are no longer served: the connection is refused, or (a connection accepted in the instant
+    the listener closed) dropped without an answer."""
     try:
         async with httpx.AsyncClient(base_url=url) as http:
             await http.get("/healthz")
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
