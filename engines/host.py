@@ -3,6 +3,10 @@ names the host's compute for cached measurements.
 
 On CPUs without native bf16 (no AVX512_BF16 or AMX on x86, no BF16 on Arm) PyTorch emulates it, and vLLM's
 CPU kernels fall back: prefill there is about three times slower in bf16 than in float32 (README, "Engine").
+On x86 CPUs with AMX, vLLM's CPU attention picks its AMX kernel for bf16, which answers wrongly there (vLLM
+0.32, SmolLM2-135M: greedy "What is the capital of France?" gives "L'Étoile, la Marseillaise, ..." where the
+same weights in bf16 under transformers, and vLLM with the AMX kernel switched off, say "The capital of France
+is Paris."), so `auto` runs float32 on those hosts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ DtypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
 
 # CPU feature flags (as /proc/cpuinfo names them) that give native bf16 matrix arithmetic.
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+# x86 flags under which vLLM's CPU attention runs bf16 on its AMX kernel (torch.cpu._is_amx_tile_supported).
+_AMX_FLAGS = frozenset({"amx_tile"})
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -53,14 +59,22 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & _BF16_FLAGS)
 
 
-def resolve_dtype(choice: DtypeChoice, *, gpu: bool, gpu_bf16: bool, cpu_bf16: bool) -> Dtype:
+def cpu_has_amx(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has AMX tiles (vLLM's CPU attention then runs bf16 on its AMX kernel)."""
+    return bool((cpu_flags() if flags is None else flags) & _AMX_FLAGS)
+
+
+def resolve_dtype(
+    choice: DtypeChoice, *, gpu: bool, gpu_bf16: bool, cpu_bf16: bool, cpu_amx: bool = False
+) -> Dtype:
     """The dtype to run: `auto` is bf16 where the device runs it natively, else float32 on CPUs (bf16 is
-    emulated there) and float16 on GPUs without bf16."""
+    emulated there) and float16 on GPUs without bf16. CPUs with AMX run float32: vLLM's AMX attention kernel
+    answers wrongly in bf16 (module docstring); an explicit choice is taken as given."""
     if choice != "auto":
         return choice
     if gpu:
         return "bfloat16" if gpu_bf16 else "float16"
-    return "bfloat16" if cpu_bf16 else "float32"
+    return "bfloat16" if cpu_bf16 and not cpu_amx else "float32"
 
 
 def detect_dtype(choice: DtypeChoice) -> Dtype:
@@ -73,7 +87,14 @@ def detect_dtype(choice: DtypeChoice) -> Dtype:
 
         gpu = bool(torch.cuda.is_available())
         gpu_bf16 = gpu and bool(torch.cuda.is_bf16_supported())
-    return resolve_dtype(choice, gpu=gpu, gpu_bf16=gpu_bf16, cpu_bf16=cpu_has_native_bf16())
+    flags = cpu_flags()
+    return resolve_dtype(
+        choice,
+        gpu=gpu,
+        gpu_bf16=gpu_bf16,
+        cpu_bf16=cpu_has_native_bf16(flags),
+        cpu_amx=cpu_has_amx(flags),
+    )
 
 
 def _may_have_gpu() -> bool:

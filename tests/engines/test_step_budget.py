@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.host import cpu_flags, cpu_has_native_bf16, cpu_model, resolve_dtype
+from engines.host import cpu_flags, cpu_has_amx, cpu_has_native_bf16, cpu_model, resolve_dtype
 from engines.step_budget import StepClock, StepProfile, choose_budget, load_profile, save_profile
 
 EPYC = """processor\t: 0
@@ -71,17 +71,25 @@ def test_cpu_flags_and_native_bf16() -> None:
     assert not cpu_has_native_bf16(cpu_flags(EPYC))
     assert cpu_has_native_bf16(cpu_flags(SAPPHIRE))
     assert cpu_has_native_bf16(cpu_flags(GRAVITON))
+    assert cpu_has_amx(cpu_flags(SAPPHIRE))
+    assert not cpu_has_amx(cpu_flags(EPYC))
+    assert not cpu_has_amx(cpu_flags(GRAVITON))
 
 
 @pytest.mark.parametrize(
-    ("gpu", "gpu_bf16", "cpu_bf16", "expected"),
+    ("gpu", "gpu_bf16", "cpu_bf16", "cpu_amx", "expected"),
     [
-        (False, False, False, "float32"),  # AVX2-only CPU: bf16 is emulated, about 3x slower
-        (False, False, True, "bfloat16"),
-        (True, True, False, "bfloat16"),
-        (True, False, False, "float16"),  # pre-Ampere GPU
+        (False, False, False, False, "float32"),  # AVX2-only CPU: bf16 is emulated, about 3x slower
+        (False, False, True, False, "bfloat16"),  # AVX512_BF16 without AMX
+        (False, False, True, True, "float32"),  # AMX: vLLM's AMX attention kernel answers wrongly in bf16
+        (True, True, False, False, "bfloat16"),
+        (True, False, False, False, "float16"),  # pre-Ampere GPU
     ],
 )
-def test_auto_dtype_follows_the_hardware(gpu: bool, gpu_bf16: bool, cpu_bf16: bool, expected: str) -> None:
-    assert resolve_dtype("auto", gpu=gpu, gpu_bf16=gpu_bf16, cpu_bf16=cpu_bf16) == expected
-    assert resolve_dtype("float16", gpu=gpu, gpu_bf16=gpu_bf16, cpu_bf16=cpu_bf16) == "float16"
+def test_auto_dtype_follows_the_hardware(
+    gpu: bool, gpu_bf16: bool, cpu_bf16: bool, cpu_amx: bool, expected: str
+) -> None:
+    host = {"gpu": gpu, "gpu_bf16": gpu_bf16, "cpu_bf16": cpu_bf16, "cpu_amx": cpu_amx}
+    assert resolve_dtype("auto", **host) == expected
+    assert resolve_dtype("float16", **host) == "float16"
+    assert resolve_dtype("bfloat16", **host) == "bfloat16"
