@@ -76,7 +76,7 @@ class VllmRemoteEngine:
         self._url = config.url.rstrip("/")
         self._token_text = token_text
         self._client: httpx.AsyncClient | None = None
-        self._metrics = ServerMetrics(kv_capacity=config.kv_tokens_capacity)
+        self._metrics = ServerMetrics()
         self._metrics_task: asyncio.Task[None] | None = None
         # Requests this engine has open at the replica (generate and score_next_token).
         self.in_flight = 0
@@ -174,10 +174,7 @@ class VllmRemoteEngine:
             # The last figures stay; health() is what reports the replica down.
             log.warning("metrics of %s unavailable: %s: %s", self.replica_id, type(exc).__name__, exc)
             return
-        metrics = parse_metrics(response.text)
-        if not metrics.kv_capacity:
-            metrics = msgspec.structs.replace(metrics, kv_capacity=self.config.kv_tokens_capacity)
-        self._metrics = metrics
+        self._metrics = parse_metrics(response.text)
 
     def _check_room(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.max_model_len:

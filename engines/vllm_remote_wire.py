@@ -33,8 +33,6 @@ class RemoteEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     start_timeout: float = 120.0
     # Told to callers when the replica is unreachable.
     retry_after: float = 5.0
-    # KV capacity in tokens when the server's `vllm:cache_config_info` does not report it.
-    kv_tokens_capacity: int = 0
     # The server runs `--scheduling-policy priority`: send each request's priority (vLLM refuses a nonzero
     # priority otherwise, so False leaves it out and every request runs first come, first served).
     priority_scheduling: bool = True

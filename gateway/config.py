@@ -248,6 +248,11 @@ class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     model: str = ""
     # Only for `vllm_remote`.
     remote: RemoteEngineConfig | None = None
+    # The replica's KV cache memory in bytes (a remote server's `--kv-cache-memory-bytes`); 0 = for
+    # `vllm_local` the [engine] kv_cache_bytes, otherwise none. Divided by the registry's KV bytes per token
+    # of the version it serves, it bounds the replica's KV capacity, and gives it when the engine reports
+    # none (routing.replicas).
+    kv_cache_bytes: int = 0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

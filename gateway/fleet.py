@@ -11,6 +11,9 @@ it names, serving the weights of the model version it names:
 - `simulated`: the timing-model simulator (load and fault testing only).
 
 Replica ids are unique in the fleet (`<kind>-<index>`, or the remote URL).
+
+A replica's KV byte budget (`kv_cache_bytes`, a local vLLM replica's `engine.kv_cache_bytes` by default)
+becomes tokens at the registry's bytes per token of the version it serves (`routing.replicas`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from gateway.config import Config, ReplicaSpec
 from registry.default_model import read_model_dir
 from registry.validation import model_dir_of
 from registry.view import RegistryView, ResolvedModel
-from routing.replicas import Replica
+from routing.replicas import Replica, kv_tokens_for_bytes
 
 
 class ModelNotPreparedError(Exception):
@@ -127,26 +130,31 @@ async def start_fleet(
     """Start every replica (those this function builds are shut down by `owned`) and wrap it for the
     router. `engine`, when given, is the single replica of a configuration without `[[engines]]`."""
 
-    def replica(engine: Engine, pool: str, model: ResolvedModel) -> Replica:
+    def replica(engine: Engine, pool: str, model: ResolvedModel, kv_bytes: int) -> Replica:
         return Replica(
             engine,
             pool=pool,
             weights_sha256=model.spec.weights_sha256,
             config=config.routing.replicas,
             clock=clock,
+            kv_budget_tokens=kv_tokens_for_bytes(kv_bytes, model) if kv_bytes > 0 else None,
         )
 
+    local_bytes = config.engine.kv_cache_bytes
     if not config.engines:
+        # A caller's engine is sized by the caller: only the one built here has a known byte budget.
+        kv_bytes = 0 if engine is not None or config.engine.kind == "simulated" else local_bytes
         if engine is None:
             engine = build_engine(config)
             await engine.start()
             owned.push_async_callback(engine.shutdown)
-        return [replica(engine, "default", served)]
+        return [replica(engine, "default", served, kv_bytes)]
     replicas = []
     for index, spec in enumerate(config.engines):
         model = view.resolve_model(spec.model, request_id="") if spec.model else served
         built = await _replica_engine(config, spec, model, index, token_text)
         await built.start()
         owned.push_async_callback(built.shutdown)
-        replicas.append(replica(built, spec.pool, model))
+        kv_bytes = spec.kv_cache_bytes or (local_bytes if spec.kind == "vllm_local" else 0)
+        replicas.append(replica(built, spec.pool, model, kv_bytes))
     return replicas

@@ -1,8 +1,13 @@
 """`Replica`: one engine replica as the router sees it — the weights it serves, its KV budget, its last
 reported load and its health behind a circuit breaker.
 
-KV budget. The engine reports its cache size in tokens (`EngineLoad.kv_tokens_capacity`: vLLM's blocks x
-block size). The gateway holds, per in-flight request, its prompt plus a growth reserve of
+KV budget. Two sources give a replica's KV capacity in tokens: the engine's report
+(`EngineLoad.kv_tokens_capacity`: vLLM's blocks x block size) and, when the operator gives the replica's KV
+memory in bytes (`[[engines]] kv_cache_bytes`, or `engine.kv_cache_bytes` for a local vLLM replica), that
+budget divided by the registry's bytes per token of the version it serves (`kv_tokens_for_bytes`). With
+both, the smaller holds (they disagree when the engine stores KV in another dtype than the registry's figure
+assumes, e.g. float32 on a CPU; the replica logs both once); with one, that one; with neither, nothing fits
+until the engine reports. The gateway holds, per in-flight request, its prompt plus a growth reserve of
 min(max_tokens, growth_reserve_cap) output tokens, and more once its output outgrows that reserve (`grow`).
 A request fits when capacity - held - (prompt + reserve) >= 0. Reservations change synchronously on
 dispatch and on release, so the budget is exact on the gateway side between two load reports.
@@ -56,14 +61,7 @@ class ReplicaUnavailableError(RoutingError):
 
 def kv_tokens_for_bytes(budget_bytes: int, kv_bytes_per_token: int | ResolvedModel) -> int:
     """Tokens a KV cache of `budget_bytes` holds for a model of `kv_bytes_per_token` (or a resolved model
-    version: the registry's `2 * layers * kv_heads * head_dim * kv_dtype_bytes`).
-
-    Used to give a replica its capacity (`Replica(kv_capacity_tokens=...)`) when the engine's own report
-    does not count in the served model version's tokens: an engine sized for another model or KV dtype than
-    the registry version's, or one that reports no capacity (a remote engine behind a proxy). The byte
-    budget is then the operator's (KV memory of the engine) and the registry's bytes per token convert it.
-    An engine that reports its capacity for the model it runs (vLLM) needs no conversion.
-    """
+    version: the registry's `2 * layers * kv_heads * head_dim * kv_dtype_bytes`)."""
     per_token = (
         kv_bytes_per_token if isinstance(kv_bytes_per_token, int) else kv_bytes_per_token.kv_bytes_per_token
     )
@@ -99,15 +97,16 @@ class Replica:
         weights_sha256: str,
         config: ReplicaConfig,
         clock: Callable[[], float],
-        kv_capacity_tokens: int | None = None,
+        kv_budget_tokens: int | None = None,
     ) -> None:
-        """`kv_capacity_tokens`, when given, replaces the engine's reported capacity (see
-        `kv_tokens_for_bytes`); otherwise the capacity is 0 (nothing fits) until the first `refresh()`."""
+        """`kv_budget_tokens`: the capacity the replica's KV byte budget gives at the registry's bytes per
+        token (`kv_tokens_for_bytes`), None when no budget is configured (module docstring)."""
         self.engine = engine
         self.pool = pool
         self.weights_sha256 = weights_sha256
         self._config = config
-        self._capacity_override = kv_capacity_tokens
+        self.kv_budget_tokens = kv_budget_tokens
+        self._told_disagreement = False
         self.breaker = CircuitBreaker(f"replica {engine.replica_id}", config.breaker, clock)
         # Last load the engine reported (None before the first refresh) and whether its last health check
         # said ready (assumed until a check says otherwise: replicas are registered once started).
@@ -130,10 +129,12 @@ class Replica:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """KV cache size in tokens: the configured override, else the engine's last report (0 before)."""
-        if self._capacity_override is not None:
-            return self._capacity_override
-        return self.last_load.kv_tokens_capacity if self.last_load is not None else 0
+        """KV cache size in tokens: the smaller of the engine's last report and the byte budget's tokens,
+        whichever are known (0 when neither is)."""
+        reported = self.last_load.kv_tokens_capacity if self.last_load is not None else 0
+        if self.kv_budget_tokens is None:
+            return reported
+        return min(reported, self.kv_budget_tokens) if reported > 0 else self.kv_budget_tokens
 
     @property
     def held_tokens(self) -> int:
@@ -261,6 +262,7 @@ class Replica:
         if load is not None:
             self.last_load = load
             self._reported_upto = started
+            self._check_capacity(load.kv_tokens_capacity)
         if not check_health or not probing:
             # A replica that answers "not ready" (an engine restarting) is out of routing until it answers
             # ready again, at once: an honest answer is not a fault, so it does not count toward the breaker.
@@ -269,6 +271,22 @@ class Replica:
             self.record_success()
         else:
             self.record_failure()
+
+    def _check_capacity(self, reported: int) -> None:
+        """Say once when the engine's capacity and the byte budget's disagree by more than a tenth."""
+        budget = self.kv_budget_tokens
+        if budget is None or reported <= 0 or self._told_disagreement:
+            return
+        if abs(reported - budget) > max(reported, budget) / 10:
+            self._told_disagreement = True
+            log.warning(
+                "replica %s reports %d KV tokens; its byte budget at the registry's bytes per token gives "
+                "%d; routing counts %d (the engine's KV dtype may differ from the registry's)",
+                self.replica_id,
+                reported,
+                budget,
+                min(reported, budget),
+            )
 
     # -- breaker -----------------------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ async def start_replicas(count: int, config: SimulatorConfig = ENGINE) -> list[R
                 weights_sha256=SHA,
                 config=REPLICA,
                 clock=loop.time,
-                kv_capacity_tokens=config.kv_capacity_tokens,
+                kv_budget_tokens=config.kv_capacity_tokens,
             )
         )
     return replicas

@@ -272,3 +272,27 @@ async def test_readyz_lists_every_replica_and_a_pool_is_ready_while_one_is(
         response = await gw.http.get("/readyz")
         assert response.status_code == 503
         assert "simulated-1: gone" in response.json()["detail"]
+
+
+async def test_a_replica_kv_byte_budget_counts_in_the_registry_bytes_per_token(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # SmolLM2-135M in the registry: 2 x 30 layers x 3 KV heads x 64 head dim x 2 bytes.
+    per_token = 2 * 30 * 3 * 64 * 2
+    budget = 60  # tokens; the simulator itself reports 100
+    spec = ReplicaSpec(kind="simulated", kv_cache_bytes=budget * per_token + per_token - 1)
+    cfg = msgspec.structs.replace(config(), engines=[spec])
+    async with gateway_for(cfg, renderer, outcomes, tenancy) as gw:
+        [replica] = gw.services.scheduler.replicas
+        assert replica.kv_budget_tokens == budget
+        assert replica.kv_capacity_tokens == budget  # known before the engine's first report
+        prompt = (await gw.chat(gw.acme, max_tokens=1)).json()["usage"]["prompt_tokens"]
+        assert replica.last_load is not None
+        assert replica.last_load.kv_tokens_capacity == 100
+        assert replica.kv_capacity_tokens == budget  # the smaller of the two
+        # A request fits exactly up to the budget, and no further.
+        fitting = await gw.chat(gw.acme, max_tokens=budget - prompt)
+        assert fitting.status_code == 200, fitting.text
+        too_large = await gw.chat(gw.acme, max_tokens=budget - prompt + 1)
+        assert too_large.status_code == 400
+        assert too_large.json()["error"]["code"] == "context_length_exceeded"

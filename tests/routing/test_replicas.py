@@ -108,11 +108,11 @@ def make_replica(
     *,
     sha: str = SHA_A,
     config: ReplicaConfig = CONFIG,
-    capacity: int | None = None,
+    budget: int | None = None,
 ) -> Replica:
-    """A replica of `engine` serving weights `sha`."""
+    """A replica of `engine` serving weights `sha` (`budget`: its KV byte budget in tokens)."""
     return Replica(
-        engine, pool="default", weights_sha256=sha, config=config, clock=clock, kv_capacity_tokens=capacity
+        engine, pool="default", weights_sha256=sha, config=config, clock=clock, kv_budget_tokens=budget
     )
 
 
@@ -133,17 +133,40 @@ async def test_capacity_comes_from_the_engine_after_refresh() -> None:
     assert replica.kv_capacity_tokens == 2000
 
 
-async def test_capacity_override_from_a_byte_budget() -> None:
+async def test_a_byte_budget_converts_with_the_registry_bytes_per_token() -> None:
     per_token = LLAMA3_8B.kv_bytes_per_token()
     assert per_token == 2 * 32 * 8 * 128 * 2
-    tokens = kv_tokens_for_bytes(8 * 2**30, per_token)
-    assert tokens == 65536
+    assert kv_tokens_for_bytes(8 * 2**30, per_token) == 65536
     assert kv_tokens_for_bytes(per_token - 1, per_token) == 0
     with pytest.raises(ValueError, match="positive"):
         kv_tokens_for_bytes(100, 0)
-    replica = make_replica(FakeEngine("a", capacity=5), FakeClock(), capacity=tokens)
+
+
+async def test_a_byte_budget_gives_capacity_before_the_engine_reports_and_bounds_it_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine("a", capacity=0)  # reports no capacity (a remote server without cache_config_info)
+    replica = make_replica(engine, FakeClock(), budget=500)
+    assert replica.kv_capacity_tokens == 500
+    assert replica.fits(100, 100)  # the budget alone lets requests in before any report
     await replica.refresh()
-    assert replica.kv_capacity_tokens == 65536  # the override wins over the engine's report
+    assert replica.kv_capacity_tokens == 500
+    engine.set_load(capacity=480)  # within a tenth of the budget: agreement, nothing said
+    with caplog.at_level("WARNING", logger="lockgate.routing"):
+        await replica.refresh()
+    assert replica.kv_capacity_tokens == 480
+    assert not caplog.records
+    engine.set_load(capacity=2000)  # KV kept in another dtype than the registry assumes
+    with caplog.at_level("WARNING", logger="lockgate.routing"):
+        await replica.refresh()
+        await replica.refresh()
+    assert replica.kv_capacity_tokens == 500  # the smaller holds
+    [record] = caplog.records  # said once
+    assert "reports 2000 KV tokens" in record.getMessage()
+    assert "gives 500" in record.getMessage()
+    engine.set_load(capacity=200)
+    await replica.refresh()
+    assert replica.kv_capacity_tokens == 200
 
 
 async def test_growth_reserve_is_capped() -> None:

@@ -341,7 +341,7 @@ def test_property_chosen_replica_has_room_and_budget_balances(
     clock = FakeClock()
     config = ReplicaConfig(growth_reserve_cap=128, breaker=BreakerPolicy(threshold=2, cooldown=10.0))
     reps = [
-        make_replica(FakeEngine(f"r{i}"), clock, sha=(SHA_A, SHA_A, SHA_B)[i], config=config, capacity=cap)
+        make_replica(FakeEngine(f"r{i}"), clock, sha=(SHA_A, SHA_A, SHA_B)[i], config=config, budget=cap)
         for i, cap in enumerate(capacities)
     ]
     router = Router(RouterConfig(prefix_lru_size=8, session_lru_size=2))

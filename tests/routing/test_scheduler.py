@@ -64,7 +64,7 @@ def build(
     """A scheduler over replicas "a", "b", ... of the given KV capacities (known without a refresh)."""
     clock = FakeClock()
     engines = [FakeEngine(chr(ord("a") + i), capacity=c) for i, c in enumerate(capacities)]
-    replicas = [make_replica(e, clock, capacity=c) for e, c in zip(engines, capacities, strict=True)]
+    replicas = [make_replica(e, clock, budget=c) for e, c in zip(engines, capacities, strict=True)]
     scheduler = Scheduler(
         replicas, Router(RouterConfig(prefix_weight=0.0)), config or AdmissionConfig(), clock
     )
@@ -391,7 +391,7 @@ async def test_run_looks_at_a_new_tickets_deadline_without_being_woken() -> None
     # run() waits up to refresh_interval (here an hour) when nothing is queued; a ticket admitted meanwhile
     # must shorten that wait to its own deadline, or its expiry is answered an hour late.
     clock = FakeClock()
-    replica = make_replica(FakeEngine("a", capacity=100), clock, capacity=100)
+    replica = make_replica(FakeEngine("a", capacity=100), clock, budget=100)
     scheduler = Scheduler(
         [replica], Router(RouterConfig()), AdmissionConfig(), clock, refresh_interval=3600.0
     )
