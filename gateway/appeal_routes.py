@@ -8,14 +8,19 @@ Consumers (role `consumer`)::
 
 Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
 
-    GET  /audit/appeals?state=&limit=&after=    the review queue, oldest first
+    GET  /audit/queue?limit=                    what waits for review: undecided appeals and flagged
+                                                decisions nobody appealed yet (gateway.review_queue)
+    POST /audit/decisions/{tenant}/{seq}/appeal take up a flagged decision: files its appeal on the
+                                                reviewer's behalf, to be decided like any other
+    GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
     GET  /audit/appeals/{appeal_id}             the appeal and its events
     POST /audit/appeals/{appeal_id}/transition  {to, note}: open -> in_review -> upheld | overturned
 
 Deciding an appeal appends a review record to the decision's tenant's audit chain (decision `uphold` or
 `reversal`, `reverses` = the appealed record's seq, `actor` = the reviewer's key id), durable before the
 answer; the appealed record itself is never changed. Another tenant's appeal or decision is 404 (never 403,
-so ids cannot be probed), an invalid step or a second appeal of a decision 409.
+so ids cannot be probed), an invalid step, a second appeal of a decision or taking up a decision that cannot
+be reviewed 409.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.admin import ConflictAPIError
 from gateway.decoding import Decoder, read_body
 from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
+from gateway.review_queue import APPEALABLE, NotReviewableError, ReviewQueue, review_queue, take_up
 from gateway.security import allow, reviewer_scope
 from gateway.service import Services
 from policy.audit.appeals import (
@@ -46,6 +52,7 @@ from policy.audit.appeals import (
     InvalidTransitionError,
 )
 from policy.audit.base import AuditUnavailableError
+from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
 from policy.audit.writer import AuditWriterError
 from policy.auth import Principal
@@ -53,8 +60,6 @@ from policy.auth import Principal
 T = TypeVar("T")
 log = logging.getLogger("lockgate.appeals")
 
-# The decisions a tenant may appeal.
-APPEALABLE: frozenset[Decision] = frozenset({"block", "refuse", "flag"})
 # The review record each decided state leaves in the audit chain.
 REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
 
@@ -103,6 +108,8 @@ async def _store(call: Awaitable[T]) -> T:
         raise ConflictAPIError(str(exc), code="already_appealed") from exc
     except InvalidTransitionError as exc:
         raise ConflictAPIError(str(exc), param="to", code="invalid_transition") from exc
+    except NotReviewableError as exc:
+        raise ConflictAPIError(str(exc), code="not_reviewable") from exc
     except AuditUnavailableError as exc:
         raise StoreUnavailableError(
             "the audit database is unavailable; try again shortly", retry_after=1, code="audit_unavailable"
@@ -156,8 +163,43 @@ async def get_own_appeal(
     return await _detail(services, appeal)
 
 
+@get("/audit/queue")
+async def waiting_for_review(
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    limit: FromQuery[int] = 100,
+) -> ReviewQueue:
+    """Undecided appeals and (at most `limit`) flagged decisions nobody has appealed, newest first."""
+    scope = reviewer_scope(principal)
+    if not 1 <= limit <= MAX_APPEAL_LIMIT:
+        raise InvalidRequestError(
+            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
+        )
+    return await _store(review_queue(services, scope, limit))
+
+
+@post("/audit/decisions/{tenant:str}/{seq:int}/appeal", status_code=HTTP_201_CREATED)
+async def take_up_decision(
+    tenant: FromPath[str],
+    seq: FromPath[int],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> AppealDetail:
+    """Take up a flagged decision for review: its appeal, filed on the reviewer's behalf."""
+    scope = reviewer_scope(principal)
+    missing = NotFoundError(f"no audit record {tenant}/{seq}", code="not_found")
+    if scope is not None and tenant != scope:
+        raise missing
+    try:
+        record = await _store(services.audit.get(tenant, seq))
+    except AuditNotFoundError:
+        raise missing from None
+    appeal = await _store(take_up(services, record, principal.key.key_id, services.clock()))
+    return await _detail(services, appeal)
+
+
 @get("/audit/appeals")
-async def review_queue(
+async def list_appeals(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
     # `state` is a name Litestar reserves for the app state.
@@ -257,4 +299,12 @@ async def record_review(
     return reviews[-1].seq if reviews else None
 
 
-APPEAL_ROUTES = [file_appeal, get_own_appeal, review_queue, review_appeal, transition_appeal]
+APPEAL_ROUTES = [
+    file_appeal,
+    get_own_appeal,
+    waiting_for_review,
+    take_up_decision,
+    list_appeals,
+    review_appeal,
+    transition_appeal,
+]

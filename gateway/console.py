@@ -28,7 +28,7 @@ from litestar.params import FromPath
 from litestar.response import Redirect
 
 from gateway import console_views as views
-from gateway.appeal_routes import APPEALABLE, REVIEW_DECISION, record_review
+from gateway.appeal_routes import REVIEW_DECISION, record_review
 from gateway.console_sessions import (
     COOKIE,
     HEADERS,
@@ -44,33 +44,15 @@ from gateway.console_sessions import (
     signed_in,
 )
 from gateway.console_stats import collect, stats_body
+from gateway.review_queue import all_appeals, review_queue, reviewable, take_up
 from gateway.service import Services
-from policy.audit.appeals import MAX_APPEAL_LIMIT, Appeal, AppealState
-from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
+from policy.audit.appeals import Appeal, AppealState
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 
-# The queue reads flagged decisions of this window, at most QUEUE_MAX_RECORDS of them, and shows QUEUE_SHOWN.
-QUEUE_WINDOW_S = 30 * 86400.0
-QUEUE_MAX_RECORDS = 5000
 QUEUE_SHOWN = 200
-MAX_APPEAL_PAGES = 20
-FLAGGED_REASON = "flagged for review"
 _OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
-
-
-async def all_appeals(services: Services, reviewer: Reviewer, tenant: str | None) -> list[Appeal]:
-    """Every appeal of `tenant` (None: every tenant), page by page (at most MAX_APPEAL_PAGES pages)."""
-    found: list[Appeal] = []
-    after: str | None = None
-    for _ in range(MAX_APPEAL_PAGES):
-        page = await call(reviewer, services.appeals.list(tenant, None, MAX_APPEAL_LIMIT, after))
-        found.extend(page)
-        if len(page) < MAX_APPEAL_LIMIT:
-            break
-        after = page[-1].appeal_id
-    return found
 
 
 @get("/")
@@ -79,29 +61,13 @@ async def queue(request: Request[Any, Any, Any], services: NamedDependency[Servi
     reviewer = await signed_in(request, services)
     if reviewer is None:
         return html(views.login_page())
-    appeals = await all_appeals(services, reviewer, reviewer.scope)
-    appealed = {(a.tenant, a.decision_seq) for a in appeals}
-    pending = sorted((a for a in appeals if a.state in ("open", "in_review")), key=lambda a: -a.filed_at)
-    q = AuditQuery(
-        tenant=reviewer.scope,
-        flagged_only=True,
-        since=services.clock() - QUEUE_WINDOW_S,
-        limit=MAX_QUERY_LIMIT,
-    )
-    flagged: list[AuditRecord] = []
-    read, truncated = 0, True
-    while read < QUEUE_MAX_RECORDS:
-        page = await call(reviewer, services.audit.query(q))
-        read += len(page)
-        flagged.extend(r for r in page if r.stage != "review" and (r.tenant, r.seq) not in appealed)
-        if len(page) < q.page_size():
-            truncated = False
-            break
-        q = q.after(page[-1])
-    flagged.sort(key=lambda r: -r.at)
-    truncated = truncated or len(flagged) > QUEUE_SHOWN
+    waiting = await call(reviewer, review_queue(services, reviewer.scope, QUEUE_SHOWN))
     body = views.queue_page(
-        pending, flagged[:QUEUE_SHOWN], truncated=truncated, csrf=reviewer.session.csrf, who=reviewer.who
+        waiting.appeals,
+        waiting.flagged,
+        truncated=waiting.truncated,
+        csrf=reviewer.session.csrf,
+        who=reviewer.who,
     )
     return html(body)
 
@@ -147,8 +113,7 @@ async def logout(request: Request[Any, Any, Any], services: NamedDependency[Serv
 
 def decidable(record: AuditRecord, appeal: Appeal | None) -> bool:
     """Whether a reviewer can still uphold or overturn this decision."""
-    reviewable = record.stage != "review" and (record.decision in APPEALABLE or record.flagged)
-    return reviewable and (appeal is None or appeal.state in ("open", "in_review"))
+    return reviewable(record) and (appeal is None or appeal.state in ("open", "in_review"))
 
 
 async def _show(
@@ -158,7 +123,7 @@ async def _show(
     if reviewer.scope is not None and tenant != reviewer.scope:
         raise PageError(404, "no such decision", reviewer.session, reviewer.who)
     record = await call(reviewer, services.audit.get(tenant, seq))
-    appeals = await all_appeals(services, reviewer, tenant)
+    appeals = await call(reviewer, all_appeals(services, tenant))
     appeal = next((a for a in appeals if a.decision_seq == seq), None)
     events = [] if appeal is None else await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
     body = views.decision_page(
@@ -211,11 +176,7 @@ async def decide(
         raise PageError(409, "this decision cannot be decided (again)", reviewer.session, reviewer.who)
     actor, now = reviewer.principal.key.key_id, services.clock()
     if appeal is None:
-        filing = services.appeals.file(
-            tenant=tenant, request_id=record.request_id, decision_seq=seq, reason=FLAGGED_REASON,
-            filed_by=actor, now=now,
-        )  # fmt: skip
-        appeal = await call(reviewer, filing)
+        appeal = await call(reviewer, take_up(services, record, actor, now))
     step = services.appeals.transition
     if appeal.state == "open":
         appeal = await call(

@@ -61,6 +61,20 @@ class Gateway:
         assert found[-1].decision == "block"
         return request_id, found[-1]
 
+    async def flagged(self, who: str) -> AuditRecord:
+        """An ordinary request of `who`'s tenant: allowed, and flagged for review by the default policy."""
+        response = await self.chat(who, "What is the capital of France?")
+        assert response.status_code == 200, response.text
+        request_id = response.headers["x-request-id"]
+        found: list[AuditRecord] = []
+
+        async def recorded() -> bool:
+            found[:] = [r for r in await self.services.audit.find(who, request_id) if r.flagged]
+            return bool(found)
+
+        await eventually(recorded)
+        return found[-1]
+
     async def appeal(self, who: str, request_id: str) -> dict[str, Any]:
         response = await self.call(who, "POST", "/v1/appeals", {"request_id": request_id, "reason": "a test"})
         assert response.status_code == 201, response.text
@@ -276,3 +290,54 @@ async def test_bad_requests_name_the_field(gateway: Gateway) -> None:
     error(await gw.step("rev-acme", "apl_unknown", "in_review"), 404, "appeal_not_found")
     assert (await gw.services.appeals.get("acme", appeal_id)).state == "open"
     assert len(await gw.services.audit.find("acme", request_id)) == 1
+
+
+async def test_flagged_decisions_enter_the_review_queue_and_are_decided_as_appeals(gateway: Gateway) -> None:
+    flagged = await gateway.flagged("acme")
+    other = await gateway.flagged("beta")
+    _request_id, block = await gateway.blocked("acme")
+    appealed = await gateway.appeal("acme", block.request_id)
+
+    queue = (await gateway.call("rev-acme", "GET", "/audit/queue")).json()
+    assert [a["appeal_id"] for a in queue["appeals"]] == [appealed["appeal_id"]]
+    listed = [(r["tenant"], r["seq"]) for r in queue["flagged"]]
+    assert ("acme", flagged.seq) in listed
+    assert all(tenant == "acme" for tenant, _seq in listed)  # never another tenant's
+    assert queue["truncated"] is False
+    everyone = (await gateway.call("rev-global", "GET", "/audit/queue")).json()
+    assert {("acme", flagged.seq), ("beta", other.seq)} <= {
+        (r["tenant"], r["seq"]) for r in everyone["flagged"]
+    }
+
+    # Taking it up files its appeal on the reviewer's behalf; it leaves the flagged list for the appeals.
+    path = f"/audit/decisions/acme/{flagged.seq}/appeal"
+    error(await gateway.call("rev-beta", "POST", path), 404, "not_found")
+    taken = await gateway.call("rev-acme", "POST", path)
+    assert taken.status_code == 201, taken.text
+    appeal = taken.json()
+    assert (appeal["decision_seq"], appeal["state"], appeal["reason"]) == (
+        flagged.seq,
+        "open",
+        "flagged for review",
+    )
+    assert appeal["filed_by"] == gateway.key_ids["rev-acme"]
+    error(await gateway.call("rev-acme", "POST", path), 409, "already_appealed")
+    queue = (await gateway.call("rev-acme", "GET", "/audit/queue")).json()
+    assert ("acme", flagged.seq) not in [(r["tenant"], r["seq"]) for r in queue["flagged"]]
+    assert appeal["appeal_id"] in [a["appeal_id"] for a in queue["appeals"]]
+
+    # Decided like any appeal: the overturn appends a reversal of the flagged decision.
+    assert (await gateway.step("rev-acme", appeal["appeal_id"], "in_review")).status_code == 200
+    decided = await gateway.step("rev-acme", appeal["appeal_id"], "overturned", "not a problem")
+    assert decided.status_code == 200, decided.text
+    records = await gateway.services.audit.find("acme", flagged.request_id)
+    [reversal] = [r for r in records if r.decision == "reversal"]
+    assert reversal.reverses == flagged.seq
+    queue = (await gateway.call("rev-acme", "GET", "/audit/queue")).json()
+    assert appeal["appeal_id"] not in [a["appeal_id"] for a in queue["appeals"]]
+
+    # A review record cannot itself be taken up; consumers cannot reach the queue; limits are checked.
+    review_path = f"/audit/decisions/acme/{reversal.seq}/appeal"
+    error(await gateway.call("rev-acme", "POST", review_path), 409, "not_reviewable")
+    error(await gateway.call("acme", "GET", "/audit/queue"), 403)
+    error(await gateway.call("rev-acme", "GET", "/audit/queue", limit=0), 400, "invalid_value", "limit")

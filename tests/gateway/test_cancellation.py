@@ -30,7 +30,7 @@ from tests.conftest import (
     within_steps,
 )
 
-LONG = 1500  # tokens: far more than a test waits for, so only an abort can end these requests early
+LONG = 1500  # tokens: far more than a test waits for; with min_tokens only an abort ends these requests early
 
 
 async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None) -> None:
@@ -78,6 +78,7 @@ def body(
             "model": MODEL,
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
+            "min_tokens": max_tokens,  # a sampled end of text cannot finish it before the test is done
             "stream": stream,
             "temperature": 0.8,
         }

@@ -119,7 +119,9 @@ async def test_sigterm_drains_in_flight_streams_and_leaves_no_process(
         events: list[str] = []
         async with (
             httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http,
-            http.stream("POST", "/v1/chat/completions", json={**STREAM_BODY, "max_tokens": 60}) as response,
+            http.stream(
+                "POST", "/v1/chat/completions", json={**STREAM_BODY, "max_tokens": 60, "min_tokens": 60}
+            ) as response,
         ):
             reader = asyncio.create_task(read_stream(response, events))
             await eventually(lambda: _at_least(events, 3), within=30)
