@@ -29,6 +29,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, log_outcome
 from gateway.guards import GuardFactory
+from gateway.openapi import openapi_config
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
@@ -426,7 +427,7 @@ def create_app(
         },
         exception_handlers=exception_handlers(),
         request_max_body_size=config.server.max_body_bytes,
-        openapi_config=None,
+        openapi_config=openapi_config(),
     )
     # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
     # (unknown route, wrong method), and those responses need an `x-request-id` too.

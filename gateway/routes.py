@@ -6,18 +6,80 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import Example
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from gateway.decoding import read_body
 from gateway.generation.pipeline import run_chat, run_completion
-from gateway.schemas import AliasTargetCard, ModelCard, ModelList
+from gateway.openapi import (
+    ChatStreamingOperation,
+    CompletionStreamingOperation,
+    errors,
+    public,
+    request_body,
+    secured,
+)
+from gateway.schemas import (
+    AliasTargetCard,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from gateway.security import allow
 from gateway.service import Services
 from policy.auth import Principal
 from registry.models import ModelSpec
 
+# What generation can answer besides 401/403/503: invalid fields, unknown model, body too large, quota,
+# a failed engine.
+_GENERATION_ERRORS = (400, 404, 413, 429, 502)
 
-@post("/v1/chat/completions", status_code=HTTP_200_OK)
+
+@post(
+    "/v1/chat/completions",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        ChatCompletionRequest,
+        {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16,
+        },
+    ),
+    responses={
+        HTTP_200_OK: ResponseSpec(
+            ChatCompletion,
+            generate_examples=False,
+            description="The whole completion (JSON), or with `stream: true` server-sent events.",
+            examples=[
+                Example(
+                    summary="whole",
+                    value={
+                        "id": "chatcmpl-1",
+                        "created": 1767225600,
+                        "model": "SmolLM2-135M-Instruct",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "Paris."},
+                                "finish_reason": "stop",
+                                "logprobs": None,
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 36, "completion_tokens": 3, "total_tokens": 39},
+                        "object": "chat.completion",
+                    },
+                )
+            ],
+        ),
+        **errors(*_GENERATION_ERRORS),
+    },
+    operation_class=ChatStreamingOperation,
+)
 async def chat_completions(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -29,7 +91,23 @@ async def chat_completions(
     return await run_chat(services, req, request, principal)
 
 
-@post("/v1/completions", status_code=HTTP_200_OK)
+@post(
+    "/v1/completions",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        CompletionRequest,
+        {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8},
+    ),
+    responses={
+        HTTP_200_OK: ResponseSpec(
+            Completion,
+            generate_examples=False,
+            description="The whole completion (JSON), or with `stream: true` server-sent events.",
+        ),
+        **errors(*_GENERATION_ERRORS),
+    },
+    operation_class=CompletionStreamingOperation,
+)
 async def completions(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -41,7 +119,7 @@ async def completions(
     return await run_completion(services, req, request, principal)
 
 
-@get("/v1/models")
+@get("/v1/models", responses=errors())
 async def list_models(
     services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> ModelList:
@@ -84,7 +162,16 @@ async def list_models(
     return ModelList(data=cards)
 
 
-@get("/healthz")
+@get(
+    "/healthz",
+    responses={
+        HTTP_503_SERVICE_UNAVAILABLE: ResponseSpec(
+            dict[str, str],
+            generate_examples=False,
+            description='The gateway cannot recover by itself: `{"status": "dead", "detail": ...}`.',
+        )
+    },
+)
 async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str]]:
     """Liveness: 200 while the gateway can serve or recover by itself; 503 once it cannot (its engine
     supervisor gave up), so that a process supervisor restarts it."""
@@ -96,7 +183,16 @@ async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str
     return Response(content={"status": "ok"}, status_code=HTTP_200_OK)
 
 
-@get("/readyz")
+@get(
+    "/readyz",
+    responses={
+        HTTP_503_SERVICE_UNAVAILABLE: ResponseSpec(
+            dict[str, Any],
+            generate_examples=False,
+            description="Not ready: the same body, `status: not_ready`, and the `detail` of engines down.",
+        )
+    },
+)
 async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
     """Every pool has a ready engine (the generation replicas and the guards' pools), and the registry view is
     fresh (refreshed within `registry.max_staleness` seconds, its refresher running)."""
@@ -130,4 +226,7 @@ async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]
     return Response(content=body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 
-ROUTES = [chat_completions, completions, list_models, healthz, readyz]
+ROUTES = [
+    secured("openai", [chat_completions, completions, list_models]),
+    public("health", [healthz, readyz]),
+]
