@@ -20,6 +20,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.decoding import Decoder, read_body
 from gateway.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
+from gateway.openapi import errors, request_body, secured
 from gateway.security import allow_operator, allow_tenant
 from gateway.service import Services
 from policy.auth import Principal
@@ -134,7 +135,28 @@ def _forget(services: Services, tenant_id: str) -> None:
     services.auth.forget(tenant_id=tenant_id)
 
 
-@post("/admin/tenants", status_code=HTTP_201_CREATED)
+@post(
+    "/admin/tenants",
+    status_code=HTTP_201_CREATED,
+    dependencies=request_body(
+        Tenant,
+        {
+            "tenant_id": "acme",
+            "display_name": "Acme",
+            "weight": 2,
+            "quotas": {
+                "tenant": {
+                    "requests_per_second": 5,
+                    "request_burst": 10,
+                    "tokens_per_second": 2000,
+                    "token_burst": 8000,
+                }
+            },
+            "max_priority": "interactive",
+        },
+    ),
+    responses=errors(400, 409, 413),
+)
 async def create_tenant(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -150,7 +172,7 @@ async def create_tenant(
     )
 
 
-@get("/admin/tenants")
+@get("/admin/tenants", responses=errors())
 async def list_tenants(
     services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> list[Tenant]:
@@ -161,7 +183,7 @@ async def list_tenants(
     return [await _store(services.tenants.get_tenant(principal.tenant.tenant_id))]
 
 
-@get("/admin/tenants/{tenant_id:str}")
+@get("/admin/tenants/{tenant_id:str}", responses=errors(400, 404))
 async def get_tenant(
     tenant_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> Tenant:
@@ -185,7 +207,12 @@ async def _update(
     return result
 
 
-@patch("/admin/tenants/{tenant_id:str}", status_code=HTTP_200_OK)
+@patch(
+    "/admin/tenants/{tenant_id:str}",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(TenantUpdate, {"weight": 3, "policy": "default"}),
+    responses=errors(400, 404, 413),
+)
 async def update_tenant(
     tenant_id: FromPath[str],
     request: Request[Any, Any, Any],
@@ -198,7 +225,23 @@ async def update_tenant(
     return await _update(services, principal, tenant_id, changes)
 
 
-@put("/admin/tenants/{tenant_id:str}/quotas", status_code=HTTP_200_OK)
+@put(
+    "/admin/tenants/{tenant_id:str}/quotas",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        Quotas,
+        {
+            "per_key": {
+                "requests_per_second": 1,
+                "request_burst": 2,
+                "tokens_per_second": 500,
+                "token_burst": 2000,
+            },
+            "fail_mode": "closed",
+        },
+    ),
+    responses=errors(400, 404, 413),
+)
 async def set_quotas(
     tenant_id: FromPath[str],
     request: Request[Any, Any, Any],
@@ -214,7 +257,12 @@ async def set_quotas(
     return await _update(services, principal, tenant_id, {"quotas": quotas})
 
 
-@post("/admin/tenants/{tenant_id:str}/keys", status_code=HTTP_201_CREATED)
+@post(
+    "/admin/tenants/{tenant_id:str}/keys",
+    status_code=HTTP_201_CREATED,
+    dependencies=request_body(KeyCreate, {"roles": ["consumer"], "label": "ci", "expires_in": 86400}),
+    responses=errors(400, 404, 413),
+)
 async def create_key(
     tenant_id: FromPath[str],
     request: Request[Any, Any, Any],
@@ -253,7 +301,7 @@ async def create_key(
     )
 
 
-@get("/admin/tenants/{tenant_id:str}/keys")
+@get("/admin/tenants/{tenant_id:str}/keys", responses=errors(400, 404))
 async def list_keys(
     tenant_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> list[ApiKey]:
@@ -263,7 +311,7 @@ async def list_keys(
     return await services.tenants.list_keys(tenant_id)
 
 
-@post("/admin/keys/{key_id:str}/revoke", status_code=HTTP_200_OK)
+@post("/admin/keys/{key_id:str}/revoke", status_code=HTTP_200_OK, responses=errors(400, 404))
 async def revoke_key(
     key_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> ApiKey:
@@ -282,7 +330,7 @@ async def revoke_key(
     return revoked
 
 
-@get("/admin/changes")
+@get("/admin/changes", responses=errors(400))
 async def list_changes(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
@@ -297,13 +345,18 @@ async def list_changes(
 
 
 ADMIN_ROUTES = [
-    create_tenant,
-    list_tenants,
-    get_tenant,
-    update_tenant,
-    set_quotas,
-    create_key,
-    list_keys,
-    revoke_key,
-    list_changes,
+    secured(
+        "admin",
+        [
+            create_tenant,
+            list_tenants,
+            get_tenant,
+            update_tenant,
+            set_quotas,
+            create_key,
+            list_keys,
+            revoke_key,
+            list_changes,
+        ],
+    )
 ]

@@ -17,6 +17,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.decoding import Decoder, read_body
 from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
+from gateway.openapi import errors, request_body, secured
 from gateway.security import allow, allow_operator
 from gateway.service import Services
 from policy.auth import Principal
@@ -108,7 +109,23 @@ def _spec(kind: Kind, raw: msgspec.Raw) -> Spec:
     return spec
 
 
-@post("/admin/registry/{kind:str}/{name:str}/versions", status_code=HTTP_201_CREATED)
+# What a registry change can answer besides 401/403/503: invalid, unknown kind or name, conflicting content.
+_CHANGE_ERRORS = (400, 404, 409)
+
+
+@post(
+    "/admin/registry/{kind:str}/{name:str}/versions",
+    status_code=HTTP_201_CREATED,
+    dependencies=request_body(
+        PublishBody,
+        {
+            "version": "2",
+            "spec": {"text": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        },
+        description="A version and its spec: the spec's fields are those of the kind's spec type.",
+    ),
+    responses=errors(*_CHANGE_ERRORS, 413),
+)
 async def publish_version(
     kind: FromPath[str],
     name: FromPath[str],
@@ -126,7 +143,7 @@ async def publish_version(
     return _shown(published)
 
 
-@get("/admin/registry/{kind:str}/{name:str}/versions")
+@get("/admin/registry/{kind:str}/{name:str}/versions", responses=errors(400, 404))
 async def list_versions(
     kind: FromPath[str],
     name: FromPath[str],
@@ -138,7 +155,14 @@ async def list_versions(
     return [_shown(p) for p in services.registry.view.versions(_kind(kind), name)]
 
 
-@put("/admin/registry/{kind:str}/{name:str}/alias", status_code=HTTP_200_OK)
+@put(
+    "/admin/registry/{kind:str}/{name:str}/alias",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        AliasBody, {"targets": [{"version": "1", "weight": 0.9}, {"version": "2", "weight": 0.1}]}
+    ),
+    responses=errors(*_CHANGE_ERRORS, 413),
+)
 async def set_alias(
     kind: FromPath[str],
     name: FromPath[str],
@@ -153,7 +177,11 @@ async def set_alias(
     return await _call(services.registry.set_alias(checked, name, body.targets, actor=principal.key.key_id))
 
 
-@post("/admin/registry/{kind:str}/{name:str}/rollback", status_code=HTTP_200_OK)
+@post(
+    "/admin/registry/{kind:str}/{name:str}/rollback",
+    status_code=HTTP_200_OK,
+    responses=errors(*_CHANGE_ERRORS),
+)
 async def rollback(
     kind: FromPath[str],
     name: FromPath[str],
@@ -165,7 +193,7 @@ async def rollback(
     return await _call(services.registry.rollback(_kind(kind), name, actor=principal.key.key_id))
 
 
-@get("/admin/registry/{kind:str}/{name:str}/history")
+@get("/admin/registry/{kind:str}/{name:str}/history", responses=errors(400, 404))
 async def alias_history(
     kind: FromPath[str],
     name: FromPath[str],
@@ -180,7 +208,7 @@ async def alias_history(
     return await _call(services.registry.store.alias_history(_kind(kind), name, limit))
 
 
-@get("/admin/registry/aliases")
+@get("/admin/registry/aliases", responses=errors(400, 404))
 async def list_aliases(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
@@ -191,4 +219,6 @@ async def list_aliases(
     return services.registry.view.aliases(None if kind is None else _kind(kind))
 
 
-REGISTRY_ROUTES = [publish_version, list_versions, set_alias, rollback, alias_history, list_aliases]
+REGISTRY_ROUTES = [
+    secured("registry", [publish_version, list_versions, set_alias, rollback, alias_history, list_aliases])
+]

@@ -29,6 +29,8 @@ from typing import Any, TypeVar, get_args
 import msgspec
 from litestar import MediaType, Request, Response, get
 from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIType, Schema
 from litestar.params import FromPath
 from litestar.response import Stream
 
@@ -39,6 +41,7 @@ from gateway.errors import (
     PermissionDeniedError,
     StoreUnavailableError,
 )
+from gateway.openapi import errors, query, query_parameters, secured
 from gateway.security import reviewer_scope
 from gateway.service import Services
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore, AuditUnavailableError
@@ -58,6 +61,27 @@ _DECISIONS: tuple[str, ...] = get_args(Decision)
 _STAGES: tuple[str, ...] = get_args(Stage)
 _encoder = msgspec.json.Encoder()
 _cursor_decoder = msgspec.json.Decoder(tuple[str, int])
+
+# The query parameters as the OpenAPI document shows them (the handlers read the query string themselves).
+_STRING = Schema(type=OpenAPIType.STRING)
+_SECONDS = Schema(type=OpenAPIType.NUMBER)
+_BOOLEAN = Schema(type=OpenAPIType.BOOLEAN)
+_TENANT = query("tenant", _STRING, "The tenant (global reviewers; others may name only their own: else 403).")
+_FILTER_PARAMETERS = (
+    _TENANT,
+    query("since", _SECONDS, "Records at or after this time (unix seconds)."),
+    query("until", _SECONDS, "Records before this time (unix seconds)."),
+    query("decision", Schema(type=OpenAPIType.STRING, enum=list(_DECISIONS)), "Records of this decision."),
+    query("stage", Schema(type=OpenAPIType.STRING, enum=list(_STAGES)), "Records of this stage."),
+    query("category", _STRING, "Records of this category."),
+    query("policy", _STRING, "`name@version`, or `name` for every version."),
+    query("fail_open", _BOOLEAN, "`true`: only decisions the policy let through failing open."),
+    query("flagged", _BOOLEAN, "`true`: only decisions flagged for review."),
+    query("cursor", _STRING, "`next_cursor` of the previous page (export: resume after it)."),
+)
+_LIMIT = query(
+    "limit", Schema(type=OpenAPIType.INTEGER, minimum=1, maximum=MAX_QUERY_LIMIT), "Page size (default 100)."
+)
 
 
 class DecisionPage(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,7 +215,11 @@ async def _audit(call: Awaitable[T]) -> T:
         raise StoreUnavailableError(f"the audit store is unavailable: {exc}", retry_after=1) from exc
 
 
-@get("/audit/decisions")
+@get(
+    "/audit/decisions",
+    responses=errors(400),
+    operation_class=query_parameters(*_FILTER_PARAMETERS, _LIMIT),
+)
 async def list_decisions(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -204,7 +232,7 @@ async def list_decisions(
     return DecisionPage(data=page, next_cursor=encode_cursor(page[-1]) if more else None)
 
 
-@get("/audit/decisions/{tenant:str}/{seq:int}")
+@get("/audit/decisions/{tenant:str}/{seq:int}", responses=errors(400, 404))
 async def get_decision(
     tenant: FromPath[str],
     seq: FromPath[int],
@@ -222,7 +250,7 @@ async def get_decision(
         raise missing from None
 
 
-@get("/audit/requests/{request_id:str}")
+@get("/audit/requests/{request_id:str}", responses=errors(400))
 async def request_decisions(
     request_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> RequestRecords:
@@ -244,7 +272,19 @@ async def _ndjson(store: AuditStore, q: AuditQuery, page: list[AuditRecord]) -> 
         page = await store.query(q)
 
 
-@get("/audit/export")
+@get(
+    "/audit/export",
+    responses={
+        200: ResponseSpec(
+            AuditRecord,
+            generate_examples=False,
+            media_type="application/x-ndjson",
+            description="Every matching record, one `AuditRecord` JSON object a line, by (tenant, seq).",
+        ),
+        **errors(400),
+    },
+    operation_class=query_parameters(*_FILTER_PARAMETERS),
+)
 async def export_decisions(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -270,7 +310,20 @@ def _status(report: ChainReport) -> ChainStatus:
     )
 
 
-@get("/audit/verify")
+@get(
+    "/audit/verify",
+    responses={
+        200: ResponseSpec(VerifyResult, generate_examples=False, description="Every chain verifies."),
+        **errors(400),
+        409: ResponseSpec(
+            VerifyResult,
+            generate_examples=False,
+            description="A chain does not verify (evidence of tampering): the reports, and `error` "
+            "(`audit_chain_broken`) in the OpenAI shape.",
+        ),
+    },
+    operation_class=query_parameters(_TENANT),
+)
 async def verify_chains(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -299,4 +352,6 @@ async def verify_chains(
     )
 
 
-AUDIT_ROUTES = [list_decisions, get_decision, request_decisions, export_decisions, verify_chains]
+AUDIT_ROUTES = [
+    secured("audit", [list_decisions, get_decision, request_decisions, export_decisions, verify_chains])
+]
