@@ -27,9 +27,13 @@ from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
-from gateway.generation.tracking import OutcomeSink, log_outcome
+from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guards import GuardFactory
+from gateway.observe.collectors import ServiceCollector
+from gateway.observe.observer import RequestObserver, observe_middleware
+from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
+from gateway.overload import LoopLagMonitor, OverloadGate
 from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
@@ -291,7 +295,7 @@ def create_app(
     quota: QuotaStore | None = None,
     registry: RegistryStore | None = None,
     clock: Clock = time.time,
-    sink: OutcomeSink = log_outcome,
+    sink: OutcomeSink = discard_outcome,
     guard_pools: Mapping[str, Engine] | None = None,
     guard_sink: RecordSink = log_record,
     audit: AuditStore | None = None,
@@ -299,6 +303,13 @@ def create_app(
     """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
     app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
     for the pools guard models run on (by pool name); missing ones the default policy needs are started."""
+
+    # Metrics and the request log: the app's own registry (no process-global one).
+    observer = RequestObserver(config, clock)
+    overload = OverloadGate(
+        config.overload,
+        LoopLagMonitor(config.overload.lag_probe_interval, config.overload.lag_window, time.monotonic),
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -308,6 +319,8 @@ def create_app(
         renderers = RendererCache(config.model.data_path(), executor, config.model.renderer_cache_size)
         tasks = TaskSet()
         async with AsyncExitStack() as owned:
+            if config.overload.enabled:
+                owned.push_async_callback(_stop, asyncio.create_task(overload.monitor.run()))
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)
             # vLLM's tool parser takes seconds to import: never on the event loop of the first tool request.
             await asyncio.to_thread(tool_parsers.preload)
@@ -373,6 +386,9 @@ def create_app(
             retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
+            # Engine, queue, quota and guard series, read from the live objects at scrape time.
+            collector = ServiceCollector(scheduler.replicas, scheduler.depth, meter.counters, gate.counts)
+            owned.callback(observer.unwatch, observer.watch(collector))
             app.state.services = Services(
                 config=config,
                 engine=active,
@@ -399,6 +415,7 @@ def create_app(
                 audit=audit_store,
                 audit_writer=writer,
                 appeals=appeals,
+                observer=observer,
             )
             try:
                 yield
@@ -419,6 +436,7 @@ def create_app(
             *AUDIT_ROUTES,
             *APPEAL_ROUTES,
             *CONSOLE_ROUTES,
+            *OBSERVE_ROUTES,
         ],
         lifespan=[lifespan],
         dependencies={
@@ -431,5 +449,8 @@ def create_app(
     )
     # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
     # (unknown route, wrong method), and those responses need an `x-request-id` too.
-    app.asgi_handler = request_id_middleware(app.asgi_handler)
+    # Shedding in front of everything else: a shed request costs no routing, parsing or auth.
+    # Each request timed from its arrival (shed ones included), with the id the outer middleware gave it.
+    app.asgi_handler = request_id_middleware(observe_middleware(overload.wrap(app.asgi_handler), observer))
+    app.state.overload = overload
     return app

@@ -13,13 +13,14 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
+from gateway.overload import OverloadConfig
 from guard.breaker import BreakerPolicy
 from routing.admission_config import AdmissionConfig
 from routing.config import RoutingConfig
@@ -234,6 +235,37 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return Path(storage.sqlite_path).expanduser().parent / "audit-spool"
 
 
+# Seconds; 0 = no target.
+_Target = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class SloTargets(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The service-level objective of one priority class: a completed request meets it when each target
+    that is set (> 0) holds."""
+
+    # Seconds from the request's arrival to the engine's first token (auth, quota, guard, queue included).
+    ttft: _Target
+    # Mean seconds between output tokens (decode time over the gaps between engine deltas).
+    itl: _Target
+    # Seconds from arrival to the end of the response.
+    e2e: _Target = 0.0
+
+
+class SloConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """SLO targets per priority class: `lockgate:slo_attained_requests_total{class}` counts the requests that
+    met them (goodput), `lockgate:requests_finished_total{class}` all that count toward attainment."""
+
+    interactive: SloTargets = msgspec.field(default_factory=lambda: SloTargets(ttft=2.0, itl=0.2))
+    batch: SloTargets = msgspec.field(default_factory=lambda: SloTargets(ttft=30.0, itl=1.0))
+
+
+class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Prometheus metrics at `GET /metrics` and the per-request log."""
+
+    # One JSON line per request end on the `lockgate.requests` logger (at INFO).
+    request_log: bool = True
+
+
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine replica of `[[engines]]`."""
 
@@ -271,6 +303,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    slo: SloConfig = msgspec.field(default_factory=SloConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -22,6 +22,7 @@ from gateway.app import running
 from gateway.config import AuditConfig, Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome
+from gateway.overload import OverloadConfig
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
@@ -165,6 +166,10 @@ def make_config(**server: float | int) -> Config:
         guard=GuardConfig(default_policy="rules"),
         # One audit spool per app: apps of one test session run side by side.
         audit=AuditConfig(spool_dir=str(SESSION_DIR / f"audit-spool-{uuid.uuid4().hex}")),
+        # No shedding for event-loop lag: a test machine's loop runs late whenever another process takes the
+        # core, and a shed request would fail a test about something else (tests/gateway/test_overload.py
+        # sheds on purpose).
+        overload=OverloadConfig(max_loop_lag=0.0),
     )
 
 
