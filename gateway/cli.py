@@ -222,10 +222,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a role of the key; repeat for several (default policy_admin)",
     )
     create_key.add_argument("--label", default="", help="a label to recognise the key by")
+    from ops.bench.load.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(
+        sub.add_parser(
+            "bench",
+            help="open-loop load against an OpenAI-compatible server: TTFT/ITL percentiles, goodput, SLOs "
+            "(plots need the dev extra)",
+        )
+    )
     # `--config` is accepted after the subcommand too: `lockgate serve --config FILE`.
     for p in (sub.choices["serve"], models_sub.choices["prepare"], create_key, train):
         p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML configuration file")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from ops.bench.load.cli import main as bench
+
+        return bench(args)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
