@@ -55,7 +55,7 @@ def _type(schema: Mapping[str, Any]) -> str:
     items = schema.get("items")
     if schema.get("type") == "array" and isinstance(items, Mapping):
         return f"array of {_type(items)}"
-    if set(schema) <= {"type"}:
+    if set(schema) <= {"type", "description"}:
         kind = schema.get("type", "any")
         return f"<code>{_e(' | '.join(kind) if isinstance(kind, list) else kind)}</code>"
     return f"<code>{_e(json.dumps(schema, ensure_ascii=False))}</code>"
