@@ -8,7 +8,6 @@ import io
 import uuid
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 
@@ -20,22 +19,7 @@ from gateway.generation.prompts import PromptRenderer
 from ops.bench.load import Report, decode_workload, run, write_outputs
 from ops.bench.load.report import render
 from policy.tenants.models import Tenant
-from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
-
-
-async def _answering(url: str, key: str) -> None:
-    """Wait until the gateway answers a generation request: a loop still busy with the app's start (the
-    tokenizer, the first guard run) may shed load as overloaded."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-
-        async def answered() -> bool:
-            response = await http.post(
-                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
-            )
-            return response.status_code == 200
-
-        await eventually(answered, within=30.0)
+from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, make_config, serving
 
 
 async def test_a_short_open_loop_run_against_the_gateway(
@@ -71,15 +55,9 @@ async def test_a_short_open_loop_run_against_the_gateway(
             ],
         }
     )
-    # Client and gateway share this test's event loop on a small, busy machine: the gateway's loop-lag
-    # shedding (where the config has it) would refuse what this test needs answered. It is not under test.
-    overload = getattr(cfg, "overload", None)
-    if overload is not None:
-        cfg = msgspec.structs.replace(cfg, overload=msgspec.structs.replace(overload, enabled=False))
     progress = io.StringIO()
     app = create_app(cfg, renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with serving(app) as url:
-        await _answering(url, tenancy.consumer)
         report = await run(workload, url, progress_to=progress)
         written = await write_outputs(report, tmp_path, lambda _line: None)
     print(render(report))
