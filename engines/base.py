@@ -91,6 +91,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Independent choices to generate. An engine generates one sequence per request: `engines.choices`
     # splits a request with n > 1 into n requests (ids `<id>-<i>`) and merges their deltas by `index`.
     n: int = 1
+    # W3C trace context of the gateway request it serves ("" = none): a remote engine passes it on as the
+    # `traceparent` header, so the server's spans join the request's trace.
+    traceparent: str = ""
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -218,7 +218,9 @@ class VllmRemoteEngine:
             raise EngineOverloadedError(message, retry_after=after)
         raise EngineRequestError(message)
 
-    async def _events(self, body: dict[str, Any]) -> AsyncGenerator[ChunkWire, None]:
+    async def _events(
+        self, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> AsyncGenerator[ChunkWire, None]:
         """The decoded SSE events of one streamed completion, bounded by the first-token and between-token
         timeouts. Closing this iterator closes the response (its connection), which aborts the request."""
         c = self.config
@@ -226,7 +228,7 @@ class VllmRemoteEngine:
             # Reads are bounded below by the first-token and between-token timeouts, not by httpx.
             timeout = httpx.Timeout(None, connect=c.connect_timeout, pool=c.first_token_timeout)
             request = self.client.build_request(
-                "POST", "/v1/completions", content=ENCODE.encode(body), headers=JSON_HEADERS, timeout=timeout
+                "POST", "/v1/completions", content=ENCODE.encode(body), headers=headers, timeout=timeout
             )
             try:
                 async with asyncio.timeout(c.first_token_timeout):
@@ -274,7 +276,8 @@ class VllmRemoteEngine:
         completion_tokens = 0
         final: ChoiceWire | None = None
         cached = 0
-        events = self._events(completion_body(req, self.config))
+        headers = {**JSON_HEADERS, "traceparent": req.traceparent} if req.traceparent else JSON_HEADERS
+        events = self._events(completion_body(req, self.config), headers)
         try:
             async for chunk in events:
                 if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:

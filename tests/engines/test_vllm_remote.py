@@ -85,6 +85,8 @@ class FakeVllm:
     healthy: bool = True
     metrics: str = METRICS
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    # The request headers of each completion, by name.
+    sent_headers: list[dict[bytes, bytes]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     streaming: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -107,6 +109,7 @@ class FakeVllm:
             await self._answer(send, 200, json.dumps({"object": "list", "data": data}).encode())
         elif path == "/v1/completions":
             self.bodies.append(json.loads(raw))
+            self.sent_headers.append(dict(scope["headers"]))
             await self._complete(receive, send)
         else:
             await self._answer(send, 404, b"")
@@ -251,6 +254,16 @@ async def test_json_object_and_no_priority_when_the_server_runs_fcfs() -> None:
     assert fake.bodies[0]["structured_outputs"] == {"json_object": True}
     assert "priority" not in fake.bodies[0]
     assert "cache_salt" not in fake.bodies[0]
+
+
+async def test_the_trace_context_goes_along_as_traceparent() -> None:
+    fake = FakeVllm()
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with _engine(fake) as engine:
+        [_ async for _ in engine.generate(_request(SamplingSpec(max_tokens=3), traceparent=traceparent))]
+        [_ async for _ in engine.generate(_request(SamplingSpec(max_tokens=3)))]
+    assert fake.sent_headers[0][b"traceparent"] == traceparent.encode()
+    assert b"traceparent" not in fake.sent_headers[1]
 
 
 async def test_stream_gives_deltas_then_one_final_delta_with_usage() -> None:
