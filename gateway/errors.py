@@ -29,6 +29,7 @@ import msgspec
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException
 
+from gateway.observe.timeline import note_error
 from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
 
 log = logging.getLogger("lockgate.errors")
@@ -170,6 +171,7 @@ _HTTP_TYPES = {
 
 
 def _on_api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[bytes]:
+    note_error(request.scope, exc.code, exc.status_code)
     return error_response(exc, exc.headers)
 
 
@@ -187,6 +189,7 @@ def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> R
     else:
         api = _HTTP_TYPES.get(status, APIError)(exc.detail)
         api.status_code = status
+    note_error(request.scope, api.code, api.status_code)
     return error_response(api, exc.headers)
 
 
@@ -195,6 +198,7 @@ def _on_store_unavailable(
 ) -> Response[bytes]:
     log.warning("tenant store unavailable on %s %s: %s", request.method, request.url.path, exc)
     api = StoreUnavailableError("the tenant store is unavailable; try again shortly", retry_after=1)
+    note_error(request.scope, api.code, api.status_code)
     return error_response(api, api.headers)
 
 

@@ -38,10 +38,15 @@ def _inbound(scope: Scope) -> str | None:
     return None
 
 
+def request_id_in(scope: Scope) -> str:
+    """The id the middleware gave the request of this scope ("" when it gave none)."""
+    value = scope.get("state", {}).get(_STATE_KEY)
+    return value if isinstance(value, str) else ""
+
+
 def request_id_of(request: Request[Any, Any, Any]) -> str:
     """The id the middleware gave this request."""
-    value = request.scope.get("state", {}).get(_STATE_KEY)
-    return value if isinstance(value, str) else new_request_id()
+    return request_id_in(request.scope) or new_request_id()
 
 
 def request_id_middleware(app: ASGIApp) -> ASGIApp:

@@ -8,6 +8,7 @@ from litestar import Request
 from litestar.datastructures import State
 
 from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
+from gateway.observe.timeline import timeline_in
 from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 from policy.tenants.models import Role
@@ -16,6 +17,8 @@ from policy.tenants.models import Role
 async def provide_principal(request: Request[Any, Any, Any], state: State) -> Principal:
     """The caller's principal from `Authorization: Bearer <key>`, or 401; 503 `store_unavailable` (with
     Retry-After) when the key is not cached and the tenant store cannot answer now."""
+    timeline = timeline_in(request.scope, state.services.clock)
+    start = timeline.now()
     try:
         principal: Principal = await state.services.auth.authenticate(request.headers.get("authorization"))
     except AuthError as exc:
@@ -24,6 +27,10 @@ async def provide_principal(request: Request[Any, Any, Any], state: State) -> Pr
         ) from exc
     except KeyStoreUnavailableError as exc:
         raise StoreUnavailableError(str(exc), retry_after=exc.retry_after) from exc
+    finally:
+        timeline.phase("auth", start)
+    timeline.tenant = principal.tenant.tenant_id
+    timeline.key_id = principal.key.key_id
     return principal
 
 

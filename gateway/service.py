@@ -16,6 +16,8 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
+from gateway.observe.observer import RequestObserver
+from gateway.observe.timeline import RequestTimeline
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
@@ -57,8 +59,11 @@ class Services:
         appeals: AppealStore,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
+        observer: RequestObserver,
     ) -> None:
         self.config = config
+        # The app's metrics registry and request log (each request's timeline ends there).
+        self.observer = observer
         self.engine = engine
         # Fair admission and routing over the engine replicas (built in the lifespan).
         self.scheduler = scheduler
@@ -88,6 +93,12 @@ class Services:
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
         self.started = int(time.time())
+
+    def report(self, outcome: Outcome, timeline: RequestTimeline) -> None:
+        """The outcome of a request that no tracker follows (no engine saw it): to the outcome sink and to its
+        timeline."""
+        self.sink(outcome)
+        timeline.record_outcome(outcome)
 
     def unrecoverable(self) -> str:
         """Why this gateway cannot recover without a restart of its process ("" while it can)."""

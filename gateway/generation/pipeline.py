@@ -56,6 +56,7 @@ from gateway.generation.planning import Plan, plan_chat, plan_completion
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
+from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
@@ -82,10 +83,13 @@ async def run_chat(
 ) -> Response[Any]:
     """A chat completion, from decoded request to response."""
     request_id = request_id_of(request)
+    timeline = timeline_in(request.scope, services.clock)
+    start = timeline.now()
     model, limits = services.target(req.model, request_id)
     renderer = await services.renderer_for(model)
     plan = await plan_chat(req, request_id, model, renderer, limits)
-    return await _run(services, plan, request, principal, renderer.tokenizer)
+    timeline.phase("render", start)
+    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
 
 
 async def run_completion(
@@ -93,10 +97,13 @@ async def run_completion(
 ) -> Response[Any]:
     """A legacy completion, from decoded request to response."""
     request_id = request_id_of(request)
+    timeline = timeline_in(request.scope, services.clock)
+    start = timeline.now()
     model, limits = services.target(req.model, request_id)
     renderer = await services.renderer_for(model)
     plan = await plan_completion(req, request_id, model, renderer, limits)
-    return await _run(services, plan, request, principal, renderer.tokenizer)
+    timeline.phase("render", start)
+    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
 
 
 def engine_api_error(exc: EngineError) -> APIError:
@@ -152,13 +159,19 @@ class _OutputGuard:
     """The output side of one request: the check the moderator calls, and what it decided."""
 
     def __init__(
-        self, services: Services, policy: ResolvedPolicy, context: RecordContext, tracker: RequestTracker
+        self,
+        services: Services,
+        policy: ResolvedPolicy,
+        context: RecordContext,
+        tracker: RequestTracker,
+        timeline: RequestTimeline,
     ) -> None:
         self._services = services
         self._policy = policy
         self._context = context
         self._tracker = tracker
         self._categories = _categories(policy)
+        self._timeline = timeline
         self.decision: GuardDecision | None = None
 
     async def check(self, text: str, final: bool) -> GuardDecision | None:
@@ -168,7 +181,9 @@ class _OutputGuard:
             categories=self._categories,
             policy=self._policy.ref,
         )
+        start = self._timeline.now()
         decision = await self._services.gate.check(self._policy, item, self._context)
+        self._timeline.guard_check("output", start, decision)
         self.decision = decision
         if decision.action == "allow":
             return None
@@ -195,17 +210,21 @@ def _categories(policy: ResolvedPolicy) -> tuple[str, ...]:
 
 
 async def _input_guard(
-    services: Services, plan: Plan, policy: ResolvedPolicy, context: RecordContext
+    services: Services, plan: Plan, policy: ResolvedPolicy, context: RecordContext, timeline: RequestTimeline
 ) -> GuardDecision | None:
     if not services.gate.guards(policy, "input"):
         return None
     item = GuardInput(direction="input", spans=plan.spans, categories=_categories(policy), policy=policy.ref)
-    return await services.gate.check(policy, item, context)
+    start = timeline.now()
+    decision = await services.gate.check(policy, item, context)
+    timeline.guard_check("input", start, decision)
+    timeline.phase("input_guard", start)
+    return decision
 
 
-def _unserved(services: Services, plan: Plan, status: Status) -> None:
+def _unserved(services: Services, plan: Plan, status: Status, timeline: RequestTimeline) -> None:
     """The outcome of a request that never reached an engine (refunded whole: no usage)."""
-    services.sink(
+    services.report(
         Outcome(
             request_id=plan.request_id,
             model=plan.model.ref,
@@ -216,7 +235,8 @@ def _unserved(services: Services, plan: Plan, status: Status) -> None:
             tokenizer=plan.model.tokenizer.ref,
             chat_template=plan.model.chat_template.ref,
             metadata=plan.metadata,
-        )
+        ),
+        timeline,
     )
 
 
@@ -226,25 +246,41 @@ def _refund(services: Services, charge: Charge) -> None:
 
 
 async def _run(
-    services: Services, plan: Plan, request: Request[Any, Any, Any], principal: Principal, tokenizer: Any
+    services: Services,
+    plan: Plan,
+    request: Request[Any, Any, Any],
+    principal: Principal,
+    tokenizer: Any,
+    timeline: RequestTimeline,
 ) -> Response[Any]:
+    timeline.model = plan.model.ref
+    timeline.stream = plan.stream
+    timeline.choices = plan.choices
+    if principal.tenant.retain_prompts:
+        # Only under the tenant's retention: otherwise no log line ever holds the prompt.
+        timeline.prompt = "\n\n".join(span.text for span in plan.spans)
     # Headers are checked before anything is reserved: a bad one costs nothing.
     klass = priority_class(request, principal)
+    timeline.klass = klass
     wait = queue_deadline(request, services, klass)
     req = for_engine(plan, klass, principal.tenant.tenant_id)
     policy = services.policy_for(principal, plan.request_id)
+    timeline.policy = policy.ref
+    start = timeline.now()
     try:
         charge = await reserve(services.meter, principal, plan)
     except APIError as exc:
         record_refusal(services, principal, plan.request_id, "quota", exc)
         raise
+    finally:
+        timeline.phase("quota", start)
     headers = charge_headers(charge)
     headers[MODEL_HEADER] = plan.model.ref
     context = RecordContext(
         tenant=principal.tenant.tenant_id, key_id=principal.key.key_id, request_id=plan.request_id
     )
     try:
-        decision = await _input_guard(services, plan, policy, context)
+        decision = await _input_guard(services, plan, policy, context, timeline)
     except BaseException:
         _refund(services, charge)
         raise
@@ -253,21 +289,25 @@ async def _run(
         _refund(services, charge)
         raise guard_api_error(decision, headers)
     # Admission: wait (bounded by the queue deadline) for a replica with room; the client may leave meanwhile.
+    start = timeline.now()
     try:
         lease = await race_disconnect(
             admit(services, plan, req, principal, klass, wait, session_of(request, plan.user, principal)),
             request.receive,
         )
     except ClientDisconnectedError:
+        timeline.phase("queue", start)
         _refund(services, charge)
-        _unserved(services, plan, "cancelled")
+        _unserved(services, plan, "cancelled", timeline)
         return Response(content=b"", status_code=CLIENT_CLOSED)
     except BaseException as exc:
+        timeline.phase("queue", start)
         _refund(services, charge)
-        _unserved(services, plan, "refused")
+        _unserved(services, plan, "refused", timeline)
         if isinstance(exc, APIError):
             record_refusal(services, principal, plan.request_id, "admission", exc)
         raise
+    timeline.phase("queue", start)
     headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
     tracker = RequestTracker(
         plan.request_id,
@@ -280,9 +320,12 @@ async def _run(
         choices=plan.choices,
         metadata=plan.metadata,
         on_output=lease.observe,
+        timeline=timeline,
     )
     output = (
-        _OutputGuard(services, policy, context, tracker) if services.gate.guards(policy, "output") else None
+        _OutputGuard(services, policy, context, tracker, timeline)
+        if services.gate.guards(policy, "output")
+        else None
     )
     prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
     formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()), tokenizer)

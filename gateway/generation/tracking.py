@@ -6,15 +6,15 @@ reader, engine error, shutdown) still has exact usage: later stages charge it to
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from engines.base import EngineDelta, FinishReason, Usage
 
-log = logging.getLogger("lockgate.requests")
+if TYPE_CHECKING:
+    from gateway.observe.timeline import RequestTimeline
 
 # `blocked`: the output guard stopped it (its usage so far is charged). `refused`: admission refused it before
 # any engine saw it (refunded whole).
@@ -40,17 +40,8 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
 OutcomeSink = Callable[[Outcome], None]
 
 
-def log_outcome(outcome: Outcome) -> None:
-    """Default sink: one log line per request (never the prompt)."""
-    log.info(
-        "request %s %s finish=%s prompt=%d completion=%d cached=%d",
-        outcome.request_id,
-        outcome.status,
-        outcome.finish_reason,
-        outcome.usage.prompt_tokens,
-        outcome.usage.completion_tokens,
-        outcome.usage.cached_tokens,
-    )
+def discard_outcome(outcome: Outcome) -> None:
+    """Default sink: nothing more (each request's timeline logs its end as one JSON line: gateway.observe)."""
 
 
 class RequestTracker:
@@ -69,8 +60,13 @@ class RequestTracker:
         choices: int = 1,
         metadata: dict[str, str] | None = None,
         on_output: Callable[[int], None] | None = None,
+        timeline: RequestTimeline | None = None,
     ) -> None:
         self.request_id = request_id
+        # Where the request's time went: one timestamp per delta with tokens; it ends with the outcome.
+        self._timeline = timeline
+        if timeline is not None:
+            timeline.expect_outcome()
         self._choices = choices
         self._metadata = metadata
         # Told how many tokens each delta brought (the admission lease charges the tenant and the replica).
@@ -91,8 +87,11 @@ class RequestTracker:
     def observe(self, delta: EngineDelta) -> None:
         """Count a delta as the engine produced it."""
         self._completion_tokens += len(delta.token_ids)
-        if self._on_output is not None and delta.token_ids:
-            self._on_output(len(delta.token_ids))
+        if delta.token_ids:
+            if self._timeline is not None:
+                self._timeline.token()
+            if self._on_output is not None:
+                self._on_output(len(delta.token_ids))
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
             if delta.usage is not None:
@@ -132,4 +131,6 @@ class RequestTracker:
             metadata=self._metadata,
         )
         self._sink(self.outcome)
+        if self._timeline is not None:
+            self._timeline.record_outcome(self.outcome)
         return self.outcome

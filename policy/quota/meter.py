@@ -17,9 +17,9 @@ reservation charged in full: an over-charge, never an under-charge.
 Bucket keys carry the tenant as a Redis Cluster hash tag (`tenant:{acme}:tok`, `key:{acme}:<key id>:tok`), so
 every key of one request, and its reservation record, live in one cluster slot.
 
-Counters: `reserved` (granted), `reserve_unknown` (outcome unknown, settled by id), `fail_open`,
-`fail_closed`, `pool_exhausted`, and the settler's `settled`, `settle_noop`, `settle_retried`,
-`settle_given_up`. Once every settlement has finished:
+Counters: `reserved` (granted), `denied` (a bucket was short), `reserve_unknown` (outcome unknown, settled by
+id), `fail_open`, `fail_closed`, `pool_exhausted`, and the settler's `settled`, `settle_noop`,
+`settle_retried`, `settle_given_up`. Once every settlement has finished:
 reserved + reserve_unknown == settled + settle_noop + settle_given_up.
 """
 
@@ -33,7 +33,14 @@ from collections.abc import Callable
 
 import msgspec
 
-from policy.quota.base import BucketSpec, QuotaBackendError, QuotaBusyError, QuotaStore, Reservation
+from policy.quota.base import (
+    BucketSpec,
+    QuotaBackendError,
+    QuotaBusyError,
+    QuotaExceededError,
+    QuotaStore,
+    Reservation,
+)
 from policy.quota.memory import new_reservation_id
 from policy.quota.settle import SettlePolicy, Settler, Sleep
 from policy.tenants.models import ApiKey, Limits, Tenant
@@ -124,6 +131,9 @@ class QuotaMeter:
         except QuotaBusyError:
             # Nothing was sent: there is nothing to settle, and Redis is not unreachable.
             self.counters["pool_exhausted"] += 1
+            raise
+        except QuotaExceededError:
+            self.counters["denied"] += 1
             raise
         except QuotaBackendError as exc:
             self.counters["reserve_unknown"] += 1

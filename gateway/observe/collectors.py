@@ -1,0 +1,122 @@
+"""Series read at scrape time from the state the gateway already keeps: the router's view of every engine
+replica, the admission queue, the quota meter's counters and the safety gate's decision counts.
+
+Nothing on the request path feeds these: each scrape reads the live objects (in the event loop, where they
+are changed, so a scrape never sees one half-updated).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from gateway.observe.metrics import PREFIX
+from routing.replicas import Replica
+
+BREAKER_STATES = ("closed", "open", "half_open")
+# Quota meter counter -> exported counter (policy.quota.meter names its counters).
+QUOTA_COUNTERS = {
+    "denied": ("quota_denials", "Reservations the quota store denied (429 rate_limit_exceeded)."),
+    "fail_open": ("quota_fail_open", "Requests admitted unmetered while the quota store was unreachable."),
+    "fail_closed": ("quota_fail_closed", "Requests refused (503) while the quota store was unreachable."),
+    "pool_exhausted": ("quota_busy", "Requests refused (503 quota_busy): every store connection busy."),
+    "settle_given_up": ("quota_settle_failures", "Settlements given up after every retry."),
+    "settle_retried": ("quota_settle_retries", "Settlement attempts retried."),
+}
+
+
+class ServiceCollector:
+    """Engine, queue, quota and guard series of one app's services."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        queue_depth: Callable[[], int],
+        quota_counters: Counter[str],
+        guard_counts: Counter[tuple[str, str, str]],
+    ) -> None:
+        self._replicas = replicas
+        self._queue_depth = queue_depth
+        self._quota = quota_counters
+        self._guard = guard_counts
+
+    def collect(self) -> Iterable[Metric]:
+        """The series as of now."""
+        yield from self._engines()
+        yield GaugeMetricFamily(
+            f"{PREFIX}admission_queue_depth",
+            "Requests waiting in the admission queue.",
+            value=self._queue_depth(),
+        )
+        for key, (name, doc) in QUOTA_COUNTERS.items():
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=self._quota.get(key, 0))
+        yield from self._guards()
+
+    def _engines(self) -> Iterable[Metric]:
+        labels = ("replica", "pool")
+        p = f"{PREFIX}engine_"
+        gauges = {
+            "queue_depth": GaugeMetricFamily(
+                f"{p}queue_depth",
+                "Requests running and waiting on the replica, as the router counts them.",
+                labels=labels,
+            ),
+            "kv_utilisation": GaugeMetricFamily(
+                f"{p}kv_utilisation",
+                "Fraction of the replica's KV cache in use (1 when unknown).",
+                labels=labels,
+            ),
+            "in_flight": GaugeMetricFamily(
+                f"{p}in_flight", "The gateway's requests in flight on the replica.", labels=labels
+            ),
+            "kv_capacity_tokens": GaugeMetricFamily(
+                f"{p}kv_capacity_tokens", "The replica's KV cache size in tokens.", labels=labels
+            ),
+            "held_tokens": GaugeMetricFamily(
+                f"{p}held_tokens", "KV tokens the gateway's requests hold on the replica.", labels=labels
+            ),
+            "routable": GaugeMetricFamily(
+                f"{p}routable", "1 when the router may send requests to the replica.", labels=labels
+            ),
+        }
+        breaker = GaugeMetricFamily(
+            f"{p}breaker_state", "1 for the replica's circuit breaker state.", labels=(*labels, "state")
+        )
+        for replica in self._replicas:
+            ids = (replica.replica_id, replica.pool)
+            gauges["queue_depth"].add_metric(ids, replica.queue_depth)
+            gauges["kv_utilisation"].add_metric(ids, replica.kv_utilisation)
+            gauges["in_flight"].add_metric(ids, replica.in_flight)
+            gauges["kv_capacity_tokens"].add_metric(ids, replica.kv_capacity_tokens)
+            gauges["held_tokens"].add_metric(ids, replica.held_tokens)
+            gauges["routable"].add_metric(ids, 1.0 if replica.routable else 0.0)
+            state = replica.breaker_state
+            for candidate in BREAKER_STATES:
+                breaker.add_metric((*ids, candidate), 1.0 if candidate == state else 0.0)
+        yield from gauges.values()
+        yield breaker
+
+    def _guards(self) -> Iterable[Metric]:
+        decisions = CounterMetricFamily(
+            f"{PREFIX}guard_decisions",
+            "Safety gate decisions by direction, source (rules, model, band, fail_open, fail_closed, "
+            "audit_backpressure) and action.",
+            labels=("direction", "source", "action"),
+        )
+        fail_open: Counter[str] = Counter({"input": 0, "output": 0})
+        for (direction, source, action), count in sorted(self._guard.items()):
+            decisions.add_metric((direction, source, action), count)
+            if source == "fail_open":
+                fail_open[direction] += count
+        yield decisions
+        opened = CounterMetricFamily(
+            f"{PREFIX}fail_open",
+            "Checks the safety gate let through unchecked: a guard failed and the policy fails open.",
+            labels=("direction",),
+        )
+        for direction, count in sorted(fail_open.items()):
+            opened.add_metric((direction,), count)
+        yield opened

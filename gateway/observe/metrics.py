@@ -1,0 +1,255 @@
+"""Request metrics in vLLM's naming style, observed once per request from its `RequestTimeline`.
+
+Everything lives on one `CollectorRegistry` per app (no process-global registry): two apps in one process, as
+in tests, never share a series. Labels are bounded: route templates, HTTP statuses, tenant ids (bounded by
+the tenant store), priority classes, guard stage names (bounded by the registry), error codes (ours). Never a
+request id or a key.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.config import SloConfig
+from gateway.observe import slo
+from gateway.observe.timeline import RequestTimeline
+
+PREFIX = "lockgate:"
+# Buckets after vLLM's (its TTFT, inter-token and end-to-end histograms), with finer low ends for a gateway.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+# Gateway stages (auth, quota, rendering, guards): sub-millisecond to a few seconds.
+STAGE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# Error statuses that are refusals (the gateway declined the work), as opposed to failures (502, 500) or a
+# client that left (499).
+_REFUSALS = frozenset({400, 401, 403, 404, 405, 409, 413, 422, 429, 503, 504})
+
+
+class RequestMetrics:
+    """The per-request series (histograms and counters) and the active-streams gauge."""
+
+    def __init__(self, registry: CollectorRegistry, slo_config: SloConfig) -> None:
+        self._slo = slo_config
+        p = PREFIX
+        self.requests = Counter(
+            f"{p}requests",
+            "HTTP requests by route template, status and tenant.",
+            ("route", "status", "tenant"),
+            registry=registry,
+        )
+        self.rejections = Counter(
+            f"{p}rejections",
+            "Requests refused (4xx, 503, 504) by reason (the error code).",
+            ("reason",),
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            f"{p}time_to_first_token_seconds",
+            "Seconds from request arrival to the engine's first token (auth, quota, guard, queue included).",
+            ("class",),
+            registry=registry,
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            f"{p}inter_token_latency_seconds",
+            "Seconds between consecutive output deltas of a request.",
+            ("class",),
+            registry=registry,
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            f"{p}e2e_request_latency_seconds",
+            "Seconds from arrival to the end of generation requests that reached admission.",
+            ("class",),
+            registry=registry,
+            buckets=E2E_BUCKETS,
+        )
+        self.queue_wait = Histogram(
+            f"{p}queue_wait_seconds",
+            "Seconds in the admission queue until dispatch (or refusal).",
+            ("class",),
+            registry=registry,
+            buckets=E2E_BUCKETS,
+        )
+        self.phase = Histogram(
+            f"{p}request_phase_seconds",
+            "Seconds per gateway phase: auth, render, quota, input_guard, queue.",
+            ("phase",),
+            registry=registry,
+            buckets=STAGE_BUCKETS,
+        )
+        self.guard_latency = Histogram(
+            f"{p}guard_latency_seconds",
+            "Seconds per guard cascade stage run (stage: rules or the guard model's name@version).",
+            ("direction", "stage"),
+            registry=registry,
+            buckets=STAGE_BUCKETS,
+        )
+        self.outcomes = Counter(
+            f"{p}request_outcomes",
+            "Generation requests by how they ended (the tracked outcome).",
+            ("status",),
+            registry=registry,
+        )
+        self.cancellations = Counter(
+            f"{p}cancellations", "Generation requests the client cancelled.", registry=registry
+        )
+        self.stalls = Counter(
+            f"{p}stalls", "Streams cut off because the client stopped reading.", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            f"{p}prompt_tokens", "Prompt tokens processed, by tenant.", ("tenant",), registry=registry
+        )
+        self.generation_tokens = Counter(
+            f"{p}generation_tokens", "Tokens generated, by tenant.", ("tenant",), registry=registry
+        )
+        self.finished = Counter(
+            f"{p}requests_finished",
+            "Generation requests that count toward SLO attainment, by priority class.",
+            ("class",),
+            registry=registry,
+        )
+        self.attained = Counter(
+            f"{p}slo_attained_requests",
+            "Completed requests that met their class's SLO targets (goodput is its rate).",
+            ("class",),
+            registry=registry,
+        )
+        self.active_streams = Gauge(
+            f"{p}active_streams", "Streamed (SSE) responses being sent now.", registry=registry
+        )
+
+    def observe(self, t: RequestTimeline) -> None:
+        """Record one ended request (called once, when its timeline ends)."""
+        status = t.http_status
+        self.requests.labels(t.route or "unmatched", str(status), t.tenant).inc()
+        if status in _REFUSALS and t.error_code:
+            self.rejections.labels(t.error_code).inc()
+        for name, (start, end) in t.phases.items():
+            self.phase.labels(name).observe(end - start)
+        for check in t.guard_checks:
+            for run in check.runs:
+                self.guard_latency.labels(check.direction, run.guard).observe(run.latency_s)
+        outcome = t.outcome
+        if outcome is None:
+            return
+        self.outcomes.labels(outcome.status).inc()
+        if outcome.status == "cancelled":
+            self.cancellations.inc()
+        elif outcome.status == "stalled":
+            self.stalls.inc()
+        usage = outcome.usage
+        if usage.prompt_tokens:
+            self.prompt_tokens.labels(t.tenant).inc(usage.prompt_tokens)
+        if usage.completion_tokens:
+            self.generation_tokens.labels(t.tenant).inc(usage.completion_tokens)
+        klass = t.klass
+        if not klass:
+            return
+        self._latencies(t, klass)
+        targets = slo.targets_for(self._slo, klass)
+        if targets is not None and slo.counts(t):
+            self.finished.labels(klass).inc()
+            if slo.attained(t, targets):
+                self.attained.labels(klass).inc()
+
+    def _latencies(self, t: RequestTimeline, klass: str) -> None:
+        e2e = t.e2e
+        if e2e is not None:
+            self.e2e.labels(klass).observe(e2e)
+        queued = t.duration("queue")
+        if queued is not None:
+            self.queue_wait.labels(klass).observe(queued)
+        ttft = t.ttft
+        if ttft is not None:
+            self.ttft.labels(klass).observe(ttft)
+        gaps = t.inter_token_gaps()
+        if gaps:
+            itl = self.itl.labels(klass)
+            for gap in gaps:
+                itl.observe(gap)

@@ -1,0 +1,97 @@
+"""`RequestObserver`: the app's metrics registry and request log, and the ASGI middleware that gives each
+request its `RequestTimeline` at arrival and hands the ended timeline to them.
+
+Built once per app in `create_app` (its registry is the app's own; the service collector is registered in
+the lifespan, once the services exist, and removed at shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+from gateway.config import Config
+from gateway.observe.metrics import RequestMetrics
+from gateway.observe.requestlog import RequestLog
+from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
+from gateway.observe.trace import inbound_trace
+from gateway.requestid import request_id_in
+
+log = logging.getLogger("lockgate.observe")
+
+
+class RequestObserver:
+    """Where ended requests go: Prometheus series on the app's registry, and the request log."""
+
+    def __init__(self, config: Config, clock: Clock) -> None:
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        self.metrics = RequestMetrics(self.registry, config.slo)
+        self.request_log = RequestLog(enabled=config.metrics.request_log)
+
+    def start(self, scope: Scope) -> RequestTimeline:
+        """The timeline of a request arriving now, kept in its scope's state."""
+        trace_id, parent = inbound_trace(scope.get("headers", ()))
+        state = scope.setdefault("state", {})
+        timeline = RequestTimeline(
+            self.clock,
+            trace_id=trace_id,
+            parent_span_id=parent,
+            request_id=request_id_in(scope),
+            method=str(scope.get("method", "")),
+            on_end=self.finish,
+        )
+        state[STATE_KEY] = timeline
+        return timeline
+
+    def finish(self, timeline: RequestTimeline) -> None:
+        """An ended request: observe it, log it. A failure here is a bug, logged, never the request's."""
+        try:
+            self.metrics.observe(timeline)
+            self.request_log.write(timeline)
+        except Exception:
+            log.exception("observing request %s failed", timeline.request_id)
+
+    def watch(self, collector: Collector) -> Collector:
+        """Register a scrape-time collector (the services'); returns it for `unwatch`."""
+        self.registry.register(collector)
+        return collector
+
+    def unwatch(self, collector: Collector) -> None:
+        """Remove a collector `watch` registered."""
+        self.registry.unregister(collector)
+
+
+def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
+    """Time every HTTP request from arrival, count active streams, and end its timeline with its status."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != ScopeType.HTTP:
+            await app(scope, receive, send)
+            return
+        timeline = observer.start(scope)
+        status = 0
+        streaming = False
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status, streaming
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if timeline.stream and status == 200:
+                    streaming = True
+                    observer.metrics.active_streams.inc()
+            await send(message)
+
+        try:
+            await app(scope, receive, send_observed)
+        finally:
+            if streaming:
+                observer.metrics.active_streams.dec()
+            timeline.route = str(scope.get("path_template", ""))
+            timeline.response_ended(status)
+
+    return middleware

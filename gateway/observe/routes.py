@@ -1,0 +1,21 @@
+"""`GET /metrics`: the app's registry in the Prometheus text format (scraped without a key, like the health
+probes: keep it on a network only the scraper reaches)."""
+
+from __future__ import annotations
+
+from litestar import Response, get
+from litestar.di import NamedDependency
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.service import Services
+
+
+@get("/metrics", media_type=CONTENT_TYPE_LATEST)
+async def metrics(services: NamedDependency[Services]) -> Response[bytes]:
+    """Prometheus text exposition of the gateway's metrics (collected in the event loop, where the state
+    they read is changed)."""
+    body = generate_latest(services.observer.registry)
+    return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
+
+OBSERVE_ROUTES = [metrics]

@@ -1,0 +1,130 @@
+"""One ended timeline observed into a fresh registry: exact series, and its log line."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.base import Usage
+from gateway.config import Config, SloConfig, SloTargets
+from gateway.generation.tracking import Outcome
+from gateway.observe.metrics import RequestMetrics
+from gateway.observe.requestlog import log_line
+from gateway.observe.timeline import RequestTimeline
+from guard.cascade import StageRun
+from policy.safety.decision import CascadeResult, GuardDecision
+from tests.backends import FakeClock
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The value of the sample `name` with exactly `labels` (0 when absent)."""
+    text = generate_latest(registry).decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+def ended_request(clock: FakeClock) -> RequestTimeline:
+    t = RequestTimeline(clock, trace_id="ab" * 16, request_id="req-1")
+    t.tenant, t.key_id, t.model, t.klass, t.route = "acme", "k1", "m@1", "batch", "/v1/chat/completions"
+    start = t.now()
+    clock.advance(0.002)
+    start = t.phase("auth", start)
+    clock.advance(0.003)
+    t.phase("quota", start)
+    run = StageRun(
+        index=0,
+        guard="rules",
+        allow_below=0.2,
+        block_above=0.8,
+        p_unsafe=0.0,
+        verdict="allow",
+        latency_s=0.004,
+    )
+    result = CascadeResult(verdict="allow", runs=(run,), decided_by=0, category="")
+    t.guard_check(
+        "input", t.now(), GuardDecision(direction="input", action="allow", source="rules", result=result)
+    )
+    start = t.now()
+    clock.advance(1.0)
+    t.phase("queue", start)
+    t.expect_outcome()
+    for gap in (0.5, 0.1, 0.1, 0.1):
+        clock.advance(gap)
+        t.token()
+    t.record_outcome(
+        Outcome(
+            request_id="req-1",
+            model="m@1",
+            status="completed",
+            finish_reason="length",
+            usage=Usage(prompt_tokens=7, completion_tokens=4),
+            stream=False,
+        )
+    )
+    clock.advance(0.1)
+    t.response_ended(200)
+    return t
+
+
+def test_one_request_moves_each_series_by_what_it_did() -> None:
+    registry = CollectorRegistry()
+    slo_config = SloConfig(batch=SloTargets(ttft=2.0, itl=0.2), interactive=SloTargets(ttft=0.1, itl=0.1))
+    metrics = RequestMetrics(registry, slo_config)
+    clock = FakeClock(1000.0)
+    metrics.observe(ended_request(clock))
+    p = "lockgate:"
+    assert (
+        sample(registry, f"{p}requests_total", route="/v1/chat/completions", status="200", tenant="acme") == 1
+    )
+    assert sample(registry, f"{p}prompt_tokens_total", tenant="acme") == 7
+    assert sample(registry, f"{p}generation_tokens_total", tenant="acme") == 4
+    assert sample(registry, f"{p}time_to_first_token_seconds_sum", **{"class": "batch"}) == pytest.approx(
+        1.505
+    )
+    assert sample(registry, f"{p}inter_token_latency_seconds_count", **{"class": "batch"}) == 3
+    assert sample(registry, f"{p}queue_wait_seconds_sum", **{"class": "batch"}) == pytest.approx(1.0)
+    assert sample(registry, f"{p}e2e_request_latency_seconds_sum", **{"class": "batch"}) == pytest.approx(
+        1.905
+    )
+    assert sample(registry, f"{p}request_phase_seconds_count", phase="auth") == 1
+    assert sample(
+        registry, f"{p}guard_latency_seconds_sum", direction="input", stage="rules"
+    ) == pytest.approx(0.004)
+    assert sample(registry, f"{p}request_outcomes_total", status="completed") == 1
+    assert sample(registry, f"{p}requests_finished_total", **{"class": "batch"}) == 1
+    assert sample(registry, f"{p}slo_attained_requests_total", **{"class": "batch"}) == 1
+    assert sample(registry, f"{p}requests_finished_total", **{"class": "interactive"}) == 0
+    assert sample(registry, f"{p}rejections_total", reason="rate_limit_exceeded") == 0
+
+
+def test_the_log_line_has_the_trace_ids_and_no_prompt_unless_captured() -> None:
+    clock = FakeClock(1000.0)
+    t = ended_request(clock)
+    line = msgspec.json.decode(msgspec.json.encode(log_line(t)))
+    assert line["request_id"] == "req-1"
+    assert line["trace_id"] == "ab" * 16
+    assert len(line["span_id"]) == 16
+    assert (line["tenant"], line["model"], line["status"], line["http_status"]) == (
+        "acme",
+        "m@1",
+        "completed",
+        200,
+    )
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (7, 4)
+    assert line["durations"]["queue"] == pytest.approx(1.0)
+    assert line["durations"]["ttft"] == pytest.approx(1.505)
+    assert line["guard"] == "input=rules"
+    assert "prompt" not in line
+    t.prompt = "hello"
+    assert msgspec.json.decode(msgspec.json.encode(log_line(t)))["prompt"] == "hello"
+
+
+def test_the_defaults_have_targets_for_both_classes() -> None:
+    config = Config()
+    assert config.slo.interactive.ttft > 0
+    assert config.slo.batch.ttft > config.slo.interactive.ttft
