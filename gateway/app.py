@@ -387,7 +387,9 @@ def create_app(
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
             # Engine, queue, quota and guard series, read from the live objects at scrape time.
-            collector = ServiceCollector(scheduler.replicas, scheduler.depth, meter.counters, gate.counts)
+            collector = ServiceCollector(
+                scheduler.replicas, scheduler.depth, meter.counters, gate.counts, overload=overload
+            )
             owned.callback(observer.unwatch, observer.watch(collector))
             app.state.services = Services(
                 config=config,
@@ -450,7 +452,8 @@ def create_app(
     # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
     # (unknown route, wrong method), and those responses need an `x-request-id` too.
     # Shedding in front of everything else: a shed request costs no routing, parsing or auth.
-    # Each request timed from its arrival (shed ones included), with the id the outer middleware gave it.
-    app.asgi_handler = request_id_middleware(observe_middleware(overload.wrap(app.asgi_handler), observer))
+    # Each request that passes the door timed from its arrival (shed ones cost nothing more and are counted by
+    # the gate: lockgate:shed_requests_total), with the id the outer middleware gave it.
+    app.asgi_handler = request_id_middleware(overload.wrap(observe_middleware(app.asgi_handler, observer)))
     app.state.overload = overload
     return app

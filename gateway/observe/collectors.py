@@ -1,5 +1,6 @@
 """Series read at scrape time from the state the gateway already keeps: the router's view of every engine
-replica, the admission queue, the quota meter's counters and the safety gate's decision counts.
+replica, the admission queue, the quota meter's counters, the safety gate's decision counts and the overload
+gate's (requests shed at the door never reach the request metrics).
 
 Nothing on the request path feeds these: each scrape reads the live objects (in the event loop, where they
 are changed, so a scrape never sees one half-updated).
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from gateway.observe.metrics import PREFIX
+from gateway.overload import OverloadGate
 from routing.replicas import Replica
 
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -37,8 +39,11 @@ class ServiceCollector:
         queue_depth: Callable[[], int],
         quota_counters: Counter[str],
         guard_counts: Counter[tuple[str, str, str]],
+        *,
+        overload: OverloadGate | None = None,
     ) -> None:
         self._replicas = replicas
+        self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
         self._guard = guard_counts
@@ -54,6 +59,8 @@ class ServiceCollector:
         for key, (name, doc) in QUOTA_COUNTERS.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=self._quota.get(key, 0))
         yield from self._guards()
+        if self._overload is not None:
+            yield from self._door(self._overload)
 
     def _engines(self) -> Iterable[Metric]:
         labels = ("replica", "pool")
@@ -98,6 +105,26 @@ class ServiceCollector:
                 breaker.add_metric((*ids, candidate), 1.0 if candidate == state else 0.0)
         yield from gauges.values()
         yield breaker
+
+    def _door(self, overload: OverloadGate) -> Iterable[Metric]:
+        shed = CounterMetricFamily(
+            f"{PREFIX}shed_requests",
+            "Generation requests shed at the door (503 overloaded), by reason: in_flight or loop_lag.",
+            labels=("reason",),
+        )
+        for reason, count in sorted(overload.shed.items()):
+            shed.add_metric((reason,), count)
+        yield shed
+        yield GaugeMetricFamily(
+            f"{PREFIX}in_flight_requests",
+            "Generation requests this process holds (arrival to last byte), as the overload gate counts.",
+            value=overload.in_flight,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}event_loop_lag_seconds",
+            "Event-loop lag that persisted through the overload gate's recent probes.",
+            value=overload.monitor.lag,
+        )
 
     def _guards(self) -> Iterable[Metric]:
         decisions = CounterMetricFamily(

@@ -207,6 +207,14 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         assert scrape.value(f"{P}engine_in_flight") == 0
         assert scrape.value(f"{P}engine_kv_capacity_tokens") > 0
         assert scrape.value(f"{P}engine_breaker_state", state="closed") == 2
+        # Nothing was shed at the door; every request has ended.
+        assert {ls["reason"] for ls in scrape.labelsets(f"{P}shed_requests_total")} == {
+            "in_flight",
+            "loop_lag",
+        }
+        assert scrape.value(f"{P}shed_requests_total") == 0
+        assert scrape.value(f"{P}in_flight_requests") == 0
+        assert scrape.value(f"{P}admission_queue_depth") == 0
         # The scrape itself is a request too.
         again = await gw.scrape()
         assert again.value(requests, route="/metrics", status="200") >= 1
