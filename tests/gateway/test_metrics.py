@@ -25,6 +25,7 @@ from gateway.config import Config, EngineConfig, ReplicaSpec, SloConfig, SloTarg
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.tenants.models import Limits, Quotas, Tenant
+from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec
 from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
 
 CHAT = "/v1/chat/completions"
@@ -247,6 +248,46 @@ async def test_a_cancelled_stream_is_counted_once_and_leaves_no_active_stream(
         assert scrape.value(f"{P}requests_finished_total") == 0
         [outcome] = outcomes.items
         assert scrape.value(f"{P}generation_tokens_total", tenant="acme") == outcome.usage.completion_tokens
+
+
+def output_rule_policy(span: str) -> PolicySpec:
+    """The rules stage alone, blocking `span` wherever it appears (output included)."""
+    return PolicySpec(
+        categories=(PolicyCategory(name="violence", severity="high"),),
+        stages=(CascadeStage(kind="rules", allow_below=0.25, block_above=0.75),),
+        past_last_stage="escalate",
+        fail_modes={"violence": "closed"},
+        hold_back_tokens=4,
+        check_every_tokens=4,
+        retention="hash",
+        rules=RulesSpec(block=(RulePattern(category="violence", pattern=span, applies_to="all"),)),
+    )
+
+
+async def test_an_output_block_is_a_blocked_outcome_with_the_output_stage_timed(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway(renderer, outcomes, tenancy) as gw:
+        body = {"seed": 7, "temperature": 1.0, "max_tokens": 40}
+        clean = await gw.chat("acme", "Tell me a story", **body)
+        span = " ".join(clean.json()["choices"][0]["message"]["content"].split(" ")[10:12])
+        registry = gw.services.registry
+        await registry.publish("policy", "guarded", "1", output_rule_policy(span), actor="test")
+        await registry.set_alias("policy", "guarded", "1", actor="test")
+        await tenancy.store.create_tenant(
+            Tenant(tenant_id="guarded", display_name="Guarded", policy="guarded"), actor="test", now=0.0
+        )
+        gw.keys["guarded"] = await add_key(tenancy.store, "guarded", ("consumer",))
+        blocked = await gw.chat("guarded", "Tell me a story", **body)
+        assert blocked.status_code == 200
+        assert blocked.json()["choices"][0]["finish_reason"] == "content_filter"
+        scrape = await gw.scrape_when(lambda s: s.value(f"{P}request_outcomes_total") == 2)
+        assert scrape.value(f"{P}request_outcomes_total", status="blocked") == 1
+        assert scrape.value(f"{P}guard_decisions_total", direction="output", action="block") == 1
+        assert scrape.value(f"{P}guard_latency_seconds_count", direction="output", stage="rules") >= 2
+        assert scrape.value(f"{P}requests_total", route=CHAT, status="200", tenant="guarded") == 1
+        # An output block is the policy's doing, not a missed SLO.
+        assert scrape.value(f"{P}requests_finished_total") == 1
 
 
 async def test_slo_counters_are_split_by_class(
