@@ -1,0 +1,85 @@
+"""The scrape-time series: quota meter counters, gate decision counts, overload gate, replicas."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.observe.collectors import ServiceCollector
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def replica(replica_id: str, state: str, routable: bool) -> Any:
+    return SimpleNamespace(
+        replica_id=replica_id,
+        pool="default",
+        queue_depth=3,
+        kv_utilisation=0.25,
+        in_flight=2,
+        kv_capacity_tokens=1000,
+        held_tokens=250,
+        routable=routable,
+        breaker_state=state,
+    )
+
+
+def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
+    quota: Counter[str] = Counter({"denied": 2, "fail_open": 1, "fail_closed": 3, "settle_given_up": 1})
+    guard: Counter[tuple[str, str, str]] = Counter(
+        {
+            ("input", "fail_open", "allow"): 2,
+            ("output", "fail_open", "allow"): 1,
+            ("input", "rules", "block"): 4,
+        }
+    )
+    overload: Any = SimpleNamespace(
+        shed={"in_flight": 5, "loop_lag": 0}, in_flight=7, monitor=SimpleNamespace(lag=0.0)
+    )
+    depth = [4]
+    registry = CollectorRegistry()
+    registry.register(
+        ServiceCollector(
+            [replica("r0", "closed", True), replica("r1", "open", False)],
+            lambda: depth[0],
+            quota,
+            guard,
+            overload=overload,
+        )
+    )
+    got = samples(registry)
+    p = "lockgate:"
+    assert got[(f"{p}quota_denials_total", ())] == 2
+    assert got[(f"{p}quota_fail_open_total", ())] == 1
+    assert got[(f"{p}quota_fail_closed_total", ())] == 3
+    assert got[(f"{p}quota_settle_failures_total", ())] == 1
+    assert got[(f"{p}quota_settle_retries_total", ())] == 0
+    assert got[(f"{p}fail_open_total", (("direction", "input"),))] == 2
+    assert got[(f"{p}fail_open_total", (("direction", "output"),))] == 1
+    block = (("action", "block"), ("direction", "input"), ("source", "rules"))
+    assert got[(f"{p}guard_decisions_total", block)] == 4
+    assert got[(f"{p}shed_requests_total", (("reason", "in_flight"),))] == 5
+    assert got[(f"{p}in_flight_requests", ())] == 7
+    assert got[(f"{p}admission_queue_depth", ())] == 4
+    r1 = (("pool", "default"), ("replica", "r1"))
+    assert got[(f"{p}engine_routable", r1)] == 0
+    assert got[(f"{p}engine_held_tokens", r1)] == 250
+    assert got[(f"{p}engine_breaker_state", (*r1[:1], ("replica", "r1"), ("state", "open")))] == 1
+    assert got[(f"{p}engine_breaker_state", (*r1[:1], ("replica", "r1"), ("state", "closed")))] == 0
+    # Nothing is cached: the next scrape sees what changed.
+    quota["denied"] += 1
+    depth[0] = 0
+    got = samples(registry)
+    assert got[(f"{p}quota_denials_total", ())] == 3
+    assert got[(f"{p}admission_queue_depth", ())] == 0
