@@ -8,6 +8,8 @@ request id or a key.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.config import SloConfig
@@ -16,98 +18,38 @@ from gateway.observe.timeline import RequestTimeline
 
 PREFIX = "lockgate:"
 # Buckets after vLLM's (its TTFT, inter-token and end-to-end histograms), with finer low ends for a gateway.
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-)
-ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.01,
-    0.05,
-    0.1,
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-)
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)
 # Gateway stages (auth, quota, rendering, guards): sub-millisecond to a few seconds.
-STAGE_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0)
+# fmt: on
 # Error statuses that are refusals (the gateway declined the work), as opposed to failures (502, 500) or a
 # client that left (499).
 _REFUSALS = frozenset({400, 401, 403, 404, 405, 409, 413, 422, 429, 503, 504})
+
+
+M = TypeVar("M", Counter, Histogram)
+
+
+class _Children(Generic[M]):
+    """A labelled metric's children by label values, kept after the first lookup: `labels()` validates and
+    locks on every call, which at a dozen series per request is most of the cost of observing it."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._known: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._known.get(values)
+        if child is None:
+            child = self._known[values] = self._metric.labels(*values)
+        return child
 
 
 class RequestMetrics:
@@ -204,52 +146,67 @@ class RequestMetrics:
             f"{p}active_streams", "Streamed (SSE) responses being sent now.", registry=registry
         )
 
+        # Children by label values (bounded like the series themselves).
+        self._requests = _Children(self.requests)
+        self._rejections = _Children(self.rejections)
+        self._phase = _Children(self.phase)
+        self._guard_latency = _Children(self.guard_latency)
+        self._outcomes = _Children(self.outcomes)
+        self._prompt_tokens = _Children(self.prompt_tokens)
+        self._generation_tokens = _Children(self.generation_tokens)
+        self._finished = _Children(self.finished)
+        self._attained = _Children(self.attained)
+        self._e2e = _Children(self.e2e)
+        self._queue_wait = _Children(self.queue_wait)
+        self._ttft = _Children(self.ttft)
+        self._itl = _Children(self.itl)
+
     def observe(self, t: RequestTimeline) -> None:
         """Record one ended request (called once, when its timeline ends)."""
         status = t.http_status
-        self.requests.labels(t.route or "unmatched", str(status), t.tenant).inc()
+        self._requests(t.route or "unmatched", str(status), t.tenant).inc()
         if status in _REFUSALS and t.error_code:
-            self.rejections.labels(t.error_code).inc()
+            self._rejections(t.error_code).inc()
         for name, (start, end) in t.phases.items():
-            self.phase.labels(name).observe(end - start)
+            self._phase(name).observe(end - start)
         for check in t.guard_checks:
             for run in check.runs:
-                self.guard_latency.labels(check.direction, run.guard).observe(run.latency_s)
+                self._guard_latency(check.direction, run.guard).observe(run.latency_s)
         outcome = t.outcome
         if outcome is None:
             return
-        self.outcomes.labels(outcome.status).inc()
+        self._outcomes(outcome.status).inc()
         if outcome.status == "cancelled":
             self.cancellations.inc()
         elif outcome.status == "stalled":
             self.stalls.inc()
         usage = outcome.usage
         if usage.prompt_tokens:
-            self.prompt_tokens.labels(t.tenant).inc(usage.prompt_tokens)
+            self._prompt_tokens(t.tenant).inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            self.generation_tokens.labels(t.tenant).inc(usage.completion_tokens)
+            self._generation_tokens(t.tenant).inc(usage.completion_tokens)
         klass = t.klass
         if not klass:
             return
         self._latencies(t, klass)
         targets = slo.targets_for(self._slo, klass)
         if targets is not None and slo.counts(t):
-            self.finished.labels(klass).inc()
+            self._finished(klass).inc()
             if slo.attained(t, targets):
-                self.attained.labels(klass).inc()
+                self._attained(klass).inc()
 
     def _latencies(self, t: RequestTimeline, klass: str) -> None:
         e2e = t.e2e
         if e2e is not None:
-            self.e2e.labels(klass).observe(e2e)
+            self._e2e(klass).observe(e2e)
         queued = t.duration("queue")
         if queued is not None:
-            self.queue_wait.labels(klass).observe(queued)
+            self._queue_wait(klass).observe(queued)
         ttft = t.ttft
         if ttft is not None:
-            self.ttft.labels(klass).observe(ttft)
+            self._ttft(klass).observe(ttft)
         gaps = t.inter_token_gaps()
         if gaps:
-            itl = self.itl.labels(klass)
+            itl = self._itl(klass)
             for gap in gaps:
                 itl.observe(gap)
