@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from gateway.observe.trace import new_span_id, new_trace_id
+from guard.cascade import StageRun
 
 if TYPE_CHECKING:
     from gateway.generation.tracking import Outcome
-    from guard.cascade import StageRun
     from policy.safety.decision import GuardDecision
 
 Clock = Callable[[], float]

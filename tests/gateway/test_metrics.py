@@ -146,12 +146,16 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         assert denied.status_code == 429
         unauthorized = await gw.http.post(CHAT, json={}, headers={"authorization": "Bearer lg-nope"})
         assert unauthorized.status_code == 401
+        too_large = await gw.http.post(
+            CHAT, content=b"x" * (2 << 20), headers={"authorization": f"Bearer {gw.keys['acme']}"}
+        )
+        assert too_large.status_code == 413
         blocked = await gw.chat("acme", INJECTION)
         assert blocked.status_code == 400
         assert blocked.json()["error"]["code"] == "content_policy_violation"
 
         def done(s: Scrape) -> bool:
-            return s.value(f"{P}requests_total", route=CHAT) == 7
+            return s.value(f"{P}requests_total", route=CHAT) == 8
 
         scrape = await gw.scrape_when(done)
         requests = f"{P}requests_total"
@@ -160,6 +164,8 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         assert scrape.value(requests, route=CHAT, status="429", tenant="tight") == 1
         assert scrape.value(requests, route=CHAT, status="401", tenant="") == 1
         assert scrape.value(requests, route=CHAT, status="400", tenant="acme") == 1
+        assert scrape.value(requests, route=CHAT, status="413", tenant="acme") == 1
+        assert scrape.value(f"{P}rejections_total", reason="body_too_large") == 1
         assert scrape.value(f"{P}rejections_total", reason="rate_limit_exceeded") == 1
         assert scrape.value(f"{P}rejections_total", reason="invalid_api_key") == 1
         assert scrape.value(f"{P}rejections_total", reason="content_policy_violation") == 1
