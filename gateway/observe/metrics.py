@@ -2,8 +2,8 @@
 
 Everything lives on one `CollectorRegistry` per app (no process-global registry): two apps in one process, as
 in tests, never share a series. Labels are bounded: route templates, HTTP statuses, tenant ids (bounded by
-the tenant store), priority classes, guard stage names (bounded by the registry), error codes (ours). Never a
-request id or a key.
+the tenant store), priority classes, model and guard versions (name@version, bounded by the registry: a
+canary's latencies next to its stable version's), error codes (ours). Never a request id or a key.
 """
 
 from __future__ import annotations
@@ -73,28 +73,28 @@ class RequestMetrics:
         self.ttft = Histogram(
             f"{p}time_to_first_token_seconds",
             "Seconds from request arrival to the engine's first token (auth, quota, guard, queue included).",
-            ("class",),
+            ("class", "model"),
             registry=registry,
             buckets=TTFT_BUCKETS,
         )
         self.itl = Histogram(
             f"{p}inter_token_latency_seconds",
             "Seconds between consecutive output deltas of a request.",
-            ("class",),
+            ("class", "model"),
             registry=registry,
             buckets=ITL_BUCKETS,
         )
         self.e2e = Histogram(
             f"{p}e2e_request_latency_seconds",
             "Seconds from arrival to the end of generation requests that reached admission.",
-            ("class",),
+            ("class", "model"),
             registry=registry,
             buckets=E2E_BUCKETS,
         )
         self.queue_wait = Histogram(
             f"{p}queue_wait_seconds",
             "Seconds in the admission queue until dispatch (or refusal).",
-            ("class",),
+            ("class", "model"),
             registry=registry,
             buckets=E2E_BUCKETS,
         )
@@ -125,10 +125,10 @@ class RequestMetrics:
             f"{p}stalls", "Streams cut off because the client stopped reading.", registry=registry
         )
         self.prompt_tokens = Counter(
-            f"{p}prompt_tokens", "Prompt tokens processed, by tenant.", ("tenant",), registry=registry
+            f"{p}prompt_tokens", "Prompt tokens processed.", ("tenant", "model"), registry=registry
         )
         self.generation_tokens = Counter(
-            f"{p}generation_tokens", "Tokens generated, by tenant.", ("tenant",), registry=registry
+            f"{p}generation_tokens", "Tokens generated.", ("tenant", "model"), registry=registry
         )
         self.finished = Counter(
             f"{p}requests_finished",
@@ -182,9 +182,9 @@ class RequestMetrics:
             self.stalls.inc()
         usage = outcome.usage
         if usage.prompt_tokens:
-            self._prompt_tokens(t.tenant).inc(usage.prompt_tokens)
+            self._prompt_tokens(t.tenant, t.model).inc(usage.prompt_tokens)
         if usage.completion_tokens:
-            self._generation_tokens(t.tenant).inc(usage.completion_tokens)
+            self._generation_tokens(t.tenant, t.model).inc(usage.completion_tokens)
         klass = t.klass
         if not klass:
             return
@@ -198,15 +198,15 @@ class RequestMetrics:
     def _latencies(self, t: RequestTimeline, klass: str) -> None:
         e2e = t.e2e
         if e2e is not None:
-            self._e2e(klass).observe(e2e)
+            self._e2e(klass, t.model).observe(e2e)
         queued = t.duration("queue")
         if queued is not None:
-            self._queue_wait(klass).observe(queued)
+            self._queue_wait(klass, t.model).observe(queued)
         ttft = t.ttft
         if ttft is not None:
-            self._ttft(klass).observe(ttft)
+            self._ttft(klass, t.model).observe(ttft)
         gaps = t.inter_token_gaps()
         if gaps:
-            itl = self._itl(klass)
+            itl = self._itl(klass, t.model)
             for gap in gaps:
                 itl.observe(gap)

@@ -81,16 +81,20 @@ def test_one_request_moves_each_series_by_what_it_did() -> None:
     assert (
         sample(registry, f"{p}requests_total", route="/v1/chat/completions", status="200", tenant="acme") == 1
     )
-    assert sample(registry, f"{p}prompt_tokens_total", tenant="acme") == 7
-    assert sample(registry, f"{p}generation_tokens_total", tenant="acme") == 4
-    assert sample(registry, f"{p}time_to_first_token_seconds_sum", **{"class": "batch"}) == pytest.approx(
-        1.505
+    assert sample(registry, f"{p}prompt_tokens_total", tenant="acme", model="m@1") == 7
+    assert sample(registry, f"{p}generation_tokens_total", tenant="acme", model="m@1") == 4
+    assert sample(
+        registry, f"{p}time_to_first_token_seconds_sum", **{"class": "batch", "model": "m@1"}
+    ) == pytest.approx(1.505)
+    assert (
+        sample(registry, f"{p}inter_token_latency_seconds_count", **{"class": "batch", "model": "m@1"}) == 3
     )
-    assert sample(registry, f"{p}inter_token_latency_seconds_count", **{"class": "batch"}) == 3
-    assert sample(registry, f"{p}queue_wait_seconds_sum", **{"class": "batch"}) == pytest.approx(1.0)
-    assert sample(registry, f"{p}e2e_request_latency_seconds_sum", **{"class": "batch"}) == pytest.approx(
-        1.905
-    )
+    assert sample(
+        registry, f"{p}queue_wait_seconds_sum", **{"class": "batch", "model": "m@1"}
+    ) == pytest.approx(1.0)
+    assert sample(
+        registry, f"{p}e2e_request_latency_seconds_sum", **{"class": "batch", "model": "m@1"}
+    ) == pytest.approx(1.905)
     assert sample(registry, f"{p}request_phase_seconds_count", phase="auth") == 1
     assert sample(
         registry, f"{p}guard_latency_seconds_sum", direction="input", stage="rules"
