@@ -132,3 +132,32 @@ def test_the_defaults_have_targets_for_both_classes() -> None:
     config = Config()
     assert config.slo.interactive.ttft > 0
     assert config.slo.batch.ttft > config.slo.interactive.ttft
+
+
+def test_cancellations_and_stalls_are_counted_from_the_outcome_and_stay_out_of_attainment() -> None:
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, SloConfig())
+    clock = FakeClock()
+    for status in ("cancelled", "stalled", "stalled"):
+        t = RequestTimeline(clock, trace_id="cd" * 16)
+        t.tenant, t.model, t.klass = "acme", "m@1", "interactive"
+        t.expect_outcome()
+        t.token()
+        t.response_ended(200)
+        t.record_outcome(
+            Outcome(
+                request_id="r",
+                model="m@1",
+                status=status,  # type: ignore[arg-type]
+                finish_reason=None,
+                usage=Usage(prompt_tokens=3, completion_tokens=1),
+                stream=True,
+            )
+        )
+        metrics.observe(t)
+    p = "lockgate:"
+    assert sample(registry, f"{p}cancellations_total") == 1
+    assert sample(registry, f"{p}stalls_total") == 2
+    assert sample(registry, f"{p}request_outcomes_total", status="stalled") == 2
+    assert sample(registry, f"{p}generation_tokens_total", tenant="acme", model="m@1") == 3
+    assert sample(registry, f"{p}requests_finished_total", **{"class": "interactive"}) == 0
