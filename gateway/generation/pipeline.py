@@ -6,7 +6,8 @@
 The route handlers decode the body and call `run_chat` / `run_completion`; every later stage is one call into
 the package that owns it: `planning` (validate, render, count tokens), `metering` (quota), the safety gate
 (`policy.safety`, over `guard/`), the engine, `guard.moderator` (held-back output), `responses` (OpenAI
-shapes). The stream's plumbing (bounded buffer, disconnect races, outcome tracking) is behind `flow`.
+shapes). The stream's plumbing (bounded buffer, disconnect races, outcome tracking) is behind `flow`. Each
+stage is timed on the request's `RequestTimeline` (`gateway.observe`), which metrics, logs and traces read.
 
 A request the input guard blocks or cannot check costs no engine time and gets its quota reservation back.
 Output is released to the client only after the output guard checked it; a block ends the stream with
