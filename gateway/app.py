@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -59,6 +59,9 @@ from registry.service import Registry
 from registry.view import ResolvedPolicy
 from routing.router import Router
 from routing.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 # Guard model name of the zero-shot one-token judge on the served model (one version per served version).
 ZERO_SHOT_JUDGE = "zero-shot-judge"
@@ -299,13 +302,20 @@ def create_app(
     guard_pools: Mapping[str, Engine] | None = None,
     guard_sink: RecordSink = log_record,
     audit: AuditStore | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> Litestar:
     """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
     app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
-    for the pools guard models run on (by pool name); missing ones the default policy needs are started."""
+    for the pools guard models run on (by pool name); missing ones the default policy needs are started.
+    `span_exporter` replaces OTLP as where spans go when `tracing.enabled` (tests)."""
 
-    # Metrics and the request log: the app's own registry (no process-global one).
-    observer = RequestObserver(config, clock)
+    tracer = None
+    if config.tracing.enabled:
+        from gateway.observe.tracing import Tracer
+
+        tracer = Tracer(config.tracing, span_exporter)
+    # Metrics, the request log and traces: the app's own registry and tracer (no process-global one).
+    observer = RequestObserver(config, clock, tracer)
     overload = OverloadGate(
         config.overload,
         LoopLagMonitor(config.overload.lag_probe_interval, config.overload.lag_window, time.monotonic),
@@ -319,6 +329,8 @@ def create_app(
         renderers = RendererCache(config.model.data_path(), executor, config.model.renderer_cache_size)
         tasks = TaskSet()
         async with AsyncExitStack() as owned:
+            if tracer is not None:  # last out: after every request has ended and been traced
+                owned.push_async_callback(asyncio.to_thread, tracer.shutdown)
             if config.overload.enabled:
                 owned.push_async_callback(_stop, asyncio.create_task(overload.monitor.run()))
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)

@@ -266,6 +266,20 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     request_log: bool = True
 
 
+class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of requests (gateway/observe/tracing.py)."""
+
+    # Off: no span is built or exported (requests keep only the timestamps their metrics need).
+    enabled: bool = False
+    # OTLP/HTTP traces endpoint, e.g. "http://127.0.0.1:4318/v1/traces"; "" = the exporter's default
+    # (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://localhost:4318/v1/traces).
+    otlp_endpoint: str = ""
+    # `service.name` of the spans.
+    service_name: str = "lockgate"
+    # Seconds one export may take before it is given up.
+    export_timeout: float = 10.0
+
+
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine replica of `[[engines]]`."""
 
@@ -306,6 +320,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     slo: SloConfig = msgspec.field(default_factory=SloConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

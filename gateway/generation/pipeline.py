@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from litestar import MediaType, Request, Response
+from msgspec.structs import replace
 
 from engines.base import (
     EngineDeadError,
@@ -58,6 +59,7 @@ from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
 from gateway.observe.timeline import RequestTimeline, timeline_in
+from gateway.observe.trace import traceparent_of
 from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
@@ -265,6 +267,8 @@ async def _run(
     timeline.klass = klass
     wait = queue_deadline(request, services, klass)
     req = for_engine(plan, klass, principal.tenant.tenant_id)
+    if services.observer.tracer is not None:
+        req = replace(req, traceparent=traceparent_of(timeline))
     policy = services.policy_for(principal, plan.request_id)
     timeline.policy = policy.ref
     start = timeline.now()

@@ -8,6 +8,7 @@ the lifespan, once the services exist, and removed at shutdown).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,17 +22,22 @@ from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
 from gateway.observe.trace import inbound_trace
 from gateway.requestid import request_id_in
 
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from gateway.observe.tracing import Tracer
+
 log = logging.getLogger("lockgate.observe")
 
 
 class RequestObserver:
     """Where ended requests go: Prometheus series on the app's registry, and the request log."""
 
-    def __init__(self, config: Config, clock: Clock) -> None:
+    def __init__(self, config: Config, clock: Clock, tracer: Tracer | None = None) -> None:
+        """`tracer`: where ended requests' spans go (None: tracing is off)."""
         self.clock = clock
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, config.slo)
         self.request_log = RequestLog(enabled=config.metrics.request_log)
+        self.tracer = tracer
 
     def start(self, scope: Scope) -> RequestTimeline:
         """The timeline of a request arriving now, kept in its scope's state."""
@@ -49,10 +55,13 @@ class RequestObserver:
         return timeline
 
     def finish(self, timeline: RequestTimeline) -> None:
-        """An ended request: observe it, log it. A failure here is a bug, logged, never the request's."""
+        """An ended request: observe it, log it, trace it. A failure here is a bug, logged, never the
+        request's."""
         try:
             self.metrics.observe(timeline)
             self.request_log.write(timeline)
+            if self.tracer is not None:
+                self.tracer.export(timeline)
         except Exception:
             log.exception("observing request %s failed", timeline.request_id)
 

@@ -10,8 +10,21 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable
+from typing import Protocol
 
 HEADER = b"traceparent"
+
+
+class HasTraceIds(Protocol):
+    """A request's trace id and the span id of its root span (a `RequestTimeline`)."""
+
+    @property
+    def trace_id(self) -> str: ...
+
+    @property
+    def span_id(self) -> str: ...
+
+
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
@@ -51,3 +64,9 @@ def inbound_trace(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, str]:
                 return parsed
             break
     return new_trace_id(), ""
+
+
+def traceparent_of(timeline: HasTraceIds) -> str:
+    """The W3C `traceparent` that makes a downstream call (a remote engine's request) a child of this
+    request's root span."""
+    return f"00-{timeline.trace_id}-{timeline.span_id}-01"

@@ -13,8 +13,8 @@ touches the OpenTelemetry SDK, and with `[tracing] enabled = false` (the default
 
 Ids are the timeline's: its trace id (the client's when it sent a valid `traceparent`, which also makes the
 client's span the root's parent) and the root's span id, which is what remote engines receive as the parent
-in their `traceparent` (`traceparent_of`). The SDK's id generator is given those ids for the root span only
-(`_TimelineIds`); every other span gets random ids.
+in their `traceparent` (`gateway.observe.trace.traceparent_of`). The SDK's id generator is given those ids
+for the root span only (`_TimelineIds`); every other span gets random ids.
 
 Each app has its own `TracerProvider` (never the process-global one), exporting through a batch processor
 to OTLP over HTTP (`tracing.otlp_endpoint`), or to the exporter a test passes in.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import random
 
-import msgspec
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -42,27 +41,8 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
+from gateway.config import TracingConfig
 from gateway.observe.timeline import GuardCheck, RequestTimeline
-
-
-class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[tracing]`: OpenTelemetry traces of requests."""
-
-    # Off: no spans are built or exported (the request path only keeps its timestamps, as it always does).
-    enabled: bool = False
-    # OTLP/HTTP traces endpoint, e.g. "http://127.0.0.1:4318/v1/traces"; "" = the exporter's default
-    # (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else localhost:4318).
-    otlp_endpoint: str = ""
-    # `service.name` of the spans.
-    service_name: str = "lockgate"
-    # Seconds an export may take before it is dropped.
-    export_timeout: float = 10.0
-
-
-def traceparent_of(timeline: RequestTimeline) -> str:
-    """The W3C `traceparent` that makes a downstream call (a remote engine's request) a child of this
-    request's root span."""
-    return f"00-{timeline.trace_id}-{timeline.span_id}-01"
 
 
 def _ns(seconds: float) -> int:

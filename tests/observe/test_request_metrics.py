@@ -13,8 +13,8 @@ from gateway.generation.tracking import Outcome
 from gateway.observe.metrics import RequestMetrics
 from gateway.observe.requestlog import log_line
 from gateway.observe.timeline import RequestTimeline
-from guard.cascade import StageRun
-from policy.safety.decision import CascadeResult, GuardDecision
+from guard.cascade import CascadeResult, StageRun
+from policy.safety.decision import GuardDecision
 from tests.backends import FakeClock
 
 
@@ -148,7 +148,7 @@ def test_cancellations_and_stalls_are_counted_from_the_outcome_and_stay_out_of_a
             Outcome(
                 request_id="r",
                 model="m@1",
-                status=status,  # type: ignore[arg-type]
+                status=status,
                 finish_reason=None,
                 usage=Usage(prompt_tokens=3, completion_tokens=1),
                 stream=True,

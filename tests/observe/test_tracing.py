@@ -8,9 +8,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from engines.base import Usage
+from gateway.config import TracingConfig
 from gateway.generation.tracking import Outcome
 from gateway.observe.timeline import GuardCheck, Phase, RequestTimeline
-from gateway.observe.tracing import Tracer, TracingConfig, traceparent_of
+from gateway.observe.trace import traceparent_of
+from gateway.observe.tracing import Tracer
 from guard.cascade import StageRun
 from tests.backends import FakeClock
 
