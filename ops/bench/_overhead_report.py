@@ -1,0 +1,200 @@
+"""The figures of `ops.bench.overhead`: per target and rate, the gateway against the mock at the same rate,
+a summary per mode and quota store, the table and the plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+Mode = Literal["whole", "stream"]
+Target = Literal["mock", "memory", "redis"]  # the mock server, or the gateway on that quota store
+
+
+class Latency(msgspec.Struct, frozen=True, kw_only=True):
+    """Percentiles in seconds over the completed requests (0 without any)."""
+
+    p50: float
+    p99: float
+
+
+class Measure(msgspec.Struct, frozen=True, kw_only=True):
+    """One target under one rate of one mode."""
+
+    target: Target
+    offered_per_s: float
+    sent: int
+    completed: int
+    errors: int  # non-200 answers, transport failures and timeouts
+    achieved_per_s: float  # completed over the time from the first send to the last answer
+    latency: Latency  # the whole answer
+    first_chunk: Latency | None  # streams: the first chunk with text
+    chunks: int  # streams: chunks with text delivered
+    cpu_s: float  # the server process's user + system CPU over the step
+    cpu_per_request_ms: float
+    cpu_per_chunk_us: float | None
+    client_lag_p99_ms: float  # how late the load generator sent (its own limit, not the server's)
+    saturated: bool
+    error_sample: str = ""
+
+
+class Point(msgspec.Struct, frozen=True, kw_only=True):
+    """One rate of one mode: the mock and each gateway measured back to back."""
+
+    mode: Mode
+    rate: float
+    mock: Measure
+    gateways: list[Measure]
+
+
+class Summary(msgspec.Struct, frozen=True, kw_only=True):
+    """One gateway quota store in one mode: added latency at the lowest rate, gateway CPU, and the most
+    it served before saturation."""
+
+    mode: Mode
+    quota: Target
+    rate: float  # the lowest rate, where neither side queues
+    added_p50_ms: float
+    added_p99_ms: float
+    cpu_per_request_ms: float
+    cpu_per_chunk_us: float | None  # streams: all CPU over chunks (the request's fixed cost included)
+    # Streams: what a chunk costs beyond a whole answer of as many tokens at the same rate, i.e. (CPU per
+    # stream - CPU per whole request) / chunks per stream; None without both modes.
+    marginal_cpu_per_chunk_us: float | None
+    mock_cpu_per_request_ms: float
+    max_unsaturated_per_s: float  # the highest achieved rate of an unsaturated step (0 if none)
+    saturated_at: float | None  # the offered rate where it first saturated; None: not reached
+
+
+class OverheadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole run."""
+
+    seconds_per_step: float
+    max_tokens: int
+    prompt_words: int
+    guard: str
+    server_core: int
+    client_core: int
+    points: list[Point]
+    summaries: list[Summary]
+
+
+def percentiles(values: Sequence[float]) -> Latency:
+    """Nearest-rank p50 and p99."""
+    ordered = sorted(values)
+    if not ordered:
+        return Latency(p50=0.0, p99=0.0)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return Latency(p50=rank(0.5), p99=rank(0.99))
+
+
+def summarise(points: Sequence[Point]) -> list[Summary]:
+    """One summary per (mode, quota store) measured."""
+    out: list[Summary] = []
+    modes = list(dict.fromkeys(p.mode for p in points))
+    for mode in modes:
+        rows = [p for p in points if p.mode == mode]
+        for quota in dict.fromkeys(g.target for p in rows for g in p.gateways):
+            pairs = [(p, g) for p in rows for g in p.gateways if g.target == quota]
+            low, gw = pairs[0]
+            whole = [
+                g
+                for p in points
+                if p.mode == "whole" and p.rate == low.rate
+                for g in p.gateways
+                if g.target == quota
+            ]
+            marginal = None
+            if mode == "stream" and whole and gw.chunks and gw.completed:
+                per_stream = gw.chunks / gw.completed
+                marginal = 1000 * (gw.cpu_per_request_ms - whole[0].cpu_per_request_ms) / per_stream
+            first = [p.rate for p, g in pairs if g.saturated]
+            fine = [g.achieved_per_s for _, g in pairs if not g.saturated]
+            out.append(
+                Summary(
+                    mode=mode,
+                    quota=quota,
+                    rate=low.rate,
+                    added_p50_ms=1000 * (gw.latency.p50 - low.mock.latency.p50),
+                    added_p99_ms=1000 * (gw.latency.p99 - low.mock.latency.p99),
+                    cpu_per_request_ms=gw.cpu_per_request_ms,
+                    cpu_per_chunk_us=gw.cpu_per_chunk_us,
+                    marginal_cpu_per_chunk_us=marginal,
+                    mock_cpu_per_request_ms=low.mock.cpu_per_request_ms,
+                    max_unsaturated_per_s=max(fine, default=0.0),
+                    saturated_at=first[0] if first else None,
+                )
+            )
+    return out
+
+
+def format_table(report: OverheadReport) -> str:
+    """One line per point and target, then the summaries."""
+    header = f"{'mode':>6} {'rate/s':>7} {'target':>7} {'done/s':>7} {'err':>5} {'p50 ms':>7} {'p99 ms':>7} "
+    header += f"{'+p50':>6} {'+p99':>6} {'cpu/req ms':>10} {'cpu/chunk us':>12} {'lag ms':>7}"
+    lines = [header]
+    for point in report.points:
+        for m in [point.mock, *point.gateways]:
+            added = m.target != "mock"
+            cells = [
+                f"{point.mode:>6}",
+                f"{point.rate:>7g}",
+                f"{m.target:>7}",
+                f"{m.achieved_per_s:>7.0f}",
+                f"{m.errors:>5}",
+                f"{1000 * m.latency.p50:>7.2f}",
+                f"{1000 * m.latency.p99:>7.2f}",
+                f"{1000 * (m.latency.p50 - point.mock.latency.p50):>6.2f}" if added else f"{'':>6}",
+                f"{1000 * (m.latency.p99 - point.mock.latency.p99):>6.2f}" if added else f"{'':>6}",
+                f"{m.cpu_per_request_ms:>10.3f}",
+                f"{m.cpu_per_chunk_us:>12.1f}" if m.cpu_per_chunk_us is not None else f"{'-':>12}",
+                f"{m.client_lag_p99_ms:>7.1f}" + (" SAT" if m.saturated else ""),
+            ]
+            lines.append(" ".join(cells))
+    lines.append("")
+    for s in report.summaries:
+        chunk = f", {s.cpu_per_chunk_us:.1f} us CPU/chunk" if s.cpu_per_chunk_us is not None else ""
+        if s.marginal_cpu_per_chunk_us is not None:
+            chunk += f" ({s.marginal_cpu_per_chunk_us:.1f} us beyond a whole answer)"
+        sat = f"saturated at {s.saturated_at:g}/s" if s.saturated_at is not None else "not saturated"
+        lines.append(
+            f"{s.mode:>6} {s.quota:>6}: added p50 {s.added_p50_ms:.2f} ms, p99 {s.added_p99_ms:.2f} ms at "
+            f"{s.rate:g}/s; gateway {s.cpu_per_request_ms:.3f} ms CPU/request{chunk} (mock "
+            f"{s.mock_cpu_per_request_ms:.3f}); best unsaturated {s.max_unsaturated_per_s:.0f}/s, {sat}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: OverheadReport, path: Path) -> bool:
+    """Latency p50 and achieved rate against offered rate per target and mode; False without matplotlib."""
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[tuple[float, Measure]]] = {}
+    for point in report.points:
+        for m in [point.mock, *point.gateways]:
+            series.setdefault(f"{point.mode} {m.target}", []).append((point.rate, m))
+    for label, rows in series.items():
+        rates = [r for r, _ in rows]
+        left.plot(rates, [1000 * m.latency.p50 for _, m in rows], "o-", label=label)
+        right.plot(rates, [m.achieved_per_s for _, m in rows], "o-", label=label)
+    left.set(xlabel="offered requests/s", ylabel="latency p50 (ms)", yscale="log")
+    right.set(xlabel="offered requests/s", ylabel="completed requests/s")
+    for axis in (left, right):
+        axis.grid(True)
+        axis.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -1,0 +1,158 @@
+"""The servers `ops.bench.overhead` compares, each a child process pinned to one core: the mock OpenAI
+server on the simulated engine, and `lockgate serve` on the same engine with a quota store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from ops.bench._overhead_report import Target
+
+# Buckets far above any rate the bench offers: the quota store is consulted on every request (reserve and
+# settle) and never refuses.
+_HUGE = 1e9
+
+
+class Server:
+    """One child process serving HTTP on `port`; `api_key` for the gateway."""
+
+    def __init__(self, target: Target, proc: subprocess.Popen[bytes], port: int, api_key: str = "") -> None:
+        """Wrap a started process."""
+        self.target = target
+        self.proc = proc
+        self.port = port
+        self.api_key = api_key
+        self.ps = psutil.Process(proc.pid)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process has used so far."""
+        times = self.ps.cpu_times()
+        return times.user + times.system
+
+    def stop(self) -> None:
+        """Terminate, then kill if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _spawn(args: list[str], env: dict[str, str], core: int, log: Path) -> subprocess.Popen[bytes]:
+    # Output goes to a file: a pipe nobody reads would stall the server once full.
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        )
+
+
+async def _wait_ready(proc: subprocess.Popen[bytes], url: str, within: float, log: Path) -> None:
+    deadline = time.monotonic() + within
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = await asyncio.to_thread(log.read_text, errors="replace")
+                raise RuntimeError(f"server exited during start-up ({proc.returncode}): {err[-2000:]}")
+            try:
+                if (await http.get(url)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within {within:g} s")
+
+
+async def start_mock(core: int, workdir: Path) -> Server:
+    """The mock OpenAI server, ready; its output in `workdir`/server.log."""
+    port = free_port()
+    log = workdir / "server.log"
+    proc = _spawn(["-m", "ops.bench._mock_openai", "--port", str(port)], dict(os.environ), core, log)
+    server = Server("mock", proc, port)
+    try:
+        await _wait_ready(proc, f"http://127.0.0.1:{port}/healthz", 60, log)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def gateway_env(quota: Target, port: int, workdir: Path, guard: str) -> dict[str, str]:
+    """The environment of a `lockgate serve` on the zero-delay simulated engine."""
+    return {
+        **os.environ,
+        "LOCKGATE_ENGINE__KIND": "simulated",
+        "LOCKGATE_ENGINE__SIMULATOR__DECODE_STEP_S": "0",
+        "LOCKGATE_ENGINE__SIMULATOR__DECODE_STEP_S_PER_SEQ": "0",
+        "LOCKGATE_ENGINE__SIMULATOR__PREFILL_S_PER_TOKEN": "0",
+        "LOCKGATE_STORAGE__SQLITE_PATH": str(workdir / "lockgate.sqlite3"),
+        "LOCKGATE_SERVER__PORT": str(port),
+        "LOCKGATE_SERVER__LOG_LEVEL": "warning",
+        "LOCKGATE_GUARD__DEFAULT_POLICY": guard,
+        "LOCKGATE_QUOTA__BACKEND": quota,
+    }
+
+
+async def _provision(env: dict[str, str], tenant_id: str) -> str:
+    """A tenant with (huge) quotas on both scopes and a consumer key; the key's plaintext."""
+    from gateway.app import open_tenant_store
+    from gateway.config import load_config
+    from policy.tenants import keys
+    from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
+
+    limits = Limits(
+        requests_per_second=_HUGE, request_burst=_HUGE, tokens_per_second=_HUGE, token_burst=_HUGE
+    )
+    store = await open_tenant_store(load_config(env=env))
+    try:
+        now = time.time()
+        tenant = Tenant(
+            tenant_id=tenant_id, display_name=tenant_id, quotas=Quotas(tenant=limits, per_key=limits)
+        )
+        await store.create_tenant(tenant, actor="bench", now=now)
+        plaintext, key_id, secret_hash = keys.new_key()
+        key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=("consumer",), created_at=now)
+        await store.add_key(key, secret_hash, actor="bench", now=now)
+        return plaintext
+    finally:
+        await store.close()
+
+
+async def start_gateway(quota: Target, core: int, workdir: Path, guard: str) -> Server:
+    """`lockgate serve` with `quota` as its quota store and a fresh tenant and key, ready."""
+    port = free_port()
+    env = gateway_env(quota, port, workdir, guard)
+    key = await _provision(env, f"bench-{secrets.token_hex(4)}")
+    log = workdir / "server.log"
+    proc = _spawn(["-m", "gateway.cli", "serve"], env, core, log)
+    server = Server(quota, proc, port, key)
+    try:
+        await _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", 300, log)
+    except BaseException:
+        server.stop()
+        raise
+    return server

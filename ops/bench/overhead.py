@@ -1,0 +1,237 @@
+"""Overhead benchmark: what the gateway adds to an engine, in latency and CPU, up to saturation.
+
+    python -m ops.bench.overhead [--rates 100 200 400 ...] [--seconds 3] [--modes whole stream]
+                                 [--quotas memory redis] [--max-tokens 16] [--guard none] [--out DIR]
+                                 [--quick]
+
+Three servers on the same zero-delay simulated engine, each a child process pinned to `--server-core`: the
+mock OpenAI server (`ops.bench._mock_openai`, the engine alone) and `lockgate serve` with the memory and the
+Redis quota store. The load generator runs here, pinned to `--client-core`. At each rate, in each mode
+(whole answers, streams), the same open-loop Poisson load (`ops.bench.load.arrivals`) goes for `--seconds`
+to the mock and then to each gateway, so every gateway figure has a baseline measured moments before it.
+Rates rise until every gateway saturates: it completes less than 90% of the rate it was sent, or more than
+1% of its requests fail. Figures: latency p50/p99 (the whole answer) and what the gateway adds to the
+mock's; server CPU per request and per streamed chunk (user + system of its process over the step, idle
+work included); the best rate served unsaturated. Written as `overhead.json` and `overhead.png` under
+`--out`. The machine is shared and has two cores: figures are noisy, so compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from ops.bench._http import Pool, Timed, request_head
+from ops.bench._overhead_report import (
+    Measure,
+    Mode,
+    OverheadReport,
+    Point,
+    format_table,
+    percentiles,
+    plot,
+    summarise,
+)
+from ops.bench._servers import Server, start_gateway, start_mock
+from ops.bench.load.arrivals import arrival_times
+from ops.bench.load.plan import synthetic_prompt
+from ops.bench.load.workload import Arrival
+
+_encoder = msgspec.json.Encoder()
+SATURATED_SHARE = 0.9  # completed / sent rate below this is saturation
+ERROR_SHARE = 0.01  # failed requests above this share is saturation
+
+
+class Endpoint:
+    """One server with its connection pool and request head."""
+
+    def __init__(self, server: Server, model: str) -> None:
+        """Bind a started server."""
+        self.server = server
+        self.model = model
+        self.pool = Pool("127.0.0.1", server.port)
+        self.head = request_head("/v1/chat/completions", f"127.0.0.1:{server.port}", server.api_key)
+
+
+def body(index: int, mode: Mode, model: str, words: int, max_tokens: int, seed: int) -> bytes:
+    """A chat request with a prompt of its own (no cache can answer it)."""
+    payload: dict[str, object] = {
+        "model": model,
+        "messages": [{"role": "user", "content": synthetic_prompt(index, words, random.Random(seed))}],
+        "max_tokens": max_tokens,
+    }
+    if mode == "stream":
+        payload["stream"] = True
+    return _encoder.encode(payload)
+
+
+async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Namespace, seed: int) -> Measure:
+    """Offer Poisson arrivals at `rate` for `args.seconds` to one server and wait for every answer."""
+    rng = random.Random(seed)
+    times = arrival_times(Arrival(rate=rate), rng, duration=args.seconds)
+    bodies = [
+        body(i, mode, target.model, args.prompt_words, args.max_tokens, seed + i) for i, _ in enumerate(times)
+    ]
+    clock = time.perf_counter
+    done: list[float] = []
+    lags: list[float] = []
+
+    async def one(payload: bytes) -> Timed:
+        timed = await target.pool.post(target.head, payload, clock, within=args.timeout)
+        done.append(clock())
+        return timed
+
+    cpu_before = target.server.cpu_s()
+    origin = clock()
+    tasks: list[asyncio.Task[Timed]] = []
+    for at, payload in zip(times, bodies, strict=True):
+        delay = origin + at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lags.append(clock() - origin - at)
+        tasks.append(asyncio.create_task(one(payload)))
+    last_sent = clock() - origin
+    results = await asyncio.gather(*tasks)
+    cpu = target.server.cpu_s() - cpu_before
+    ok = [r for r in results if r.status == 200 and r.total is not None]
+    failed = [r for r in results if r.status != 200 or r.total is None]
+    span = (max(done) - origin) if done else 1.0
+    achieved = len(ok) / span
+    sent_rate = len(results) / max(last_sent, 1e-9)
+    chunks = sum(r.chunks for r in ok)
+    saturated = achieved < SATURATED_SHARE * min(rate, sent_rate) or len(failed) > ERROR_SHARE * len(results)
+    return Measure(
+        target=target.server.target,
+        offered_per_s=rate,
+        sent=len(results),
+        completed=len(ok),
+        errors=len(failed),
+        achieved_per_s=achieved,
+        latency=percentiles([r.total for r in ok if r.total is not None]),
+        first_chunk=percentiles([r.first for r in ok if r.first is not None]) if mode == "stream" else None,
+        chunks=chunks,
+        cpu_s=cpu,
+        cpu_per_request_ms=1000 * cpu / max(len(ok), 1),
+        cpu_per_chunk_us=1e6 * cpu / chunks if mode == "stream" and chunks else None,
+        client_lag_p99_ms=1000 * percentiles(lags).p99,
+        saturated=saturated,
+        error_sample=failed[0].error[:200] if failed else "",
+    )
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
+    """Start the servers, then every mode and rate, the mock and the gateways interleaved."""
+    servers: list[Server] = []
+    targets: list[Endpoint] = []
+    pools: list[Pool] = []
+    try:
+        servers.append(await start_mock(args.server_core, workdir / "mock"))
+        for quota in args.quotas:
+            servers.append(await start_gateway(quota, args.server_core, workdir / quota, args.guard))
+        for server in servers:
+            print(f"[overhead] {server.target}: pid {server.proc.pid}, port {server.port}", flush=True)
+        targets = [Endpoint(s, args.model) for s in servers]
+        pools = [t.pool for t in targets]
+        for target in targets:  # connections, caches and first-call imports, outside any figure
+            for mode in args.modes:
+                await measure(target, mode, args.rates[0], _warm(args), seed=0)
+        points: list[Point] = []
+        for mode in args.modes:
+            live = targets[1:]
+            for step, rate in enumerate(args.rates):
+                seed = 1000 * (step + 1)
+                mock = await measure(targets[0], mode, rate, args, seed)
+                gateways = [await measure(t, mode, rate, args, seed) for t in live]
+                points.append(Point(mode=mode, rate=rate, mock=mock, gateways=gateways))
+                print(f"[overhead] {mode} {rate:g}/s: " + _brief([mock, *gateways]), flush=True)
+                live = [t for t, m in zip(live, gateways, strict=True) if not m.saturated]
+                if not live:
+                    break
+    finally:
+        for pool in pools:
+            await pool.close()
+        for server in servers:
+            server.stop()
+    return OverheadReport(
+        seconds_per_step=args.seconds,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        guard=args.guard,
+        server_core=args.server_core,
+        client_core=args.client_core,
+        points=points,
+        summaries=summarise(points),
+    )
+
+
+def _warm(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "seconds": min(args.seconds, 1.0)})
+
+
+def _brief(measures: Sequence[Measure]) -> str:
+    return ", ".join(
+        f"{m.target} {m.achieved_per_s:.0f}/s p50 {1000 * m.latency.p50:.2f} ms"
+        + (" SAT" if m.saturated else "")
+        for m in measures
+    )
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run the benchmark, print the table, write the JSON and the plot."""
+    parser = argparse.ArgumentParser(prog="python -m ops.bench.overhead", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=[100, 200, 400, 700, 1000, 1500, 2000, 3000]
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds of arrivals per step (3)")
+    parser.add_argument("--modes", nargs="+", choices=["whole", "stream"], default=["whole", "stream"])
+    parser.add_argument("--quotas", nargs="+", choices=["memory", "redis"], default=["memory", "redis"])
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
+    parser.add_argument("--prompt-words", type=int, default=20, help="prompt length, ~tokens (20)")
+    parser.add_argument("--guard", choices=["none", "rules"], default="none", help="gateway guard policy")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
+    parser.add_argument("--timeout", type=float, default=15.0, help="seconds one request may take (15)")
+    cores = sorted(os.sched_getaffinity(0))
+    parser.add_argument("--server-core", type=int, default=cores[0], help="core of the servers")
+    parser.add_argument("--client-core", type=int, default=cores[-1], help="core of the load generator")
+    parser.add_argument("--out", type=Path, default=Path("overhead"), help="where to write the report")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: two low rates, 1 s each, memory")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.seconds, args.quotas = [50.0, 100.0], 1.0, ["memory"]
+    os.sched_setaffinity(0, {args.client_core})
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="lockgate-overhead-") as tmp,
+            asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        ):
+            report = runner.run(run(args, Path(tmp)))
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    print(format_table(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    if plot(report, args.out / "overhead.png"):
+        print(f"wrote {args.out / 'overhead.json'} and {args.out / 'overhead.png'}")
+    else:
+        print(f"wrote {args.out / 'overhead.json'} (no matplotlib: no plot)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
