@@ -14,6 +14,7 @@ Every engine request carries the class's engine priority (vLLM: lower runs earli
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -100,6 +101,7 @@ def queue_deadline(request: Request[Any, Any, Any], services: Services, klass: K
     return min(asked, default)
 
 
+@functools.lru_cache(maxsize=4096)  # a hash per request otherwise; tenants are few and their salts fixed
 def cache_salt(tenant_id: str) -> str:
     """The tenant's prefix-cache salt: requests share vLLM's prefix cache only within one tenant."""
     return hashlib.sha256(f"lockgate-cache-salt:{tenant_id}".encode()).hexdigest()[:32]
