@@ -38,6 +38,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.admin import ConflictAPIError
 from gateway.decoding import Decoder, read_body
 from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
+from gateway.openapi import errors, request_body, secured
 from gateway.review_queue import APPEALABLE, NotReviewableError, ReviewQueue, review_queue, take_up
 from gateway.security import allow, reviewer_scope
 from gateway.service import Services
@@ -122,7 +123,14 @@ async def _detail(services: Services, appeal: Appeal, review_seq: int | None = N
     return AppealDetail(**fields, events=tuple(events), review_seq=review_seq)
 
 
-@post("/v1/appeals", status_code=HTTP_201_CREATED)
+@post(
+    "/v1/appeals",
+    status_code=HTTP_201_CREATED,
+    dependencies=request_body(
+        AppealCreate, {"request_id": "9c1f3e0a5b7d4e21a8f06c3b", "reason": "a question about a poem"}
+    ),
+    responses=errors(400, 404, 409, 413),
+)
 async def file_appeal(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
@@ -153,7 +161,7 @@ async def file_appeal(
     return await _detail(services, appeal)
 
 
-@get("/v1/appeals/{appeal_id:str}")
+@get("/v1/appeals/{appeal_id:str}", responses=errors(400, 404))
 async def get_own_appeal(
     appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> AppealDetail:
@@ -163,7 +171,7 @@ async def get_own_appeal(
     return await _detail(services, appeal)
 
 
-@get("/audit/queue")
+@get("/audit/queue", responses=errors(400))
 async def waiting_for_review(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
@@ -178,7 +186,11 @@ async def waiting_for_review(
     return await _store(review_queue(services, scope, limit))
 
 
-@post("/audit/decisions/{tenant:str}/{seq:int}/appeal", status_code=HTTP_201_CREATED)
+@post(
+    "/audit/decisions/{tenant:str}/{seq:int}/appeal",
+    status_code=HTTP_201_CREATED,
+    responses=errors(400, 404, 409),
+)
 async def take_up_decision(
     tenant: FromPath[str],
     seq: FromPath[int],
@@ -198,7 +210,7 @@ async def take_up_decision(
     return await _detail(services, appeal)
 
 
-@get("/audit/appeals")
+@get("/audit/appeals", responses=errors(400))
 async def list_appeals(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
@@ -223,7 +235,7 @@ async def list_appeals(
     return AppealPage(data=page, has_more=len(rows) > limit, last_id=page[-1].appeal_id if page else None)
 
 
-@get("/audit/appeals/{appeal_id:str}")
+@get("/audit/appeals/{appeal_id:str}", responses=errors(400, 404))
 async def review_appeal(
     appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> AppealDetail:
@@ -232,7 +244,12 @@ async def review_appeal(
     return await _detail(services, appeal)
 
 
-@post("/audit/appeals/{appeal_id:str}/transition", status_code=HTTP_200_OK)
+@post(
+    "/audit/appeals/{appeal_id:str}/transition",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(AppealTransition, {"to": "overturned", "note": "not an injection"}),
+    responses=errors(400, 404, 409, 413),
+)
 async def transition_appeal(
     appeal_id: FromPath[str],
     request: Request[Any, Any, Any],
@@ -300,11 +317,16 @@ async def record_review(
 
 
 APPEAL_ROUTES = [
-    file_appeal,
-    get_own_appeal,
-    waiting_for_review,
-    take_up_decision,
-    list_appeals,
-    review_appeal,
-    transition_appeal,
+    secured(
+        "appeals",
+        [
+            file_appeal,
+            get_own_appeal,
+            waiting_for_review,
+            take_up_decision,
+            list_appeals,
+            review_appeal,
+            transition_appeal,
+        ],
+    )
 ]

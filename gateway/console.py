@@ -210,5 +210,7 @@ CONSOLE_ROUTES = [
         path="/console",
         route_handlers=[queue, login, logout, decision, decide, policies],
         exception_handlers={PageError: error_response},
+        # HTML pages for a browser (session cookie, CSRF forms), not an API: left out of the OpenAPI document.
+        include_in_schema=False,
     )
 ]
