@@ -60,8 +60,11 @@ from registry.view import ResolvedPolicy
 from routing.router import Router
 from routing.scheduler import Scheduler
 
-if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing or the OTLP metrics push is on
+    from opentelemetry.sdk.metrics.export import MetricExporter
     from opentelemetry.sdk.trace.export import SpanExporter
+
+    from gateway.observe.otlp_metrics import MetricsPusher
 
 # Guard model name of the zero-shot one-token judge on the served model (one version per served version).
 ZERO_SHOT_JUDGE = "zero-shot-judge"
@@ -258,6 +261,25 @@ def quota_meter(config: Config, store: QuotaStore, clock: Clock) -> QuotaMeter:
     return QuotaMeter(store, clock, settle_policy=policy)
 
 
+def _metrics_pusher(
+    config: Config, observer: RequestObserver, exporter: MetricExporter | None
+) -> MetricsPusher:
+    """The OTLP push of the app's metrics: to `exporter`, or over OTLP/HTTP to `metrics.otlp_endpoint`."""
+    from gateway.observe.otlp_metrics import MetricsPusher
+
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+        exporter = OTLPMetricExporter(endpoint=config.metrics.otlp_endpoint)
+    return MetricsPusher(
+        observer.registry,
+        exporter,
+        config.metrics.otlp_interval,
+        config.tracing.service_name,
+        time.time_ns,
+    )
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -303,11 +325,13 @@ def create_app(
     guard_sink: RecordSink = log_record,
     audit: AuditStore | None = None,
     span_exporter: SpanExporter | None = None,
+    metric_exporter: MetricExporter | None = None,
 ) -> Litestar:
     """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
     app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
     for the pools guard models run on (by pool name); missing ones the default policy needs are started.
-    `span_exporter` replaces OTLP as where spans go when `tracing.enabled` (tests)."""
+    `span_exporter` replaces OTLP as where spans go when `tracing.enabled`, and `metric_exporter` turns on
+    the OTLP metrics push (tests; otherwise `metrics.otlp_endpoint` does)."""
 
     tracer = None
     if config.tracing.enabled:
@@ -331,6 +355,10 @@ def create_app(
         async with AsyncExitStack() as owned:
             if tracer is not None:  # last out: after every request has ended and been traced
                 owned.push_async_callback(asyncio.to_thread, tracer.shutdown)
+            if metric_exporter is not None or config.metrics.otlp_endpoint:
+                pusher = _metrics_pusher(config, observer, metric_exporter)
+                owned.push_async_callback(asyncio.to_thread, pusher.shutdown)  # with a last push
+                owned.push_async_callback(_stop, asyncio.create_task(pusher.run()))
             if config.overload.enabled:
                 owned.push_async_callback(_stop, asyncio.create_task(overload.monitor.run()))
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)

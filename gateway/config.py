@@ -264,6 +264,11 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # One JSON line per request end on the `lockgate.requests` logger (at INFO).
     request_log: bool = True
+    # OTLP/HTTP metrics endpoint to push the same series to, e.g. "http://127.0.0.1:4318/v1/metrics";
+    # "" = no OTLP export (Prometheus scrapes GET /metrics either way).
+    otlp_endpoint: str = ""
+    # Seconds between two OTLP pushes.
+    otlp_interval: float = 15.0
 
 
 class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -274,7 +279,7 @@ class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # OTLP/HTTP traces endpoint, e.g. "http://127.0.0.1:4318/v1/traces"; "" = the exporter's default
     # (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://localhost:4318/v1/traces).
     otlp_endpoint: str = ""
-    # `service.name` of the spans.
+    # `service.name` of the spans (and of the OTLP metrics push, [metrics] otlp_endpoint).
     service_name: str = "lockgate"
     # Seconds one export may take before it is given up.
     export_timeout: float = 10.0
