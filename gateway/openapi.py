@@ -61,7 +61,7 @@ TAGS: Final = (
     Tag(
         name="registry", description="Versioned models, templates, guards and policies (role `policy_admin`)."
     ),
-    Tag(name="health", description="Liveness and readiness probes (no key)."),
+    Tag(name="health", description="Liveness and readiness probes, and the metrics (no key)."),
 )
 
 # Every authenticated operation can answer these.

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.service import Services
 
 
-@get("/metrics", media_type=CONTENT_TYPE_LATEST)
+@get("/metrics", media_type=CONTENT_TYPE_LATEST, tags=["health"])
 async def metrics(services: NamedDependency[Services]) -> Response[bytes]:
     """Prometheus text exposition of the gateway's metrics (collected in the event loop, where the state
     they read is changed)."""
