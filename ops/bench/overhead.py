@@ -9,11 +9,13 @@ mock OpenAI server (`ops.bench._mock_openai`, the engine alone) and `lockgate se
 Redis quota store. The load generator runs here, pinned to `--client-core`. At each rate, in each mode
 (whole answers, streams), the same open-loop Poisson load (`ops.bench.load.arrivals`) goes for `--seconds`
 to the mock and then to each gateway, so every gateway figure has a baseline measured moments before it.
-Rates rise until every gateway saturates: it completes less than 90% of the rate it was sent, or more than
-1% of its requests fail. Figures: latency p50/p99 (the whole answer) and what the gateway adds to the
-mock's; server CPU per request and per streamed chunk (user + system of its process over the step, idle
-work included); the best rate served unsaturated. Written as `overhead.json` and `overhead.png` under
-`--out`. The machine is shared and has two cores: figures are noisy, so compare within one run.
+Rates rise until every gateway saturates: it completes less than 90% of the rate it was sent, more than
+1% of its requests fail, or its median latency passes 50 ms (requests queue). Figures: latency p50/p99 (the
+whole answer) and what the gateway adds to the mock's at the lowest rate; server CPU per request and per
+streamed chunk (user + system of its process over the step, idle work included) at the highest unsaturated
+rate, and per chunk beyond a whole answer; the best rate served unsaturated. Written as `overhead.json` and
+`overhead.png` under `--out`. The machine is shared and has two cores: figures are noisy, so compare within
+one run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ops.bench.load.workload import Arrival
 _encoder = msgspec.json.Encoder()
 SATURATED_SHARE = 0.9  # completed / sent rate below this is saturation
 ERROR_SHARE = 0.01  # failed requests above this share is saturation
+QUEUEING_P50_S = 0.05  # a median latency above this is queueing: saturation
 
 
 class Endpoint:
@@ -107,7 +110,12 @@ async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Name
     achieved = len(ok) / span
     sent_rate = len(results) / max(last_sent, 1e-9)
     chunks = sum(r.chunks for r in ok)
-    saturated = achieved < SATURATED_SHARE * min(rate, sent_rate) or len(failed) > ERROR_SHARE * len(results)
+    latency = percentiles([r.total for r in ok if r.total is not None])
+    saturated = (
+        achieved < SATURATED_SHARE * min(rate, sent_rate)
+        or len(failed) > ERROR_SHARE * len(results)
+        or latency.p50 > QUEUEING_P50_S
+    )
     return Measure(
         target=target.server.target,
         offered_per_s=rate,
@@ -115,7 +123,7 @@ async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Name
         completed=len(ok),
         errors=len(failed),
         achieved_per_s=achieved,
-        latency=percentiles([r.total for r in ok if r.total is not None]),
+        latency=latency,
         first_chunk=percentiles([r.first for r in ok if r.first is not None]) if mode == "stream" else None,
         chunks=chunks,
         cpu_s=cpu,
@@ -196,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run the benchmark, print the table, write the JSON and the plot."""
     parser = argparse.ArgumentParser(prog="python -m ops.bench.overhead", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--rates", type=float, nargs="+", default=[100, 200, 400, 700, 1000, 1500, 2000, 3000]
+        "--rates", type=float, nargs="+", default=[100, 200, 300, 400, 500, 700, 1000, 1500, 2000]
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of arrivals per step (3)")
     parser.add_argument("--modes", nargs="+", choices=["whole", "stream"], default=["whole", "stream"])
