@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.logging.config import LoggingConfig
 
 from engines.base import Engine
 from gateway.admin import ADMIN_ROUTES
@@ -488,6 +489,9 @@ def create_app(
         exception_handlers=exception_handlers(),
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=openapi_config(),
+        # Litestar configures only its own logger: the process's logging (level, handlers) is the caller's
+        # (`lockgate serve` sets it from server.log_level), so a level above INFO silences the request log.
+        logging_config=LoggingConfig(configure_root_logger=False),
     )
     # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
     # (unknown route, wrong method), and those responses need an `x-request-id` too.

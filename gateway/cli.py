@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import logging.handlers
 import math
 import os
+import queue
 import sys
 import time
 from collections.abc import Sequence
@@ -28,9 +30,7 @@ def _serve(config: Config) -> int:
     from gateway.app import create_app
 
     os.environ.update(offline_environment(Path(config.model.data_dir)))
-    logging.basicConfig(
-        level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    listener = _log_off_the_loop(config.server.log_level.upper())
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
@@ -43,8 +43,25 @@ def _serve(config: Config) -> int:
             timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
         )
     )
-    server.run()
+    try:
+        server.run()
+    finally:
+        listener.stop()
     return 0
+
+
+def _log_off_the_loop(level: str) -> logging.handlers.QueueListener:
+    """Root logging at `level`: records are queued where they are logged (the event loop) and formatted
+    and written to stderr by a thread of their own, so a slow stderr never blocks the loop."""
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    listener = logging.handlers.QueueListener(records, stderr)
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(records)]
+    root.setLevel(level)
+    listener.start()
+    return listener
 
 
 def _prepare(config: Config) -> int:

@@ -1,0 +1,41 @@
+"""The process's logging belongs to `lockgate serve` (server.log_level), not to Litestar: at WARNING the
+per-request log line is not even built, and records are written by a thread of their own."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.cli import _log_off_the_loop
+from gateway.generation.prompts import PromptRenderer
+from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
+
+
+async def test_a_warning_log_level_holds_through_the_apps_start_and_silences_the_request_log(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    root = logging.getLogger()
+    saved = (root.level, root.handlers[:])
+    listener = _log_off_the_loop("WARNING")
+    try:
+        assert [type(h) for h in root.handlers] == [logging.handlers.QueueHandler]
+        app = create_app(
+            make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+        )
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        async with (
+            serving(app) as url,
+            httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
+        ):
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            # Litestar's start did not lower the level (its default would set the root logger to INFO).
+            assert root.level == logging.WARNING
+            assert not logging.getLogger("lockgate.requests").isEnabledFor(logging.INFO)
+            assert logging.getLogger("lockgate.requests").isEnabledFor(logging.WARNING)
+    finally:
+        listener.stop()
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
