@@ -45,8 +45,9 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Event-loop lag, in seconds, that sheds new generation requests when every one of the last `lag_window`
     # probes measured at least that much; 0 = never shed for lag.
     max_loop_lag: float = 0.1
-    # Seconds between two lag probes, and how many recent probes the lag must persist through.
-    lag_probe_interval: float = 0.01
+    # Seconds between two lag probes, and how many recent probes the lag must persist through (0.5 s of
+    # sustained lag by default; a probe costs a wake-up of the loop, so not much more often than this).
+    lag_probe_interval: float = 0.05
     lag_window: int = 10
     # Retry-After of a shed request, in seconds (whole seconds on the wire, at least 1).
     retry_after: float = 1.0
