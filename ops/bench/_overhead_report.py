@@ -40,6 +40,31 @@ class Measure(msgspec.Struct, frozen=True, kw_only=True):
     error_sample: str = ""
 
 
+class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
+    """Whole answers past saturation to one gateway: the admitted and the shed, and the mock at that rate."""
+
+    target: Target
+    offered_per_s: float
+    sent: int
+    admitted: int  # 200
+    shed: int  # 503 (overloaded, or no replica could take it)
+    other: int  # other statuses, transport failures, timeouts
+    admitted_latency: Latency
+    shed_latency: Latency  # how long a shed request took to be told
+    mock: Measure
+
+    def brief(self) -> str:
+        """One line of figures."""
+        added = 1000 * (self.admitted_latency.p99 - self.mock.latency.p99)
+        return (
+            f"{self.admitted}/{self.sent} admitted, p50 {1000 * self.admitted_latency.p50:.1f} ms, "
+            f"p99 {1000 * self.admitted_latency.p99:.1f} ms (added p99 {added:.1f} ms over the mock at this "
+            f"rate{', itself saturated' if self.mock.saturated else ''}); {self.shed} shed in p50 "
+            f"{1000 * self.shed_latency.p50:.1f} ms, p99 {1000 * self.shed_latency.p99:.1f} ms; "
+            f"{self.other} other"
+        )
+
+
 class Point(msgspec.Struct, frozen=True, kw_only=True):
     """One rate of one mode: the mock and each gateway measured back to back."""
 
@@ -80,6 +105,7 @@ class OverheadReport(msgspec.Struct, frozen=True, kw_only=True):
     client_core: int
     points: list[Point]
     summaries: list[Summary]
+    overloads: list[OverloadMeasure] = []
 
 
 def percentiles(values: Sequence[float]) -> Latency:
@@ -174,6 +200,7 @@ def format_table(report: OverheadReport) -> str:
             f"{s.rate:g}/s; at {s.cpu_rate:g}/s gateway {s.cpu_per_request_ms:.3f} ms CPU/request{chunk} "
             f"(mock {s.mock_cpu_per_request_ms:.3f}); best unsaturated {s.max_unsaturated_per_s:.0f}/s, {sat}"
         )
+    lines.extend(f"overload {o.target:>6} at {o.offered_per_s:.0f}/s: {o.brief()}" for o in report.overloads)
     return "\n".join(lines)
 
 

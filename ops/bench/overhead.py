@@ -36,6 +36,7 @@ from ops.bench._overhead_report import (
     Measure,
     Mode,
     OverheadReport,
+    OverloadMeasure,
     Point,
     format_table,
     percentiles,
@@ -76,7 +77,17 @@ def body(index: int, mode: Mode, model: str, words: int, max_tokens: int, seed: 
     return _encoder.encode(payload)
 
 
-async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Namespace, seed: int) -> Measure:
+class Offered(msgspec.Struct, frozen=True, kw_only=True):
+    """What one server answered to one step of open-loop load."""
+
+    results: list[Timed]
+    cpu_s: float
+    span_s: float  # from the first send to the last answer
+    sent_rate: float
+    lags: list[float]
+
+
+async def offer(target: Endpoint, mode: Mode, rate: float, args: argparse.Namespace, seed: int) -> Offered:
     """Offer Poisson arrivals at `rate` for `args.seconds` to one server and wait for every answer."""
     rng = random.Random(seed)
     times = arrival_times(Arrival(rate=rate), rng, duration=args.seconds)
@@ -102,17 +113,27 @@ async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Name
         lags.append(clock() - origin - at)
         tasks.append(asyncio.create_task(one(payload)))
     last_sent = clock() - origin
-    results = await asyncio.gather(*tasks)
-    cpu = target.server.cpu_s() - cpu_before
+    results = list(await asyncio.gather(*tasks))
+    return Offered(
+        results=results,
+        cpu_s=target.server.cpu_s() - cpu_before,
+        span_s=(max(done) - origin) if done else 1.0,
+        sent_rate=len(results) / max(last_sent, 1e-9),
+        lags=lags,
+    )
+
+
+async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Namespace, seed: int) -> Measure:
+    """One step of load to one server, and its figures."""
+    offered = await offer(target, mode, rate, args, seed)
+    results, cpu = offered.results, offered.cpu_s
     ok = [r for r in results if r.status == 200 and r.total is not None]
     failed = [r for r in results if r.status != 200 or r.total is None]
-    span = (max(done) - origin) if done else 1.0
-    achieved = len(ok) / span
-    sent_rate = len(results) / max(last_sent, 1e-9)
+    achieved = len(ok) / offered.span_s
     chunks = sum(r.chunks for r in ok)
     latency = percentiles([r.total for r in ok if r.total is not None])
     saturated = (
-        achieved < SATURATED_SHARE * min(rate, sent_rate)
+        achieved < SATURATED_SHARE * min(rate, offered.sent_rate)
         or len(failed) > ERROR_SHARE * len(results)
         or latency.p50 > QUEUEING_P50_S
     )
@@ -129,9 +150,31 @@ async def measure(target: Endpoint, mode: Mode, rate: float, args: argparse.Name
         cpu_s=cpu,
         cpu_per_request_ms=1000 * cpu / max(len(ok), 1),
         cpu_per_chunk_us=1e6 * cpu / chunks if mode == "stream" and chunks else None,
-        client_lag_p99_ms=1000 * percentiles(lags).p99,
+        client_lag_p99_ms=1000 * percentiles(offered.lags).p99,
         saturated=saturated,
         error_sample=failed[0].error[:200] if failed else "",
+    )
+
+
+async def overload(
+    target: Endpoint, mock: Endpoint, rate: float, args: argparse.Namespace, seed: int
+) -> OverloadMeasure:
+    """Whole answers at `rate` (twice what the gateway served unsaturated): how the admitted fare against
+    the mock at the same rate, and how fast the shed are told (503 `overloaded`)."""
+    baseline = await measure(mock, "whole", rate, args, seed)
+    offered = await offer(target, "whole", rate, args, seed)
+    admitted = [r.total for r in offered.results if r.status == 200 and r.total is not None]
+    shed = [r.total for r in offered.results if r.status == 503 and r.total is not None]
+    return OverloadMeasure(
+        target=target.server.target,
+        offered_per_s=rate,
+        sent=len(offered.results),
+        admitted=len(admitted),
+        shed=len(shed),
+        other=len(offered.results) - len(admitted) - len(shed),
+        admitted_latency=percentiles(admitted),
+        shed_latency=percentiles(shed),
+        mock=baseline,
     )
 
 
@@ -163,6 +206,25 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
                 live = [t for t, m in zip(live, gateways, strict=True) if not m.saturated]
                 if not live:
                     break
+        summaries = summarise(points)
+        overloads = []
+        if args.overload:
+            for target in targets[1:]:
+                best = next(
+                    (
+                        s.max_unsaturated_per_s
+                        for s in summaries
+                        if s.mode == "whole" and s.quota == target.server.target
+                    ),
+                    0.0,
+                )
+                if best > 0:
+                    measured = await overload(target, targets[0], 2 * best, args, seed=99)
+                    overloads.append(measured)
+                    print(
+                        f"[overhead] overload {target.server.target} {2 * best:.0f}/s: {measured.brief()}",
+                        flush=True,
+                    )
     finally:
         for pool in pools:
             await pool.close()
@@ -176,7 +238,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
         server_core=args.server_core,
         client_core=args.client_core,
         points=points,
-        summaries=summarise(points),
+        summaries=summaries,
+        overloads=overloads,
     )
 
 
@@ -218,6 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server-core", type=int, default=cores[0], help="core of the servers")
     parser.add_argument("--client-core", type=int, default=cores[-1], help="core of the load generator")
     parser.add_argument("--out", type=Path, default=Path("overhead"), help="where to write the report")
+    parser.add_argument(
+        "--overload",
+        action="store_true",
+        help="after the sweep, whole answers at twice each gateway's best unsaturated rate: the admitted "
+        "requests' latency and how fast the shed are refused",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: two low rates, 1 s each, memory")
     args = parser.parse_args(argv)
     if args.quick:
