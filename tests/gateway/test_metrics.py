@@ -274,7 +274,7 @@ async def test_an_output_block_is_a_blocked_outcome_with_the_output_stage_timed(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     async with gateway(renderer, outcomes, tenancy) as gw:
-        body = {"seed": 7, "temperature": 1.0, "max_tokens": 40}
+        body: dict[str, Any] = {"seed": 7, "temperature": 1.0, "max_tokens": 40}
         clean = await gw.chat("acme", "Tell me a story", **body)
         span = " ".join(clean.json()["choices"][0]["message"]["content"].split(" ")[10:12])
         registry = gw.services.registry
