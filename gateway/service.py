@@ -101,11 +101,16 @@ class Services:
         timeline.record_outcome(outcome)
 
     def unrecoverable(self) -> str:
-        """Why this gateway cannot recover without a restart of its process ("" while it can)."""
-        engine = self.engine
-        if isinstance(engine, SupervisedEngine) and not engine.alive:
-            return f"engine {engine.replica_id} could not be restarted: {engine.last_error}"
-        return ""
+        """Why this gateway cannot recover without a restart of its process ("" while it can): an engine in
+        this process (any generation replica, or a guard pool's) whose supervisor gave up restarting it."""
+        engines = [r.engine for r in self.scheduler.replicas]
+        engines += [self.pools[pool] for pool in sorted(self.guard_pools)]
+        dead = {
+            id(e): f"engine {e.replica_id} could not be restarted: {e.last_error}"
+            for e in engines
+            if isinstance(e, SupervisedEngine) and not e.alive
+        }
+        return "; ".join(dead.values())
 
     def target(self, model_name: str, request_id: str) -> tuple[ResolvedModel, Limits]:
         """The model version `model_name` means for this request (one registry view), and its limits."""

@@ -14,9 +14,20 @@ from typing import Any
 
 import httpx
 import msgspec
+import pytest
 
-from engines.base import EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health
-from engines.simulated import SimulatorConfig
+from engines.base import (
+    Engine,
+    EngineDeadError,
+    EngineDelta,
+    EngineError,
+    EngineLoad,
+    EngineRequest,
+    Health,
+    SamplingSpec,
+)
+from engines.simulated import SimulatedEngine, SimulatorConfig
+from engines.supervisor import RestartPolicy, SupervisedEngine
 from gateway.app import create_app
 from gateway.config import Config, EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
@@ -296,3 +307,39 @@ async def test_a_replica_kv_byte_budget_counts_in_the_registry_bytes_per_token(
         too_large = await gw.chat(gw.acme, max_tokens=budget - prompt + 1)
         assert too_large.status_code == 400
         assert too_large.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_liveness_fails_when_any_replicas_supervisor_gave_up(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    class Unstartable(SimulatedEngine):
+        async def start(self) -> None:
+            raise RuntimeError("cannot allocate the KV cache")
+
+    built: list[SimulatedEngine] = []
+
+    def factory() -> Engine:
+        kind = SimulatedEngine if not built else Unstartable
+        built.append(kind(SimulatorConfig(), model_name=MODEL, replica_id="simulated-1"))
+        return built[-1]
+
+    doomed = SupervisedEngine(factory, RestartPolicy(health_interval=3600, max_restarts=1, backoff=0.0))
+    await doomed.start()
+    try:
+        async with gateway_for(config(replicas=2), renderer, outcomes, tenancy) as gw:
+            replicas = gw.services.scheduler.replicas
+            replicas[1].engine = doomed  # the second replica: liveness once looked at the first only
+            assert (await gw.http.get("/healthz")).status_code == 200
+            built[0].kill()
+            probe = EngineRequest(
+                request_id="probe", prompt_token_ids=(1, 2), sampling=SamplingSpec(max_tokens=1)
+            )
+            with pytest.raises(EngineError):  # the death is seen by a call; the restart then fails
+                _ = [d async for d in doomed.generate(probe)]
+            async with asyncio.timeout(30):
+                await doomed.wait_for("failed")
+            response = await gw.http.get("/healthz")
+            assert response.status_code == 503
+            assert "simulated-1 could not be restarted" in response.json()["detail"]
+    finally:
+        await doomed.shutdown()
