@@ -36,6 +36,7 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.admin import ConflictAPIError
+from gateway.audit_routes import reviewer_record
 from gateway.decoding import Decoder, read_body
 from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
 from gateway.openapi import errors, request_body, secured
@@ -53,7 +54,6 @@ from policy.audit.appeals import (
     InvalidTransitionError,
 )
 from policy.audit.base import AuditUnavailableError
-from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
 from policy.audit.writer import AuditWriterError
 from policy.auth import Principal
@@ -198,14 +198,7 @@ async def take_up_decision(
     principal: NamedDependency[Principal],
 ) -> AppealDetail:
     """Take up a flagged decision for review: its appeal, filed on the reviewer's behalf."""
-    scope = reviewer_scope(principal)
-    missing = NotFoundError(f"no audit record {tenant}/{seq}", code="not_found")
-    if scope is not None and tenant != scope:
-        raise missing
-    try:
-        record = await _store(services.audit.get(tenant, seq))
-    except AuditNotFoundError:
-        raise missing from None
+    record = await reviewer_record(services, principal, tenant, seq)
     appeal = await _store(take_up(services, record, principal.key.key_id, services.clock()))
     return await _detail(services, appeal)
 

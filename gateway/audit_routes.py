@@ -240,6 +240,11 @@ async def get_decision(
     principal: NamedDependency[Principal],
 ) -> AuditRecord:
     """One decision record."""
+    return await reviewer_record(services, principal, tenant, seq)
+
+
+async def reviewer_record(services: Services, principal: Principal, tenant: str, seq: int) -> AuditRecord:
+    """Decision `tenant`/`seq` if the reviewer may see it: 404 outside their scope, like a missing one."""
     scope = reviewer_scope(principal)
     missing = NotFoundError(f"no audit record {tenant}/{seq}", code="not_found")
     if scope is not None and tenant != scope:
