@@ -12,12 +12,17 @@ the restart: the spool is at-least-once, and a duplicate is at most one replay b
 A process that dies during a write leaves at most a torn last line, never acknowledged as durable: it is
 skipped on replay. After a restart new drafts go to a new file, never after a torn line.
 
-One `Spool` is used by one task at a time (the writer's); it keeps no lock of its own.
+One `Spool` is used by one task at a time (the writer's). One process at a time uses a directory: `open`
+takes an exclusive `flock` on its `.lock` file, held until `close` (or the process's death). A process that
+finds the directory taken (another worker of `lockgate serve --workers N`) claims the first free
+`worker-<n>` directory inside it instead, so each worker has a spool of its own, and a restarted worker takes
+over (and replays) the one a dead worker left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 from collections.abc import Sequence
@@ -34,6 +39,13 @@ _draft_decoder = msgspec.json.Decoder(AuditDraft)
 _PREFIX = "spool-"
 _SUFFIX = ".jsonl"
 _CURSOR = "cursor.json"
+_LOCK = ".lock"
+# Worker directories tried after the base one (more gateway processes than this on one spool is a mistake).
+MAX_WORKERS = 256
+
+
+class SpoolBusyError(OSError):
+    """Every spool directory under the base one is held by another process."""
 
 
 class Cursor(msgspec.Struct, frozen=True):
@@ -58,7 +70,10 @@ class Spool:
     """Append-only spool files in `directory`; call `open` once before anything else."""
 
     def __init__(self, directory: Path | str, *, file_max_bytes: int = 4 << 20) -> None:
-        self.directory = Path(directory)
+        # The base directory; `open` sets `directory` to the one this process claimed (it or a worker-<n>).
+        self.base = Path(directory)
+        self.directory = self.base
+        self._lock_fd: int | None = None
         # A file is closed for new writes past this size, so replayed files can be deleted early.
         self._file_max_bytes = file_max_bytes
         # Invariant: _sizes holds every spool file (number -> size in bytes), oldest first, and
@@ -88,11 +103,34 @@ class Spool:
         return self.directory / f"{_PREFIX}{number:012d}{_SUFFIX}"
 
     async def open(self) -> None:
-        """Create the directory if needed and find leftover files and the replay cursor."""
+        """Claim a directory (module docstring), create it if needed, and find its leftover files and replay
+        cursor. Raises SpoolBusyError when every one is held."""
         await asyncio.to_thread(self._open)
 
+    def close(self) -> None:
+        """Give the directory up (another process may claim it); the files stay for whoever does."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _claim(self) -> None:
+        for n in range(MAX_WORKERS + 1):
+            directory = self.base if n == 0 else self.base / f"worker-{n}"
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.directory = directory
+            self._lock_fd = fd
+            return
+        raise SpoolBusyError(f"every audit spool directory under {self.base} is held by another process")
+
     def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self._lock_fd is None:
+            self._claim()
         found: dict[int, int] = {}
         for path in self.directory.glob(f"{_PREFIX}*{_SUFFIX}"):
             digits = path.name[len(_PREFIX) : -len(_SUFFIX)]

@@ -210,6 +210,7 @@ class AuditWriter:
             for timer in (self._hold, self._timer):
                 if timer is not None:
                     timer.cancel()
+            self._spool.close()
 
     def _fail(self, exc: BaseException, *, spool: bool = False) -> None:
         self._spool_failed = spool

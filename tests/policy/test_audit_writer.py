@@ -335,6 +335,7 @@ async def test_spool_skips_a_torn_tail_and_survives_a_crash_after_the_cursor_wri
     await spool.append([draft(0), draft(1)])
     await spool.append([draft(2)])
     await asyncio.to_thread(crash_mid_write, tmp_path)
+    spool.close()  # the process died: its lock went with it
     spool = Spool(tmp_path)
     await spool.open()
     assert spool.files == 1
@@ -374,3 +375,27 @@ async def test_sqlite_round_trip_through_an_outage_verifies(tmp_path: Path) -> N
             assert (await real.verify(tenant)).ok
     finally:
         await real.close()
+
+
+async def test_each_process_claims_a_spool_directory_of_its_own(tmp_path: Path) -> None:
+    """Workers of one gateway share the configured directory: the first holds it, the next ones get a
+    worker-<n> directory each, and one freed (its process died) is taken over with what it left."""
+    first, second, third = Spool(tmp_path), Spool(tmp_path), Spool(tmp_path)
+    for spool in (first, second, third):
+        await spool.open()
+    assert [s.directory for s in (first, second, third)] == [
+        tmp_path,
+        tmp_path / "worker-1",
+        tmp_path / "worker-2",
+    ]
+    await second.append([draft(0), draft(1)])
+    assert first.empty
+    assert third.empty
+    second.close()
+    heir = Spool(tmp_path)
+    await heir.open()
+    assert heir.directory == tmp_path / "worker-1"
+    drafts, _ = await heir.read(10)
+    assert [d.request_id for d in drafts] == ["req-00000", "req-00001"]
+    for spool in (first, third, heir):
+        spool.close()
