@@ -1,10 +1,14 @@
 """Load shedding before work queues up: generation requests are refused at the door, in microseconds, while
-the process is overloaded (as Envoy's overload manager does).
+the process is overloaded (as Envoy's overload manager and adaptive concurrency filter do).
 
-Two signals, either of which sheds:
+Three signals, any of which sheds:
 
+- **concurrency** (`overload.adaptive`): generation requests in flight at the adaptive limit
+  (`ConcurrencyLimit`), a gradient controller after Envoy's adaptive concurrency filter and Netflix's
+  gradient2: every `sample_interval` s the limit is scaled by how the recent latency compares with the
+  baseline, so that it settles where requests stop queueing inside the process;
 - **in flight**: generation requests this process holds (from arrival to the response's last byte) at
-  `overload.max_in_flight`;
+  `overload.max_in_flight`, the static ceiling of the adaptive limit;
 - **event-loop lag**: how late the loop runs a callback scheduled `overload.lag_probe_interval` seconds ahead
   (`LoopLagMonitor`), at or above `overload.max_loop_lag` on each of the last `lag_window` probes. A loop
   that late delays every stream the process serves, so taking more work only makes all of it late. Lag that
@@ -22,17 +26,20 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 import msgspec
 from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ErrorBody, ErrorResponse
 
-ShedReason = Literal["in_flight", "loop_lag"]
+ShedReason = Literal["concurrency", "in_flight", "loop_lag"]
 SHED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# How far one update may move the adaptive limit (Envoy's bounds): at most halved, at most doubled.
+MIN_GRADIENT = 0.5
+MAX_GRADIENT = 2.0
 
 
 class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -40,7 +47,8 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     # Off: nothing is shed (requests still queue in admission, bounded by its own limits).
     enabled: bool = True
-    # Generation requests one process holds at once (arrival to last byte); the next one is shed.
+    # Generation requests one process holds at once (arrival to last byte); the next one is shed. The
+    # ceiling of the adaptive limit.
     max_in_flight: int = 512
     # Event-loop lag, in seconds, that sheds new generation requests when every one of the last `lag_window`
     # probes measured at least that much; 0 = never shed for lag.
@@ -51,6 +59,94 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     lag_window: int = 10
     # Retry-After of a shed request, in seconds (whole seconds on the wire, at least 1).
     retry_after: float = 1.0
+    # The adaptive concurrency limit (`ConcurrencyLimit`); off: only `max_in_flight` bounds what is held. Off
+    # by default: a whole answer is timed to its end, so in front of a real engine the length of what is
+    # generated, not congestion, would drive the limit.
+    adaptive: bool = False
+    # The floor of the adaptive limit, and the company that makes a request "uncontended": one that arrived
+    # with fewer than this many others in flight is a baseline sample.
+    min_limit: int = 4
+    # How much above the baseline the recent latency may be before the limit falls (1.0: twice the baseline).
+    latency_tolerance: float = 1.0
+    # The percentile of latency compared (the recent sample and the baseline alike).
+    latency_percentile: float = 0.9
+    # Seconds between two updates of the limit: the recent sample is the requests that completed in one.
+    sample_interval: float = 0.1
+    # Seconds between two measurements of the baseline, and how many uncontended requests make one.
+    min_rtt_interval: float = 10.0
+    min_rtt_requests: int = 20
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile `q` (0-1) of a non-empty sequence."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class ConcurrencyLimit:
+    """The adaptive in-flight limit for generation requests: a gradient controller on latency.
+
+    Latency runs from a request's arrival at the door to the end of its response, or for a stream to its
+    first body byte (a long generation is not latency). Every `sample_interval` s (checked as requests
+    complete), the `latency_percentile` of the requests completed since the last update is the *sample*, and
+
+        limit = clamp(limit * gradient + sqrt(limit), min_limit, max_in_flight)
+        gradient = clamp(min_rtt * (1 + latency_tolerance) / sample, 0.5, 2)
+
+    The limit only rises when at least half of it was used in the interval (an idle process does not earn a
+    limit it never tested). The baseline `min_rtt` is the same percentile over the last `min_rtt_requests`
+    *uncontended* requests, those that arrived with fewer than `min_limit` others in flight (Envoy measures
+    it with the limit pinned at its floor; sampling the requests that had as little company measures the
+    same thing without refusing anyone for it), re-measured every `min_rtt_interval` s. While the process is
+    overloaded no request is uncontended, so the baseline keeps its last value instead of creeping up with
+    the queue. Until a baseline exists the limit is `max_in_flight`.
+    """
+
+    def __init__(self, config: OverloadConfig, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._clock = clock
+        self.limit = config.max_in_flight
+        self.min_rtt: float | None = None
+        self._samples: list[float] = []
+        self._uncontended: deque[float] = deque(maxlen=max(1, config.min_rtt_requests))
+        self._interval_start = clock()
+        self._next_min_rtt = self._interval_start
+        self._peak = 0  # the most in flight during the current interval
+
+    def admitted(self, in_flight: int) -> None:
+        """A request was taken; `in_flight` now counts it."""
+        self._peak = max(self._peak, in_flight)
+
+    def completed(self, latency: float, company: int) -> None:
+        """A request's latency point was reached `latency` s after its arrival, where it found `company`
+        others in flight; the limit is updated once per `sample_interval`."""
+        self._samples.append(latency)
+        if company < self._config.min_limit:
+            self._uncontended.append(latency)
+        now = self._clock()
+        if now - self._interval_start >= self._config.sample_interval:
+            self._update(now)
+
+    def _update(self, now: float) -> None:
+        config = self._config
+        full = len(self._uncontended) == self._uncontended.maxlen
+        if full and now >= self._next_min_rtt:
+            self.min_rtt = percentile(self._uncontended, config.latency_percentile)
+            self._uncontended.clear()
+            self._next_min_rtt = now + config.min_rtt_interval
+        if self.min_rtt is not None:
+            sample = percentile(self._samples, config.latency_percentile)
+            target = self.min_rtt * (1 + config.latency_tolerance)
+            gradient = min(MAX_GRADIENT, max(MIN_GRADIENT, target / max(sample, 1e-9)))
+            # Under half the limit used: it was not what held requests back, nothing is learnt about a
+            # higher one (and an idle process would otherwise climb to the ceiling).
+            if gradient < 1 or 2 * self._peak >= self.limit:
+                proposed = self.limit * gradient + math.sqrt(self.limit)
+                # Invariant: min_limit <= limit <= max_in_flight after every update.
+                self.limit = max(config.min_limit, min(config.max_in_flight, int(proposed)))
+        self._samples.clear()
+        self._interval_start = now
+        self._peak = 0
 
 
 class LoopLagMonitor:
@@ -65,8 +161,8 @@ class LoopLagMonitor:
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        self.clock = clock
         self._interval = interval
-        self._clock = clock
         self._sleep = sleep
         self._recent: deque[float] = deque([0.0], maxlen=max(1, window))
 
@@ -77,9 +173,9 @@ class LoopLagMonitor:
 
     async def probe(self) -> float:
         """One probe: sleep `interval`, record how much longer it took; the lag it measured."""
-        start = self._clock()
+        start = self.clock()
         await self._sleep(self._interval)
-        lag = max(0.0, self._clock() - start - self._interval)
+        lag = max(0.0, self.clock() - start - self._interval)
         self._recent.append(lag)
         return lag
 
@@ -89,14 +185,26 @@ class LoopLagMonitor:
             await self.probe()
 
 
-class OverloadGate:
-    """The in-flight count, the lag monitor, and what was shed, for one process."""
+_REFUSALS: dict[ShedReason, str] = {
+    "concurrency": "more requests in flight than it is serving without queueing",
+    "in_flight": "too many requests in flight",
+    "loop_lag": "its event loop is running late",
+}
 
-    def __init__(self, config: OverloadConfig, monitor: LoopLagMonitor) -> None:
+
+class OverloadGate:
+    """The in-flight count, the adaptive limit, the lag monitor, and what was shed, for one process. Time
+    is `clock` (the monitor's unless given)."""
+
+    def __init__(
+        self, config: OverloadConfig, monitor: LoopLagMonitor, clock: Callable[[], float] | None = None
+    ) -> None:
         self.config = config
         self.monitor = monitor
+        self.clock = clock or monitor.clock
+        self.limit = ConcurrencyLimit(config, self.clock) if config.adaptive else None
         self.in_flight = 0
-        self.shed: dict[ShedReason, int] = {"in_flight": 0, "loop_lag": 0}
+        self.shed: dict[ShedReason, int] = {"concurrency": 0, "in_flight": 0, "loop_lag": 0}
         retry = str(max(1, math.ceil(config.retry_after)))
         self._headers = [
             (b"content-type", b"application/json"),
@@ -109,12 +217,14 @@ class OverloadGate:
             return None
         if self.in_flight >= self.config.max_in_flight:
             return "in_flight"
+        if self.limit is not None and self.in_flight >= self.limit.limit:
+            return "concurrency"
         if 0 < self.config.max_loop_lag <= self.monitor.lag:
             return "loop_lag"
         return None
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
-        """`app` behind the gate: generation requests are counted, and shed while overloaded."""
+        """`app` behind the gate: generation requests are counted, timed, and shed while overloaded."""
 
         async def gated(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != ScopeType.HTTP or scope["path"] not in SHED_PATHS:
@@ -125,20 +235,28 @@ class OverloadGate:
                 self.shed[reason] += 1
                 await self._refuse(reason, send)
                 return
-            self.in_flight += 1
-            try:
-                await app(scope, receive, send)
-            finally:
-                self.in_flight -= 1
+            if self.limit is None:
+                await self._held(app, scope, receive, send)
+            else:
+                await self._held(app, scope, receive, _Timed(self.limit, self.clock, self.in_flight, send))
 
         return gated
 
+    async def _held(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        self.in_flight += 1
+        if self.limit is not None:
+            self.limit.admitted(self.in_flight)
+        try:
+            await app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
     async def _refuse(self, reason: ShedReason, send: Send) -> None:
-        what = "too many requests in flight" if reason == "in_flight" else "its event loop is running late"
         body = msgspec.json.encode(
             ErrorResponse(
                 error=ErrorBody(
-                    message=f"the gateway is overloaded ({what}); retry after the Retry-After delay",
+                    message=f"the gateway is overloaded ({_REFUSALS[reason]}); retry after the Retry-After "
+                    "delay",
                     type="service_unavailable",
                     code="overloaded",
                 )
@@ -147,3 +265,33 @@ class OverloadGate:
         headers = [*self._headers, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _Timed:
+    """A request's `send`, which reports its latency to the limit once: at the first body byte of a stream
+    (`text/event-stream`), at the last one of anything else."""
+
+    __slots__ = ("_arrived", "_clock", "_company", "_limit", "_send", "_stream")
+
+    def __init__(self, limit: ConcurrencyLimit, clock: Callable[[], float], company: int, send: Send) -> None:
+        self._limit: ConcurrencyLimit | None = limit
+        self._clock = clock
+        self._company = company
+        self._send = send
+        self._stream = False
+        self._arrived = clock()
+
+    async def __call__(self, message: Message) -> None:
+        await self._send(message)
+        if self._limit is None:
+            return
+        if message["type"] == "http.response.start":
+            self._stream = any(
+                name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                for name, value in message.get("headers", ())
+            )
+        elif message["type"] == "http.response.body" and (
+            (self._stream and message.get("body")) or not message.get("more_body", False)
+        ):
+            self._limit.completed(self._clock() - self._arrived, self._company)
+            self._limit = None

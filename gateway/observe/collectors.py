@@ -109,7 +109,8 @@ class ServiceCollector:
     def _door(self, overload: OverloadGate) -> Iterable[Metric]:
         shed = CounterMetricFamily(
             f"{PREFIX}shed_requests",
-            "Generation requests shed at the door (503 overloaded), by reason: in_flight or loop_lag.",
+            "Generation requests shed at the door (503 overloaded), by reason: concurrency, in_flight or "
+            "loop_lag.",
             labels=("reason",),
         )
         for reason, count in sorted(overload.shed.items()):

@@ -216,6 +216,7 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         assert scrape.value(f"{P}engine_breaker_state", state="closed") == 2
         # Nothing was shed at the door; every request has ended.
         assert {ls["reason"] for ls in scrape.labelsets(f"{P}shed_requests_total")} == {
+            "concurrency",
             "in_flight",
             "loop_lag",
         }

@@ -1,10 +1,12 @@
-"""Load shedding at the door: generation requests past the in-flight limit, or while the event loop runs late,
-get 503 `overloaded` with Retry-After before anything else runs; other routes always pass."""
+"""Load shedding at the door: generation requests past the adaptive concurrency limit or the in-flight limit,
+or while the event loop runs late, get 503 `overloaded` with Retry-After before anything else runs; other
+routes always pass. The adaptive limit follows latency on an injected clock."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +18,7 @@ from litestar.types import Message, Receive, Scope, Send
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
-from gateway.overload import LoopLagMonitor, OverloadConfig, OverloadGate
+from gateway.overload import ConcurrencyLimit, LoopLagMonitor, OverloadConfig, OverloadGate
 from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, make_config, serving
 
 
@@ -104,7 +106,7 @@ async def test_requests_past_the_in_flight_limit_are_shed_and_others_pass() -> N
     assert gate.in_flight == 2
     refused(await call(app, "/v1/chat/completions"), "too many requests in flight")
     assert held.entered == 2  # the shed request reached nothing behind the gate
-    assert gate.shed == {"in_flight": 1, "loop_lag": 0}
+    assert gate.shed == {"concurrency": 0, "in_flight": 1, "loop_lag": 0}
     health = asyncio.create_task(call(app, "/healthz"))  # not a generation route: never shed
     await eventually(lambda: _true(held.entered == 3))
     held.release.set()
@@ -125,7 +127,7 @@ async def test_requests_are_shed_while_the_event_loop_runs_late() -> None:
     await gate.monitor.probe()
     await gate.monitor.probe()
     refused(await call(app, "/v1/chat/completions"), "event loop is running late")
-    assert gate.shed == {"in_flight": 0, "loop_lag": 1}
+    assert gate.shed == {"concurrency": 0, "in_flight": 0, "loop_lag": 1}
     assert (await call(app, "/readyz"))[0]["status"] == 200
     loop.lag = 0.0
     await gate.monitor.probe()
@@ -174,3 +176,153 @@ async def test_a_gateway_at_its_in_flight_limit_sheds_with_retry_after(
         answered = await http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
         assert answered.status_code == 200, answered.text
         assert gate.shed["in_flight"] == 1
+
+
+ADAPTIVE = OverloadConfig(
+    adaptive=True,
+    max_in_flight=100,
+    min_limit=4,
+    latency_tolerance=1.0,
+    latency_percentile=0.9,
+    sample_interval=0.1,
+    min_rtt_interval=10.0,
+    min_rtt_requests=5,
+)
+
+
+def interval(limit: ConcurrencyLimit, loop: FakeLoop, latency: float, *, company: int, peak: int) -> None:
+    """One sample interval: `peak` in flight at once, then five requests completing in `latency` s, the
+    last of them after the interval has run out (which updates the limit)."""
+    limit.admitted(peak)
+    for i in range(5):
+        loop.now += ADAPTIVE.sample_interval * (0.1 if i < 4 else 0.7)
+        limit.completed(latency, company)
+
+
+def with_baseline(loop: FakeLoop, latency: float = 0.004) -> ConcurrencyLimit:
+    """A limit whose baseline was measured on uncontended requests of `latency` s."""
+    limit = ConcurrencyLimit(ADAPTIVE, loop.clock)
+    assert limit.limit == ADAPTIVE.max_in_flight  # no baseline: only the ceiling
+    assert limit.min_rtt is None
+    interval(limit, loop, latency, company=0, peak=1)
+    assert limit.min_rtt == pytest.approx(latency)
+    return limit
+
+
+def test_the_limit_falls_while_latency_is_above_the_baseline_and_never_below_its_floor() -> None:
+    loop = FakeLoop()
+    limit = with_baseline(loop)
+    seen = [limit.limit]
+    for _ in range(12):  # four times the baseline: twice what the tolerance allows
+        interval(limit, loop, 0.016, company=50, peak=limit.limit)
+        seen.append(limit.limit)
+    # Halved plus sqrt(limit) headroom each interval, down to the floor and held there.
+    assert seen[:4] == [100, 60, 37, 24]
+    assert seen == sorted(seen, reverse=True)
+    assert seen[-1] == ADAPTIVE.min_limit
+    interval(limit, loop, 1.0, company=50, peak=limit.limit)  # however slow
+    assert limit.limit == ADAPTIVE.min_limit
+    assert limit.min_rtt == pytest.approx(0.004)  # contended requests never move the baseline
+
+
+def test_the_limit_recovers_when_latency_falls_back_but_only_as_far_as_it_is_used() -> None:
+    loop = FakeLoop()
+    limit = with_baseline(loop)
+    for _ in range(12):
+        interval(limit, loop, 0.016, company=50, peak=limit.limit)
+    assert limit.limit == ADAPTIVE.min_limit
+    interval(limit, loop, 0.004, company=10, peak=limit.limit)  # back at the baseline: doubled plus headroom
+    assert limit.limit == 2 * 4 + 2
+    interval(limit, loop, 0.008, company=10, peak=limit.limit)  # at baseline * (1 + tolerance): headroom only
+    assert limit.limit == int(10 + math.sqrt(10))
+    held = limit.limit
+    interval(limit, loop, 0.004, company=1, peak=held // 2 - 1)  # fast but mostly unused: no rise
+    assert limit.limit == held
+    for _ in range(10):
+        interval(limit, loop, 0.004, company=10, peak=limit.limit)
+    assert limit.limit == ADAPTIVE.max_in_flight  # never above the static ceiling
+
+
+def test_the_baseline_is_remeasured_from_uncontended_requests_each_min_rtt_interval() -> None:
+    loop = FakeLoop()
+    limit = with_baseline(loop, 0.004)
+    interval(limit, loop, 0.002, company=ADAPTIVE.min_limit - 1, peak=3)
+    assert limit.min_rtt == pytest.approx(0.004)  # not before min_rtt_interval has passed
+    loop.now += ADAPTIVE.min_rtt_interval
+    interval(limit, loop, 0.002, company=ADAPTIVE.min_limit - 1, peak=3)
+    assert limit.min_rtt == pytest.approx(0.002)
+    loop.now += ADAPTIVE.min_rtt_interval
+    for _ in range(3):  # overloaded: no request is uncontended, the baseline stays
+        interval(limit, loop, 0.05, company=ADAPTIVE.min_limit, peak=limit.limit)
+    assert limit.min_rtt == pytest.approx(0.002)
+
+
+class Responder:
+    """An ASGI app that answers once released; `clock` advances by `took` while it works, and a stream's
+    body comes in two chunks with `tail` s of generation between them."""
+
+    def __init__(self, loop: FakeLoop, *, took: float, stream: bool = False, tail: float = 0.0) -> None:
+        self.loop = loop
+        self.took = took
+        self.stream = stream
+        self.tail = tail
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.release.wait()
+        self.loop.now += self.took
+        kind = b"text/event-stream; charset=utf-8" if self.stream else b"application/json"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        if self.stream:
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            self.loop.now += self.tail
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+
+async def test_latency_runs_to_the_end_of_an_answer_and_to_the_first_byte_of_a_stream() -> None:
+    loop = FakeLoop()
+    config = msgspec.structs.replace(ADAPTIVE, min_rtt_requests=1, sample_interval=0.0)
+    gate = OverloadGate(config, LoopLagMonitor(0.01, 1, loop.clock, loop.sleep))
+    assert gate.limit is not None
+    await call(gate.wrap(Responder(loop, took=0.003)), "/v1/chat/completions")
+    assert gate.limit.min_rtt == pytest.approx(0.003)
+    loop.now += config.min_rtt_interval
+    await call(gate.wrap(Responder(loop, took=0.002, stream=True, tail=30.0)), "/v1/chat/completions")
+    assert gate.limit.min_rtt == pytest.approx(0.002)  # the 30 s generated after the first byte: not latency
+
+
+async def test_requests_past_the_adaptive_limit_are_shed_and_counted() -> None:
+    loop = FakeLoop()
+    gate = OverloadGate(
+        msgspec.structs.replace(ADAPTIVE, retry_after=2.0), LoopLagMonitor(0.01, 1, loop.clock, loop.sleep)
+    )
+    slow = Responder(loop, took=0.016)
+    app = gate.wrap(slow)
+    for _ in range(ADAPTIVE.min_rtt_requests):  # one at a time: uncontended, the baseline
+        await call(gate.wrap(Responder(loop, took=0.004)), "/v1/chat/completions")
+        loop.now += 0.02
+    assert gate.limit is not None
+    assert gate.limit.min_rtt == pytest.approx(0.004)
+    for _ in range(10):  # then slow, with company: the limit falls to its floor
+        slow.release.clear()
+        at = gate.limit.limit
+        together = [asyncio.create_task(call(app, "/v1/chat/completions")) for _ in range(at)]
+        await eventually(lambda at=at: _true(gate.in_flight == at))  # type: ignore[misc]
+        slow.release.set()
+        await asyncio.gather(*together)
+        loop.now += ADAPTIVE.sample_interval
+    assert gate.limit.limit == ADAPTIVE.min_limit
+    slow.release.clear()
+    held = [asyncio.create_task(call(app, "/v1/chat/completions")) for _ in range(ADAPTIVE.min_limit)]
+    await eventually(lambda: _true(gate.in_flight == ADAPTIVE.min_limit))
+    shed_before = dict(gate.shed)
+    refused(await call(app, "/v1/completions"), "more requests in flight than it is serving")
+    assert gate.shed == {**shed_before, "concurrency": shed_before["concurrency"] + 1}
+    assert (await call(gate.wrap(Responder(loop, took=0.0)), "/healthz"))[0]["status"] == 200  # never shed
+    slow.release.set()
+    await asyncio.gather(*held)
+    static = OverloadGate(
+        msgspec.structs.replace(ADAPTIVE, adaptive=False), LoopLagMonitor(0.01, 1, loop.clock, loop.sleep)
+    )
+    assert static.limit is None
