@@ -39,6 +39,7 @@ from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import Services
+from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
@@ -424,6 +425,8 @@ def create_app(
             writer = await _audit_writer(config, audit_store, clock, owned)
             appeals = await open_appeal_store(config)
             owned.push_async_callback(appeals.close)
+            console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
+            owned.push_async_callback(console_sessions.aclose)
             retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
@@ -458,6 +461,7 @@ def create_app(
                 audit=audit_store,
                 audit_writer=writer,
                 appeals=appeals,
+                console_sessions=console_sessions,
                 observer=observer,
             )
             try:

@@ -235,6 +235,22 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return Path(storage.sqlite_path).expanduser().parent / "audit-spool"
 
 
+class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Sessions of the reviewer console (`/console`)."""
+
+    # `memory`: in this process (one gateway process). `redis`: shared by every gateway process, required for
+    # `lockgate serve --workers N` with N > 1 (Redis holds only ciphertext keyed by a hash of the cookie).
+    session_store: Literal["memory", "redis"] = "memory"
+    # Redis URL for the `redis` session store; "" = the quota store's `quota.redis_url`.
+    redis_url: str = ""
+    # Seconds a console session lasts after sign-in.
+    session_ttl: Annotated[float, msgspec.Meta(gt=0)] = 8 * 3600.0
+    # Most sessions kept by the `memory` store (the oldest is dropped first).
+    max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 1000
+    # Seconds one Redis operation of the `redis` store may take; past it the console answers 503.
+    op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+
+
 # Seconds; 0 = no target.
 _Target = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -321,6 +337,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
+    console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

@@ -8,9 +8,9 @@
     POST /console/decisions/{tenant}/{seq}/decide   {csrf, outcome=uphold|overturn, note}
     GET  /console/policies                      per policy version: decisions per hour, score histograms
 
-Sessions (`gateway.console_sessions`): the cookie holds a random session id only; the key is authenticated
-again on every request; every POST after sign-in carries the session's CSRF token. Another tenant's
-decision is 404, like a missing one.
+Sessions (`gateway.console_sessions`, stored by `gateway.sessions`): the cookie holds a random session id
+only; the key is authenticated again on every request; every POST after sign-in carries the session's CSRF
+token; an unreachable session store is a 503 page. Another tenant's decision is 404, like a missing one.
 
 Deciding through the console is the API's review: a decision without an appeal gets one filed on the
 reviewer's behalf, the appeal steps open -> in_review -> upheld | overturned in the AppealStore, and
@@ -32,7 +32,6 @@ from gateway.appeal_routes import REVIEW_DECISION, record_review
 from gateway.console_sessions import (
     COOKIE,
     HEADERS,
-    SESSION_TTL_S,
     PageError,
     Reviewer,
     call,
@@ -40,7 +39,7 @@ from gateway.console_sessions import (
     form,
     html,
     posted,
-    sessions_of,
+    session_call,
     signed_in,
 )
 from gateway.console_stats import collect, stats_body
@@ -86,9 +85,9 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
         return html(views.login_page("Sign-in refused: this key lacks the reviewer role"), 403)
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
-    sessions = sessions_of(request, services)
-    sessions.close(request.cookies.get(COOKIE))
-    sid, _session = sessions.open(authorization)
+    sessions = services.console_sessions
+    await session_call(sessions.close(request.cookies.get(COOKIE)))
+    sid, _session = await session_call(sessions.open(authorization))
     cookie = Cookie(
         key=COOKIE,
         value=sid,
@@ -96,7 +95,7 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
-        max_age=int(SESSION_TTL_S),
+        max_age=int(services.config.console.session_ttl),
     )
     return Redirect("/console", status_code=303, cookies=[cookie], headers=HEADERS)
 
@@ -105,7 +104,7 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
 async def logout(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
     """End the session."""
     reviewer, _fields = await posted(request, services)
-    sessions_of(request, services).close(reviewer.sid)
+    await session_call(services.console_sessions.close(reviewer.sid))
     response: Response[Any] = Redirect("/console", status_code=303, headers=HEADERS)
     response.delete_cookie(COOKIE, path="/console")
     return response

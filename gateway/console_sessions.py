@@ -1,16 +1,17 @@
 """Console sessions and the request plumbing of the reviewer console's pages (`gateway.console`).
 
-The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/console); the id maps, in memory,
-to the key's Authorization value, which is authenticated again on every request, so a revoked key or a removed
-role ends its console session at once. Sessions expire `SESSION_TTL_S` after sign-in (injected clock) and at
-most `MAX_SESSIONS` are kept (the oldest dropped). Every POST after sign-in carries the session's CSRF token.
-Store and auth failures become `PageError`s, which the console renders as HTML error pages.
+The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/console); the app's
+`SessionStore` (`services.console_sessions`, built in the lifespan from `[console]`: in this process, or in
+Redis for every gateway process to share, see `gateway.sessions`) maps the id to the key's Authorization
+value, which is authenticated again on every request, so a revoked key or a removed role ends its console
+session at once. Sessions expire `[console] session_ttl` after sign-in (injected clock). Every POST after
+sign-in carries the session's CSRF token. Store and auth failures become `PageError`s, which the console
+renders as HTML error pages (an unreachable session store: 503).
 """
 
 from __future__ import annotations
 
 import hmac
-import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -22,16 +23,15 @@ from gateway import console_views as views
 from gateway.errors import APIError
 from gateway.security import reviewer_scope
 from gateway.service import Services
+from gateway.sessions import Session, SessionStoreUnavailableError
 from policy.audit.appeals import AppealConflictError, AppealNotFoundError, InvalidTransitionError
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
-from policy.auth import AuthError, Clock, Principal
+from policy.auth import AuthError, Principal
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 
 T = TypeVar("T")
 COOKIE = "lockgate_console"
-SESSION_TTL_S = 8 * 3600.0
-MAX_SESSIONS = 1000
 HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'",
@@ -39,53 +39,6 @@ HEADERS = {
     "referrer-policy": "no-referrer",
     "x-content-type-options": "nosniff",
 }
-
-
-class Session(msgspec.Struct, frozen=True, kw_only=True):
-    """A signed-in reviewer: the key's Authorization value (server side only) and the CSRF token."""
-
-    authorization: str
-    csrf: str
-    expires_at: float
-
-
-class ConsoleSessions:
-    """Console sessions by random id, bounded and expiring.
-
-    Invariant: at most `max_sessions` entries, in sign-in order (the oldest is dropped first)."""
-
-    def __init__(self, clock: Clock, ttl: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS) -> None:
-        """Sessions that last `ttl` seconds of `clock`."""
-        self._clock = clock
-        self._ttl = ttl
-        self._max = max_sessions
-        self._sessions: dict[str, Session] = {}
-
-    def open(self, authorization: str) -> tuple[str, Session]:
-        """A new session for the key; its id (the cookie value) and the session."""
-        now = self._clock()
-        for sid in [s for s, v in self._sessions.items() if v.expires_at <= now]:
-            del self._sessions[sid]
-        while len(self._sessions) >= self._max:
-            del self._sessions[next(iter(self._sessions))]
-        sid = secrets.token_urlsafe(32)
-        session = Session(
-            authorization=authorization, csrf=secrets.token_urlsafe(32), expires_at=now + self._ttl
-        )
-        self._sessions[sid] = session
-        return sid, session
-
-    def get(self, sid: str | None) -> Session | None:
-        """The live session with this id, or None."""
-        session = self._sessions.get(sid or "")
-        if session is not None and session.expires_at <= self._clock():
-            self.close(sid)
-            return None
-        return session
-
-    def close(self, sid: str | None) -> None:
-        """End the session (if any)."""
-        self._sessions.pop(sid or "", None)
 
 
 class PageError(Exception):
@@ -122,35 +75,33 @@ def error_response(_request: Request[Any, Any, Any], exc: PageError) -> Response
     return html(views.error_page(str(exc), csrf=csrf, who=exc.who), exc.status)
 
 
-def sessions_of(request: Request[Any, Any, Any], services: Services) -> ConsoleSessions:
-    """The app's console sessions, made on first use (in app state: one per app, none at import)."""
-    state = request.app.state
-    sessions = state.get("console_sessions")
-    if not isinstance(sessions, ConsoleSessions):
-        sessions = ConsoleSessions(services.clock)
-        state["console_sessions"] = sessions
-    return sessions
+async def session_call(step: Awaitable[T]) -> T:
+    """Run a session store call; an unreachable store is a 503 page (which does not name the store's
+    address: the page is shown before sign-in)."""
+    try:
+        return await step
+    except SessionStoreUnavailableError as exc:
+        raise PageError(503, "console sessions are unavailable; try again shortly") from exc
 
 
 async def signed_in(request: Request[Any, Any, Any], services: Services) -> Reviewer | None:
     """The reviewer whose session the request's cookie names, re-authenticated; None when there is none or
     its key no longer authenticates (that ends the session)."""
-    sessions = sessions_of(request, services)
     sid = request.cookies.get(COOKIE)
-    session = sessions.get(sid)
+    session = await session_call(services.console_sessions.get(sid))
     if sid is None or session is None:
         return None
     try:
         principal = await services.auth.authenticate(session.authorization)
     except AuthError:
-        sessions.close(sid)
+        await session_call(services.console_sessions.close(sid))
         return None
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
     try:
         scope = reviewer_scope(principal)
     except APIError as exc:
-        sessions.close(sid)
+        await session_call(services.console_sessions.close(sid))
         raise PageError(403, "this key no longer has the reviewer role") from exc
     return Reviewer(sid=sid, session=session, principal=principal, scope=scope)
 

@@ -19,6 +19,7 @@ from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.sessions.base import SessionStore
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.writer import AuditWriter
@@ -57,6 +58,7 @@ class Services:
         audit: AuditStore,
         audit_writer: AuditWriter,
         appeals: AppealStore,
+        console_sessions: SessionStore,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
         observer: RequestObserver,
@@ -72,6 +74,8 @@ class Services:
         self.audit_writer = audit_writer
         # Appeals of recorded decisions and their review (the appeal routes), in the audit store's database.
         self.appeals = appeals
+        # The reviewer console's sessions ([console] session_store: this process's, or shared in Redis).
+        self.console_sessions = console_sessions
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         # Pools that only guard models run on (every pool no generation replica serves).

@@ -1,0 +1,395 @@
+"""Console session stores: one contract suite for every `SessionStore` backend (memory and real Redis, on an
+injected clock), then what only Redis does (sessions shared by gateway processes, ciphertext at rest, bounded
+round trips), the builder, and two gateway apps on one Redis: a reviewer signed in on one is signed in on the
+other, as with `lockgate serve --workers 2`.
+
+Redis must run on 127.0.0.1:6379: without it the redis cases fail; they never skip. Every Redis store of the
+suite writes under a key prefix of its own, deleted afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import redis.asyncio
+import redis.exceptions
+
+import gateway.sessions
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.config import ConsoleConfig
+from gateway.console_sessions import COOKIE, PageError, session_call
+from gateway.generation.prompts import PromptRenderer
+from gateway.sessions import (
+    MemorySessionStore,
+    RedisSessionStore,
+    Session,
+    SessionStore,
+    SessionStoreUnavailableError,
+    open_session_store,
+)
+from gateway.sessions.redis import NONCE_BYTES, PREFIX, key_name
+from tests.backends import REDIS_URL, FakeClock
+from tests.conftest import OutcomeLog, Tenancy, add_key, free_port, make_config, serving
+
+TTL = 60.0
+
+
+class RedisSpace:
+    """A private key prefix on the shared Redis: stores opened on it see each other's sessions."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.prefix = f"lockgate:test:{uuid.uuid4().hex}:console:session:"
+        self.client = redis.asyncio.Redis.from_url(REDIS_URL)
+        self._stores: list[RedisSessionStore] = []
+
+    def store(self) -> RedisSessionStore:
+        """Another store on the same keys (another gateway process), closed with the space."""
+        self._stores.append(
+            RedisSessionStore.from_url(REDIS_URL, self.clock, ttl=TTL, op_timeout=5.0, prefix=self.prefix)
+        )
+        return self._stores[-1]
+
+    async def keys(self) -> list[bytes]:
+        """The keys under the prefix."""
+        return [key async for key in self.client.scan_iter(match=f"{self.prefix}*")]
+
+    async def drop(self) -> None:
+        """Delete every key under the prefix and close every client."""
+        keys = await self.keys()
+        if keys:
+            await self.client.delete(*keys)
+        for store in self._stores:
+            await store.aclose()
+        await self.client.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The stores' clock."""
+    return FakeClock()
+
+
+async def open_space(clock: FakeClock) -> RedisSpace:
+    """A fresh key prefix on Redis; fails the test (never skips) if Redis is unreachable."""
+    space = RedisSpace(clock)
+    try:
+        await space.client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        await space.client.aclose()
+        pytest.fail(f"the Redis session store contract needs Redis at {REDIS_URL}: {exc}")
+    return space
+
+
+@pytest.fixture
+async def space(clock: FakeClock) -> AsyncIterator[RedisSpace]:
+    """A fresh key prefix on Redis, dropped afterwards."""
+    space = await open_space(clock)
+    yield space
+    await space.drop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[SessionStore]:
+    """Every backend, each test starting from no sessions."""
+    if request.param == "memory":
+        memory = MemorySessionStore(clock, ttl=TTL, max_sessions=100)
+        yield memory
+        await memory.aclose()
+        return
+    space = await open_space(clock)
+    yield space.store()
+    await space.drop()
+
+
+def test_the_package_exports_exactly_its_public_names() -> None:
+    assert set(gateway.sessions.__all__) == {
+        "MemorySessionStore",
+        "RedisSessionStore",
+        "Session",
+        "SessionStore",
+        "SessionStoreUnavailableError",
+        "open_session_store",
+    }
+    assert all(hasattr(gateway.sessions, name) for name in gateway.sessions.__all__)
+
+
+# The contract: every backend.
+
+
+async def test_open_then_get_then_close(store: SessionStore, clock: FakeClock) -> None:
+    sid, session = await store.open("Bearer lg_abc")
+    assert session.authorization == "Bearer lg_abc"
+    assert session.expires_at == clock.now + TTL
+    # 32 random bytes, urlsafe base64.
+    assert len(sid) >= 43
+    assert len(session.csrf) >= 43
+    assert await store.get(sid) == session
+    await store.close(sid)
+    assert await store.get(sid) is None
+    await store.close(sid)  # Closing again (or an unknown id) is no error.
+
+
+async def test_sessions_are_distinct_and_closed_one_by_one(store: SessionStore) -> None:
+    first, one = await store.open("Bearer a")
+    second, two = await store.open("Bearer a")
+    assert first != second
+    assert one.csrf != two.csrf
+    await store.close(first)
+    assert await store.get(first) is None
+    assert await store.get(second) == two
+
+
+async def test_unknown_missing_and_empty_ids_are_no_session(store: SessionStore) -> None:
+    sid, _session = await store.open("Bearer a")
+    assert await store.get(sid + "x") is None
+    assert await store.get("not-a-session") is None
+    assert await store.get(None) is None
+    assert await store.get("") is None
+    await store.close(None)
+    await store.close("")
+    assert await store.get(sid) is not None
+
+
+async def test_a_session_expires_by_the_injected_clock(store: SessionStore, clock: FakeClock) -> None:
+    sid, session = await store.open("Bearer a")
+    clock.advance(TTL - 0.001)
+    assert await store.get(sid) == session
+    clock.advance(0.001)
+    assert await store.get(sid) is None
+    clock.now -= 1.0  # An expired session is gone for good, even if the clock steps back.
+    assert await store.get(sid) is None
+
+
+# Memory only.
+
+
+async def test_memory_sessions_stay_bounded(clock: FakeClock) -> None:
+    sessions = MemorySessionStore(clock, ttl=TTL, max_sessions=2)
+    first, _ = await sessions.open("Bearer a")
+    second, session = await sessions.open("Bearer b")
+    assert await sessions.get(first) is not None
+    third, _ = await sessions.open("Bearer c")
+    # The oldest made room for the third.
+    assert await sessions.get(first) is None
+    assert await sessions.get(second) == session
+    assert len({first, second, third}) == 3
+    clock.advance(TTL)
+    assert await sessions.get(second) is None
+    assert await sessions.get(third) is None
+
+
+# Redis only.
+
+
+async def test_two_stores_on_one_redis_share_sessions(space: RedisSpace) -> None:
+    worker1, worker2 = space.store(), space.store()
+    sid, session = await worker1.open("Bearer lg_shared")
+    assert await worker2.get(sid) == session
+    await worker2.close(sid)
+    assert await worker1.get(sid) is None
+    assert await space.keys() == []
+
+
+async def test_redis_holds_ciphertext_under_a_hash_of_the_id(space: RedisSpace) -> None:
+    authorization = "Bearer lg_k1_" + "s3cr3t" * 8
+    sid, session = await space.store().open(authorization)
+    name = space.prefix + hashlib.sha256(sid.encode()).hexdigest()
+    assert await space.keys() == [name.encode()]
+    value = await space.client.get(name)
+    assert isinstance(value, bytes)
+    for clear in (authorization, authorization.removeprefix("Bearer "), session.csrf, sid):
+        assert clear.encode() not in value
+    assert msgspec.msgpack.encode(session) not in value
+    # Each write draws a fresh nonce: the same session never encrypts to the same bytes twice.
+    other, _ = await space.store().open(authorization)
+    other_value = await space.client.get(key_name(other, space.prefix))
+    assert isinstance(other_value, bytes)
+    assert other_value[:NONCE_BYTES] != value[:NONCE_BYTES]
+    # Redis forgets it when the session ends: its expiry is the session's remaining lifetime.
+    assert 0 < await space.client.pttl(name) <= TTL * 1000
+
+
+async def test_a_tampered_or_misplaced_value_is_no_session(space: RedisSpace) -> None:
+    store = space.store()
+    sid, _session = await store.open("Bearer a")
+    name = key_name(sid, space.prefix)
+    value = await space.client.get(name)
+    assert isinstance(value, bytes)
+    for bad in (
+        value[:-1] + bytes([value[-1] ^ 1]),  # one bit of the tag
+        value[:NONCE_BYTES] + bytes([value[NONCE_BYTES] ^ 1]) + value[NONCE_BYTES + 1 :],  # of the text
+        value[:20],
+        b"",
+        b"Bearer a",
+    ):
+        await space.client.set(name, bad)
+        assert await store.get(sid) is None
+    # A genuine value copied under another session's name does not open there (its key and AAD differ).
+    other, _ = await store.open("Bearer b")
+    await space.client.set(key_name(other, space.prefix), value)
+    assert await store.get(other) is None
+
+
+async def test_an_expired_session_is_deleted_from_redis(space: RedisSpace, clock: FakeClock) -> None:
+    store = space.store()
+    sid, _session = await store.open("Bearer a")
+    clock.advance(TTL)
+    # Redis' own expiry runs on real time and has not fired yet; the injected clock decides.
+    assert await space.keys() != []
+    assert await store.get(sid) is None
+    assert await space.keys() == []
+
+
+async def _unavailable_within(store: RedisSessionStore, bound: float) -> None:
+    """Every operation of `store` fails as SessionStoreUnavailableError, each within `bound` seconds."""
+    operations: list[Callable[[], Awaitable[object]]] = [
+        lambda: store.open("Bearer a"),
+        lambda: store.get("some-session"),
+        lambda: store.close("some-session"),
+    ]
+    for operation in operations:
+        started = time.monotonic()
+        with pytest.raises(SessionStoreUnavailableError):
+            await operation()
+        assert time.monotonic() - started < bound
+
+
+async def test_unreachable_redis_is_unavailable_not_a_hang(clock: FakeClock) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    store = RedisSessionStore.from_url(url, clock, ttl=TTL, op_timeout=0.5)
+    await _unavailable_within(store, 0.5 + 0.5)
+    await store.aclose()
+
+
+async def test_a_stalled_redis_times_out_within_the_op_timeout(clock: FakeClock) -> None:
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # Accept the connection and never answer.
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisSessionStore.from_url(f"redis://127.0.0.1:{port}/0", clock, ttl=TTL, op_timeout=0.2)
+    # op_timeout (and one resend after a dropped connection), not the OS's TCP timeout.
+    await _unavailable_within(store, 2.0)
+    await store.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+# The builder and the console's mapping of an outage.
+
+
+async def test_the_builder_follows_the_console_config(clock: FakeClock) -> None:
+    memory = open_session_store(ConsoleConfig(session_ttl=5.0, max_sessions=1), clock, REDIS_URL)
+    assert isinstance(memory, MemorySessionStore)
+    first, session = await memory.open("Bearer a")
+    assert session.expires_at == clock.now + 5.0
+    await memory.open("Bearer b")
+    assert await memory.get(first) is None  # max_sessions = 1
+    # An empty redis_url is the quota store's.
+    shared = open_session_store(ConsoleConfig(session_store="redis"), clock, REDIS_URL)
+    assert isinstance(shared, RedisSessionStore)
+    sid, session = await shared.open("Bearer a")
+    try:
+        assert await shared.get(sid) == session
+        assert session.expires_at == clock.now + ConsoleConfig().session_ttl
+    finally:
+        await shared.close(sid)
+        await shared.aclose()
+    dead = ConsoleConfig(session_store="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    unreachable = open_session_store(dead, clock, REDIS_URL)
+    with pytest.raises(SessionStoreUnavailableError):
+        await unreachable.get("some-session")
+    await unreachable.aclose()
+
+
+async def test_a_store_outage_is_a_503_page() -> None:
+    async def failing() -> Session | None:
+        raise SessionStoreUnavailableError("down at 10.0.0.7:6379")
+
+    with pytest.raises(PageError) as raised:
+        await session_call(failing())
+    assert raised.value.status == 503
+    assert "10.0.0.7" not in str(raised.value)  # The page is shown before sign-in.
+
+
+# Two gateway processes (here: two apps in one process) on one Redis.
+
+
+async def test_a_reviewer_signed_in_on_one_worker_is_signed_in_on_the_other(
+    tmp_path: Path,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+) -> None:
+    config = make_config()
+    config = msgspec.structs.replace(
+        config,
+        storage=msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3")),
+        console=ConsoleConfig(session_store="redis", redis_url=REDIS_URL),
+    )
+    key = await add_key(tenancy.store, "acme", ("reviewer",))
+    async with AsyncExitStack() as stack:
+        urls = []
+        for _worker in range(2):
+            app = create_app(
+                config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+            )
+            urls.append(await stack.enter_async_context(serving(app)))
+        one = await stack.enter_async_context(httpx.AsyncClient(base_url=urls[0], timeout=30))
+        two = await stack.enter_async_context(httpx.AsyncClient(base_url=urls[1], timeout=30))
+        signed_in = await one.post("/console/login", data={"key": key})
+        assert signed_in.status_code == 303, signed_in.text
+        sid = signed_in.cookies[COOKIE]
+        two.cookies.set(COOKIE, sid, path="/console")
+        raw = redis.asyncio.Redis.from_url(REDIS_URL)
+        stack.push_async_callback(raw.aclose)
+        stack.push_async_callback(raw.delete, key_name(sid, PREFIX))
+        page = await two.get("/console")
+        assert page.status_code == 200
+        assert 'id="flagged"' in page.text
+        csrf = page.text.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+        # Signed out on the second worker: the first no longer knows the session either.
+        assert (await two.post("/console/logout", data={"csrf": csrf})).status_code == 303
+        assert 'action="/console/login"' in (await one.get("/console")).text
+        assert await raw.exists(key_name(sid, PREFIX)) == 0
+
+
+async def test_an_unreachable_session_store_is_a_503_page_not_a_crash(
+    tmp_path: Path,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+) -> None:
+    config = make_config()
+    dead = ConsoleConfig(
+        session_store="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0", op_timeout=0.2
+    )
+    config = msgspec.structs.replace(
+        config,
+        storage=msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3")),
+        console=dead,
+    )
+    key = await add_key(tenancy.store, "acme", ("reviewer",))
+    app = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        # No cookie: the sign-in form needs no store.
+        assert 'action="/console/login"' in (await http.get("/console")).text
+        refused = await http.post("/console/login", data={"key": key})
+        assert refused.status_code == 503
+        assert "try again shortly" in refused.text
+        assert COOKIE not in refused.cookies
+        http.cookies.set(COOKIE, "some-session", path="/console")
+        assert (await http.get("/console")).status_code == 503
