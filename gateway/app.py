@@ -31,6 +31,7 @@ from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guards import GuardFactory
 from gateway.observe.collectors import ServiceCollector
+from gateway.observe.multiproc import CollectorMirror
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
@@ -435,6 +436,9 @@ def create_app(
                 scheduler.replicas, scheduler.depth, meter.counters, gate.counts, overload=overload
             )
             owned.callback(observer.unwatch, observer.watch(collector))
+            if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`
+                mirror = CollectorMirror(collector, config.metrics.multiprocess_interval)
+                owned.push_async_callback(_stop, asyncio.create_task(mirror.run()))
             app.state.services = Services(
                 config=config,
                 engine=active,

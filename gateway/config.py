@@ -285,6 +285,9 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     otlp_endpoint: str = ""
     # Seconds between two OTLP pushes.
     otlp_interval: float = 15.0
+    # Seconds between two copies of the scrape-time series (engine, queue, quota, guard, overload) into the
+    # shared metric files, in each worker of `lockgate serve --workers N`.
+    multiprocess_interval: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

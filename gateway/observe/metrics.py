@@ -4,6 +4,10 @@ Everything lives on one `CollectorRegistry` per app (no process-global registry)
 in tests, never share a series. Labels are bounded: route templates, HTTP statuses, tenant ids (bounded by
 the tenant store), priority classes, model and guard versions (name@version, bounded by the registry: a
 canary's latencies next to its stable version's), error codes (ours). Never a request id or a key.
+
+Under `lockgate serve --workers N` prometheus_client runs in multiprocess mode (gateway/observe/multiproc.py):
+the same metrics are then backed by per-worker files that `/metrics` merges; counters and histograms sum, and
+each gauge declares how it merges (`multiprocess_mode`).
 """
 
 from __future__ import annotations
@@ -142,8 +146,12 @@ class RequestMetrics:
             ("class",),
             registry=registry,
         )
+        # With several workers (multiprocess mode), the streams every live worker is sending now.
         self.active_streams = Gauge(
-            f"{p}active_streams", "Streamed (SSE) responses being sent now.", registry=registry
+            f"{p}active_streams",
+            "Streamed (SSE) responses being sent now.",
+            registry=registry,
+            multiprocess_mode="livesum",
         )
 
         # Children by label values (bounded like the series themselves).

@@ -2,7 +2,9 @@
 request its `RequestTimeline` at arrival and hands the ended timeline to them.
 
 Built once per app in `create_app` (its registry is the app's own; the service collector is registered in
-the lifespan, once the services exist, and removed at shutdown).
+the lifespan, once the services exist, and removed at shutdown). In a worker of `lockgate serve --workers N`
+(prometheus_client's multiprocess mode) `/metrics` answers from every worker's files instead
+(gateway/observe/multiproc.py); the app's registry still holds this worker's series, for its OTLP push.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from gateway.config import Config
 from gateway.observe.metrics import RequestMetrics
+from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
 from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
 from gateway.observe.trace import inbound_trace
@@ -35,6 +38,8 @@ class RequestObserver:
         """`tracer`: where ended requests' spans go (None: tracing is off)."""
         self.clock = clock
         self.registry = CollectorRegistry()
+        # Where every worker's metric files are, in multiprocess mode (None: this process alone).
+        self.multiprocess_dir = multiprocess_dir()
         self.metrics = RequestMetrics(self.registry, config.slo)
         self.request_log = RequestLog(enabled=config.metrics.request_log)
         self.tracer = tracer

@@ -6,6 +6,10 @@ Conversion (cumulative temporality, start time = when the exporter was made): co
 sums (`lockgate:requests_total` -> `lockgate.requests_total`), gauges gauges, histograms explicit-bucket
 histograms (Prometheus' cumulative `le` buckets turned into per-bucket counts; min and max, which Prometheus
 does not keep, are left unset). Other metric types are not exported.
+
+Each process pushes its own values as its own OTLP resource (`service.instance.id` = hostname-pid): under
+`lockgate serve --workers N` every worker's cumulative series stay apart at the collector, instead of being
+taken for one instance whose totals jump back and forth.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -62,11 +68,17 @@ class MetricsPusher:
         interval: float,
         service_name: str,
         clock_ns: Callable[[], int],
+        *,
+        instance_id: str = "",
     ) -> None:
+        """`instance_id`: this process's `service.instance.id` ("" = `process_instance_id()`)."""
         self._registry = registry
         self._exporter = exporter
         self._interval = interval
-        self._resource = Resource.create({"service.name": service_name})
+        # Set explicitly, over OTEL_RESOURCE_ATTRIBUTES: an id shared by the workers would merge their series.
+        self._resource = Resource.create(
+            {"service.name": service_name, "service.instance.id": instance_id or process_instance_id()}
+        )
         self._clock_ns = clock_ns
         self._start = clock_ns()
 
@@ -154,6 +166,11 @@ class MetricsPusher:
                 )
             )
         return points
+
+
+def process_instance_id() -> str:
+    """This process's OTLP `service.instance.id`: hostname-pid, distinct for each worker of one host."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _per_bucket(cumulative: Sequence[float]) -> list[int]:
