@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.config import Config, ConfigError, load_config
+from gateway.config import Config, ConfigError, load_config, with_workers
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import ROLES, Role
 
@@ -30,32 +30,36 @@ def _serve(config: Config) -> int:
     from gateway.app import create_app
 
     os.environ.update(offline_environment(Path(config.model.data_dir)))
-    listener = _log_off_the_loop(config.server.log_level.upper())
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            host=config.server.host,
-            port=config.server.port,
-            log_level=config.server.log_level,
-            lifespan="on",
-            # SIGTERM: stop accepting, let in-flight requests run this long, then cancel them (the lifespan
-            # shutdown then aborts what is left in the engine and stops it).
-            timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
-        )
-    )
+    listener = log_off_the_loop(config.server.log_level.upper())
     try:
+        if config.server.workers > 1:
+            from gateway import workers
+
+            return workers.serve(config)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(config),
+                host=config.server.host,
+                port=config.server.port,
+                log_level=config.server.log_level,
+                lifespan="on",
+                # SIGTERM: stop accepting, let in-flight requests run this long, then cancel them (the
+                # lifespan shutdown then aborts what is left in the engine and stops it).
+                timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
+            )
+        )
         server.run()
     finally:
         listener.stop()
     return 0
 
 
-def _log_off_the_loop(level: str) -> logging.handlers.QueueListener:
+def log_off_the_loop(level: str) -> logging.handlers.QueueListener:
     """Root logging at `level`: records are queued where they are logged (the event loop) and formatted
     and written to stderr by a thread of their own, so a slow stderr never blocks the loop."""
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     stderr = logging.StreamHandler()
-    stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"))
     listener = logging.handlers.QueueListener(records, stderr)
     root = logging.getLogger()
     root.handlers[:] = [logging.handlers.QueueHandler(records)]
@@ -197,7 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lockgate", description="Lockgate: a safety-gated LLM gateway")
     parser.add_argument("--config", type=Path, default=None, help="TOML configuration file")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes on the port (default server.workers); more than 1 needs Redis quotas and "
+        "console sessions, PostgreSQL storage and remote engines",
+    )
     models = sub.add_parser("models", help="model management")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     models_sub.add_parser(
@@ -249,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     # `--config` is accepted after the subcommand too: `lockgate serve --config FILE`.
-    for p in (sub.choices["serve"], models_sub.choices["prepare"], create_key, train):
+    for p in (serve, models_sub.choices["prepare"], create_key, train):
         p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML configuration file")
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -262,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lockgate: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
+        if args.workers is not None:
+            try:
+                config = with_workers(config, args.workers)
+            except ConfigError as exc:
+                print(f"lockgate: configuration error: {exc}", file=sys.stderr)
+                return 2
         return _serve(config)
     if args.command == "admin":
         return _admin_create_key(config, args)

@@ -53,6 +53,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Most calls one answer may hold when tool_choice is "required" (a small model may otherwise repeat
     # calls until max_tokens); 1 when the request sets parallel_tool_calls false.
     max_tool_calls: int = 4
+    # Gateway processes serving the port (`lockgate serve --workers N` overrides it). More than 1 needs shared
+    # state: the Redis quota store and console sessions, PostgreSQL storage, and no in-process vLLM engine.
+    workers: int = 1
     # Uvicorn log level.
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -389,12 +392,48 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
     return sources
 
 
+def with_workers(config: Config, workers: int) -> Config:
+    """`config` served by `workers` processes (`lockgate serve --workers`), checked."""
+    if workers < 1:
+        raise ConfigError(f"`--workers` must be >= 1, got {workers}")
+    served = msgspec.structs.replace(config, server=msgspec.structs.replace(config.server, workers=workers))
+    check_workers(served)
+    return served
+
+
+def check_workers(config: Config) -> None:
+    """More than one gateway process (`server.workers`) needs every piece of state they share outside them:
+    ConfigError naming each one that is not."""
+    if config.server.workers <= 1:
+        return
+    problems = []
+    if config.quota.backend != "redis":
+        problems.append(
+            "`quota.backend` must be redis (a memory store would give each worker its own quotas)"
+        )
+    if config.storage.backend != "postgres":
+        problems.append("`storage.backend` must be postgres (SQLite takes one writer process)")
+    if config.console.session_store != "redis":
+        problems.append("`console.session_store` must be redis (a reviewer signs in on one worker)")
+    local = [f"[[engines]] #{i + 1}" for i, spec in enumerate(config.engines) if spec.kind == "vllm_local"]
+    if not config.engines and config.engine.kind == "vllm_local":
+        local.append("the embedded engine (`engine.kind` vllm_local)")
+    if local:
+        problems.append(
+            f"{', '.join(local)} would start a vLLM engine in every worker: serve it with `vllm serve` and "
+            "list it as a vllm_remote replica"
+        )
+    if problems:
+        raise ConfigError(f"`server.workers` = {config.server.workers}: " + "; ".join(problems))
+
+
 def _check(config: Config) -> None:
     positive = {
         "server.max_body_bytes": config.server.max_body_bytes,
         "server.drain_timeout": config.server.drain_timeout,
         "server.stream_buffer": config.server.stream_buffer,
         "server.stream_stall_timeout": config.server.stream_stall_timeout,
+        "server.workers": config.server.workers,
         "model.max_model_len": config.model.max_model_len,
         "model.default_max_tokens": config.model.default_max_tokens,
         "model.tokenizer_threads": config.model.tokenizer_threads,
@@ -443,6 +482,16 @@ def _check(config: Config) -> None:
         )
     if 0 < config.engine.max_num_batched_tokens < config.engine.max_num_seqs:
         raise ConfigError("`engine.max_num_batched_tokens` must be at least `engine.max_num_seqs`")
+    if (
+        config.console.session_store == "redis"
+        and not config.console.redis_url
+        and config.quota.redis_cluster
+    ):
+        raise ConfigError(
+            "`console.redis_url` must be set when `console.session_store` is redis and the quota store is a "
+            "Redis Cluster (console sessions use one Redis server)"
+        )
+    check_workers(config)
     if config.engine.max_logprobs < 0:
         raise ConfigError(f"`engine.max_logprobs` must be >= 0, got {config.engine.max_logprobs}")
 

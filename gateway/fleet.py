@@ -60,6 +60,13 @@ def build_engine(
             ),
             config.engine.supervisor,
         )
+    if config.server.workers > 1:
+        # Each worker would start its own copy on the same cores and memory (a guard pool nothing in
+        # [[engines]] serves ends up here too).
+        raise FleetError(
+            f"{model_name}: an in-process vLLM engine cannot run in each of {config.server.workers} workers; "
+            "serve it with `vllm serve` and list it in [[engines]] as a vllm_remote replica of its pool"
+        )
     from engines.vllm_local import VllmLocalEngine
 
     directory = model_dir or config.model.model_dir()

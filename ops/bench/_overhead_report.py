@@ -10,7 +10,9 @@ from typing import Literal
 import msgspec
 
 Mode = Literal["whole", "stream"]
-Target = Literal["mock", "memory", "redis"]  # the mock server, or the gateway on that quota store
+# The mock server, or a gateway: named by its quota store ("memory", "redis") or, with several processes,
+# "workers-N".
+Target = str
 
 
 class Latency(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +54,7 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     admitted_latency: Latency
     shed_latency: Latency  # how long a shed request took to be told
     mock: Measure
+    shed_by_reason: dict[str, int] = {}  # the gateway's lockgate:shed_requests_total over the step
 
     def brief(self) -> str:
         """One line of figures."""
@@ -61,7 +64,8 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
             f"p99 {1000 * self.admitted_latency.p99:.1f} ms (added p99 {added:.1f} ms over the mock at this "
             f"rate{', itself saturated' if self.mock.saturated else ''}); {self.shed} shed in p50 "
             f"{1000 * self.shed_latency.p50:.1f} ms, p99 {1000 * self.shed_latency.p99:.1f} ms; "
-            f"{self.other} other"
+            f"{self.other} other; metrics: "
+            + (", ".join(f"{n} {reason}" for reason, n in sorted(self.shed_by_reason.items())) or "-")
         )
 
 

@@ -33,9 +33,15 @@ class Server:
         self.ps = psutil.Process(proc.pid)
 
     def cpu_s(self) -> float:
-        """User + system CPU seconds the process has used so far."""
-        times = self.ps.cpu_times()
-        return times.user + times.system
+        """User + system CPU seconds the process and its live children (workers) have used so far."""
+        total = 0.0
+        for proc in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def stop(self) -> None:
         """Terminate, then kill if it lingers."""
@@ -58,7 +64,7 @@ def free_port() -> int:
         return port
 
 
-def _spawn(args: list[str], env: dict[str, str], core: int, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], env: dict[str, str], cores: set[int], log: Path) -> subprocess.Popen[bytes]:
     # Output goes to a file: a pipe nobody reads would stall the server once full.
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
@@ -67,7 +73,7 @@ def _spawn(args: list[str], env: dict[str, str], core: int, log: Path) -> subpro
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),
         )
 
 
@@ -91,7 +97,7 @@ async def start_mock(core: int, workdir: Path) -> Server:
     """The mock OpenAI server, ready; its output in `workdir`/server.log."""
     port = free_port()
     log = workdir / "server.log"
-    proc = _spawn(["-m", "ops.bench._mock_openai", "--port", str(port)], dict(os.environ), core, log)
+    proc = _spawn(["-m", "ops.bench._mock_openai", "--port", str(port)], dict(os.environ), {core}, log)
     server = Server("mock", proc, port)
     try:
         await _wait_ready(proc, f"http://127.0.0.1:{port}/healthz", 60, log)
@@ -101,7 +107,7 @@ async def start_mock(core: int, workdir: Path) -> Server:
     return server
 
 
-def gateway_env(quota: Target, port: int, workdir: Path, guard: str) -> dict[str, str]:
+def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, str]:
     """The environment of a `lockgate serve` on the zero-delay simulated engine."""
     return {
         **os.environ,
@@ -142,14 +148,24 @@ async def _provision(env: dict[str, str], tenant_id: str) -> str:
         await store.close()
 
 
-async def start_gateway(quota: Target, core: int, workdir: Path, guard: str) -> Server:
-    """`lockgate serve` with `quota` as its quota store and a fresh tenant and key, ready."""
+async def start_gateway(
+    quota: str,
+    cores: set[int],
+    workdir: Path,
+    guard: str,
+    *,
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+    target: Target = "",
+) -> Server:
+    """`lockgate serve [--workers N]` with `quota` as its quota store and a fresh tenant and key, ready; `env`
+    is added to its environment, and `target` names it (default: the quota store)."""
     port = free_port()
-    env = gateway_env(quota, port, workdir, guard)
-    key = await _provision(env, f"bench-{secrets.token_hex(4)}")
+    environ = {**gateway_env(quota, port, workdir, guard), **(env or {})}
+    key = await _provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
-    proc = _spawn(["-m", "gateway.cli", "serve"], env, core, log)
-    server = Server(quota, proc, port, key)
+    proc = _spawn(["-m", "gateway.cli", "serve", "--workers", str(workers)], environ, cores, log)
+    server = Server(target or quota, proc, port, key)
     try:
         await _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", 300, log)
     except BaseException:

@@ -2,7 +2,7 @@
 
     python -m ops.bench.overhead [--rates 100 200 400 ...] [--seconds 3] [--modes whole stream]
                                  [--quotas memory redis] [--max-tokens 16] [--guard none] [--out DIR]
-                                 [--quick]
+                                 [--overload [--overload-rate R]] [--quick]
 
 Three servers on the same zero-delay simulated engine, each a child process pinned to `--server-core`: the
 mock OpenAI server (`ops.bench._mock_openai`, the engine alone) and `lockgate serve` with the memory and the
@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from ops.bench._http import Pool, Timed, request_head
@@ -52,6 +53,7 @@ _encoder = msgspec.json.Encoder()
 SATURATED_SHARE = 0.9  # completed / sent rate below this is saturation
 ERROR_SHARE = 0.01  # failed requests above this share is saturation
 QUEUEING_P50_S = 0.05  # a median latency above this is queueing: saturation
+SHED_SERIES = 'lockgate:shed_requests_total{reason="'
 
 
 class Endpoint:
@@ -162,7 +164,9 @@ async def overload(
     """Whole answers at `rate` (twice what the gateway served unsaturated): how the admitted fare against
     the mock at the same rate, and how fast the shed are told (503 `overloaded`)."""
     baseline = await measure(mock, "whole", rate, args, seed)
+    before = await shed_counts(target)
     offered = await offer(target, "whole", rate, args, seed)
+    after = await shed_counts(target)
     admitted = [r.total for r in offered.results if r.status == 200 and r.total is not None]
     shed = [r.total for r in offered.results if r.status == 503 and r.total is not None]
     return OverloadMeasure(
@@ -175,7 +179,20 @@ async def overload(
         admitted_latency=percentiles(admitted),
         shed_latency=percentiles(shed),
         mock=baseline,
+        shed_by_reason={reason: n - before.get(reason, 0) for reason, n in after.items()},
     )
+
+
+async def shed_counts(target: Endpoint) -> dict[str, int]:
+    """The gateway's `lockgate:shed_requests_total` by reason, from its /metrics."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{target.server.port}", timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith(SHED_SERIES):
+            labels, _, value = line.partition("} ")
+            counts[labels.removeprefix(SHED_SERIES).strip('"')] = int(float(value))
+    return counts
 
 
 async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
@@ -186,7 +203,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
     try:
         servers.append(await start_mock(args.server_core, workdir / "mock"))
         for quota in args.quotas:
-            servers.append(await start_gateway(quota, args.server_core, workdir / quota, args.guard))
+            servers.append(await start_gateway(quota, {args.server_core}, workdir / quota, args.guard))
         for server in servers:
             print(f"[overhead] {server.target}: pid {server.proc.pid}, port {server.port}", flush=True)
         targets = [Endpoint(s, args.model) for s in servers]
@@ -218,11 +235,12 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
                     ),
                     0.0,
                 )
-                if best > 0:
-                    measured = await overload(target, targets[0], 2 * best, args, seed=99)
+                rate = args.overload_rate or 2 * best
+                if rate > 0:
+                    measured = await overload(target, targets[0], rate, args, seed=99)
                     overloads.append(measured)
                     print(
-                        f"[overhead] overload {target.server.target} {2 * best:.0f}/s: {measured.brief()}",
+                        f"[overhead] overload {target.server.target} {rate:.0f}/s: {measured.brief()}",
                         flush=True,
                     )
     finally:
@@ -286,6 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="after the sweep, whole answers at twice each gateway's best unsaturated rate: the admitted "
         "requests' latency and how fast the shed are refused",
+    )
+    parser.add_argument(
+        "--overload-rate",
+        type=float,
+        default=0.0,
+        help="the rate of the --overload step instead of twice the best unsaturated one (to compare runs)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: two low rates, 1 s each, memory")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ import httpx
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.cli import _log_off_the_loop
+from gateway.cli import log_off_the_loop
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
@@ -19,7 +19,7 @@ async def test_a_warning_log_level_holds_through_the_apps_start_and_silences_the
 ) -> None:
     root = logging.getLogger()
     saved = (root.level, root.handlers[:])
-    listener = _log_off_the_loop("WARNING")
+    listener = log_off_the_loop("WARNING")
     try:
         assert [type(h) for h in root.handlers] == [logging.handlers.QueueHandler]
         app = create_app(
