@@ -366,6 +366,7 @@ async def _run(
         first: EngineDelta | OutputBlocked[GuardDecision]
         try:
             first = await race_disconnect(anext(stream), request.receive)
+            timeline.released()
         except OutputBlocked as blocked:
             first = blocked
         except BaseException:

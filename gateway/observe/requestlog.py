@@ -23,8 +23,10 @@ class PhaseDurations(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     quota: float | None = None
     input_guard: float | None = None
     queue: float | None = None
-    # Engine time to first token from arrival, then first to last token.
+    # Time to first token from arrival as the client gets it (a stream: after the output guard's hold-back),
+    # the engine's first token from arrival, then first to last token.
     ttft: float | None = None
+    engine_ttft: float | None = None
     decode: float | None = None
     # All output guard checks together (they run while decoding).
     output_guard: float | None = None
@@ -76,6 +78,7 @@ def log_line(t: RequestTimeline) -> RequestLogLine:
         input_guard=_round(t.duration("input_guard")),
         queue=_round(t.duration("queue")),
         ttft=_round(t.ttft),
+        engine_ttft=_round(None if t.first_token is None else t.first_token - t.arrival),
         decode=_round(t.decode),
         output_guard=_round(output_guard) if output_guard else None,
         mean_itl=_round(t.mean_itl),

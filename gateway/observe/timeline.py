@@ -63,6 +63,7 @@ class RequestTimeline:
         "clock",
         "end",
         "error_code",
+        "first_release",
         "guard_checks",
         "http_status",
         "key_id",
@@ -114,6 +115,8 @@ class RequestTimeline:
         self.guard_checks: list[GuardCheck] = []
         # Clock time of each engine delta that brought tokens (all choices).
         self.token_times: list[float] = []
+        # When a stream's first delta was released to the client (after the output guard's hold-back).
+        self.first_release: float | None = None
         self.outcome: Outcome | None = None
         self.http_status = 0
         self.error_code = ""
@@ -157,6 +160,11 @@ class RequestTimeline:
         """An engine delta with tokens arrived now (called per delta: one float appended)."""
         self.token_times.append(self.clock())
 
+    def released(self) -> None:
+        """A stream's first delta passed the output guard now and goes to the client."""
+        if self.first_release is None:
+            self.first_release = self.clock()
+
     # -- derived figures ---------------------------------------------------------------------------
 
     @property
@@ -166,8 +174,10 @@ class RequestTimeline:
 
     @property
     def ttft(self) -> float | None:
-        """Time to first token from arrival (auth, quota, input guard and queueing included)."""
-        first = self.first_token
+        """Time to first token from arrival (auth, quota, input guard and queueing included): for a stream,
+        to the first token released to the client (the output guard's hold-back included); for a whole
+        answer, to the engine's first token (the client gets every token at the end, which e2e measures)."""
+        first = self.first_release if self.first_release is not None else self.first_token
         return None if first is None else first - self.arrival
 
     def inter_token_gaps(self) -> list[float]:

@@ -345,12 +345,14 @@ async def test_one_json_line_per_request_with_the_trace_ids_and_the_prompt_only_
         traced = {"traceparent": f"00-{trace_id}-{parent}-01", "x-request-id": "req-acme"}
         assert (await gw.chat("acme", SECRET_PROMPT, traced)).status_code == 200
         assert (await gw.chat("keeper", SECRET_PROMPT, {"x-request-id": "req-keeper"})).status_code == 200
+        streamed = await gw.chat("acme", "hi", {"x-request-id": "req-stream"}, stream=True, max_tokens=16)
+        assert streamed.status_code == 200
         assert (
             await gw.chat("acme", SECRET_PROMPT, {"x-request-id": "req-bad-key", "authorization": "x"})
         ).status_code == 401
 
         async def logged() -> bool:
-            return len([line for line in request_log.lines if line["route"] == CHAT]) == 3
+            return len([line for line in request_log.lines if line["route"] == CHAT]) == 4
 
         await eventually(logged)
     lines = {line["request_id"]: line for line in request_log.lines if line["route"] == CHAT}
@@ -374,6 +376,11 @@ async def test_one_json_line_per_request_with_the_trace_ids_and_the_prompt_only_
     durations = acme["durations"]
     assert durations["ttft"] >= durations["queue"]
     assert durations["e2e"] >= durations["ttft"]
+    assert durations["ttft"] == durations["engine_ttft"]  # a whole answer: the engine's first token
+    # A stream's first token is the one the output guard releases, after its hold-back: later than the
+    # engine's first token.
+    streamed = lines["req-stream"]["durations"]
+    assert streamed["ttft"] > streamed["engine_ttft"] >= streamed["queue"]
     # The prompt only for the tenant whose retention allows it; never the output.
     assert "prompt" not in acme
     assert SECRET_PROMPT not in json.dumps(acme)

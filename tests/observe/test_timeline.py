@@ -62,6 +62,20 @@ def test_phases_and_token_times_give_ttft_itl_decode_and_e2e() -> None:
     assert t.ttft >= queued
 
 
+def test_a_streams_ttft_is_its_first_release_to_the_client() -> None:
+    clock = FakeClock(100.0)
+    t = timeline(clock)
+    for _ in range(4):  # the output guard holds these back
+        clock.advance(0.1)
+        t.token()
+    clock.advance(0.05)
+    t.released()
+    clock.advance(0.1)
+    t.released()  # only the first counts
+    assert t.first_token == pytest.approx(100.1)
+    assert t.ttft == pytest.approx(0.45)
+
+
 def test_without_tokens_there_is_no_ttft_and_choices_interleave_so_no_itl() -> None:
     clock = FakeClock()
     t = timeline(clock)
