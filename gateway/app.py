@@ -23,6 +23,7 @@ from gateway.audit_routes import AUDIT_ROUTES
 from gateway.config import Config
 from gateway.console import CONSOLE_ROUTES
 from gateway.errors import exception_handlers
+from gateway.fastpath import fast_generation
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
@@ -506,6 +507,10 @@ def create_app(
     # Shedding in front of everything else: a shed request costs no routing, parsing or auth.
     # Each request that passes the door timed from its arrival (shed ones cost nothing more and are counted by
     # the gate: lockgate:shed_requests_total), with the id the outer middleware gave it.
-    app.asgi_handler = request_id_middleware(overload.wrap(observe_middleware(app.asgi_handler, observer)))
+    # The generation routes skip Litestar's request cycle (gateway/fastpath.py), inside the observe
+    # middleware.
+    app.asgi_handler = request_id_middleware(
+        overload.wrap(observe_middleware(fast_generation(app, app.asgi_handler), observer))
+    )
     app.state.overload = overload
     return app

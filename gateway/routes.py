@@ -10,8 +10,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Example
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from gateway.decoding import read_body
-from gateway.generation.pipeline import run_chat, run_completion
+from gateway.fastpath import generate
 from gateway.openapi import (
     ChatStreamingOperation,
     CompletionStreamingOperation,
@@ -85,10 +84,9 @@ async def chat_completions(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
 ) -> Response[Any]:
-    """OpenAI chat completions, whole or streamed."""
-    allow(principal, "consumer")
-    req = services.chat_decoder.decode(await read_body(request))
-    return await run_chat(services, req, request, principal)
+    """OpenAI chat completions, whole or streamed (served by `gateway.fastpath`; this handler documents the
+    route and answers only if the fast path is not in front, e.g. behind a root path)."""
+    return await generate("chat", services, request, principal)
 
 
 @post(
@@ -113,10 +111,8 @@ async def completions(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
 ) -> Response[Any]:
-    """OpenAI legacy completions, whole or streamed."""
-    allow(principal, "consumer")
-    req = services.completion_decoder.decode(await read_body(request))
-    return await run_completion(services, req, request, principal)
+    """OpenAI legacy completions, whole or streamed (served by `gateway.fastpath`, as chat is)."""
+    return await generate("completion", services, request, principal)
 
 
 @get("/v1/models", responses=errors())

@@ -1,0 +1,62 @@
+"""The generation routes' fast path (`gateway.fastpath`) answers as the Litestar handlers do: the same
+request through both (the Litestar route is reached behind a root path, which the fast path leaves to it)
+gets the same status, error body and answer shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.simulated import SimulatedEngine
+from gateway.app import create_app
+from gateway.generation.prompts import PromptRenderer
+from tests.conftest import MODEL, OutcomeLog, Tenancy, lifespan, make_config
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "seed": 7}
+
+
+def _shape(response: httpx.Response) -> tuple[int, Any]:
+    """Status and the body with what differs per request (ids, times) left out."""
+    body = response.json()
+    if response.status_code == 200:
+        return 200, (body["object"], [c["finish_reason"] for c in body["choices"]], body["usage"])
+    return response.status_code, body
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "auth"),
+    [
+        ("/v1/chat/completions", CHAT, True),
+        ("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3}, True),
+        ("/v1/chat/completions", CHAT, False),
+        ("/v1/chat/completions", {**CHAT, "bogus": 1}, True),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 2_000_000}]}, True),
+        ("/v1/chat/completions", {**CHAT, "model": "nope"}, True),
+    ],
+    ids=["chat", "completion", "401", "400-unknown-field", "413", "404-model"],
+)
+async def test_the_fast_path_and_the_litestar_route_answer_alike(
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+    path: str,
+    payload: dict[str, Any],
+    auth: bool,
+) -> None:
+    app = create_app(
+        make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
+    headers = tenancy.consumer_headers if auth else {}
+    answers = []
+    async with lifespan(app):
+        for root in ("", "/api"):
+            transport = httpx.ASGITransport(app=app, root_path=root)  # type: ignore[arg-type]
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw", headers=headers) as http:
+                answers.append(await http.post(f"{root}{path}", json=payload))
+    fast, routed = answers
+    assert _shape(fast) == _shape(routed)
+    assert fast.headers.get("x-request-id")
+    assert fast.headers["content-type"] == routed.headers["content-type"]
