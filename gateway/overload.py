@@ -1,7 +1,7 @@
 """Load shedding before work queues up: generation requests are refused at the door, in microseconds, while
 the process is overloaded (as Envoy's overload manager and adaptive concurrency filter do).
 
-Three signals, any of which sheds:
+Four signals, any of which sheds:
 
 - **concurrency** (`overload.adaptive`): generation requests in flight at the adaptive limit
   (`ConcurrencyLimit`), a gradient controller after Envoy's adaptive concurrency filter and Netflix's
@@ -13,7 +13,14 @@ Three signals, any of which sheds:
   (`LoopLagMonitor`), at or above `overload.max_loop_lag` on each of the last `lag_window` probes. A loop
   that late delays every stream the process serves, so taking more work only makes all of it late. Lag that
   persists through the window is overload; one late probe (another process took the core for a moment) is
-  not, and sheds nothing.
+  not, and sheds nothing;
+- **CPU** (`overload.cpu_shedding`): a fraction of new generation requests, set by `CpuShedder` (after
+  Envoy's CPU utilisation resource monitor) so that the process's CPU utilisation stays at
+  `target_utilisation`. A process past saturation queues work *before* the wrapper (socket buffers, the
+  server's parsing, the loop's ready queue, threads competing for the core), where neither the in-flight
+  count nor latency measured from the wrapper see it, and the loop's lag stays small; refusing enough
+  requests to keep the CPU just below saturation keeps that queue from forming, so refusals are quick and
+  the admitted do not wait.
 
 A shed request gets 503 `overloaded` in the OpenAI error shape with `Retry-After`, from an ASGI wrapper in
 front of Litestar: its body is not read, no route, auth, quota or engine is reached. Only generation routes
@@ -25,8 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -35,7 +45,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ErrorBody, ErrorResponse
 
-ShedReason = Literal["concurrency", "in_flight", "loop_lag"]
+ShedReason = Literal["concurrency", "cpu", "in_flight", "loop_lag"]
 SHED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # How far one update may move the adaptive limit (Envoy's bounds): at most halved, at most doubled.
 MIN_GRADIENT = 0.5
@@ -75,6 +85,25 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Seconds between two measurements of the baseline, and how many uncontended requests make one.
     min_rtt_interval: float = 10.0
     min_rtt_requests: int = 20
+    # Shed a fraction of generation requests that keeps the process's CPU utilisation at
+    # `target_utilisation` (`CpuShedder`). Off by default: the process's CPU also counts what else runs in
+    # it (an in-process vLLM engine's threads, a test runner sharing the event loop), which would shed
+    # requests for work that is not theirs.
+    cpu_shedding: bool = False
+    # The utilisation held: the larger of the event-loop thread's share of one core (the time it ran or
+    # waited for the core while ready to run) and the process's CPU share of the cores it may run on.
+    target_utilisation: float = 0.85
+    # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe).
+    cpu_window: float = 0.25
+    # How fast the shed fraction rises while the utilisation is over the target: by `cpu_gain * (utilisation -
+    # target_utilisation)` per second.
+    cpu_gain: float = 40.0
+    # How fast it falls back (towards 0) while under the target: `cpu_release_gain * (target_utilisation -
+    # utilisation)` per second. Slower than the rise, so that the fraction settles instead of swinging
+    # between 0 and the most (the utilisation lags it by about half the window).
+    cpu_release_gain: float = 5.0
+    # The most of the generation requests the CPU signal sheds (a shed request costs CPU too).
+    max_shed_fraction: float = 0.95
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -165,6 +194,8 @@ class LoopLagMonitor:
         self._interval = interval
         self._sleep = sleep
         self._recent: deque[float] = deque([0.0], maxlen=max(1, window))
+        # Called on the loop after each probe (the CPU signal samples its clocks there, on the loop thread).
+        self.after_probe: list[Callable[[], None]] = []
 
     @property
     def lag(self) -> float:
@@ -177,6 +208,8 @@ class LoopLagMonitor:
         await self._sleep(self._interval)
         lag = max(0.0, self.clock() - start - self._interval)
         self._recent.append(lag)
+        for hook in self.after_probe:
+            hook()
         return lag
 
     async def run(self) -> None:
@@ -185,26 +218,131 @@ class LoopLagMonitor:
             await self.probe()
 
 
+SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def thread_demand() -> float:
+    """Seconds the calling thread has run or been ready to run while waiting for a core (Linux schedstat:
+    the run queue's wait counts), where the kernel tells; else its CPU time (`time.thread_time`)."""
+    try:
+        run, wait, _ = SCHEDSTAT.read_bytes().split()
+    except (OSError, ValueError):
+        return time.thread_time()
+    return (int(run) + int(wait)) / 1e9
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # pragma: no cover - no affinity API (macOS)
+
+
+class CpuShedder:
+    """The CPU signal: the process's CPU utilisation, and the fraction of generation requests shed to hold it
+    at `target_utilisation`.
+
+    `sample()` runs on the event loop after each lag probe. Utilisation over the last `cpu_window` s of
+    `wall` time is the larger of
+
+        loop = d thread_clock / d wall                  (the loop thread's share of one core)
+        process = d process_clock / (d wall * cores)    (the process's share of the cores it may use)
+
+    `thread_clock` is read on the loop thread, and by default (`thread_demand`) counts the time the loop
+    was ready to run but waited for its core as well as the time it ran: a loop that never idles is
+    saturated whether it got all of its core or shared it with the process's worker threads (tokenizers)
+    or with other processes, which its CPU time alone would not show. The loop share sees a loop that is
+    the bottleneck while other cores idle; the process share sees worker threads filling the cores. Each
+    sample then moves the shed fraction by
+
+        fraction = clamp(fraction + gain * (utilisation - target_utilisation) * d wall, 0, max_shed)
+
+    with `gain` = `cpu_gain` over the target and `cpu_release_gain` under it: an integral controller. While
+    the process is saturated the utilisation cannot show by how much, so the fraction keeps rising (fast)
+    until the CPU has room again (the queue in front of the wrapper has drained); it falls back slowly,
+    settling where the utilisation meets the target, and to 0 while the load stays under it. `shed()`
+    refuses that fraction of arrivals deterministically by error diffusion: each arrival adds the fraction
+    to a credit, and one whose credit reaches 1 is shed.
+    """
+
+    def __init__(
+        self,
+        config: OverloadConfig,
+        wall: Callable[[], float],
+        thread_clock: Callable[[], float] = thread_demand,
+        process_clock: Callable[[], float] = time.process_time,
+        cores: int | None = None,
+    ) -> None:
+        self._config = config
+        self._wall = wall
+        self._thread_clock = thread_clock
+        self._process_clock = process_clock
+        self.cores = max(1, cores if cores is not None else usable_cores())
+        self._max_fraction = min(1.0, max(0.0, config.max_shed_fraction))
+        self.utilisation = 0.0
+        self.fraction = 0.0
+        self._credit = 0.0
+        # (wall, thread, process) readings; the first is the newest at or before the window's start.
+        self._samples: deque[tuple[float, float, float]] = deque()
+
+    def sample(self) -> None:
+        """Read the clocks, update the utilisation over the window and the shed fraction."""
+        now = (self._wall(), self._thread_clock(), self._process_clock())
+        samples = self._samples
+        previous = samples[-1][0] if samples else now[0]
+        samples.append(now)
+        while len(samples) > 2 and samples[1][0] <= now[0] - self._config.cpu_window:
+            samples.popleft()
+        wall, thread, process = (b - a for a, b in zip(samples[0], now, strict=True))
+        if wall <= 0:
+            return
+        self.utilisation = min(1.0, max(thread / wall, process / (wall * self.cores)))
+        config = self._config
+        error = self.utilisation - config.target_utilisation
+        step = (config.cpu_gain if error > 0 else config.cpu_release_gain) * error * (now[0] - previous)
+        # Invariant: 0 <= fraction <= min(1, max_shed_fraction) after every sample.
+        self.fraction = min(self._max_fraction, max(0.0, self.fraction + step))
+
+    def shed(self) -> bool:
+        """Whether this arriving generation request is shed (a `fraction` of arrivals are)."""
+        # Invariant: 0 <= credit < 1 after every arrival (as fraction <= 1).
+        self._credit += self.fraction
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
+
+
 _REFUSALS: dict[ShedReason, str] = {
     "concurrency": "more requests in flight than it is serving without queueing",
+    "cpu": "its CPU is saturated",
     "in_flight": "too many requests in flight",
     "loop_lag": "its event loop is running late",
 }
 
 
 class OverloadGate:
-    """The in-flight count, the adaptive limit, the lag monitor, and what was shed, for one process. Time
-    is `clock` (the monitor's unless given)."""
+    """The in-flight count, the adaptive limit, the lag monitor, the CPU signal, and what was shed, for one
+    process. Time is `clock` (the monitor's unless given); the CPU signal is `cpu` (one on the process's own
+    CPU clocks unless given), sampled after each of the monitor's probes when `cpu_shedding` is on."""
 
     def __init__(
-        self, config: OverloadConfig, monitor: LoopLagMonitor, clock: Callable[[], float] | None = None
+        self,
+        config: OverloadConfig,
+        monitor: LoopLagMonitor,
+        clock: Callable[[], float] | None = None,
+        cpu: CpuShedder | None = None,
     ) -> None:
         self.config = config
         self.monitor = monitor
         self.clock = clock or monitor.clock
         self.limit = ConcurrencyLimit(config, self.clock) if config.adaptive else None
+        self.cpu: CpuShedder | None = None
+        if config.cpu_shedding:
+            self.cpu = cpu or CpuShedder(config, self.clock)
+            monitor.after_probe.append(self.cpu.sample)
         self.in_flight = 0
-        self.shed: dict[ShedReason, int] = {"concurrency": 0, "in_flight": 0, "loop_lag": 0}
+        self.shed: dict[ShedReason, int] = {"concurrency": 0, "cpu": 0, "in_flight": 0, "loop_lag": 0}
         retry = str(max(1, math.ceil(config.retry_after)))
         self._headers = [
             (b"content-type", b"application/json"),
@@ -212,7 +350,8 @@ class OverloadGate:
         ]
 
     def refusal(self) -> ShedReason | None:
-        """Why a new generation request would be shed now (None: it is taken)."""
+        """Why a new generation request is shed (None: it is taken). Called once per arrival: the CPU
+        signal sheds a fraction of the arrivals it is asked about."""
         if not self.config.enabled:
             return None
         if self.in_flight >= self.config.max_in_flight:
@@ -221,6 +360,8 @@ class OverloadGate:
             return "concurrency"
         if 0 < self.config.max_loop_lag <= self.monitor.lag:
             return "loop_lag"
+        if self.cpu is not None and self.cpu.shed():
+            return "cpu"
         return None
 
     def wrap(self, app: ASGIApp) -> ASGIApp:

@@ -109,8 +109,8 @@ class ServiceCollector:
     def _door(self, overload: OverloadGate) -> Iterable[Metric]:
         shed = CounterMetricFamily(
             f"{PREFIX}shed_requests",
-            "Generation requests shed at the door (503 overloaded), by reason: concurrency, in_flight or "
-            "loop_lag.",
+            "Generation requests shed at the door (503 overloaded), by reason: concurrency, cpu, in_flight "
+            "or loop_lag.",
             labels=("reason",),
         )
         for reason, count in sorted(overload.shed.items()):
@@ -126,6 +126,23 @@ class ServiceCollector:
             "Event-loop lag that persisted through the overload gate's recent probes.",
             value=overload.monitor.lag,
         )
+        if overload.limit is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}concurrency_limit",
+                "The adaptive concurrency limit on generation requests ([overload] adaptive).",
+                value=overload.limit.limit,
+            )
+        if overload.cpu is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}cpu_utilisation",
+                "The serving process's CPU utilisation the overload gate measured ([overload] cpu_shedding).",
+                value=overload.cpu.utilisation,
+            )
+            yield GaugeMetricFamily(
+                f"{PREFIX}cpu_shed_fraction",
+                "The share of new generation requests the CPU signal sheds.",
+                value=overload.cpu.fraction,
+            )
 
     def _guards(self) -> Iterable[Metric]:
         decisions = CounterMetricFamily(

@@ -217,6 +217,7 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         # Nothing was shed at the door; every request has ended.
         assert {ls["reason"] for ls in scrape.labelsets(f"{P}shed_requests_total")} == {
             "concurrency",
+            "cpu",
             "in_flight",
             "loop_lag",
         }

@@ -1,12 +1,15 @@
 """Load shedding at the door: generation requests past the adaptive concurrency limit or the in-flight limit,
-or while the event loop runs late, get 503 `overloaded` with Retry-After before anything else runs; other
-routes always pass. The adaptive limit follows latency on an injected clock."""
+while the event loop runs late, or the share the CPU signal sheds, get 503 `overloaded` with Retry-After
+before anything else runs; other routes always pass. The adaptive limit follows latency, and the CPU signal
+CPU clocks, on injected clocks."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +21,15 @@ from litestar.types import Message, Receive, Scope, Send
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
-from gateway.overload import ConcurrencyLimit, LoopLagMonitor, OverloadConfig, OverloadGate
+from gateway.overload import (
+    SCHEDSTAT,
+    ConcurrencyLimit,
+    CpuShedder,
+    LoopLagMonitor,
+    OverloadConfig,
+    OverloadGate,
+    thread_demand,
+)
 from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, make_config, serving
 
 
@@ -106,7 +117,7 @@ async def test_requests_past_the_in_flight_limit_are_shed_and_others_pass() -> N
     assert gate.in_flight == 2
     refused(await call(app, "/v1/chat/completions"), "too many requests in flight")
     assert held.entered == 2  # the shed request reached nothing behind the gate
-    assert gate.shed == {"concurrency": 0, "in_flight": 1, "loop_lag": 0}
+    assert gate.shed == {"concurrency": 0, "cpu": 0, "in_flight": 1, "loop_lag": 0}
     health = asyncio.create_task(call(app, "/healthz"))  # not a generation route: never shed
     await eventually(lambda: _true(held.entered == 3))
     held.release.set()
@@ -127,7 +138,7 @@ async def test_requests_are_shed_while_the_event_loop_runs_late() -> None:
     await gate.monitor.probe()
     await gate.monitor.probe()
     refused(await call(app, "/v1/chat/completions"), "event loop is running late")
-    assert gate.shed == {"concurrency": 0, "in_flight": 0, "loop_lag": 1}
+    assert gate.shed == {"concurrency": 0, "cpu": 0, "in_flight": 0, "loop_lag": 1}
     assert (await call(app, "/readyz"))[0]["status"] == 200
     loop.lag = 0.0
     await gate.monitor.probe()
@@ -326,3 +337,171 @@ async def test_requests_past_the_adaptive_limit_are_shed_and_counted() -> None:
         msgspec.structs.replace(ADAPTIVE, adaptive=False), LoopLagMonitor(0.01, 1, loop.clock, loop.sleep)
     )
     assert static.limit is None
+
+
+class FakeCpu:
+    """CPU clocks that run with a `FakeLoop`'s time: the loop thread busy `loop_share` of it, the process
+    `process_cores` cores' worth of it (the loop thread included)."""
+
+    def __init__(self, loop: FakeLoop) -> None:
+        self.loop = loop
+        self._since = loop.now
+        self._thread = 0.0
+        self._process = 0.0
+        self._loop_share = 0.0
+        self._process_cores = 0.0
+
+    def load(self, loop_share: float, process_cores: float) -> None:
+        """From now on, this much CPU."""
+        self._thread, self._process = self.thread(), self.process()
+        self._since = self.loop.now
+        self._loop_share, self._process_cores = loop_share, process_cores
+
+    def thread(self) -> float:
+        return self._thread + (self.loop.now - self._since) * self._loop_share
+
+    def process(self) -> float:
+        return self._process + (self.loop.now - self._since) * self._process_cores
+
+
+CPU = OverloadConfig(
+    cpu_shedding=True,
+    target_utilisation=0.8,
+    cpu_window=0.2,
+    cpu_gain=10.0,
+    cpu_release_gain=5.0,
+    max_shed_fraction=0.9,
+    lag_probe_interval=0.05,
+    max_loop_lag=0.0,
+    retry_after=2.0,
+)
+
+
+def shedder(loop: FakeLoop, cpu: FakeCpu, cores: int = 4, config: OverloadConfig = CPU) -> CpuShedder:
+    return CpuShedder(config, loop.clock, cpu.thread, cpu.process, cores=cores)
+
+
+def run_for(shed: CpuShedder, loop: FakeLoop, seconds: float, step: float = 0.05) -> list[float]:
+    """Sample every `step` s for `seconds`; the shed fraction after each sample."""
+    fractions = []
+    for _ in range(round(seconds / step)):
+        loop.now += step
+        shed.sample()
+        fractions.append(shed.fraction)
+    return fractions
+
+
+def test_utilisation_is_the_larger_of_the_loop_share_and_the_process_share_over_the_window() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, cores=4)
+    shed.sample()
+    assert shed.utilisation == 0.0  # one reading: nothing measured yet
+    cpu.load(loop_share=0.7, process_cores=1.2)  # the loop is the bottleneck: 70% of its core
+    run_for(shed, loop, 0.5)
+    assert shed.utilisation == pytest.approx(0.7)
+    cpu.load(loop_share=0.4, process_cores=3.6)  # threads fill the cores: 90% of all four
+    run_for(shed, loop, 0.5)
+    assert shed.utilisation == pytest.approx(0.9)
+    cpu.load(loop_share=0.0, process_cores=0.0)
+    run_for(shed, loop, 0.1)  # half the window idle, half at 90%
+    assert shed.utilisation == pytest.approx(0.45)
+    run_for(shed, loop, 0.1)  # only what the window holds counts
+    assert shed.utilisation == pytest.approx(0.0)
+    cpu.load(loop_share=1.0, process_cores=6.0)  # readings a little off never pass 1
+    run_for(shed, loop, 0.5)
+    assert shed.utilisation == pytest.approx(1.0)
+
+
+def test_nothing_is_shed_below_the_target_however_long() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu)
+    cpu.load(loop_share=0.79, process_cores=3.0)  # 79% and 75%: both under the 80% target
+    assert set(run_for(shed, loop, 60.0)) == {0.0}
+    assert not any(shed.shed() for _ in range(10_000))
+
+
+def test_the_shed_fraction_rises_while_over_the_target_and_falls_back_under_it() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu)
+    shed.sample()
+    cpu.load(loop_share=1.0, process_cores=1.0)  # saturated: 0.2 over the target
+    rising = run_for(shed, loop, 1.0)
+    # cpu_gain * (1.0 - 0.8) per second: 0.1 a probe, up to max_shed_fraction.
+    assert rising[:3] == pytest.approx([0.1, 0.2, 0.3])
+    assert rising == sorted(rising)
+    assert rising[-1] == pytest.approx(CPU.max_shed_fraction)
+    cpu.load(loop_share=0.7, process_cores=1.0)  # 0.1 under the target: back down, once the window shows it,
+    falling = run_for(
+        shed, loop, 3.0
+    )  # at the slower cpu_release_gain (0.025 a probe), and no further than 0
+    assert falling == sorted(falling, reverse=True)
+    steps = [a - b for a, b in itertools.pairwise(falling) if b > 0]
+    assert steps[4:] == pytest.approx([0.025] * len(steps[4:]))
+    assert falling[-1] == 0.0
+    cpu.load(loop_share=0.9, process_cores=1.0)  # over again by 0.1: once the window holds only that, half
+    run_for(shed, loop, CPU.cpu_window)  # as fast (0.05 a probe)
+    again = [shed.fraction, *run_for(shed, loop, 0.2)]
+    assert [b - a for a, b in itertools.pairwise(again)] == pytest.approx([0.05] * 4)
+
+
+def test_the_shed_requests_are_the_fraction_of_arrivals_spread_evenly() -> None:
+    loop = FakeLoop()
+    shed = shedder(loop, FakeCpu(loop))
+    shed.fraction = 0.25
+    assert [shed.shed() for _ in range(8)] == [False, False, False, True] * 2
+    shed.fraction = 0.6
+    pattern = [shed.shed() for _ in range(1000)]
+    assert abs(sum(pattern) - 600) <= 1  # within one request (rounding of the credit)
+    assert max(len(run) for run in "".join("x" if s else "." for s in pattern).split(".")) == 2
+    shed.fraction = 0.0
+    assert not any(shed.shed() for _ in range(100))
+
+
+async def test_the_cpu_signal_sheds_generation_requests_counted_as_cpu() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    monitor = LoopLagMonitor(CPU.lag_probe_interval, 1, loop.clock, loop.sleep)
+    config = msgspec.structs.replace(CPU, max_shed_fraction=0.5)
+    gate = OverloadGate(config, monitor, cpu=shedder(loop, cpu, cores=2, config=config))
+    assert gate.cpu is not None
+    responder = Responder(loop, took=0.0)
+    app = gate.wrap(responder)
+    cpu.load(loop_share=0.5, process_cores=1.0)  # 50%: nothing shed
+    for _ in range(20):
+        await monitor.probe()  # each probe samples the CPU clocks
+    assert [(await call(app, "/v1/chat/completions"))[0]["status"] for _ in range(20)] == [200] * 20
+    cpu.load(loop_share=1.0, process_cores=2.0)  # saturated long enough to shed the most it may: half
+    for _ in range(20):
+        await monitor.probe()
+    assert gate.cpu.fraction == 0.5
+    answers = [await call(app, "/v1/chat/completions") for _ in range(20)]
+    assert [sent[0]["status"] for sent in answers] == [200, 503] * 10
+    for sent in answers[1::2]:
+        refused(sent, "its CPU is saturated")
+    assert gate.shed == {"concurrency": 0, "cpu": 10, "in_flight": 0, "loop_lag": 0}
+    for path in ("/healthz", "/readyz", "/metrics", "/admin/tenants"):  # never shed
+        assert (await call(app, path))[0]["status"] == 200
+    assert gate.shed["cpu"] == 10
+    cpu.load(loop_share=0.2, process_cores=0.2)
+    for _ in range(10):
+        await monitor.probe()
+    assert gate.cpu.fraction == 0.0
+    assert [(await call(app, "/v1/completions"))[0]["status"] for _ in range(20)] == [200] * 20
+
+
+def test_the_cpu_signal_is_off_unless_configured() -> None:
+    loop = FakeLoop()
+    monitor = LoopLagMonitor(0.05, 1, loop.clock, loop.sleep)
+    gate = OverloadGate(OverloadConfig(), monitor)
+    assert gate.cpu is None
+    assert monitor.after_probe == []
+    assert OverloadGate(msgspec.structs.replace(CPU, cpu_shedding=False), monitor).cpu is None
+
+
+@pytest.mark.skipif(not SCHEDSTAT.exists(), reason="no schedstat: the loop's CPU time is its demand")
+def test_the_loop_demand_counts_at_least_the_time_the_thread_ran() -> None:
+    ran = time.thread_time()
+    assert thread_demand() >= ran - 0.01  # schedstat and the CPU clock may round a tick apart

@@ -45,7 +45,11 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
         }
     )
     overload: Any = SimpleNamespace(
-        shed={"in_flight": 5, "loop_lag": 0}, in_flight=7, monitor=SimpleNamespace(lag=0.0)
+        shed={"in_flight": 5, "loop_lag": 0},
+        in_flight=7,
+        monitor=SimpleNamespace(lag=0.0),
+        limit=None,
+        cpu=None,
     )
     depth = [4]
     registry = CollectorRegistry()
@@ -83,3 +87,20 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     got = samples(registry)
     assert got[(f"{p}quota_denials_total", ())] == 3
     assert got[(f"{p}admission_queue_depth", ())] == 0
+
+
+def test_the_adaptive_limit_and_the_cpu_signal_are_shown_only_when_on() -> None:
+    def scrape(limit: Any, cpu: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        overload: Any = SimpleNamespace(
+            shed={}, in_flight=0, monitor=SimpleNamespace(lag=0.0), limit=limit, cpu=cpu
+        )
+        registry = CollectorRegistry()
+        registry.register(ServiceCollector([], lambda: 0, Counter(), Counter(), overload=overload))
+        return samples(registry)
+
+    off = scrape(None, None)
+    assert not [name for name, _ in off if "concurrency_limit" in name or "cpu_" in name]
+    on = scrape(SimpleNamespace(limit=12), SimpleNamespace(utilisation=0.9, fraction=0.25))
+    assert on[("lockgate:concurrency_limit", ())] == 12
+    assert on[("lockgate:cpu_utilisation", ())] == 0.9
+    assert on[("lockgate:cpu_shed_fraction", ())] == 0.25

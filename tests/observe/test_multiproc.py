@@ -59,7 +59,11 @@ for ttft in spec["ttfts"]:
 replica = SimpleNamespace(replica_id="r0", pool="default", **spec["replica"])
 quota = Counter(denied=spec["denied"][0])
 overload = SimpleNamespace(
-    shed={"in_flight": spec["shed"]}, in_flight=spec["in_flight"], monitor=SimpleNamespace(lag=spec["lag"])
+    shed={"in_flight": spec["shed"]},
+    in_flight=spec["in_flight"],
+    monitor=SimpleNamespace(lag=spec["lag"]),
+    limit=None,
+    cpu=None,
 )
 collector = ServiceCollector(
     [replica], lambda: spec["queue"], quota, Counter({("input", "rules", "block"): spec["blocks"]}),
