@@ -53,6 +53,10 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     other: int  # other statuses, transport failures, timeouts
     admitted_latency: Latency
     shed_latency: Latency  # how long a shed request took to be told
+    # The same, for the requests sent `steady_after_s` or later into the step (past its onset).
+    steady_after_s: float
+    steady_admitted_latency: Latency
+    steady_shed_latency: Latency
     mock: Measure
     shed_by_reason: dict[str, int] = {}  # the gateway's lockgate:shed_requests_total over the step
 
@@ -64,7 +68,9 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
             f"p99 {1000 * self.admitted_latency.p99:.1f} ms (added p99 {added:.1f} ms over the mock at this "
             f"rate{', itself saturated' if self.mock.saturated else ''}); {self.shed} shed in p50 "
             f"{1000 * self.shed_latency.p50:.1f} ms, p99 {1000 * self.shed_latency.p99:.1f} ms; "
-            f"{self.other} other; metrics: "
+            f"sent after {self.steady_after_s:g} s: admitted p99 "
+            f"{1000 * self.steady_admitted_latency.p99:.1f} ms, shed p99 "
+            f"{1000 * self.steady_shed_latency.p99:.1f} ms; {self.other} other; metrics: "
             + (", ".join(f"{n} {reason}" for reason, n in sorted(self.shed_by_reason.items())) or "-")
         )
 

@@ -53,6 +53,9 @@ _encoder = msgspec.json.Encoder()
 SATURATED_SHARE = 0.9  # completed / sent rate below this is saturation
 ERROR_SHARE = 0.01  # failed requests above this share is saturation
 QUEUEING_P50_S = 0.05  # a median latency above this is queueing: saturation
+# The overload step's requests sent this long after its start: its steady state, past the onset (the load
+# jumps from nothing to twice saturation when the step begins).
+STEADY_AFTER_S = 1.0
 SHED_SERIES = 'lockgate:shed_requests_total{reason="'
 
 
@@ -83,6 +86,7 @@ class Offered(msgspec.Struct, frozen=True, kw_only=True):
     """What one server answered to one step of open-loop load."""
 
     results: list[Timed]
+    sent_at: list[float]  # each request's scheduled send, seconds into the step (results' order)
     cpu_s: float
     span_s: float  # from the first send to the last answer
     sent_rate: float
@@ -118,6 +122,7 @@ async def offer(target: Endpoint, mode: Mode, rate: float, args: argparse.Namesp
     results = list(await asyncio.gather(*tasks))
     return Offered(
         results=results,
+        sent_at=list(times),
         cpu_s=target.server.cpu_s() - cpu_before,
         span_s=(max(done) - origin) if done else 1.0,
         sent_rate=len(results) / max(last_sent, 1e-9),
@@ -167,8 +172,15 @@ async def overload(
     before = await shed_counts(target)
     offered = await offer(target, "whole", rate, args, seed)
     after = await shed_counts(target)
-    admitted = [r.total for r in offered.results if r.status == 200 and r.total is not None]
-    shed = [r.total for r in offered.results if r.status == 503 and r.total is not None]
+
+    def totals(status: int, since: float = 0.0) -> list[float]:
+        return [
+            r.total
+            for r, at in zip(offered.results, offered.sent_at, strict=True)
+            if r.status == status and r.total is not None and at >= since
+        ]
+
+    admitted, shed = totals(200), totals(503)
     return OverloadMeasure(
         target=target.server.target,
         offered_per_s=rate,
@@ -178,6 +190,9 @@ async def overload(
         other=len(offered.results) - len(admitted) - len(shed),
         admitted_latency=percentiles(admitted),
         shed_latency=percentiles(shed),
+        steady_after_s=STEADY_AFTER_S,
+        steady_admitted_latency=percentiles(totals(200, STEADY_AFTER_S)),
+        steady_shed_latency=percentiles(totals(503, STEADY_AFTER_S)),
         mock=baseline,
         shed_by_reason={reason: n - before.get(reason, 0) for reason, n in after.items()},
     )
