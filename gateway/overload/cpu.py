@@ -1,0 +1,105 @@
+"""The CPU signal: the serving process's CPU utilisation and the fraction of requests shed to hold it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from gateway.overload.config import OverloadConfig
+
+SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def thread_demand() -> float:
+    """Seconds the calling thread has run or been ready to run while waiting for a core (Linux schedstat:
+    the run queue's wait counts), where the kernel tells; else its CPU time (`time.thread_time`)."""
+    try:
+        run, wait, _ = SCHEDSTAT.read_bytes().split()
+    except (OSError, ValueError):
+        return time.thread_time()
+    return (int(run) + int(wait)) / 1e9
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # pragma: no cover - no affinity API (macOS)
+
+
+class CpuShedder:
+    """The CPU signal: the process's CPU utilisation, and the fraction of generation requests shed to hold it
+    at `target_utilisation`.
+
+    `sample()` runs on the event loop after each lag probe. Utilisation over the last `cpu_window` s of
+    `wall` time is the larger of
+
+        loop = d thread_clock / d wall                  (the loop thread's share of one core)
+        process = d process_clock / (d wall * cores)    (the process's share of the cores it may use)
+
+    `thread_clock` is read on the loop thread, and by default (`thread_demand`) counts the time the loop
+    was ready to run but waited for its core as well as the time it ran: a loop that never idles is
+    saturated whether it got all of its core or shared it with the process's worker threads (tokenizers)
+    or with other processes, which its CPU time alone would not show. The loop share sees a loop that is
+    the bottleneck while other cores idle; the process share sees worker threads filling the cores. Each
+    sample then moves the shed fraction by
+
+        fraction = clamp(fraction + gain * (utilisation - target_utilisation) * d wall, 0, max_shed)
+
+    with `gain` = `cpu_gain` over the target and `cpu_release_gain` under it: an integral controller. While
+    the process is saturated the utilisation cannot show by how much, so the fraction keeps rising (fast)
+    until the CPU has room again (the queue in front of the wrapper has drained); it falls back slowly,
+    settling where the utilisation meets the target, and to 0 while the load stays under it. `shed()`
+    refuses that fraction of arrivals deterministically by error diffusion: each arrival adds the fraction
+    to a credit, and one whose credit reaches 1 is shed.
+    """
+
+    def __init__(
+        self,
+        config: OverloadConfig,
+        wall: Callable[[], float],
+        thread_clock: Callable[[], float] = thread_demand,
+        process_clock: Callable[[], float] = time.process_time,
+        cores: int | None = None,
+    ) -> None:
+        self._config = config
+        self._wall = wall
+        self._thread_clock = thread_clock
+        self._process_clock = process_clock
+        self.cores = max(1, cores if cores is not None else usable_cores())
+        self._max_fraction = min(1.0, max(0.0, config.max_shed_fraction))
+        self.utilisation = 0.0
+        self.fraction = 0.0
+        self._credit = 0.0
+        # (wall, thread, process) readings; the first is the newest at or before the window's start.
+        self._samples: deque[tuple[float, float, float]] = deque()
+
+    def sample(self) -> None:
+        """Read the clocks, update the utilisation over the window and the shed fraction."""
+        now = (self._wall(), self._thread_clock(), self._process_clock())
+        samples = self._samples
+        previous = samples[-1][0] if samples else now[0]
+        samples.append(now)
+        while len(samples) > 2 and samples[1][0] <= now[0] - self._config.cpu_window:
+            samples.popleft()
+        wall, thread, process = (b - a for a, b in zip(samples[0], now, strict=True))
+        if wall <= 0:
+            return
+        self.utilisation = min(1.0, max(thread / wall, process / (wall * self.cores)))
+        config = self._config
+        error = self.utilisation - config.target_utilisation
+        step = (config.cpu_gain if error > 0 else config.cpu_release_gain) * error * (now[0] - previous)
+        # Invariant: 0 <= fraction <= min(1, max_shed_fraction) after every sample.
+        self.fraction = min(self._max_fraction, max(0.0, self.fraction + step))
+
+    def shed(self) -> bool:
+        """Whether this arriving generation request is shed (a `fraction` of arrivals are)."""
+        # Invariant: 0 <= credit < 1 after every arrival (as fraction <= 1).
+        self._credit += self.fraction
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return True
+        return False
