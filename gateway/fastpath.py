@@ -48,9 +48,8 @@ async def generate(
     return await run_completion(services, services.completion_decoder.decode(body), request, principal)
 
 
-def _handler_for(exc: Exception) -> Any:
-    """The app's exception handler for `exc`: the first of its classes that has one (as Litestar looks)."""
-    handlers = exception_handlers()
+def _handler_for(handlers: dict[type[Exception] | int, Any], exc: Exception) -> Any:
+    """The handler in `handlers` for `exc`: the first of its classes that has one (as Litestar looks)."""
     for klass in type(exc).__mro__:
         if klass in handlers:
             return handlers[klass]
@@ -60,6 +59,7 @@ def _handler_for(exc: Exception) -> Any:
 def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
     """`inner` (Litestar's handler), with the generation routes answered directly (module docstring)."""
     routes: dict[str, tuple[Any, str]] = {}
+    handlers = exception_handlers()
 
     def route(path: str) -> tuple[Any, str]:
         # The registered route handler (its body limit) and path template, looked up once.
@@ -83,7 +83,7 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
             principal = await provide_principal(request, services)
             response = await generate(kind, services, request, principal)
         except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
-            response = _handler_for(exc)(request, exc)
+            response = _handler_for(handlers, exc)(request, exc)
         await response.to_asgi_response(None, request)(scope, receive, send)
 
     return asgi

@@ -27,6 +27,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,12 +37,13 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.config import Config
+from gateway.observe.multiproc import ENV as METRICS_ENV
+from gateway.observe.multiproc import mark_worker_dead
 
 if TYPE_CHECKING:
     from litestar import Litestar
 
 CONFIG_ENV = "LOCKGATE_WORKER_CONFIG"
-METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def app() -> Litestar:
@@ -71,22 +73,12 @@ def serve(config: Config) -> int:
     )
     listener = settings.bind_socket()
     try:
-        supervisor = _Supervisor(settings, [listener], _dead(metrics_dir))
+        supervisor = _Supervisor(settings, [listener], partial(mark_worker_dead, path=metrics_dir))
         supervisor.run()
         return 3 if supervisor.failed_start() else 0
     finally:
         listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def _dead(metrics_dir: Path) -> Callable[[int], None]:
-    """What the parent does when a worker dies: drop its live gauges from the metrics directory."""
-    from prometheus_client.multiprocess import mark_process_dead
-
-    def dead(pid: int) -> None:
-        mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
-
-    return dead
 
 
 class _Supervisor(Multiprocess):

@@ -49,11 +49,9 @@ class OverloadGate:
             monitor.after_probe.append(self.cpu.sample)
         self.in_flight = 0
         self.shed: dict[ShedReason, int] = {"concurrency": 0, "cpu": 0, "in_flight": 0, "loop_lag": 0}
-        retry = str(max(1, math.ceil(config.retry_after)))
-        self._headers = [
-            (b"content-type", b"application/json"),
-            (b"retry-after", retry.encode()),
-        ]
+        retry = str(max(1, math.ceil(config.retry_after))).encode()
+        # Each reason's answer, built once: a refusal is two sends.
+        self._refusals = {reason: _refusal(why, retry) for reason, why in _REFUSALS.items()}
 
     def refusal(self) -> ShedReason | None:
         """Why a new generation request is shed (None: it is taken). Called once per arrival: the CPU
@@ -99,19 +97,28 @@ class OverloadGate:
             self.in_flight -= 1
 
     async def _refuse(self, reason: ShedReason, send: Send) -> None:
-        body = msgspec.json.encode(
-            ErrorResponse(
-                error=ErrorBody(
-                    message=f"the gateway is overloaded ({_REFUSALS[reason]}); retry after the Retry-After "
-                    "delay",
-                    type="service_unavailable",
-                    code="overloaded",
-                )
-            )
-        )
-        headers = [*self._headers, (b"content-length", str(len(body)).encode())]
+        headers, body = self._refusals[reason]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _refusal(why: str, retry_after: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and body of a 503 `overloaded` answer, saying `why`."""
+    body = msgspec.json.encode(
+        ErrorResponse(
+            error=ErrorBody(
+                message=f"the gateway is overloaded ({why}); retry after the Retry-After delay",
+                type="service_unavailable",
+                code="overloaded",
+            )
+        )
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"retry-after", retry_after),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    return headers, body
 
 
 class _Timed:

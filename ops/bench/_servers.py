@@ -93,18 +93,22 @@ async def _wait_ready(proc: subprocess.Popen[bytes], url: str, within: float, lo
     raise RuntimeError(f"{url} not ready within {within:g} s")
 
 
+async def _ready(server: Server, path: str, within: float, log: Path) -> Server:
+    """`server` once `path` answers 200 (within `within` seconds); stopped if it does not."""
+    try:
+        await _wait_ready(server.proc, f"http://127.0.0.1:{server.port}{path}", within, log)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 async def start_mock(core: int, workdir: Path) -> Server:
     """The mock OpenAI server, ready; its output in `workdir`/server.log."""
     port = free_port()
     log = workdir / "server.log"
     proc = _spawn(["-m", "ops.bench._mock_openai", "--port", str(port)], dict(os.environ), {core}, log)
-    server = Server("mock", proc, port)
-    try:
-        await _wait_ready(proc, f"http://127.0.0.1:{port}/healthz", 60, log)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return await _ready(Server("mock", proc, port), "/healthz", 60, log)
 
 
 def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, str]:
@@ -165,10 +169,4 @@ async def start_gateway(
     key = await _provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
     proc = _spawn(["-m", "gateway.cli", "serve", "--workers", str(workers)], environ, cores, log)
-    server = Server(target or quota, proc, port, key)
-    try:
-        await _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", 300, log)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return await _ready(Server(target or quota, proc, port, key), "/readyz", 300, log)

@@ -26,8 +26,10 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -49,6 +51,7 @@ from ops.bench.load.arrivals import arrival_times
 from ops.bench.load.plan import synthetic_prompt
 from ops.bench.load.workload import Arrival
 
+T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 SATURATED_SHARE = 0.9  # completed / sent rate below this is saturation
 ERROR_SHARE = 0.01  # failed requests above this share is saturation
@@ -225,7 +228,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
         pools = [t.pool for t in targets]
         for target in targets:  # connections, caches and first-call imports, outside any figure
             for mode in args.modes:
-                await measure(target, mode, args.rates[0], _warm(args), seed=0)
+                await measure(target, mode, args.rates[0], warmup(args), seed=0)
         points: list[Point] = []
         for mode in args.modes:
             live = targets[1:]
@@ -276,7 +279,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
     )
 
 
-def _warm(args: argparse.Namespace) -> argparse.Namespace:
+def warmup(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` for a warm-up step: at most a second of load."""
     return argparse.Namespace(**{**vars(args), "seconds": min(args.seconds, 1.0)})
 
 
@@ -288,12 +292,22 @@ def _brief(measures: Sequence[Measure]) -> str:
     )
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+def pinned_run(
+    work: Callable[[Path], Coroutine[Any, Any, T]], client_core: int, prefix: str, cores: set[int]
+) -> T:
+    """Run `work` (given a scratch directory, removed after) on a uvloop event loop with this process pinned
+    to `client_core`; its CPU affinity is `cores` again afterwards."""
+    import uvloop
+
+    os.sched_setaffinity(0, {client_core})
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
+        with (
+            tempfile.TemporaryDirectory(prefix=prefix) as tmp,
+            asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+        ):
+            return runner.run(work(Path(tmp)))
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,15 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.seconds, args.quotas = [50.0, 100.0], 1.0, ["memory"]
-    os.sched_setaffinity(0, {args.client_core})
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="lockgate-overhead-") as tmp,
-            asyncio.Runner(loop_factory=_loop_factory()) as runner,
-        ):
-            report = runner.run(run(args, Path(tmp)))
-    finally:
-        os.sched_setaffinity(0, set(cores))
+    report = pinned_run(partial(run, args), args.client_core, "lockgate-overhead-", set(cores))
     print(format_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))

@@ -16,11 +16,10 @@ limits the figure. Written as `workers.json` under `--out`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import secrets
-import tempfile
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
@@ -28,7 +27,7 @@ import msgspec
 
 from ops.bench._overhead_report import Measure
 from ops.bench._servers import Server, start_gateway
-from ops.bench.overhead import Endpoint, _loop_factory, _warm, measure
+from ops.bench.overhead import Endpoint, measure, pinned_run, warmup
 
 
 class WorkersSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +82,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> WorkersReport:
             print(f"[workers] {n}: pid {servers[-1].proc.pid}, port {servers[-1].port}", flush=True)
         targets = [Endpoint(s, args.model) for s in servers]
         for target in targets:
-            await measure(target, "whole", args.rates[0], _warm(args), seed=0)
+            await measure(target, "whole", args.rates[0], warmup(args), seed=0)
         live = list(targets)
         for step, rate in enumerate(args.rates):
             seed = 1000 * (step + 1)
@@ -167,15 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.seconds = [50.0, 100.0], 1.0
-    os.sched_setaffinity(0, {args.client_core})
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="lockgate-workers-") as tmp,
-            asyncio.Runner(loop_factory=_loop_factory()) as runner,
-        ):
-            report = runner.run(run(args, Path(tmp)))
-    finally:
-        os.sched_setaffinity(0, set(cores))
+    report = pinned_run(partial(run, args), args.client_core, "lockgate-workers-", set(cores))
     print(format_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "workers.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))

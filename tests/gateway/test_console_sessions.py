@@ -25,7 +25,7 @@ import redis.exceptions
 import gateway.sessions
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.config import ConsoleConfig
+from gateway.config import Config, ConsoleConfig
 from gateway.console_sessions import COOKIE, PageError, session_call
 from gateway.generation.prompts import PromptRenderer
 from gateway.sessions import (
@@ -326,6 +326,13 @@ async def test_a_store_outage_is_a_503_page() -> None:
 # Two gateway processes (here: two apps in one process) on one Redis.
 
 
+def app_config(tmp_path: Path, console: ConsoleConfig) -> Config:
+    """The tests' app config with its own SQLite file and `console`."""
+    config = make_config()
+    storage = msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3"))
+    return msgspec.structs.replace(config, storage=storage, console=console)
+
+
 async def test_a_reviewer_signed_in_on_one_worker_is_signed_in_on_the_other(
     tmp_path: Path,
     sim_engine: SimulatedEngine,
@@ -333,12 +340,7 @@ async def test_a_reviewer_signed_in_on_one_worker_is_signed_in_on_the_other(
     outcomes: OutcomeLog,
     tenancy: Tenancy,
 ) -> None:
-    config = make_config()
-    config = msgspec.structs.replace(
-        config,
-        storage=msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3")),
-        console=ConsoleConfig(session_store="redis", redis_url=REDIS_URL),
-    )
+    config = app_config(tmp_path, ConsoleConfig(session_store="redis", redis_url=REDIS_URL))
     key = await add_key(tenancy.store, "acme", ("reviewer",))
     async with AsyncExitStack() as stack:
         urls = []
@@ -373,15 +375,10 @@ async def test_an_unreachable_session_store_is_a_503_page_not_a_crash(
     outcomes: OutcomeLog,
     tenancy: Tenancy,
 ) -> None:
-    config = make_config()
     dead = ConsoleConfig(
         session_store="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0", op_timeout=0.2
     )
-    config = msgspec.structs.replace(
-        config,
-        storage=msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3")),
-        console=dead,
-    )
+    config = app_config(tmp_path, dead)
     key = await add_key(tenancy.store, "acme", ("reviewer",))
     app = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
