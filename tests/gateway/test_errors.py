@@ -202,6 +202,13 @@ CASES = [
         id="audio-part",
     ),
     pytest.param(
+        Case(
+            chat(messages=[{"role": "user", "content": [{"type": "file", "file": {"file_id": "f-1"}}]}]),
+            *bad("messages[0].content[0].type", "unsupported_content"),
+        ),
+        id="file-part",
+    ),
+    pytest.param(
         Case(chat(messages=[{"role": "user", "content": "hi", "foo": 1}]), *bad("messages[0].foo")),
         id="nested-unknown-field",
     ),
