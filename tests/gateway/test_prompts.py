@@ -1,0 +1,56 @@
+"""Prompt rendering: the ids are the tokenizer's own, whether a prompt is encoded in place or in the pool."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from gateway.generation.prompts import INLINE_CHARS, PromptRenderer
+
+
+class CountingPool(ThreadPoolExecutor):
+    """A thread pool that counts what it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.submitted = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def reference_chat(renderer: PromptRenderer, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids as `transformers` computes them: the template's text, then the tokenizer's call."""
+    tokenizer = renderer.tokenizer
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=renderer.template, add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def test_short_prompts_render_in_place_and_long_ones_in_the_pool(renderer: PromptRenderer) -> None:
+    short = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Héllo, wörld! 12 + 30?"},
+    ]
+    long = [{"role": "user", "content": "The quick brown fox. " * (INLINE_CHARS // 10)}]
+    with CountingPool() as pool:
+        local = PromptRenderer(renderer.tokenizer, pool, renderer.template)
+        assert await local.chat(short) == reference_chat(renderer, short)
+        assert pool.submitted == 0
+        assert await local.chat(long) == reference_chat(renderer, long)
+        assert pool.submitted == 1
+        # A message with more than a role and text (a name, tool calls): the pool, whatever its length.
+        parts = [{"role": "user", "content": "hi", "name": "ann"}]
+        assert await local.chat(parts) == reference_chat(renderer, parts)
+        assert pool.submitted == 2
+
+
+async def test_plain_prompts_keep_the_tokenizers_special_tokens(renderer: PromptRenderer) -> None:
+    tokenizer = renderer.tokenizer
+    with CountingPool() as pool:
+        local = PromptRenderer(tokenizer, pool, renderer.template)
+        for text in ["Once upon a time", "word " * INLINE_CHARS]:
+            assert await local.text(text) == list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        assert pool.submitted == 1
