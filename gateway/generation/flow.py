@@ -206,16 +206,46 @@ async def _until_disconnected(receive: Receive) -> None:
 
 
 async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnected(receive))
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError.
+
+    `work` runs in the calling task (no task of its own): one watcher task reads `receive`, and a disconnect
+    cancels the caller while it is still inside `work`. A cancellation from elsewhere (shutdown) still
+    propagates as such.
+    """
+    caller = asyncio.current_task()
+    assert caller is not None, "race_disconnect runs in a task"
+    race = _Race(caller)
+    watch = asyncio.get_running_loop().create_task(_until_disconnected(receive))
+    watch.add_done_callback(race.watched)
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if race.disconnected and caller.uncancel() == 0:
+            raise ClientDisconnectedError from None
+        raise
     finally:
+        race.running = False
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
+    if race.disconnected:  # `work` swallowed the cancellation and finished anyway
+        caller.uncancel()
         raise ClientDisconnectedError
-    return task.result()
+    return result
+
+
+class _Race:
+    """One `race_disconnect`: cancels the caller when the watcher sees the client leave while `work` runs."""
+
+    __slots__ = ("caller", "disconnected", "running")
+
+    def __init__(self, caller: asyncio.Task[Any]) -> None:
+        self.caller = caller
+        self.running = True
+        self.disconnected = False
+
+    def watched(self, watch: asyncio.Task[None]) -> None:
+        if watch.cancelled():
+            return
+        watch.exception()  # retrieved: a `receive` that fails counts as the client gone, as a disconnect
+        if self.running:
+            self.disconnected = True
+            self.caller.cancel()

@@ -132,6 +132,72 @@ async def test_race_disconnect_returns_the_result_when_the_client_stays(sim_engi
     assert [o.status for o in counting.outcomes] == ["completed"]
 
 
+async def test_race_disconnect_lets_a_cancellation_from_elsewhere_through(
+    sim_engine: SimulatedEngine,
+) -> None:
+    # Shutdown cancels the request's task: that is a cancellation, not a client that left.
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, str]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    counting = Counting()
+    work = collect(sim_engine.generate(request(1000)), counting.tracker)
+    racing = asyncio.create_task(race_disconnect(work, receive))  # type: ignore[arg-type]
+
+    async def generating() -> bool:
+        return counting.seen > 0
+
+    await eventually(generating)
+    racing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await racing
+    assert [o.status for o in counting.outcomes] == ["cancelled"]
+
+
+async def test_race_disconnect_reports_the_client_gone_even_if_the_work_swallows_the_cancel() -> None:
+    gone = {"type": "http.disconnect"}
+
+    async def receive() -> dict[str, str]:
+        return gone
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "never"
+
+    async def caller() -> int:
+        with pytest.raises(ClientDisconnectedError):
+            await race_disconnect(stubborn(), receive)  # type: ignore[arg-type]
+        # No cancellation is left pending on the caller's task: it can go on awaiting (to record the end).
+        await asyncio.sleep(0)
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()
+
+    assert await asyncio.create_task(caller()) == 0
+
+
+async def test_a_disconnect_after_the_work_finished_cancels_nothing() -> None:
+    left = asyncio.Event()
+
+    async def receive() -> dict[str, str]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def caller() -> str:
+        result = await race_disconnect(asyncio.sleep(0, "done"), receive)  # type: ignore[arg-type]
+        left.set()  # the client leaves once the work is over: the caller must not be cancelled for it
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return result
+
+    assert await caller() == "done"
+
+
 async def test_an_unexpected_error_between_engine_and_client_reaches_the_consumer(
     sim_engine: SimulatedEngine,
 ) -> None:
