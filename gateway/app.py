@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -330,12 +331,17 @@ def create_app(
     audit: AuditStore | None = None,
     span_exporter: SpanExporter | None = None,
     metric_exporter: MetricExporter | None = None,
+    freeze_start_up: bool = False,
 ) -> Litestar:
     """Build the app. Backends passed in (engines already started) are used as they are and not closed by the
     app; the others are built from `config` in the lifespan and closed at shutdown. `guard_pools` are engines
     for the pools guard models run on (by pool name); missing ones the default policy needs are started.
     `span_exporter` replaces OTLP as where spans go when `tracing.enabled`, and `metric_exporter` turns on
-    the OTLP metrics push (tests; otherwise `metrics.otlp_endpoint` does)."""
+    the OTLP metrics push (tests; otherwise `metrics.otlp_endpoint` does). `freeze_start_up` (the serving
+    process, not tests that build many apps): once started, every object alive is moved out of the garbage
+    collector's sight (`gc.freeze`); start-up built hundreds of thousands of objects (modules, tokenizer,
+    registry) that live as long as the process, and a full collection that walks them stopped the event loop
+    for about 350 ms under load, the p99 of every request in flight then."""
 
     tracer = None
     if config.tracing.enabled:
@@ -469,6 +475,9 @@ def create_app(
                 console_sessions=console_sessions,
                 observer=observer,
             )
+            if freeze_start_up:
+                gc.collect()
+                gc.freeze()
             try:
                 yield
             finally:

@@ -38,7 +38,7 @@ def _serve(config: Config) -> int:
             return workers.serve(config)
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(config),
+                create_app(config, freeze_start_up=True),
                 host=config.server.host,
                 port=config.server.port,
                 log_level=config.server.log_level,

@@ -53,7 +53,7 @@ def app() -> Litestar:
 
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=Config)
     log_off_the_loop(config.server.log_level.upper())
-    return create_app(config)
+    return create_app(config, freeze_start_up=True)
 
 
 def serve(config: Config) -> int:
