@@ -17,9 +17,10 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # probes measured at least that much; 0 = never shed for lag.
     max_loop_lag: float = 0.1
     # Seconds between two lag probes, and how many recent probes the lag must persist through (0.5 s of
-    # sustained lag by default; a probe costs a wake-up of the loop, so not much more often than this).
-    lag_probe_interval: float = 0.05
-    lag_window: int = 10
+    # sustained lag by default). The CPU signal samples at each probe, so this is also how soon it reacts; a
+    # probe costs a wake-up of the loop (about 1 ms of CPU a second at 50 Hz).
+    lag_probe_interval: float = 0.02
+    lag_window: int = 25
     # Retry-After of a shed request, in seconds (whole seconds on the wire, at least 1).
     retry_after: float = 1.0
     # The adaptive concurrency limit (`ConcurrencyLimit`); off: only `max_in_flight` bounds what is held. Off
@@ -46,11 +47,12 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # The utilisation held: the larger of the event-loop thread's share of one core (the time it ran or
     # waited for the core while ready to run) and the process's CPU share of the cores it may run on.
     target_utilisation: float = 0.85
-    # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe).
-    cpu_window: float = 0.25
+    # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe). Short: a load
+    # that jumps to twice the capacity fills the queue by its whole excess until the signal has seen it.
+    cpu_window: float = 0.1
     # How fast the shed fraction rises while the utilisation is over the target: by `cpu_gain * (utilisation -
     # target_utilisation)` per second.
-    cpu_gain: float = 40.0
+    cpu_gain: float = 150.0
     # How fast it falls back (towards 0) while under the target: `cpu_release_gain * (target_utilisation -
     # utilisation)` per second. Slower than the rise, so that the fraction settles instead of swinging
     # between 0 and the most (the utilisation lags it by about half the window).
