@@ -3,25 +3,28 @@
 `SSEResponse` sends the chunks; when one `send` cannot complete within the stall timeout because the client
 stopped reading (the server's write buffer stays full), it stops sending, closes the stream (which aborts the
 engine request) and ends the response, so the server closes the connection. A client that disconnects cancels
-the same way, through Litestar's disconnect listener.
+the same way, through `race_disconnect`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from typing import Any
 
-import anyio
 from litestar import Request, Response
 from litestar.enums import MediaType
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
+from gateway.generation.flow import ClientDisconnectedError, race_disconnect
+
 
 class _StallGuardedResponse(ASGIStreamingResponse):
-    """Litestar's streaming response, with a time limit on each send."""
+    """Litestar's streaming response, with a time limit on each send, sent in the request's own task: one
+    watcher task for a disconnect (`race_disconnect`) and one timer for stalls (`_StallWatch`) per stream,
+    instead of an anyio task group and a timeout per chunk."""
 
     __slots__ = ("on_stall", "stall_timeout")
 
@@ -30,32 +33,62 @@ class _StallGuardedResponse(ASGIStreamingResponse):
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
 
-    async def _guarded_stream(self, send: Send, scope: anyio.CancelScope) -> None:
+    async def _guarded_stream(self, send: Send) -> None:
         iterator = self.iterator
+        watch = _StallWatch(self.stall_timeout, self.on_stall)
         try:
             async for chunk in iterator:
                 body = chunk if isinstance(chunk, bytes) else chunk.encode(self.encoding)
-                try:
-                    # asyncio's own timeout, not anyio.fail_after: the same limit at a third of the CPU, once
-                    # per chunk (the server runs on asyncio, where anyio's cancel scopes compose with it).
-                    async with asyncio.timeout(self.stall_timeout):
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-                except TimeoutError:
-                    self.on_stall()
-                    scope.cancel()
-                    return
+                watch.since = watch.loop.time()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                watch.since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.stalled:
+                raise
+            watch.task.uncancel()  # the watch's own cancellation: the response ends here, unfinished
         finally:
+            watch.close()
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+                await aclose()
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         """Stream the body until it ends, the client disconnects, or the client stops reading."""
-        async with anyio.create_task_group() as group:
-            group.start_soon(partial(self._guarded_stream, send, group.cancel_scope))
-            await self._listen_for_disconnect(cancel_scope=group.cancel_scope, receive=receive)
+        with contextlib.suppress(ClientDisconnectedError):
+            await race_disconnect(self._guarded_stream(send), receive)
+
+
+class _StallWatch:
+    """One timer for a stream's sends: a send still in progress `limit` seconds after it began (`since`, on
+    the loop's clock; None between sends) is a stall, which calls `on_stall` and cancels the sending task.
+    The timer looks once per `limit` while the stream runs, not once per chunk."""
+
+    __slots__ = ("_handle", "_limit", "_on_stall", "loop", "since", "stalled", "task")
+
+    def __init__(self, limit: float, on_stall: Callable[[], None]) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None, "a stream is sent from a task"
+        self.task = task
+        self._limit = limit
+        self._on_stall = on_stall
+        self.since: float | None = None
+        self.stalled = False
+        self._handle = self.loop.call_at(self.loop.time() + limit, self._look)
+
+    def _look(self) -> None:
+        since, now = self.since, self.loop.time()
+        if since is not None and now - since >= self._limit:
+            self.stalled = True
+            self._on_stall()
+            self.task.cancel()
+            return
+        self._handle = self.loop.call_at((now if since is None else since) + self._limit, self._look)
+
+    def close(self) -> None:
+        """Stop looking (the stream ended)."""
+        self._handle.cancel()
 
 
 class SSEResponse(Response[AsyncIterator[bytes]]):
