@@ -60,3 +60,6 @@ async def test_the_fast_path_and_the_litestar_route_answer_alike(
     assert _shape(fast) == _shape(routed)
     assert fast.headers.get("x-request-id")
     assert fast.headers["content-type"] == routed.headers["content-type"]
+    # The same headers in the same order (values such as ids and remaining quota differ per request).
+    assert [name for name, _ in fast.headers.raw] == [name for name, _ in routed.headers.raw]
+    assert fast.headers["content-length"] == str(len(fast.content))
