@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import pytest
 
@@ -94,25 +94,38 @@ async def test_tracker_reports_once_and_marks_stalls() -> None:
     assert seen[0].usage.prompt_tokens == 7
 
 
-async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(
-    sim_engine: SimulatedEngine,
-) -> None:
-    counting = Counting()
-    disconnect = asyncio.Event()
+def receive_when(left: asyncio.Event) -> Callable[[], Awaitable[dict[str, str]]]:
+    """An ASGI `receive` whose client disconnects once `left` is set."""
 
     async def receive() -> dict[str, str]:
-        await disconnect.wait()
+        await left.wait()
         return {"type": "http.disconnect"}
 
+    return receive
+
+
+@pytest.mark.parametrize("ender", ["client", "shutdown"])
+async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(
+    sim_engine: SimulatedEngine, ender: str
+) -> None:
+    # A client that leaves ends the race with ClientDisconnectedError; a shutdown that cancels the request's
+    # task is a cancellation, not a client that left. Either way the engine request is aborted.
+    counting = Counting()
+    left = asyncio.Event()
     work = collect(sim_engine.generate(request(1000)), counting.tracker)
-    racing = asyncio.create_task(race_disconnect(work, receive))  # type: ignore[arg-type]
+    racing = asyncio.create_task(race_disconnect(work, receive_when(left)))  # type: ignore[arg-type]
 
     async def generating() -> bool:
         return counting.seen > 0
 
     await eventually(generating)
-    disconnect.set()
-    with pytest.raises(ClientDisconnectedError):
+    expected: type[BaseException] = ClientDisconnectedError
+    if ender == "client":
+        left.set()
+    else:
+        racing.cancel()
+        expected = asyncio.CancelledError
+    with pytest.raises(expected):
         await racing
     assert [o.status for o in counting.outcomes] == ["cancelled"]
     load = await sim_engine.load()
@@ -120,40 +133,11 @@ async def test_race_disconnect_cancels_the_work_and_aborts_the_engine_request(
 
 
 async def test_race_disconnect_returns_the_result_when_the_client_stays(sim_engine: SimulatedEngine) -> None:
-    never = asyncio.Event()
-
-    async def receive() -> dict[str, str]:
-        await never.wait()
-        return {"type": "http.disconnect"}
-
     counting = Counting()
+    receive = receive_when(asyncio.Event())
     deltas = await race_disconnect(collect(sim_engine.generate(request(4)), counting.tracker), receive)  # type: ignore[arg-type]
     assert sum(len(d.token_ids) for d in deltas) == 4
     assert [o.status for o in counting.outcomes] == ["completed"]
-
-
-async def test_race_disconnect_lets_a_cancellation_from_elsewhere_through(
-    sim_engine: SimulatedEngine,
-) -> None:
-    # Shutdown cancels the request's task: that is a cancellation, not a client that left.
-    never = asyncio.Event()
-
-    async def receive() -> dict[str, str]:
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    counting = Counting()
-    work = collect(sim_engine.generate(request(1000)), counting.tracker)
-    racing = asyncio.create_task(race_disconnect(work, receive))  # type: ignore[arg-type]
-
-    async def generating() -> bool:
-        return counting.seen > 0
-
-    await eventually(generating)
-    racing.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await racing
-    assert [o.status for o in counting.outcomes] == ["cancelled"]
 
 
 async def test_race_disconnect_reports_the_client_gone_even_if_the_work_swallows_the_cancel() -> None:
@@ -184,12 +168,8 @@ async def test_race_disconnect_reports_the_client_gone_even_if_the_work_swallows
 async def test_a_disconnect_after_the_work_finished_cancels_nothing() -> None:
     left = asyncio.Event()
 
-    async def receive() -> dict[str, str]:
-        await left.wait()
-        return {"type": "http.disconnect"}
-
     async def caller() -> str:
-        result = await race_disconnect(asyncio.sleep(0, "done"), receive)  # type: ignore[arg-type]
+        result = await race_disconnect(asyncio.sleep(0, "done"), receive_when(left))  # type: ignore[arg-type]
         left.set()  # the client leaves once the work is over: the caller must not be cancelled for it
         for _ in range(5):
             await asyncio.sleep(0)
