@@ -43,8 +43,6 @@ class PromptRenderer:
         text = template if template is not None else getattr(tokenizer, "chat_template", None)
         if not text:
             raise ValueError("no chat template: the registry gave none and the tokenizer has none")
-        self._tokenizer = tokenizer
-        self._executor = executor
         self.template: str = text
         # The tokenizer and its executor, shared with one-token guards on the same tokenizer.
         self.tokenizer = tokenizer
@@ -71,7 +69,7 @@ class PromptRenderer:
         return "tools" in self.template
 
     def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        text = self._tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=self.template, add_generation_prompt=True, tokenize=False
         )
         # The template already wrote every special token the model expects.
@@ -83,7 +81,7 @@ class PromptRenderer:
     async def decode(self, token_ids: list[int]) -> str:
         """The text of token ids (what the guard reads of a token-id prompt)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+            self.executor, lambda: str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
         )
 
     async def chat(
@@ -93,13 +91,13 @@ class PromptRenderer:
         template and a generation prompt."""
         if tools is None and _short(messages):
             return self._chat(messages, None)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._chat, messages, tools)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._chat, messages, tools)
 
     async def text(self, text: str) -> list[int]:
         """Token ids of a plain completion prompt."""
         if len(text) <= INLINE_CHARS:
             return self._text(text)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._text, text)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._text, text)
 
 
 def _short(messages: list[dict[str, Any]]) -> bool:
