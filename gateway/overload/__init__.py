@@ -29,7 +29,7 @@ refusals by reason for the metrics.
 """
 
 from gateway.overload.config import OverloadConfig
-from gateway.overload.cpu import SCHEDSTAT, CpuShedder, thread_demand, usable_cores
+from gateway.overload.cpu import SCHEDSTAT, CpuShedder, cgroup_cpu_limit, thread_demand, usable_cores
 from gateway.overload.gate import SHED_PATHS, OverloadGate, ShedReason
 from gateway.overload.lag import LoopLagMonitor
 from gateway.overload.limit import ConcurrencyLimit, percentile
@@ -43,6 +43,7 @@ __all__ = [
     "OverloadConfig",
     "OverloadGate",
     "ShedReason",
+    "cgroup_cpu_limit",
     "percentile",
     "thread_demand",
     "usable_cores",

@@ -45,7 +45,8 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # requests for work that is not theirs.
     cpu_shedding: bool = False
     # The utilisation held: the larger of the event-loop thread's share of one core (the time it ran or
-    # waited for the core while ready to run) and the process's CPU share of the cores it may run on.
+    # waited for the core while ready to run) and the process's CPU share of the cores it may run on (capped
+    # by its cgroup's CPU limit).
     target_utilisation: float = 0.85
     # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe). Short: a load
     # that jumps to twice the capacity fills the queue by its whole excess until the signal has seen it.

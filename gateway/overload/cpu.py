@@ -11,6 +11,8 @@ from pathlib import Path
 from gateway.overload.config import OverloadConfig
 
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_MEMBERSHIP = Path("/proc/self/cgroup")
 
 
 def thread_demand() -> float:
@@ -23,11 +25,65 @@ def thread_demand() -> float:
     return (int(run) + int(wait)) / 1e9
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
+def usable_cores(cgroup_root: Path = CGROUP_ROOT, membership: Path = CGROUP_MEMBERSHIP) -> float:
+    """The cores' worth of CPU this process may use: the cores it may run on, or its cgroup's CPU bandwidth
+    limit where that is less (a container's CPU limit: a process throttled by its quota is saturated at
+    that share of the machine)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1  # pragma: no cover - no affinity API (macOS)
+        cores = float(len(os.sched_getaffinity(0)))
+    else:  # pragma: no cover - no affinity API (macOS)
+        cores = float(os.cpu_count() or 1)
+    limit = cgroup_cpu_limit(cgroup_root, membership)
+    return cores if limit is None else min(cores, limit)
+
+
+def cgroup_cpu_limit(cgroup_root: Path = CGROUP_ROOT, membership: Path = CGROUP_MEMBERSHIP) -> float | None:
+    """The smallest CPU bandwidth limit (quota / period, in cores) on this process's cgroup and its
+    ancestors, cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`); None where none is set or readable."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            limits += _limits_up(cgroup_root, cgroup_root / path.lstrip("/"), _v2_limit)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's hierarchy
+            mount = cgroup_root / controllers
+            if not mount.is_dir():
+                mount = cgroup_root / "cpu"
+            limits += _limits_up(mount, mount / path.lstrip("/"), _v1_limit)
+    return min(limits) if limits else None
+
+
+def _limits_up(top: Path, group: Path, read: Callable[[Path], float | None]) -> list[float]:
+    """The limits `read` finds in `group` and each directory above it, up to `top`."""
+    limits = []
+    while True:
+        limit = read(group)
+        if limit is not None:
+            limits.append(limit)
+        if group == top or top not in group.parents:
+            return limits
+        group = group.parent
+
+
+def _v2_limit(group: Path) -> float | None:
+    try:
+        quota, period = (group / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_limit(group: Path) -> float | None:
+    try:
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        period = int((group / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 class CpuShedder:
@@ -63,13 +119,13 @@ class CpuShedder:
         wall: Callable[[], float],
         thread_clock: Callable[[], float] = thread_demand,
         process_clock: Callable[[], float] = time.process_time,
-        cores: int | None = None,
+        cores: float | None = None,
     ) -> None:
         self._config = config
         self._wall = wall
         self._thread_clock = thread_clock
         self._process_clock = process_clock
-        self.cores = max(1, cores if cores is not None else usable_cores())
+        self.cores = cores if cores is not None and cores > 0 else usable_cores()
         self._max_fraction = min(1.0, max(0.0, config.max_shed_fraction))
         self.utilisation = 0.0
         self.fraction = 0.0
