@@ -11,8 +11,10 @@ deadline passes while queued is answered with `DeadlineExpiredError`.
 
 A lease lasts until the request ends, however it ends: `Lease.release()` frees its KV budget on the replica,
 finishes it in the fair queue and reports the work done to the queue's service rate. While it runs,
-`Lease.observe(tokens)` charges generated tokens to the tenant's virtual counter and to the replica's KV
-accounting. `fail_over(lease)` moves a request that failed before its first token to another replica.
+`Lease.observe(tokens)` counts generated tokens, and `settle()` charges what leases counted to their tenants'
+virtual counters and to their replicas' KV accounting: at the start of every dispatch and release, so a
+decision always sees every token generated before it (one charge per tenant, not one per token per stream).
+`fail_over(lease)` moves a request that failed before its first token to another replica.
 
 Exceptions::
 
@@ -61,16 +63,19 @@ class Lease:
         self.queue_wait = queue_wait
         self.attempts = 1
         self._output = 0
+        # Generated tokens not yet charged (`Scheduler.settle`).
+        self.unsettled = 0
         self._released = False
 
     def observe(self, tokens: int) -> None:
-        """`tokens` more were generated: charge the tenant, count them against the replica's KV budget."""
+        """`tokens` more were generated: charged to the tenant and counted against the replica's KV budget
+        by the scheduler's next `settle()`, before its next decision."""
         if self._released or tokens <= 0:
             return
         self._output += tokens
-        self._scheduler.queue(self.route.weights_sha256).charge_output(self.ticket.tenant, tokens)
-        # Replica.grow takes the increment, not the running total.
-        self.replica.grow(self.ticket.request_id, tokens)
+        if not self.unsettled:
+            self._scheduler.unsettled.append(self)
+        self.unsettled += tokens
 
     def release(self) -> None:
         """The request ended: free its budget and its fair-queue slot, report its work (idempotent)."""
@@ -109,6 +114,8 @@ class Scheduler:
         self._queues: dict[str, FairQueue] = {}
         self._waiters: dict[str, _Waiter] = {}
         self._wake = asyncio.Event()
+        # Leases that observed tokens since the last `settle()`.
+        self.unsettled: list[Lease] = []
 
     def queue(self, weights_sha256: str) -> FairQueue:
         """The fair queue of one weights hash (created on first use)."""
@@ -164,8 +171,25 @@ class Scheduler:
                 future.result().release()
             raise
 
+    def settle(self) -> None:
+        """Charge the tokens leases observed since the last call: to each tenant's virtual counter (one charge
+        per tenant and weights) and to each request's KV accounting on its replica."""
+        if not self.unsettled:
+            return
+        leases, self.unsettled = self.unsettled, []
+        charges: dict[tuple[str, str], int] = {}
+        for lease in leases:
+            tokens, lease.unsettled = lease.unsettled, 0
+            # Replica.grow takes the increment, not the running total.
+            lease.replica.grow(lease.ticket.request_id, tokens)
+            key = (lease.route.weights_sha256, lease.ticket.tenant)
+            charges[key] = charges.get(key, 0) + tokens
+        for (weights, tenant), tokens in charges.items():
+            self.queue(weights).charge_output(tenant, tokens)
+
     def dispatch(self) -> None:
         """Give every queue's head a replica while one has room; answer expired and unroutable tickets."""
+        self.settle()
         now = self._clock()
         for queue in self._queues.values():
             for expired in queue.expire(now):
@@ -200,6 +224,7 @@ class Scheduler:
 
     def finished(self, lease: Lease, work: int) -> None:
         """A lease was released: free what it held, then dispatch what now fits."""
+        self.settle()
         lease.replica.release(lease.ticket.request_id)
         queue = self.queue(lease.route.weights_sha256)
         queue.finish(lease.ticket.request_id)
@@ -211,6 +236,7 @@ class Scheduler:
         None when no other replica can take it now (the caller reports the original error)."""
         if lease._released:  # reserving again would hold budget that no release frees
             return None
+        self.settle()
         request_id = lease.ticket.request_id
         lease.replica.release(request_id)
         try:
