@@ -34,6 +34,8 @@ def _through(
     judges each choice on its own text), tagged with its index and merged; the request's outcome recorded
     once, however the merged stream ends."""
     streams = [source] if isinstance(source, AsyncGenerator) else list(source)
+    if len(streams) == 1 and transform is None:
+        return _ended(streams[0], tracker, counted=True)  # one layer fewer for each delta to pass
     choices = [
         _choice(stream, i, tracker, transform, tag=len(streams) > 1) for i, stream in enumerate(streams)
     ]
@@ -100,11 +102,14 @@ class TaskSet:
 
 
 async def _ended(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, *, counted: bool = False
 ) -> AsyncGenerator[EngineDelta, None]:
-    """Pass deltas through; record how the stream ended; closing it early aborts the engine request(s)."""
+    """Pass deltas through (counting each one with `counted`, as `_counted` does); record how the stream
+    ended; closing it early aborts the engine request(s)."""
     try:
         async for delta in source:
+            if counted:
+                tracker.observe(delta)
             yield delta
     except (asyncio.CancelledError, GeneratorExit):
         tracker.finish("cancelled")
