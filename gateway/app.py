@@ -437,7 +437,13 @@ def create_app(
             owned.push_async_callback(console_sessions.aclose)
             retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
-            gate = SafetyGate(factory, _recording(writer, guard_sink), clock, config.guard.breaker)
+            gate = SafetyGate(
+                factory,
+                _recording(writer, guard_sink),
+                clock,
+                config.guard.breaker,
+                executor=prompts.executor,
+            )
             # Engine, queue, quota and guard series, read from the live objects at scrape time.
             collector = ServiceCollector(
                 scheduler.replicas, scheduler.depth, meter.counters, gate.counts, overload=overload

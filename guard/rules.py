@@ -98,8 +98,10 @@ class RulesClassifier:
     """The rules stage as a Classifier: 1.0 on a block rule or oversized input, 0.0 on an allow term, or 0.5.
 
     Patterns are compiled once here; an invalid regex fails construction (re.error), never a request.
-    Matching takes about 1 ms per KB of text: an item of more than `inline_chars` characters is matched in
-    `executor` when one is given, so a long document does not stall the event loop.
+    Matching takes about 0.4 us per character with the default rules (a 2-core EPYC: 1,024 characters
+    0.39 ms, 64 KiB 24 ms): an item of more than `inline_chars` characters is matched in `executor` when one
+    is given, so a long document does not stall the event loop (`re` holds the GIL through each search, but
+    the loop gets it back between searches).
     """
 
     def __init__(
@@ -109,7 +111,7 @@ class RulesClassifier:
         name: str = "rules",
         *,
         executor: Executor | None = None,
-        inline_chars: int = 65_536,
+        inline_chars: int = 1_024,
     ) -> None:
         self.name = name
         self.max_input_chars = rules.max_input_chars

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Executor
 
 import msgspec
 
@@ -45,8 +46,11 @@ class SafetyGate:
         sink: RecordSink,
         clock: Callable[[], float],
         breaker: BreakerPolicy,
+        executor: Executor | None = None,
     ) -> None:
         self._classifier_for = classifier_for
+        # Where a rules stage matches a long item (off the event loop); None: always in place.
+        self._executor = executor
         self._sink = sink
         self._clock = clock
         self._breaker = breaker
@@ -79,7 +83,9 @@ class SafetyGate:
         for stage in spec.stages:
             classifier: Classifier
             if stage.kind == "rules":
-                classifier = RulesClassifier(spec.rules, stage.categories or categories)
+                classifier = RulesClassifier(
+                    spec.rules, stage.categories or categories, executor=self._executor
+                )
                 breaker = None  # deterministic and local: nothing to break
             else:
                 guard = next(guards)

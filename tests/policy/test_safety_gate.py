@@ -1,0 +1,63 @@
+"""The safety gate's rules stage: a long item is matched off the event loop, with the same decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from guard.base import Classifier, GuardInput, Span
+from guard.breaker import BreakerPolicy
+from policy.safety.decision import GuardRecord
+from policy.safety.gate import RecordContext, SafetyGate
+from registry.models import CascadeStage, PolicyCategory, PolicySpec, Published, RulePattern, RulesSpec
+from registry.view import ResolvedGuard, ResolvedPolicy
+from tests.gateway.test_prompts import CountingPool
+
+SPEC = PolicySpec(
+    categories=(PolicyCategory(name="violence", severity="high"),),
+    stages=(CascadeStage(kind="rules", allow_below=0.6, block_above=0.75),),  # no rule: 0.5, allowed
+    past_last_stage="block",
+    fail_modes={"violence": "closed"},
+    hold_back_tokens=4,
+    retention="hash",
+    rules=RulesSpec(
+        block=(RulePattern(category="violence", pattern="forbidden phrase", applies_to="input"),)
+    ),
+)
+POLICY = ResolvedPolicy(
+    ref="rules-only@1",
+    policy=Published(
+        kind="policy",
+        name="rules-only",
+        version="1",
+        content_hash="0" * 64,
+        spec_json="{}",
+        published_at=0.0,
+        actor="test",
+    ),
+    spec=SPEC,
+    guards=(),
+    generation=1,
+)
+CONTEXT = RecordContext(tenant="t", key_id="k", request_id="r")
+
+
+def no_model_guards(guard: ResolvedGuard) -> Classifier:
+    pytest.fail(f"a rules-only policy asked for guard {guard.ref}")
+
+
+def user(text: str) -> GuardInput:
+    return GuardInput(direction="input", spans=(Span(text=text, source="user"),))
+
+
+async def test_the_rules_stage_matches_a_long_item_in_the_executor_and_a_short_one_in_place() -> None:
+    records: list[GuardRecord] = []
+    with CountingPool() as pool:
+        gate = SafetyGate(no_model_guards, records.append, lambda: 0.0, BreakerPolicy(), executor=pool)
+        short, long = "a forbidden phrase", "harmless filler " * 100 + "a forbidden phrase"
+        assert len(short) <= 1_024 < len(long)  # the rules stage's inline bound
+        assert (await gate.check(POLICY, user(short), CONTEXT)).action == "block"
+        assert pool.submitted == 0
+        assert (await gate.check(POLICY, user(long), CONTEXT)).action == "block"
+        assert (await gate.check(POLICY, user("harmless filler " * 100), CONTEXT)).action == "allow"
+        assert pool.submitted == 2
+    assert [r.action for r in records] == ["block", "block", "allow"]
