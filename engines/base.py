@@ -153,6 +153,21 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
+class Scorer(Protocol):
+    """What a one-token guard needs of its engine pool: an engine, or replicas that share the calls."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus one token it scores."""
+        ...
+
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        """As `Engine.score_next_token`."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One engine replica that generates tokens from token ids."""

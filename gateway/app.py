@@ -64,6 +64,7 @@ from registry.service import Registry
 from registry.view import ResolvedPolicy
 from routing.router import Router
 from routing.scheduler import Scheduler
+from routing.scorer import by_pool
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing or the OTLP metrics push is on
     from opentelemetry.sdk.metrics.export import MetricExporter
@@ -411,13 +412,15 @@ def create_app(
             await scheduler.refresh()
             owned.push_async_callback(_stop, asyncio.create_task(scheduler.run()))
             meter = quota_meter(config, buckets, clock)
-            # The first replica of each pool answers for it where one engine is needed (guard calls, limits).
+            # The first replica of each pool answers for it where one engine is needed (limits, readiness).
             pools: dict[str, Engine] = {r.pool: r.engine for r in reversed(replicas)}
             pools.update(guard_pools or {})
             default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
             await _guard_pools(config, default_policy, pools, owned)
+            # Guard calls on a pool of the generation fleet are spread over its replicas.
+            fleet = {pool: s for pool, s in by_pool(replicas).items() if pool not in (guard_pools or {})}
             factory = GuardFactory(
-                pools=pools,
+                pools={**pools, **fleet},
                 renderer=prompts,
                 tokenizer_ref=served.tokenizer.ref,
                 artifacts=config.model.data_path(),

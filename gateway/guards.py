@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from engines.base import Engine
+from engines.base import Scorer
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
 from guard.base import Classifier, GuardError, GuardInput, GuardScore
@@ -66,7 +66,7 @@ class GuardFactory:
     def __init__(
         self,
         *,
-        pools: Mapping[str, Engine],
+        pools: Mapping[str, Scorer],
         renderer: PromptRenderer,
         tokenizer_ref: str,
         artifacts: Path,

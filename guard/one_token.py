@@ -42,7 +42,7 @@ import jinja2
 import msgspec
 from jinja2.sandbox import SandboxedEnvironment
 
-from engines.base import Engine
+from engines.base import Scorer
 from guard.base import GuardError, GuardInput, GuardScore
 from registry.models import GuardModelSpec
 
@@ -73,7 +73,7 @@ class OneTokenClassifier:
         self,
         name: str,
         spec: GuardModelSpec,
-        engine: Engine,
+        engine: Scorer,
         tokenizer: Any,
         executor: Executor,
         *,
