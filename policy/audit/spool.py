@@ -16,7 +16,10 @@ One `Spool` is used by one task at a time (the writer's). One process at a time 
 takes an exclusive `flock` on its `.lock` file, held until `close` (or the process's death). A process that
 finds the directory taken (another worker of `lockgate serve --workers N`) claims the first free
 `worker-<n>` directory inside it instead, so each worker has a spool of its own, and a restarted worker takes
-over (and replays) the one a dead worker left.
+over (and replays) the one a dead worker left. A directory that no process holds and that still has drafts
+(its worker was not started again: `--workers` lowered) is adopted by the next process that opens a spool:
+its drafts are appended to that process's spool, in their order, and its files are then deleted (a crash in
+between replays them twice, as the spool is at-least-once anyway).
 """
 
 from __future__ import annotations
@@ -104,8 +107,47 @@ class Spool:
 
     async def open(self) -> None:
         """Claim a directory (module docstring), create it if needed, and find its leftover files and replay
-        cursor. Raises SpoolBusyError when every one is held."""
+        cursor; then adopt what unheld directories left. Raises SpoolBusyError when every one is held."""
         await asyncio.to_thread(self._open)
+        for directory, fd in await asyncio.to_thread(self._orphans):
+            await self._adopt(directory, fd)
+
+    def _directories(self) -> list[Path]:
+        return [self.base, *(self.base / f"worker-{n}" for n in range(1, MAX_WORKERS + 1))]
+
+    def _orphans(self) -> list[tuple[Path, int]]:
+        """The other directories that hold spool files and no process holds, each locked (its descriptor)."""
+        found = []
+        for directory in self._directories():
+            if directory == self.directory or not any(directory.glob(f"{_PREFIX}*{_SUFFIX}")):
+                continue
+            fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its process is alive: it replays its own
+                os.close(fd)
+                continue
+            found.append((directory, fd))
+        return found
+
+    async def _adopt(self, directory: Path, fd: int) -> None:
+        """Append the drafts `directory` has not replayed to this spool, in order, then delete its files."""
+        orphan = Spool(directory, file_max_bytes=self._file_max_bytes)
+        orphan.directory, orphan._lock_fd = directory, fd
+        try:
+            await asyncio.to_thread(orphan._open)
+            adopted = 0
+            while not orphan.empty:
+                drafts, cursor = await orphan.read(1024)
+                if drafts:
+                    await self.append(drafts)  # fsync'd before the orphan's cursor moves past them
+                    adopted += len(drafts)
+                elif cursor == orphan._cursor:
+                    break
+                await orphan.commit(cursor)
+            log.warning("audit spool: adopted %d drafts that %s held", adopted, directory)
+        finally:
+            orphan.close()
 
     def close(self) -> None:
         """Give the directory up (another process may claim it); the files stay for whoever does."""
@@ -114,8 +156,7 @@ class Spool:
             self._lock_fd = None
 
     def _claim(self) -> None:
-        for n in range(MAX_WORKERS + 1):
-            directory = self.base if n == 0 else self.base / f"worker-{n}"
+        for directory in self._directories():
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
             try:

@@ -399,3 +399,37 @@ async def test_each_process_claims_a_spool_directory_of_its_own(tmp_path: Path) 
     assert [d.request_id for d in drafts] == ["req-00000", "req-00001"]
     for spool in (first, third, heir):
         spool.close()
+
+
+async def test_a_directory_no_process_holds_is_adopted_with_what_it_had_not_replayed(tmp_path: Path) -> None:
+    """`--workers` lowered: the directories of workers not started again are taken over by the next process
+    that opens a spool; one a live process holds is left to it."""
+    spools = [Spool(tmp_path) for _ in range(4)]
+    for spool in spools:
+        await spool.open()
+    base, one, two, three = spools
+    await base.append([draft(0)])
+    await one.append([draft(1), draft(2), draft(3)])
+    await one.commit((await one.read(1))[1])  # draft 1 was replayed before the worker stopped
+    await two.append([draft(4)])
+    await three.append([draft(5)])
+    for spool in (base, one, two):
+        spool.close()  # `three` stays: its process is alive
+    heir = Spool(tmp_path)
+    await heir.open()
+    assert heir.directory == tmp_path
+    replayed: list[str] = []
+    while not heir.empty:
+        drafts, cursor = await heir.read(10)
+        replayed += [d.request_id for d in drafts]
+        await heir.commit(cursor)
+    assert replayed == ["req-00000", "req-00002", "req-00003", "req-00004"]  # each directory in its order
+    assert not list((tmp_path / "worker-1").glob("spool-*"))
+    assert not list((tmp_path / "worker-2").glob("spool-*"))
+    assert len(list((tmp_path / "worker-3").glob("spool-*"))) == 1  # held: not adopted
+    freed = Spool(tmp_path)
+    await freed.open()  # the adopted directories are free and empty again
+    assert freed.directory == tmp_path / "worker-1"
+    assert freed.empty
+    for spool in (three, heir, freed):
+        spool.close()
