@@ -5,29 +5,25 @@ engine sees the request. Tokenizing is CPU work, so it runs in a small thread po
 for a short prompt: rendering and encoding a prompt of up to `INLINE_CHARS` characters takes about as much of
 the loop's time (60-120 us for 20 words) as handing it to a thread and taking the answer back (plus a wake-up
 of the loop), so it runs in place, bounded by that length. A rendered prompt is encoded piece by piece
-between its special tokens, and the ids of recent pieces are remembered (`_piecewise`): system prompts, role
-headers and the earlier turns of a conversation are not encoded again.
+between its special tokens, and the ids of recent pieces are remembered (`gateway.generation.pieces`):
+system prompts, role headers and the earlier turns of a conversation are not encoded again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from gateway.generation.pieces import piecewise_encoder
 
 # Prompts whose message text adds up to at most this many characters (and that carry no tools) are rendered on
 # the event loop. Measured on a 2-core EPYC (template and encoding): 100 characters 117 us, 500 characters
 # 242 us, 1,024 characters 410 us; the hand-off to the pool costs the loop about 70 us and lets a longer
 # prompt encode on another core (the Rust encoder releases the GIL), so only short ones stay: at most ~150 us.
 INLINE_CHARS = 256
-# Pieces of rendered prompts (the text between two special tokens) whose token ids are remembered, and the
-# longest piece remembered: at most about 256 x (8 KiB of text + 2,048 ids) held.
-PIECES_CACHED = 256
-PIECE_MAX_CHARS = 8192
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -57,7 +53,7 @@ class PromptRenderer:
         self.executor = executor
         self.vocab_size: int = len(tokenizer)
         self._encode = _encoder(tokenizer)
-        self._encode_rendered = _piecewise(tokenizer) or (lambda text: self._encode(text, False))
+        self._encode_rendered = piecewise_encoder(tokenizer) or (lambda text: self._encode(text, False))
 
     @classmethod
     async def load(
@@ -128,41 +124,3 @@ def _encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
         return lambda text, special: list(tokenizer(text, add_special_tokens=special)["input_ids"])
     batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
     return lambda text, special: list(batch([text], add_special_tokens=special)[0].ids)
-
-
-def _piecewise(tokenizer: Any) -> Callable[[str], list[int]] | None:
-    """`text -> ids` of a rendered prompt (no special tokens added) that encodes it piece by piece between
-    its added tokens (`<|im_start|>`, ...), remembering the ids of recent pieces: the system prompt, the
-    template's role headers and earlier turns of a conversation come back request after request, and only
-    new text is encoded. The same ids as encoding the whole text: a fast tokenizer splits the text at added
-    tokens before anything else and encodes each piece on its own. None (encode the whole text) where that
-    does not hold: a tokenizer that is not a fast one, or an added token that strips or matches
-    normalized text; or where a probe does not give the same ids both ways."""
-    backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-    added = backend.get_added_tokens_decoder() if backend is not None else {}
-    if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
-        return None
-    ids = {token.content: token_id for token_id, token in added.items()}
-    # Longest first: at one position the longest added token matches, as the tokenizer's own matcher does.
-    split = re.compile("(" + "|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True)) + ")").split
-    batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-
-    def encode_piece(piece: str) -> tuple[int, ...]:
-        return tuple(batch([piece], add_special_tokens=False)[0].ids)
-
-    cached = functools.lru_cache(maxsize=PIECES_CACHED)(encode_piece)
-
-    def encode(text: str) -> list[int]:
-        out: list[int] = []
-        for i, part in enumerate(split(text)):
-            if i % 2:  # an added token
-                out.append(ids[part])
-            elif part:
-                out += cached(part) if len(part) <= PIECE_MAX_CHARS else encode_piece(part)
-        return out
-
-    names = list(ids)
-    first, second = names[0], names[-1]
-    probe = f"{first}system\n  Hello,  world!\t\n{second}\n{first}user ünïcode 😀 {second}{first}\n\nend "
-    whole = list(backend.encode(probe, add_special_tokens=False).ids)
-    return encode if encode(probe) == whole else None
