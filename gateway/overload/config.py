@@ -18,9 +18,9 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_loop_lag: float = 0.1
     # Seconds between two lag probes, and how many recent probes the lag must persist through (0.5 s of
     # sustained lag by default). The CPU signal samples at each probe, so this is also how soon it reacts; a
-    # probe costs a wake-up of the loop (about 1 ms of CPU a second at 50 Hz).
-    lag_probe_interval: float = 0.02
-    lag_window: int = 25
+    # probe costs a wake-up of the loop (about 2 ms of CPU a second at 100 Hz).
+    lag_probe_interval: float = 0.01
+    lag_window: int = 50
     # Retry-After of a shed request, in seconds (whole seconds on the wire, at least 1).
     retry_after: float = 1.0
     # The adaptive concurrency limit (`ConcurrencyLimit`); off: only `max_in_flight` bounds what is held. Off
@@ -50,7 +50,7 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     target_utilisation: float = 0.85
     # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe). Short: a load
     # that jumps to twice the capacity fills the queue by its whole excess until the signal has seen it.
-    cpu_window: float = 0.1
+    cpu_window: float = 0.05
     # How fast the shed fraction rises while the utilisation is over the target: by `cpu_gain * (utilisation -
     # target_utilisation)` per second.
     cpu_gain: float = 150.0
