@@ -222,3 +222,21 @@ def within_steps(engine: VllmLocalEngine, steps: int) -> float:
     """A hang guard for a wait of about `steps` engine steps: generous, and derived from the step time the
     engine measured on this host rather than guessed for a fast machine."""
     return 5.0 + 4 * steps * (engine.step_seconds or 1.0)
+
+
+async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None) -> None:
+    """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core.
+    With `steps`, it got there within that many engine steps from the call."""
+    start = engine.steps.count
+
+    async def front_end_empty() -> bool:
+        return bool(engine.llm.get_num_unfinished_requests() == 0)
+
+    await eventually(front_end_empty, within=within_steps(engine, steps or 4))
+    # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
+    await eventually(engine.llm.reset_prefix_cache, within=within_steps(engine, 2))
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+    if steps is not None:
+        # An idle engine runs no step, so this counts every step from the call until the KV blocks were free.
+        assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to free the KV cache"

@@ -15,6 +15,7 @@ import uuid
 
 from engines.base import EngineRequest, SamplingSpec
 from engines.vllm_local import VllmLocalEngine
+from tests.conftest import assert_vllm_idle
 
 
 def request(prompt_len: int, max_tokens: int) -> EngineRequest:
@@ -78,6 +79,9 @@ async def test_a_seeded_request_whose_prompt_spans_several_steps(vllm_engine: Vl
     sampling = SamplingSpec(max_tokens=12, temperature=1.0, seed=99)
     runs = []
     for _ in range(2):
+        # Alone in the engine, prefix cache empty: the same batches and prefill chunks each time (a request
+        # the previous test aborted may still be decoding, and a batch changes the logits' last bits).
+        await assert_vllm_idle(vllm_engine)
         seeded = EngineRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling)
         runs.append([t async for d in vllm_engine.generate(seeded) for t in d.token_ids])
     assert len(runs[0]) == 12

@@ -23,6 +23,7 @@ from tests.conftest import (
     MODEL,
     OutcomeLog,
     Tenancy,
+    assert_vllm_idle,
     eventually,
     lifespan,
     make_config,
@@ -31,24 +32,6 @@ from tests.conftest import (
 )
 
 LONG = 1500  # tokens: far more than a test waits for; with min_tokens only an abort ends these requests early
-
-
-async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None) -> None:
-    """vLLM itself holds no request: none unfinished in AsyncLLM, no KV blocks held in the engine core.
-    With `steps`, it got there within that many engine steps from the call."""
-    start = engine.steps.count
-
-    async def front_end_empty() -> bool:
-        return bool(engine.llm.get_num_unfinished_requests() == 0)
-
-    await eventually(front_end_empty, within=within_steps(engine, steps or 4))
-    # The engine core refuses to reset the prefix cache while a running request still holds KV blocks.
-    await eventually(engine.llm.reset_prefix_cache, within=within_steps(engine, 2))
-    load = await engine.load()
-    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
-    if steps is not None:
-        # An idle engine runs no step, so this counts every step from the call until the KV blocks were free.
-        assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to free the KV cache"
 
 
 async def engine_has_a_request(engine: VllmLocalEngine) -> None:
