@@ -152,7 +152,11 @@ class CpuShedder:
         self.fraction = min(self._max_fraction, max(0.0, self.fraction + step))
 
     def shed(self) -> bool:
-        """Whether this arriving generation request is shed (a `fraction` of arrivals are)."""
+        """Whether this arriving generation request is shed (a `fraction` of arrivals are). The signal samples
+        first when its last sample is a probe interval old: a loop working through a backlog runs its probes
+        late, just when the fraction must rise, but the arrivals it works through keep updating it."""
+        if self._samples and self._wall() - self._samples[-1][0] >= self._config.lag_probe_interval:
+            self.sample()
         # Invariant: 0 <= credit < 1 after every arrival (as fraction <= 1).
         self._credit += self.fraction
         if self._credit >= 1.0:

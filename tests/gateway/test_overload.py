@@ -461,6 +461,23 @@ def test_the_shed_requests_are_the_fraction_of_arrivals_spread_evenly() -> None:
     assert not any(shed.shed() for _ in range(100))
 
 
+def test_arrivals_sample_the_signal_when_the_probes_run_late() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    config = msgspec.structs.replace(CPU, lag_probe_interval=1 / 16)  # binary fractions: exact sums
+    shed = shedder(loop, cpu, config=config)
+    shed.sample()
+    cpu.load(loop_share=1.0, process_cores=1.0)  # saturated: the loop works through a backlog, no probe runs
+    fractions = []
+    for _ in range(6):
+        loop.now += config.lag_probe_interval / 2  # two arrivals a probe interval: every second one samples
+        shed.shed()
+        fractions.append(shed.fraction)
+    # As if probed every interval: cpu_gain * (1.0 - 0.8) / 16 s = 0.125 a sample.
+    assert fractions == pytest.approx([0.0, 0.125, 0.125, 0.25, 0.25, 0.375])
+    assert shed.utilisation == 1.0
+
+
 async def test_the_cpu_signal_sheds_generation_requests_counted_as_cpu() -> None:
     loop = FakeLoop()
     cpu = FakeCpu(loop)
