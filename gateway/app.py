@@ -78,8 +78,9 @@ ZERO_SHOT_JUDGE = "zero-shot-judge"
 
 async def _guard_pools(
     config: Config, policy: ResolvedPolicy, pools: dict[str, Engine], owned: AsyncExitStack
-) -> None:
-    """Start an engine for every pool the policy's guards run on that nothing serves yet."""
+) -> int:
+    """Start an engine for every pool the policy's guards run on that nothing serves yet; how many."""
+    started = 0
     for guard in policy.guards:
         model = guard.model
         if model is None or model.spec.engine_pool in pools:
@@ -89,6 +90,16 @@ async def _guard_pools(
         await engine.start()
         owned.push_async_callback(engine.shutdown)
         pools[pool] = engine
+        started += 1
+    return started
+
+
+def _only_remote_engines(config: Config, guard_engines: int) -> bool:
+    """Whether every engine is a remote vLLM server: `[[engines]]` all `vllm_remote`, and no guard engine
+    given or started in this process (what `overload.cpu_shedding = "auto"` turns the CPU signal on for)."""
+    return (
+        bool(config.engines) and guard_engines == 0 and all(s.kind == "vllm_remote" for s in config.engines)
+    )
 
 
 async def open_tenant_store(config: Config) -> TenantStore:
@@ -416,7 +427,9 @@ def create_app(
             pools: dict[str, Engine] = {r.pool: r.engine for r in reversed(replicas)}
             pools.update(guard_pools or {})
             default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
-            await _guard_pools(config, default_policy, pools, owned)
+            guard_engines = await _guard_pools(config, default_policy, pools, owned) + len(guard_pools or {})
+            if config.overload.cpu_shedding == "auto" and _only_remote_engines(config, guard_engines):
+                overload.use_cpu_signal()  # the process's CPU is the gateway's own
             # Guard calls on a pool of the generation fleet are spread over its replicas.
             fleet = {pool: s for pool, s in by_pool(replicas).items() if pool not in (guard_pools or {})}
             factory = GuardFactory(

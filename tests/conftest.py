@@ -166,10 +166,10 @@ def make_config(**server: float | int) -> Config:
         guard=GuardConfig(default_policy="rules"),
         # One audit spool per app: apps of one test session run side by side.
         audit=AuditConfig(spool_dir=str(SESSION_DIR / f"audit-spool-{uuid.uuid4().hex}")),
-        # No shedding for event-loop lag: a test machine's loop runs late whenever another process takes the
-        # core, and a shed request would fail a test about something else (tests/gateway/test_overload.py
-        # sheds on purpose).
-        overload=OverloadConfig(max_loop_lag=0.0),
+        # No shedding for event-loop lag or CPU: a test machine's loop runs late whenever another process
+        # takes the core, the test client shares the loop with the app, and a shed request would fail a test
+        # about something else (tests/gateway/test_overload.py sheds on purpose).
+        overload=OverloadConfig(max_loop_lag=0.0, cpu_shedding=False),
     )
 
 

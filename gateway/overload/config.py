@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -40,10 +42,11 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_rtt_interval: float = 10.0
     min_rtt_requests: int = 20
     # Shed a fraction of generation requests that keeps the process's CPU utilisation at
-    # `target_utilisation` (`CpuShedder`). Off by default: the process's CPU also counts what else runs in
-    # it (an in-process vLLM engine's threads, a test runner sharing the event loop), which would shed
-    # requests for work that is not theirs.
-    cpu_shedding: bool = False
+    # `target_utilisation` (`CpuShedder`). "auto" (the default): on where every engine is a remote vLLM
+    # server (`[[engines]]` all `vllm_remote`, no guard engine started in this process), off otherwise: the
+    # process's CPU then also counts what else runs in it (an in-process vLLM engine's threads, the
+    # simulator, a test runner sharing the event loop), which would shed requests for work that is not theirs.
+    cpu_shedding: bool | Literal["auto"] = "auto"
     # The utilisation held: the larger of the event-loop thread's share of one core (the time it ran or
     # waited for the core while ready to run) and the process's CPU share of the cores it may run on (capped
     # by its cgroup's CPU limit).

@@ -30,7 +30,8 @@ _REFUSALS: dict[ShedReason, str] = {
 class OverloadGate:
     """The in-flight count, the adaptive limit, the lag monitor, the CPU signal, and what was shed, for one
     process. Time is `clock` (the monitor's unless given); the CPU signal is `cpu` (one on the process's own
-    CPU clocks unless given), sampled after each of the monitor's probes when `cpu_shedding` is on."""
+    CPU clocks unless given), sampled after each of the monitor's probes when `cpu_shedding` is true; with
+    "auto" the app's lifespan turns it on (`use_cpu_signal`) once it knows every engine is remote."""
 
     def __init__(
         self,
@@ -44,14 +45,20 @@ class OverloadGate:
         self.clock = clock or monitor.clock
         self.limit = ConcurrencyLimit(config, self.clock) if config.adaptive else None
         self.cpu: CpuShedder | None = None
-        if config.cpu_shedding:
-            self.cpu = cpu or CpuShedder(config, self.clock)
-            monitor.after_probe.append(self.cpu.sample)
+        if config.cpu_shedding is True:
+            self.use_cpu_signal(cpu)
         self.in_flight = 0
         self.shed: dict[ShedReason, int] = {"concurrency": 0, "cpu": 0, "in_flight": 0, "loop_lag": 0}
         retry = str(max(1, math.ceil(config.retry_after))).encode()
         # Each reason's answer, built once: a refusal is two sends.
         self._refusals = {reason: _refusal(why, retry) for reason, why in _REFUSALS.items()}
+
+    def use_cpu_signal(self, cpu: CpuShedder | None = None) -> None:
+        """Shed by the CPU signal from now on (`cpu`, else one on the process's own CPU clocks), sampled
+        after each of the monitor's probes; once on, it stays on."""
+        if self.cpu is None:
+            self.cpu = cpu or CpuShedder(self.config, self.clock)
+            self.monitor.after_probe.append(self.cpu.sample)
 
     def refusal(self) -> ShedReason | None:
         """Why a new generation request is shed (None: it is taken). Called once per arrival: the CPU

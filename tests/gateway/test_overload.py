@@ -20,7 +20,9 @@ import pytest
 from litestar.types import Message, Receive, Scope, Send
 
 from engines.simulated import SimulatedEngine, SimulatorConfig
-from gateway.app import create_app, running
+from engines.vllm_remote import RemoteEngineConfig
+from gateway.app import _only_remote_engines, create_app, running
+from gateway.config import ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
 from gateway.overload import (
     SCHEDSTAT,
@@ -517,6 +519,30 @@ def test_the_cpu_signal_is_off_unless_configured() -> None:
     assert gate.cpu is None
     assert monitor.after_probe == []
     assert OverloadGate(msgspec.structs.replace(CPU, cpu_shedding=False), monitor).cpu is None
+
+
+async def test_auto_leaves_the_cpu_signal_off_while_an_engine_runs_in_the_process(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    config = msgspec.structs.replace(make_config(), overload=OverloadConfig(max_loop_lag=0.0))
+    assert config.overload.cpu_shedding == "auto"  # the default
+    app = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    async with running(app):
+        assert app.state.overload.cpu is None
+    remote = msgspec.structs.replace(
+        config,
+        engines=[
+            ReplicaSpec(
+                kind="vllm_remote",
+                remote=RemoteEngineConfig(url="http://vllm:8000", served_model=MODEL, max_model_len=2048),
+            )
+        ],
+    )
+    assert _only_remote_engines(remote, guard_engines=0)
+    assert not _only_remote_engines(remote, guard_engines=1)  # a guard model's engine in the process
+    local = msgspec.structs.replace(remote, engines=[*remote.engines, ReplicaSpec(kind="vllm_local")])
+    assert not _only_remote_engines(local, guard_engines=0)
+    assert not _only_remote_engines(config, guard_engines=0)  # the embedded engine
 
 
 @pytest.mark.skipif(not SCHEDSTAT.exists(), reason="no schedstat: the loop's CPU time is its demand")

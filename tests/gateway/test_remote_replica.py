@@ -1,5 +1,6 @@
 """The gateway in front of a real `vllm serve` replica (vLLM's OpenAI server in a subprocess), configured as
-`[[engines]]` kind `vllm_remote`: answers, streams, and a client that leaves aborts the request there."""
+`[[engines]]` kind `vllm_remote`: answers, streams, a client that leaves aborts the request there, and the CPU
+signal's "auto" is on."""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import pytest
 
 from engines.vllm_remote import RemoteEngineConfig
 from gateway.app import create_app
-from gateway.config import ReplicaSpec
+from gateway.config import Config, ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
+from gateway.overload import OverloadConfig, OverloadGate
 from routing.config import ReplicaConfig, RoutingConfig
-from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
 from tests.vllm_server import SERVER_START_TIMEOUT
 
 
-@pytest.fixture
-async def gateway(
-    vllm_server: str, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
-) -> AsyncIterator[httpx.AsyncClient]:
+def remote_config(vllm_server: str, overload: OverloadConfig | None = None) -> Config:
+    """The test config with one `vllm_remote` replica: `vllm_server`."""
     remote = RemoteEngineConfig(
         url=vllm_server,
         served_model=MODEL,
@@ -35,10 +35,20 @@ async def gateway(
     # On a loaded 2-core machine the server's /health and /metrics answer slowly while it generates: a
     # generous refresh bound keeps it from being taken out for slowness.
     routing = RoutingConfig(replicas=ReplicaConfig(refresh_timeout=30.0))
-    config = msgspec.structs.replace(
-        make_config(), engines=[ReplicaSpec(kind="vllm_remote", remote=remote)], routing=routing
+    config = make_config()
+    return msgspec.structs.replace(
+        config,
+        engines=[ReplicaSpec(kind="vllm_remote", remote=remote)],
+        routing=routing,
+        overload=overload or config.overload,
     )
-    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+
+
+@pytest.fixture
+async def gateway(
+    vllm_server: str, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(remote_config(vllm_server), renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with (
         serving(app, startup_timeout=SERVER_START_TIMEOUT + 30) as url,
         httpx.AsyncClient(base_url=url, timeout=120, headers=tenancy.consumer_headers) as http,
@@ -103,3 +113,18 @@ async def test_a_client_that_leaves_aborts_the_request_on_the_replica(
     await eventually(gone, within=120)
     generated = await server_metric(vllm_server, "vllm:generation_tokens_total") - generated_before
     assert 0 < generated < length
+
+
+async def test_auto_turns_the_cpu_signal_on_in_front_of_remote_engines(
+    vllm_server: str, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # Every engine is a vLLM server elsewhere: the process's CPU is the gateway's own, so "auto" sheds by it.
+    config = remote_config(vllm_server, OverloadConfig(max_loop_lag=0.0, cpu_shedding="auto"))
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    gate: OverloadGate = app.state.overload
+    assert gate.cpu is None  # decided once the lifespan knows its engines
+    async with lifespan(app):
+        assert gate.cpu is not None
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            assert "lockgate:cpu_shed_fraction" in (await http.get("/metrics")).text
