@@ -272,6 +272,19 @@ class Replica:
         else:
             self.record_failure()
 
+    async def judge_failure(self) -> None:
+        """The replica failed a request before its first token (or a guard call): ask its health now. One
+        that says it is not ready (an engine restarting) is out of routing until it is ready again; one that
+        says it is ready but fails requests counts a failure toward its circuit breaker. (A death mid-stream
+        is one event for all its streams: the supervisor and the next health check deal with it.)"""
+        try:
+            await self.refresh()
+        except Exception:  # the original failure is what the caller reports; this one only counts against it
+            log.exception("replica %s: health check after a failure raised", self.replica_id)
+            self.health_ready = False
+        if self.health_ready:
+            self.record_failure()
+
     def _check_capacity(self, reported: int) -> None:
         """Say once when the engine's capacity and the byte budget's disagree by more than a tenth."""
         budget = self.kv_budget_tokens

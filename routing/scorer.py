@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routing.replicas import Replica
+from routing.router import is_replica_failure
 
 
 class ReplicaScorer:
     """`score_next_token` over the replicas of one pool (a `Scorer`): each call goes to the routable replica
     with the fewest guard calls of its own in flight, then the fewest requests as the router counts them,
     then the next in turn; when none is routable, to any of them (its engine's error is the guard's failure,
-    which the policy's fail mode decides). Without it every guard call of the pool went to its first
-    replica."""
+    which the policy's fail mode decides). A call's outcome feeds the replica's circuit breaker as a
+    generation request's does (`is_replica_failure`). Without it every guard call of the pool went to its
+    first replica."""
 
     def __init__(self, replicas: Sequence[Replica]) -> None:
         if not replicas:
@@ -33,9 +35,15 @@ class ReplicaScorer:
         replica = self._pick()
         self._calls[replica.replica_id] += 1
         try:
-            return await replica.engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
+            scores = await replica.engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
+        except Exception as exc:
+            if is_replica_failure(exc):  # as a generation request's failure before its first token
+                await replica.judge_failure()
+            raise
         finally:
             self._calls[replica.replica_id] -= 1
+        replica.record_success()
+        return scores
 
     def _pick(self) -> Replica:
         count = len(self.replicas)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import math
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -30,11 +29,9 @@ from gateway.generation.planning import Plan
 from gateway.service import Services
 from policy.auth import Principal
 from routing.admission_config import CLASSES, AdmissionError, Klass, Ticket
-from routing.replicas import Replica, RoutingError
+from routing.replicas import RoutingError
 from routing.router import RouteRequest, is_replica_failure, may_fail_over, session_key
 from routing.scheduler import ENGINE_PRIORITY, Lease, Scheduler
-
-log = logging.getLogger("lockgate.routing")
 
 PRIORITY_HEADER = "x-lockgate-priority"
 DEADLINE_HEADER = "x-lockgate-queue-deadline"
@@ -157,26 +154,12 @@ def session_of(request: Request[Any, Any, Any], user: str | None, principal: Pri
     return session_key(request.headers, user, tenant=principal.tenant.tenant_id)
 
 
-async def _judge(replica: Replica) -> None:
-    """A replica failed a request before its first token: ask its health now. One that says it is not ready
-    (an engine restarting) is out of routing until it is ready again; one that says it is ready but fails
-    requests counts a failure toward its circuit breaker. (A death mid-stream is one event for all its
-    streams: the supervisor and the next health check deal with it.)"""
-    try:
-        await replica.refresh()
-    except Exception:  # the original failure is what the caller reports; this one only counts against it
-        log.exception("replica %s: health check after a failure raised", replica.replica_id)
-        replica.health_ready = False
-    if replica.health_ready:
-        replica.record_failure()
-
-
 async def routed(
     scheduler: Scheduler, lease: Lease, req: EngineRequest, *, fail_over: bool
 ) -> AsyncGenerator[EngineDelta, None]:
     """The engine stream of `req` on the lease's replica; a replica failure before the first token moves
     the request to another replica once (when `fail_over`), after it never. Successes and failures before
-    the first token feed the replica's health and circuit breaker (`_judge`)."""
+    the first token feed the replica's health and circuit breaker (`Replica.judge_failure`)."""
     while True:
         replica = lease.replica
         stream = replica.engine.generate(req)
@@ -189,7 +172,7 @@ async def routed(
             return
         except Exception as exc:
             if is_replica_failure(exc) and not started:
-                await _judge(replica)
+                await replica.judge_failure()
             if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
                 raise
             if scheduler.fail_over(lease) is None:

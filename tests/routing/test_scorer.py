@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import pytest
+
+from engines.base import EngineDeadError, EngineRequestError
 from routing.replicas import Replica
 from routing.scorer import ReplicaScorer, by_pool
 from tests.routing.test_replicas import CONFIG, FakeClock, FakeEngine, make_replica
@@ -81,3 +84,42 @@ def test_scorers_are_one_per_pool_and_their_context_is_the_shortest() -> None:
     assert [r.replica_id for r in scorers["default"].replicas] == ["short", "long"]
     assert scorers["default"].max_model_len == 1024
     assert scorers["guard"].max_model_len == 4096
+
+
+class FailingEngine(HeldEngine):
+    """Fails every scoring call with `error`."""
+
+    def __init__(self, replica_id: str, error: Exception) -> None:
+        super().__init__(replica_id)
+        self.error = error
+
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        self.calls += 1
+        raise self.error
+
+
+async def test_guard_calls_that_find_the_replica_dead_open_its_breaker() -> None:
+    dead, up = FailingEngine("dead", EngineDeadError("engine core died")), HeldEngine("up")
+    scorer, replicas = pool(dead, up)
+    replicas[1].health_ready = False  # every call goes to "dead" while it is routable
+    for _ in range(CONFIG.breaker.threshold):
+        with pytest.raises(EngineDeadError):
+            await scorer.score_next_token([1], [7])
+    assert replicas[0].breaker.state == "open"
+    assert not replicas[0].routable
+    replicas[1].health_ready = True
+    for _ in range(3):
+        await scorer.score_next_token([1], [7])
+    assert (dead.calls, up.calls) == (CONFIG.breaker.threshold, 3)
+
+
+async def test_a_guard_call_refused_for_its_own_sake_does_not_count_against_the_replica() -> None:
+    engine = FailingEngine("a", EngineRequestError("prompt too long"))
+    scorer, replicas = pool(engine)
+    for _ in range(CONFIG.breaker.threshold + 1):
+        with pytest.raises(EngineRequestError):
+            await scorer.score_next_token([1], [7])
+    assert replicas[0].breaker.state == "closed"
+    assert replicas[0].routable
