@@ -251,18 +251,21 @@ async def _start_registry(
     return registry, prompts
 
 
-def open_quota_store(config: Config) -> QuotaStore:
-    """The quota store the configuration names (in memory, or Redis shared by replicas)."""
+async def open_quota_store(config: Config) -> QuotaStore:
+    """The quota store the configuration names (in memory, or Redis shared by replicas, its connections
+    opened)."""
     if config.quota.backend == "redis":
         from policy.quota.redis import RedisQuotaStore
 
-        return RedisQuotaStore.from_url(
+        store = RedisQuotaStore.from_url(
             config.quota.redis_url,
             cluster=config.quota.redis_cluster,
             pool_size=config.quota.pool_size,
             pool_timeout=config.quota.pool_timeout,
             op_timeout=config.quota.op_timeout,
         )
+        await store.warm()
+        return store
     from policy.quota.memory import MemoryQuotaStore
 
     return MemoryQuotaStore()
@@ -392,7 +395,7 @@ def create_app(
                 owned.push_async_callback(store.close)
             buckets = quota
             if buckets is None:
-                buckets = open_quota_store(config)
+                buckets = await open_quota_store(config)
                 owned.push_async_callback(buckets.close)
             versions = registry
             if versions is None:

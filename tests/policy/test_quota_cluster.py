@@ -58,7 +58,7 @@ async def test_the_configured_store_runs_on_a_cluster(tmp_path: Path) -> None:
         config = Config(
             quota=QuotaConfig(backend="redis", redis_url=nodes[1].url, redis_cluster=True, op_timeout=5.0)
         )
-        store = open_quota_store(config)
+        store = await open_quota_store(config)
         meter = QuotaMeter(store, FakeClock())
         try:
             for tenant_id in TENANTS:
