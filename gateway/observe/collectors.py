@@ -141,7 +141,7 @@ class ServiceCollector:
             yield GaugeMetricFamily(
                 f"{PREFIX}cpu_shed_fraction",
                 "The share of new generation requests the CPU signal sheds.",
-                value=overload.cpu.fraction,
+                value=overload.cpu.shed_fraction,
             )
 
     def _guards(self) -> Iterable[Metric]:

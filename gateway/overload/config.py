@@ -63,3 +63,7 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cpu_release_gain: float = 5.0
     # The most of the generation requests the CPU signal sheds (a shed request costs CPU too).
     max_shed_fraction: float = 0.95
+    # Shed at once the share of the arrivals over the window that the CPU could not serve at the target, at
+    # the CPU per request learned while nothing was shed (`CpuShedder`): a jump in load is shed as it
+    # arrives, not only once the CPU shows it saturated.
+    cpu_feed_forward: bool = True

@@ -13,6 +13,10 @@ from gateway.overload.config import OverloadConfig
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_MEMBERSHIP = Path("/proc/self/cgroup")
+# The cost per request is learned from windows with at least this many admitted arrivals, each sample moving
+# it this far towards the window's own figure.
+_MIN_ADMITTED = 4
+_COST_WEIGHT = 0.02
 
 
 def thread_demand() -> float:
@@ -108,9 +112,24 @@ class CpuShedder:
     with `gain` = `cpu_gain` over the target and `cpu_release_gain` under it: an integral controller. While
     the process is saturated the utilisation cannot show by how much, so the fraction keeps rising (fast)
     until the CPU has room again (the queue in front of the wrapper has drained); it falls back slowly,
-    settling where the utilisation meets the target, and to 0 while the load stays under it. `shed()`
-    refuses that fraction of arrivals deterministically by error diffusion: each arrival adds the fraction
-    to a credit, and one whose credit reaches 1 is shed.
+    settling where the utilisation meets the target, and to 0 while the load stays under it.
+
+    The controller only sees a jump in load once the window shows the CPU saturated, and meanwhile every
+    arrival is taken: at twice the capacity the first tenths of a second queue. With `cpu_feed_forward`, the
+    arrivals over the window set a floor under the fraction at once:
+
+        cost = utilisation * d wall / admitted          (learned while nothing is shed, below the target)
+        predicted = arrivals * cost / d wall            (the utilisation taking every arrival would need)
+        floor = 1 - target_utilisation / predicted      (when predicted > 1: past the whole CPU; else 0)
+
+    `cost` is an exponential average over the samples with at least `_MIN_ADMITTED` admitted arrivals in
+    the window, taken while both the utilisation and the prediction are under the target (a rising load's
+    CPU is not yet in the window: it would pull the cost down just when it is needed). Under the whole CPU
+    the floor is 0, since the count of one window varies by chance and the controller decides there. The
+    floor ignores what a refusal costs, so in steady overload the controller's own fraction is above it;
+    it matters while the controller catches up, and falls with the arrivals. `shed()` refuses the larger of
+    the two (`shed_fraction`) deterministically by error diffusion: each arrival adds it to a credit, and
+    one whose credit reaches 1 is shed.
     """
 
     def __init__(
@@ -128,28 +147,58 @@ class CpuShedder:
         self.cores = cores if cores is not None and cores > 0 else usable_cores()
         self._max_fraction = min(1.0, max(0.0, config.max_shed_fraction))
         self.utilisation = 0.0
+        # The controller's fraction, and the floor the window's arrivals set under it.
         self.fraction = 0.0
+        self.floor = 0.0
+        # CPU (as a share of the utilisation's unit, in seconds) per admitted arrival; 0 until learned.
+        self.cost = 0.0
         self._credit = 0.0
-        # (wall, thread, process) readings; the first is the newest at or before the window's start.
-        self._samples: deque[tuple[float, float, float]] = deque()
+        self._arrived = 0
+        self._admitted = 0
+        # (wall, thread, process, arrived, admitted) readings; the first is the newest at or before the
+        # window's start.
+        self._samples: deque[tuple[float, float, float, int, int]] = deque()
+
+    @property
+    def shed_fraction(self) -> float:
+        """The share of arrivals shed now: the controller's fraction, or the arrivals' floor if higher."""
+        return max(self.fraction, self.floor)
 
     def sample(self) -> None:
-        """Read the clocks, update the utilisation over the window and the shed fraction."""
-        now = (self._wall(), self._thread_clock(), self._process_clock())
+        """Read the clocks, update the utilisation over the window, the shed fraction and its floor."""
+        now = (self._wall(), self._thread_clock(), self._process_clock(), self._arrived, self._admitted)
         samples = self._samples
         previous = samples[-1][0] if samples else now[0]
         samples.append(now)
         while len(samples) > 2 and samples[1][0] <= now[0] - self._config.cpu_window:
             samples.popleft()
-        wall, thread, process = (b - a for a, b in zip(samples[0], now, strict=True))
+        first = samples[0]
+        wall, thread, process = now[0] - first[0], now[1] - first[1], now[2] - first[2]
         if wall <= 0:
             return
         self.utilisation = min(1.0, max(thread / wall, process / (wall * self.cores)))
         config = self._config
         error = self.utilisation - config.target_utilisation
         step = (config.cpu_gain if error > 0 else config.cpu_release_gain) * error * (now[0] - previous)
-        # Invariant: 0 <= fraction <= min(1, max_shed_fraction) after every sample.
+        if config.cpu_feed_forward:
+            self._feed_forward(wall, now[3] - first[3], now[4] - first[4])
+        # Invariant: 0 <= fraction <= min(1, max_shed_fraction) after every sample (and so is the floor).
         self.fraction = min(self._max_fraction, max(0.0, self.fraction + step))
+
+    def _feed_forward(self, wall: float, arrived: int, admitted: int) -> None:
+        target = self._config.target_utilisation
+        predicted = arrived * self.cost / wall
+        if (
+            self.shed_fraction == 0
+            and admitted >= _MIN_ADMITTED
+            and max(self.utilisation, predicted) < target
+        ):
+            # Steady and under the target: the window's CPU is its arrivals' (a rising load's is not yet).
+            cost = self.utilisation * wall / admitted
+            self.cost = cost if self.cost == 0 else self.cost + _COST_WEIGHT * (cost - self.cost)
+        # Only arrivals past what the whole CPU could serve: a floor set by a window's chance count would shed
+        # below saturation.
+        self.floor = min(self._max_fraction, 1.0 - target / predicted) if predicted > 1.0 else 0.0
 
     def shed(self) -> bool:
         """Whether this arriving generation request is shed (a `fraction` of arrivals are). The signal samples
@@ -157,9 +206,11 @@ class CpuShedder:
         late, just when the fraction must rise, but the arrivals it works through keep updating it."""
         if self._samples and self._wall() - self._samples[-1][0] >= self._config.lag_probe_interval:
             self.sample()
-        # Invariant: 0 <= credit < 1 after every arrival (as fraction <= 1).
-        self._credit += self.fraction
+        self._arrived += 1
+        # Invariant: 0 <= credit < 1 after every arrival (as shed_fraction <= 1).
+        self._credit += self.shed_fraction
         if self._credit >= 1.0:
             self._credit -= 1.0
             return True
+        self._admitted += 1
         return False

@@ -480,6 +480,63 @@ def test_arrivals_sample_the_signal_when_the_probes_run_late() -> None:
     assert shed.utilisation == 1.0
 
 
+def arrive(shed: CpuShedder, loop: FakeLoop, rate: float, seconds: float) -> list[bool]:
+    """Arrivals every 1 / `rate` s for `seconds`, no probe running; whether each was shed."""
+    shed_or_not = []
+    for _ in range(round(rate * seconds)):
+        loop.now += 1 / rate
+        shed_or_not.append(shed.shed())
+    return shed_or_not
+
+
+FEED = msgspec.structs.replace(CPU, lag_probe_interval=1 / 16, cpu_window=0.25)
+
+
+def test_a_jump_in_arrivals_is_shed_as_it_arrives_at_the_cost_learned_before() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, cores=1, config=FEED)
+    shed.sample()
+    cpu.load(loop_share=0.4, process_cores=0.4)  # 40 requests a second of 10 ms each
+    assert not any(arrive(shed, loop, rate=40, seconds=6.0))  # the cost's average settles
+    assert shed.cost == pytest.approx(0.010, rel=0.1)
+    assert shed.floor == 0.0
+    # Three times what the core can serve, before the CPU shows any of it: the controller has seen nothing.
+    jump = arrive(shed, loop, rate=300, seconds=FEED.cpu_window)
+    assert shed.utilisation == pytest.approx(0.4)
+    assert shed.fraction == 0.0
+    # predicted = 300/s x 10 ms = 3.0 cores' worth: shed all but target / predicted of the arrivals.
+    assert shed.floor == pytest.approx(1 - FEED.target_utilisation / 3.0, abs=0.08)
+    assert sum(jump[-30:]) == pytest.approx(30 * shed.floor, abs=2)
+    assert shed.cost == pytest.approx(0.010, rel=0.1)  # not learned from the rise
+    # Back to 40 a second: the floor falls with the arrivals, once the window holds only them.
+    arrive(shed, loop, rate=40, seconds=2 * FEED.cpu_window)
+    assert shed.floor == 0.0
+
+
+def test_arrivals_under_what_the_cpu_can_serve_set_no_floor() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, cores=1, config=FEED)
+    shed.sample()
+    cpu.load(loop_share=0.4, process_cores=0.4)
+    arrive(shed, loop, rate=40, seconds=2.0)
+    # 90/s of 10 ms: over the target (the controller's part) but within the core: no floor.
+    assert not any(arrive(shed, loop, rate=90, seconds=1.0))
+    assert shed.floor == 0.0
+
+
+def test_without_feed_forward_only_the_controller_sheds() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, cores=1, config=msgspec.structs.replace(FEED, cpu_feed_forward=False))
+    shed.sample()
+    cpu.load(loop_share=0.4, process_cores=0.4)
+    arrive(shed, loop, rate=40, seconds=2.0)
+    assert not any(arrive(shed, loop, rate=300, seconds=FEED.cpu_window))
+    assert shed.cost == shed.floor == 0.0
+
+
 async def test_the_cpu_signal_sheds_generation_requests_counted_as_cpu() -> None:
     loop = FakeLoop()
     cpu = FakeCpu(loop)
