@@ -114,22 +114,24 @@ class CpuShedder:
     until the CPU has room again (the queue in front of the wrapper has drained); it falls back slowly,
     settling where the utilisation meets the target, and to 0 while the load stays under it.
 
-    The controller only sees a jump in load once the window shows the CPU saturated, and meanwhile every
-    arrival is taken: at twice the capacity the first tenths of a second queue. With `cpu_feed_forward`, the
-    arrivals over the window set a floor under the fraction at once:
+    The controller climbs at `cpu_gain` per second once the window shows the CPU over the target, and
+    meanwhile arrivals are taken: at twice the capacity the first tenths of a second queue. With
+    `cpu_feed_forward`, the arrivals over the window set a floor under the fraction at once:
 
         cost = utilisation * d wall / admitted          (learned while nothing is shed, below the target)
         predicted = arrivals * cost / d wall            (the utilisation taking every arrival would need)
-        floor = 1 - target_utilisation / predicted      (when predicted > 1: past the whole CPU; else 0)
+        floor = 1 - target_utilisation / predicted      (when predicted > 1 and utilisation >= target)
 
-    `cost` is an exponential average over the samples with at least `_MIN_ADMITTED` admitted arrivals in
-    the window, taken while both the utilisation and the prediction are under the target (a rising load's
-    CPU is not yet in the window: it would pull the cost down just when it is needed). Under the whole CPU
-    the floor is 0, since the count of one window varies by chance and the controller decides there. The
-    floor ignores what a refusal costs, so in steady overload the controller's own fraction is above it;
-    it matters while the controller catches up, and falls with the arrivals. `shed()` refuses the larger of
-    the two (`shed_fraction`) deterministically by error diffusion: each arrival adds it to a credit, and
-    one whose credit reaches 1 is shed.
+    `cost` is an exponential average over the samples with at least `_MIN_ADMITTED` admitted arrivals in the
+    window, taken while both the utilisation and the prediction are under the target (a rising load's CPU is
+    not yet in the window: it would pull the cost down just when it is needed). Under the whole CPU the floor
+    is 0, since the count of one window varies by chance and the controller decides there; and under the
+    target, since an arrival's CPU may be spread over more than the window (a long stream), so a burst is no
+    overload until the CPU shows it. From there the floor jumps where the controller would climb at `cpu_gain`
+    per second. The floor ignores what a refusal costs, so in steady overload the controller's own fraction is
+    above it; it matters while the controller catches up, and falls with the arrivals. `shed()` refuses the
+    larger of the two (`shed_fraction`) deterministically by error diffusion: each arrival adds it to a
+    credit, and one whose credit reaches 1 is shed.
     """
 
     def __init__(
@@ -196,9 +198,12 @@ class CpuShedder:
             # Steady and under the target: the window's CPU is its arrivals' (a rising load's is not yet).
             cost = self.utilisation * wall / admitted
             self.cost = cost if self.cost == 0 else self.cost + _COST_WEIGHT * (cost - self.cost)
-        # Only arrivals past what the whole CPU could serve: a floor set by a window's chance count would shed
-        # below saturation.
-        self.floor = min(self._max_fraction, 1.0 - target / predicted) if predicted > 1.0 else 0.0
+        # Only arrivals past what the whole CPU could serve (a floor set by a window's chance count would shed
+        # below saturation), and only while the CPU is over the target too: a request's CPU may be spread
+        # over more than the window (a long stream), and a burst of such arrivals is no overload until the
+        # CPU shows it.
+        over = predicted > 1.0 and self.utilisation >= target
+        self.floor = min(self._max_fraction, 1.0 - target / predicted) if over else 0.0
 
     def shed(self) -> bool:
         """Whether this arriving generation request is shed (a `fraction` of arrivals are). The signal samples

@@ -501,12 +501,14 @@ def test_a_jump_in_arrivals_is_shed_as_it_arrives_at_the_cost_learned_before() -
     assert not any(arrive(shed, loop, rate=40, seconds=6.0))  # the cost's average settles
     assert shed.cost == pytest.approx(0.010, rel=0.1)
     assert shed.floor == 0.0
-    # Three times what the core can serve, before the CPU shows any of it: the controller has seen nothing.
-    jump = arrive(shed, loop, rate=300, seconds=FEED.cpu_window)
-    assert shed.utilisation == pytest.approx(0.4)
-    assert shed.fraction == 0.0
+    # Three times what the core can serve, the CPU just over the target: the controller starts to climb,
+    # the floor is where it is heading at once.
+    cpu.load(loop_share=0.9, process_cores=0.9)
+    jump = arrive(shed, loop, rate=300, seconds=1.5 * FEED.cpu_window)
+    assert shed.utilisation == pytest.approx(0.9)
     # predicted = 300/s x 10 ms = 3.0 cores' worth: shed all but target / predicted of the arrivals.
     assert shed.floor == pytest.approx(1 - FEED.target_utilisation / 3.0, abs=0.08)
+    assert shed.fraction < shed.floor / 2
     assert sum(jump[-30:]) == pytest.approx(30 * shed.floor, abs=2)
     assert shed.cost == pytest.approx(0.010, rel=0.1)  # not learned from the rise
     # Back to 40 a second: the floor falls with the arrivals, once the window holds only them.
@@ -526,6 +528,19 @@ def test_arrivals_under_what_the_cpu_can_serve_set_no_floor() -> None:
     assert shed.floor == 0.0
 
 
+def test_a_burst_of_arrivals_the_cpu_does_not_show_sets_no_floor() -> None:
+    # Long streams: each arrival's CPU is spread over seconds, so a burst of them over one window is not
+    # the overload its count predicts while the CPU stays under the target.
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, cores=1, config=FEED)
+    shed.sample()
+    cpu.load(loop_share=0.4, process_cores=0.4)
+    arrive(shed, loop, rate=40, seconds=6.0)
+    assert not any(arrive(shed, loop, rate=300, seconds=FEED.cpu_window))
+    assert shed.floor == 0.0
+
+
 def test_without_feed_forward_only_the_controller_sheds() -> None:
     loop = FakeLoop()
     cpu = FakeCpu(loop)
@@ -533,8 +548,10 @@ def test_without_feed_forward_only_the_controller_sheds() -> None:
     shed.sample()
     cpu.load(loop_share=0.4, process_cores=0.4)
     arrive(shed, loop, rate=40, seconds=2.0)
-    assert not any(arrive(shed, loop, rate=300, seconds=FEED.cpu_window))
+    cpu.load(loop_share=0.9, process_cores=0.9)
+    arrive(shed, loop, rate=300, seconds=FEED.cpu_window)
     assert shed.cost == shed.floor == 0.0
+    assert 0.0 < shed.shed_fraction == shed.fraction < 0.5  # the controller climbing, alone
 
 
 async def test_the_cpu_signal_sheds_generation_requests_counted_as_cpu() -> None:

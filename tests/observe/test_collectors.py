@@ -100,7 +100,7 @@ def test_the_adaptive_limit_and_the_cpu_signal_are_shown_only_when_on() -> None:
 
     off = scrape(None, None)
     assert not [name for name, _ in off if "concurrency_limit" in name or "cpu_" in name]
-    on = scrape(SimpleNamespace(limit=12), SimpleNamespace(utilisation=0.9, fraction=0.25))
+    on = scrape(SimpleNamespace(limit=12), SimpleNamespace(utilisation=0.9, shed_fraction=0.25))
     assert on[("lockgate:concurrency_limit", ())] == 12
     assert on[("lockgate:cpu_utilisation", ())] == 0.9
     assert on[("lockgate:cpu_shed_fraction", ())] == 0.25
