@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import gc
 import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +49,7 @@ from ops.bench._overhead_report import (
 from ops.bench._servers import Server, start_gateway, start_mock
 from ops.bench.load.arrivals import arrival_times
 from ops.bench.load.plan import synthetic_prompt
+from ops.bench.load.run import quiet_gc
 from ops.bench.load.workload import Arrival
 
 T = TypeVar("T")
@@ -98,21 +97,6 @@ class Offered(msgspec.Struct, frozen=True, kw_only=True):
     lags: list[float]
 
 
-@contextlib.contextmanager
-def quiet_gc() -> Iterator[None]:
-    """No garbage collection in the load generator while it offers a step: a full one stopped it for
-    250-370 ms on a slow machine (the heap holds its imports and every earlier step's results), which
-    counted as the server's latency. Collected before instead, and what survives frozen (out of every later
-    collection's walk)."""
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 async def offer(target: Endpoint, mode: Mode, rate: float, args: argparse.Namespace, seed: int) -> Offered:
     """Offer Poisson arrivals at `rate` for `args.seconds` to one server and wait for every answer."""
     rng = random.Random(seed)
@@ -130,7 +114,7 @@ async def offer(target: Endpoint, mode: Mode, rate: float, args: argparse.Namesp
         return timed
 
     cpu_before = target.server.cpu_s()
-    with quiet_gc():
+    with quiet_gc(collect=False):
         origin = clock()
         tasks: list[asyncio.Task[Timed]] = []
         for at, payload in zip(times, bodies, strict=True):

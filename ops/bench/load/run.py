@@ -4,8 +4,10 @@ finished (a closed loop would slow down with the server and hide its queueing), 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -56,6 +58,23 @@ async def _show(progress: Progress, clock: Callable[[], float], origin: float, o
         print(progress.line(clock() - origin), file=out, flush=True)
 
 
+@contextlib.contextmanager
+def quiet_gc(*, collect: bool = True) -> Iterator[None]:
+    """The load generator's heap as it is now (imports, the plan's prompts, earlier results) out of every
+    garbage collection's walk while it offers load, or with `collect=False` no collection at all (a short
+    step): a full collection stopped it for 250-370 ms on a slow machine, and the requests it was sending or
+    reading then counted that as the server's latency."""
+    gc.collect()
+    gc.freeze()
+    if not collect:
+        gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 async def _launch(
     http: httpx.AsyncClient,
     url: str,
@@ -102,18 +121,18 @@ async def run(
     # No pool limit: a bounded pool would queue requests in the client and close the loop.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(workload.timeout, connect=min(10.0, workload.timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as http:
-        started_at, origin = time.time(), clock()
-        shower = (
-            None if progress_to is None else asyncio.create_task(_show(progress, clock, origin, progress_to))
-        )
-        try:
-            samples = await _launch(http, chat_url(base_url), plan, workload, progress, clock, origin)
-        finally:
-            if shower is not None:
-                shower.cancel()
-                await asyncio.gather(shower, return_exceptions=True)
-        duration = clock() - origin
+    with quiet_gc():
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as http:
+            started_at, origin = time.time(), clock()
+            show = None if progress_to is None else _show(progress, clock, origin, progress_to)
+            shower = None if show is None else asyncio.create_task(show)
+            try:
+                samples = await _launch(http, chat_url(base_url), plan, workload, progress, clock, origin)
+            finally:
+                if shower is not None:
+                    shower.cancel()
+                    await asyncio.gather(shower, return_exceptions=True)
+            duration = clock() - origin
     if progress_to is not None:
         print(progress.line(duration), file=progress_to, flush=True)
     return build_report(samples, workload, target=base_url, started_at=started_at, duration_s=duration)
