@@ -492,14 +492,20 @@ def arrive(shed: CpuShedder, loop: FakeLoop, rate: float, seconds: float) -> lis
 FEED = msgspec.structs.replace(CPU, lag_probe_interval=1 / 16, cpu_window=0.25)
 
 
-def test_a_jump_in_arrivals_is_shed_as_it_arrives_at_the_cost_learned_before() -> None:
+def steady(config: OverloadConfig = FEED) -> tuple[FakeLoop, FakeCpu, CpuShedder]:
+    """A signal on one core after 6 s of 40 requests a second at 10 ms of CPU each (40%), nothing shed."""
     loop = FakeLoop()
     cpu = FakeCpu(loop)
-    shed = shedder(loop, cpu, cores=1, config=FEED)
+    shed = shedder(loop, cpu, cores=1, config=config)
     shed.sample()
-    cpu.load(loop_share=0.4, process_cores=0.4)  # 40 requests a second of 10 ms each
-    assert not any(arrive(shed, loop, rate=40, seconds=6.0))  # the cost's average settles
-    assert shed.cost == pytest.approx(0.010, rel=0.1)
+    cpu.load(loop_share=0.4, process_cores=0.4)
+    assert not any(arrive(shed, loop, rate=40, seconds=6.0))
+    return loop, cpu, shed
+
+
+def test_a_jump_in_arrivals_is_shed_as_it_arrives_at_the_cost_learned_before() -> None:
+    loop, cpu, shed = steady()
+    assert shed.cost == pytest.approx(0.010, rel=0.1)  # the cost's average has settled
     assert shed.floor == 0.0
     # Three times what the core can serve, the CPU just over the target: the controller starts to climb,
     # the floor is where it is heading at once.
@@ -517,12 +523,7 @@ def test_a_jump_in_arrivals_is_shed_as_it_arrives_at_the_cost_learned_before() -
 
 
 def test_arrivals_under_what_the_cpu_can_serve_set_no_floor() -> None:
-    loop = FakeLoop()
-    cpu = FakeCpu(loop)
-    shed = shedder(loop, cpu, cores=1, config=FEED)
-    shed.sample()
-    cpu.load(loop_share=0.4, process_cores=0.4)
-    arrive(shed, loop, rate=40, seconds=2.0)
+    loop, _, shed = steady()
     # 90/s of 10 ms: over the target (the controller's part) but within the core: no floor.
     assert not any(arrive(shed, loop, rate=90, seconds=1.0))
     assert shed.floor == 0.0
@@ -531,25 +532,15 @@ def test_arrivals_under_what_the_cpu_can_serve_set_no_floor() -> None:
 def test_a_burst_of_arrivals_the_cpu_does_not_show_sets_no_floor() -> None:
     # Long streams: each arrival's CPU is spread over seconds, so a burst of them over one window is not
     # the overload its count predicts while the CPU stays under the target.
-    loop = FakeLoop()
-    cpu = FakeCpu(loop)
-    shed = shedder(loop, cpu, cores=1, config=FEED)
-    shed.sample()
-    cpu.load(loop_share=0.4, process_cores=0.4)
-    arrive(shed, loop, rate=40, seconds=6.0)
+    loop, _, shed = steady()
     assert not any(arrive(shed, loop, rate=300, seconds=FEED.cpu_window))
     assert shed.floor == 0.0
 
 
 def test_without_feed_forward_only_the_controller_sheds() -> None:
-    loop = FakeLoop()
-    cpu = FakeCpu(loop)
-    shed = shedder(loop, cpu, cores=1, config=msgspec.structs.replace(FEED, cpu_feed_forward=False))
-    shed.sample()
-    cpu.load(loop_share=0.4, process_cores=0.4)
-    arrive(shed, loop, rate=40, seconds=2.0)
+    loop, cpu, shed = steady(msgspec.structs.replace(FEED, cpu_feed_forward=False))
     cpu.load(loop_share=0.9, process_cores=0.9)
-    arrive(shed, loop, rate=300, seconds=FEED.cpu_window)
+    arrive(shed, loop, rate=300, seconds=1.5 * FEED.cpu_window)
     assert shed.cost == shed.floor == 0.0
     assert 0.0 < shed.shed_fraction == shed.fraction < 0.5  # the controller climbing, alone
 
