@@ -19,7 +19,15 @@ from litestar import Litestar
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.app import running
-from gateway.config import AuditConfig, Config, GuardConfig, ModelConfig, ServerConfig, StorageConfig
+from gateway.config import (
+    AuditConfig,
+    AuthConfig,
+    Config,
+    GuardConfig,
+    ModelConfig,
+    ServerConfig,
+    StorageConfig,
+)
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tracking import Outcome
 from gateway.overload import OverloadConfig
@@ -164,6 +172,10 @@ def make_config(**server: float | int) -> Config:
         storage=StorageConfig(sqlite_path=str(SESSION_DIR / "lockgate.sqlite3")),
         # The rules stage alone: every request passes a real cascade without a guard engine per test.
         guard=GuardConfig(default_policy="rules"),
+        # A key lookup bounded generously: on a loaded test machine a SQLite lookup took over the default
+        # second, and the request got 503 store_unavailable in a test about something else (the outage
+        # tests set their own bound).
+        auth=AuthConfig(store_timeout=30.0),
         # One audit spool per app: apps of one test session run side by side.
         audit=AuditConfig(spool_dir=str(SESSION_DIR / f"audit-spool-{uuid.uuid4().hex}")),
         # No shedding for event-loop lag or CPU: a test machine's loop runs late whenever another process
