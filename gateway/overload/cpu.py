@@ -206,9 +206,9 @@ class CpuShedder:
         self.floor = min(self._max_fraction, 1.0 - target / predicted) if over else 0.0
 
     def shed(self) -> bool:
-        """Whether this arriving generation request is shed (a `fraction` of arrivals are). The signal samples
-        first when its last sample is a probe interval old: a loop working through a backlog runs its probes
-        late, just when the fraction must rise, but the arrivals it works through keep updating it."""
+        """Whether this arriving generation request is shed (`shed_fraction` of arrivals are). The signal
+        samples first when its last sample is a probe interval old: a loop working through a backlog runs its
+        probes late, just when the fraction must rise, but the arrivals it works through keep updating it."""
         if self._samples and self._wall() - self._samples[-1][0] >= self._config.lag_probe_interval:
             self.sample()
         self._arrived += 1

@@ -64,6 +64,7 @@ def quiet_gc(*, collect: bool = True) -> Iterator[None]:
     garbage collection's walk while it offers load, or with `collect=False` no collection at all (a short
     step): a full collection stopped it for 250-370 ms on a slow machine, and the requests it was sending or
     reading then counted that as the server's latency."""
+    enabled = gc.isenabled()
     gc.collect()
     gc.freeze()
     if not collect:
@@ -71,7 +72,8 @@ def quiet_gc(*, collect: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
         gc.unfreeze()
 
 
