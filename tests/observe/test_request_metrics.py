@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.base import Usage
 from gateway.config import Config, SloConfig, SloTargets
 from gateway.generation.tracking import Outcome
-from gateway.observe.metrics import RequestMetrics
+from gateway.observe.metrics import ITL_BUCKETS, RequestMetrics, observe_all
 from gateway.observe.requestlog import log_line
 from gateway.observe.timeline import RequestTimeline
 from guard.cascade import CascadeResult, StageRun
@@ -161,3 +161,20 @@ def test_cancellations_and_stalls_are_counted_from_the_outcome_and_stay_out_of_a
     assert sample(registry, f"{p}request_outcomes_total", status="stalled") == 2
     assert sample(registry, f"{p}generation_tokens_total", tenant="acme", model="m@1") == 3
     assert sample(registry, f"{p}requests_finished_total", **{"class": "interactive"}) == 0
+
+
+def test_observing_many_at_once_exposes_what_observing_each_does() -> None:
+    # On a bound, between bounds, under the first and over the last, repeated, and none at all.
+    amounts = [0.0, 0.001, 0.0011, 0.02, 0.02, 0.025, 1.0, 79.9, 80.0, 123.4, 0.0004]
+    exposed = []
+    for observe in (lambda h, xs: [h.observe(x) for x in xs], observe_all):
+        registry = CollectorRegistry()
+        histogram = Histogram("itl", "gaps", ("model",), buckets=ITL_BUCKETS, registry=registry)
+        observe(histogram.labels("m@1"), amounts)
+        observe(histogram.labels("m@1"), [])
+        observe(histogram.labels("m@2"), amounts[:3])
+        text = generate_latest(registry).decode()
+        exposed.append("\n".join(line for line in text.splitlines() if "_created" not in line))
+    assert exposed[0] == exposed[1]
+    assert 'itl_bucket{le="0.001",model="m@1"} 3.0' in exposed[1]
+    assert 'itl_count{model="m@1"} 11.0' in exposed[1]
