@@ -225,6 +225,12 @@ def test_non_positive_stall_timeout_names_the_field(tmp_path: Path, value: str) 
     assert "server.stream_stall_timeout" in message
 
 
+@pytest.mark.parametrize("value", ["0", "-0.01"])
+def test_non_positive_lag_probe_interval_names_the_field(value: str) -> None:
+    message = config_error(None, {"LOCKGATE_OVERLOAD__LAG_PROBE_INTERVAL": value})
+    assert "overload.lag_probe_interval" in message
+
+
 @pytest.mark.parametrize("port", [0, -1, 65536, 70000])
 def test_port_out_of_range_names_the_field(tmp_path: Path, port: int) -> None:
     message = config_error(write(tmp_path, f"[server]\nport = {port}\n"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -21,7 +21,7 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Seconds between two lag probes, and how many recent probes the lag must persist through (0.5 s of
     # sustained lag by default). The CPU signal samples at each probe, so this is also how soon it reacts; a
     # probe costs a wake-up of the loop (about 2 ms of CPU a second at 100 Hz).
-    lag_probe_interval: float = 0.01
+    lag_probe_interval: Annotated[float, msgspec.Meta(gt=0)] = 0.01
     lag_window: int = 50
     # Retry-After of a shed request, in seconds (whole seconds on the wire, at least 1).
     retry_after: float = 1.0

@@ -17,6 +17,11 @@ CGROUP_MEMBERSHIP = Path("/proc/self/cgroup")
 # it this far towards the window's own figure.
 _MIN_ADMITTED = 4
 _COST_WEIGHT = 0.02
+# The last probe interval's arrivals set the floor only past this many times what the whole CPU could serve: a
+# jump, not a chance count of a few milliseconds.
+_JUMP = 1.5
+# One reading of the clocks and counts: (wall, thread, process, arrived, admitted).
+_Sample = tuple[float, float, float, int, int]
 
 
 def thread_demand() -> float:
@@ -128,10 +133,15 @@ class CpuShedder:
     is 0, since the count of one window varies by chance and the controller decides there; and under the
     target, since an arrival's CPU may be spread over more than the window (a long stream), so a burst is no
     overload until the CPU shows it. From there the floor jumps where the controller would climb at `cpu_gain`
-    per second. The floor ignores what a refusal costs, so in steady overload the controller's own fraction is
-    above it; it matters while the controller catches up, and falls with the arrivals. `shed()` refuses the
-    larger of the two (`shed_fraction`) deterministically by error diffusion: each arrival adds it to a
-    credit, and one whose credit reaches 1 is shed.
+    per second. The window's utilisation reaches the target only once the CPU has been saturated for most of
+    the window, and at a jump from idle the requests taken until then would queue: so the last probe
+    interval's arrivals and utilisation (since the newest sample at least `lag_probe_interval` old) set the
+    same floor at once where they predict more than `_JUMP` times the whole CPU (a jump, not a chance count
+    of a few milliseconds) and that interval's CPU is over the target. The floor ignores what a refusal
+    costs, so in steady overload the controller's own fraction is above it; it matters while the controller
+    catches up, and falls with the arrivals. `shed()` refuses the larger of the two (`shed_fraction`)
+    deterministically by error diffusion: each arrival adds it to a credit, and one whose credit reaches 1
+    is shed.
     """
 
     def __init__(
@@ -157,9 +167,8 @@ class CpuShedder:
         self._credit = 0.0
         self._arrived = 0
         self._admitted = 0
-        # (wall, thread, process, arrived, admitted) readings; the first is the newest at or before the
-        # window's start.
-        self._samples: deque[tuple[float, float, float, int, int]] = deque()
+        # Readings; the first is the newest at or before the window's start.
+        self._samples: deque[_Sample] = deque()
 
     @property
     def shed_fraction(self) -> float:
@@ -175,35 +184,60 @@ class CpuShedder:
         while len(samples) > 2 and samples[1][0] <= now[0] - self._config.cpu_window:
             samples.popleft()
         first = samples[0]
-        wall, thread, process = now[0] - first[0], now[1] - first[1], now[2] - first[2]
+        wall = now[0] - first[0]
         if wall <= 0:
             return
-        self.utilisation = min(1.0, max(thread / wall, process / (wall * self.cores)))
+        self.utilisation = self._busy(first, now)
         config = self._config
         error = self.utilisation - config.target_utilisation
         step = (config.cpu_gain if error > 0 else config.cpu_release_gain) * error * (now[0] - previous)
         if config.cpu_feed_forward:
-            self._feed_forward(wall, now[3] - first[3], now[4] - first[4])
+            self._learn_cost(wall, now[3] - first[3], now[4] - first[4])
+            # Only arrivals past what the whole CPU could serve (a floor set by a window's chance count would
+            # shed below saturation), and only while the CPU is over the target too: a request's CPU may be
+            # spread over more than the window (a long stream), and a burst of such arrivals is no overload
+            # until the CPU shows it.
+            self.floor = self._floor(first, now, self.utilisation, past=1.0)
+            last = self._probe_interval_before(now[0])
+            if last is not None:  # a jump, before the window shows it
+                self.floor = max(self.floor, self._floor(last, now, self._busy(last, now), past=_JUMP))
         # Invariant: 0 <= fraction <= min(1, max_shed_fraction) after every sample (and so is the floor).
         self.fraction = min(self._max_fraction, max(0.0, self.fraction + step))
 
-    def _feed_forward(self, wall: float, arrived: int, admitted: int) -> None:
-        target = self._config.target_utilisation
+    def _busy(self, since: _Sample, now: _Sample) -> float:
+        """The utilisation from sample `since` to sample `now` (a later one)."""
+        wall = now[0] - since[0]
+        return min(1.0, max((now[1] - since[1]) / wall, (now[2] - since[2]) / (wall * self.cores)))
+
+    def _learn_cost(self, wall: float, arrived: int, admitted: int) -> None:
         predicted = arrived * self.cost / wall
         if (
             self.shed_fraction == 0
             and admitted >= _MIN_ADMITTED
-            and max(self.utilisation, predicted) < target
+            and max(self.utilisation, predicted) < self._config.target_utilisation
         ):
             # Steady and under the target: the window's CPU is its arrivals' (a rising load's is not yet).
             cost = self.utilisation * wall / admitted
             self.cost = cost if self.cost == 0 else self.cost + _COST_WEIGHT * (cost - self.cost)
-        # Only arrivals past what the whole CPU could serve (a floor set by a window's chance count would shed
-        # below saturation), and only while the CPU is over the target too: a request's CPU may be spread
-        # over more than the window (a long stream), and a burst of such arrivals is no overload until the
-        # CPU shows it.
-        over = predicted > 1.0 and self.utilisation >= target
-        self.floor = min(self._max_fraction, 1.0 - target / predicted) if over else 0.0
+
+    def _floor(self, since: _Sample, now: _Sample, utilisation: float, *, past: float) -> float:
+        """The floor the arrivals from sample `since` to `now` set: `1 - target / predicted` where they
+        predict more than `past` times the whole CPU and `utilisation` is over the target, else 0."""
+        target = self._config.target_utilisation
+        predicted = (now[3] - since[3]) * self.cost / (now[0] - since[0])
+        if predicted > past and utilisation >= target:
+            return min(self._max_fraction, 1.0 - target / predicted)
+        return 0.0
+
+    def _probe_interval_before(self, now: float) -> _Sample | None:
+        """The newest sample at least a probe interval before `now` (samples come after each probe and from
+        arrivals, so two may be a fraction of a millisecond apart, and one arrival between them would look
+        like a jump); None before there is one."""
+        bound = now - self._config.lag_probe_interval
+        for sample in reversed(self._samples):
+            if sample[0] <= bound:
+                return sample
+        return None
 
     def shed(self) -> bool:
         """Whether this arriving generation request is shed (`shed_fraction` of arrivals are). The signal

@@ -537,6 +537,38 @@ def test_a_burst_of_arrivals_the_cpu_does_not_show_sets_no_floor() -> None:
     assert shed.floor == 0.0
 
 
+def test_a_jump_is_shed_within_a_probe_interval_before_the_window_shows_it() -> None:
+    loop, cpu, shed = steady()
+    cpu.load(loop_share=1.0, process_cores=1.0)  # saturated from the jump on
+    jump = arrive(shed, loop, rate=300, seconds=2 * FEED.lag_probe_interval)
+    # Half the window saturated, half at 40%: the window is still under the target, the controller idle.
+    assert shed.utilisation < FEED.target_utilisation
+    assert shed.fraction == 0.0
+    # The last probe interval: 300/s x 10 ms = 3.0 cores' worth on a saturated core.
+    assert shed.floor == pytest.approx(1 - FEED.target_utilisation / 3.0, abs=0.08)
+    assert sum(jump[-15:]) == pytest.approx(15 * shed.floor, abs=2)
+
+
+def test_a_probe_interval_of_arrivals_just_past_the_cpu_sets_no_floor() -> None:
+    loop, cpu, shed = steady()
+    cpu.load(loop_share=1.0, process_cores=1.0)
+    # 120/s x 10 ms = 1.2 cores' worth: past the core, but within what a chance count of an interval reaches.
+    assert not any(arrive(shed, loop, rate=120, seconds=2 * FEED.lag_probe_interval))
+    assert shed.floor == 0.0
+
+
+def test_samples_a_moment_apart_are_no_jump() -> None:
+    loop, cpu, shed = steady()
+    cpu.load(loop_share=1.0, process_cores=1.0)
+    loop.now += FEED.lag_probe_interval
+    shed.sample()  # a probe
+    loop.now += 0.0001
+    assert not shed.shed()  # an arrival, too soon after the probe to sample
+    loop.now += 0.0001
+    shed.sample()  # the next probe right after: one arrival in 0.2 ms is no jump to 50 cores' worth
+    assert shed.floor == 0.0
+
+
 def test_without_feed_forward_only_the_controller_sheds() -> None:
     loop, cpu, shed = steady(msgspec.structs.replace(FEED, cpu_feed_forward=False))
     cpu.load(loop_share=0.9, process_cores=0.9)
