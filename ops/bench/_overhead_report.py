@@ -42,6 +42,40 @@ class Measure(msgspec.Struct, frozen=True, kw_only=True):
     error_sample: str = ""
 
 
+class OnsetBin(msgspec.Struct, frozen=True, kw_only=True):
+    """The requests an overload step sent in one slice of its start (`start_s` seconds in, for `width_s`):
+    how many were admitted and shed, and the slowest of each (seconds; None without any)."""
+
+    start_s: float
+    width_s: float
+    admitted: int
+    shed: int
+    admitted_max: float | None
+    shed_max: float | None
+
+
+def onset_bins(sent: Sequence[tuple[float, int, float | None]], width: float, span: float) -> list[OnsetBin]:
+    """`sent` (each request's send time into the step, HTTP status, total seconds or None) in slices of
+    `width` s over the first `span` s: where the start of a jump queued."""
+    bins = []
+    for index in range(round(span / width)):
+        start = index * width
+        inside = [(status, total) for at, status, total in sent if start <= at < start + width]
+        admitted = [t for status, t in inside if status == 200 and t is not None]
+        shed = [t for status, t in inside if status == 503 and t is not None]
+        bins.append(
+            OnsetBin(
+                start_s=start,
+                width_s=width,
+                admitted=len(admitted),
+                shed=len(shed),
+                admitted_max=max(admitted, default=None),
+                shed_max=max(shed, default=None),
+            )
+        )
+    return bins
+
+
 class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     """Whole answers past saturation to one gateway: the admitted and the shed, and the mock at that rate."""
 
@@ -59,6 +93,7 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     steady_shed_latency: Latency
     mock: Measure
     shed_by_reason: dict[str, int] = {}  # the gateway's lockgate:shed_requests_total over the step
+    onset: list[OnsetBin] = []  # the step's first half second in slices (`onset_bins`)
 
     def brief(self) -> str:
         """One line of figures."""
@@ -72,7 +107,22 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
             f"{1000 * self.steady_admitted_latency.p99:.1f} ms, shed p99 "
             f"{1000 * self.steady_shed_latency.p99:.1f} ms; {self.other} other; metrics: "
             + (", ".join(f"{n} {reason}" for reason, n in sorted(self.shed_by_reason.items())) or "-")
+            + self._onset_brief()
         )
+
+    def _onset_brief(self) -> str:
+        """The onset's slowest admitted and shed request, and the slices they were sent in."""
+        parts = []
+        for kind in ("admitted", "shed"):
+            slices = [(getattr(b, f"{kind}_max"), b.start_s) for b in self.onset]
+            timed = [(worst, start) for worst, start in slices if worst is not None]
+            if timed:
+                worst, start = max(timed)
+                parts.append(f"slowest {kind} {1000 * worst:.1f} ms (sent {1000 * start:.0f} ms in)")
+        if not parts:
+            return ""
+        span = sum(b.width_s for b in self.onset)
+        return f"; in the first {span:g} s: " + ", ".join(parts)
 
 
 class Point(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,6 +42,7 @@ from ops.bench._overhead_report import (
     OverloadMeasure,
     Point,
     format_table,
+    onset_bins,
     percentiles,
     plot,
     summarise,
@@ -60,6 +61,8 @@ QUEUEING_P50_S = 0.05  # a median latency above this is queueing: saturation
 # The overload step's requests sent this long after its start: its steady state, past the onset (the load
 # jumps from nothing to twice saturation when the step begins).
 STEADY_AFTER_S = 1.0
+# ... and its start in slices: the latency of each slice's slowest request, admitted and shed.
+ONSET_BIN_S, ONSET_S = 0.05, 0.5
 SHED_SERIES = 'lockgate:shed_requests_total{reason="'
 
 
@@ -200,6 +203,11 @@ async def overload(
         steady_shed_latency=percentiles(totals(503, STEADY_AFTER_S)),
         mock=baseline,
         shed_by_reason={reason: n - before.get(reason, 0) for reason, n in after.items()},
+        onset=onset_bins(
+            [(at, r.status, r.total) for r, at in zip(offered.results, offered.sent_at, strict=True)],
+            ONSET_BIN_S,
+            ONSET_S,
+        ),
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ops.bench._overhead_report import OverheadReport
+from ops.bench._overhead_report import Latency, Measure, OverheadReport, OverloadMeasure, onset_bins
 from ops.bench.overhead import main
 
 
@@ -40,3 +40,54 @@ def test_a_quick_run_measures_the_mock_and_the_gateway(
     assert stream.marginal_cpu_per_chunk_us is not None
     assert "added p50" in printed
     assert (tmp_path / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_onset_is_sliced_by_send_time_with_the_slowest_of_each_kind() -> None:
+    sent = [
+        (0.00, 200, 0.010),
+        (0.04, 200, 0.090),  # queued at the jump
+        (0.04, 503, 0.002),
+        (0.06, 503, 0.004),
+        (0.07, 200, None),  # timed out: no total
+        (0.08, 0, None),  # transport failure
+        (0.12, 200, 0.003),  # past the span
+    ]
+    first, second = onset_bins(sent, width=0.05, span=0.1)
+    assert (first.start_s, first.admitted, first.shed) == (0.0, 2, 1)
+    assert (first.admitted_max, first.shed_max) == (0.090, 0.002)
+    assert (second.start_s, second.admitted, second.shed) == (0.05, 0, 1)
+    assert (second.admitted_max, second.shed_max) == (None, 0.004)
+    measure = OverloadMeasure(
+        target="memory",
+        offered_per_s=100.0,
+        sent=len(sent),
+        admitted=3,
+        shed=2,
+        other=2,
+        admitted_latency=Latency(p50=0.01, p99=0.09),
+        shed_latency=Latency(p50=0.002, p99=0.004),
+        steady_after_s=1.0,
+        steady_admitted_latency=Latency(p50=0.0, p99=0.0),
+        steady_shed_latency=Latency(p50=0.0, p99=0.0),
+        mock=Measure(
+            target="mock",
+            offered_per_s=100.0,
+            sent=7,
+            completed=7,
+            errors=0,
+            achieved_per_s=100.0,
+            latency=Latency(p50=0.001, p99=0.002),
+            first_chunk=None,
+            chunks=0,
+            cpu_s=0.01,
+            cpu_per_request_ms=0.1,
+            cpu_per_chunk_us=None,
+            client_lag_p99_ms=0.1,
+            saturated=False,
+        ),
+        onset=[first, second],
+    )
+    assert (
+        "in the first 0.1 s: slowest admitted 90.0 ms (sent 0 ms in), slowest shed 4.0 ms (sent 50 ms in)"
+        in (measure.brief())
+    )
