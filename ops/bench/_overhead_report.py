@@ -113,9 +113,9 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     def _onset_brief(self) -> str:
         """The onset's slowest admitted and shed request, and the slices they were sent in."""
         parts = []
-        for kind in ("admitted", "shed"):
-            slices = [(getattr(b, f"{kind}_max"), b.start_s) for b in self.onset]
-            timed = [(worst, start) for worst, start in slices if worst is not None]
+        admitted = [(b.admitted_max, b.start_s) for b in self.onset if b.admitted_max is not None]
+        shed = [(b.shed_max, b.start_s) for b in self.onset if b.shed_max is not None]
+        for kind, timed in (("admitted", admitted), ("shed", shed)):
             if timed:
                 worst, start = max(timed)
                 parts.append(f"slowest {kind} {1000 * worst:.1f} ms (sent {1000 * start:.0f} ms in)")
