@@ -55,6 +55,8 @@ def canary_pick(request_id: str, targets: Sequence[AliasTarget], salt: str = "")
     """
     if not targets:
         raise ValueError("an alias needs at least one target")
+    if len(targets) == 1:  # no split to make (and no hash to pay for on every request)
+        return targets[0].version
     point = unit_interval(f"{salt}\x00{request_id}")
     cumulative = 0.0
     for target in targets:

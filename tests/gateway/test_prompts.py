@@ -20,11 +20,13 @@ class CountingPool(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def reference_chat(renderer: PromptRenderer, messages: list[dict[str, Any]]) -> list[int]:
+def reference_chat(
+    renderer: PromptRenderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The ids as `transformers` computes them: the template's text, then the tokenizer's call."""
     tokenizer = renderer.tokenizer
     text = tokenizer.apply_chat_template(
-        messages, chat_template=renderer.template, add_generation_prompt=True, tokenize=False
+        messages, tools=tools, chat_template=renderer.template, add_generation_prompt=True, tokenize=False
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -54,3 +56,29 @@ async def test_plain_prompts_keep_the_tokenizers_special_tokens(renderer: Prompt
         for text in ["Once upon a time", "word " * INLINE_CHARS]:
             assert await local.text(text) == list(tokenizer(text, add_special_tokens=True)["input_ids"])
         assert pool.submitted == 1
+
+
+# A template that reads what `apply_chat_template` passes it: the special tokens, tools, the generation flag.
+_VARIABLES_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% if documents is none %}(no documents){% endif %}{{ eos_token }}{{ pad_token }}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_rendering_gives_the_text_transformers_renders(renderer: PromptRenderer) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Héllo"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "12 + 30?"},
+    ]
+    with ThreadPoolExecutor(1) as pool:
+        for template in [renderer.template, _VARIABLES_TEMPLATE]:
+            local = PromptRenderer(renderer.tokenizer, pool, template)
+            for messages in [turns[1:2], turns]:
+                for with_tools in [None, tools]:
+                    expected = reference_chat(local, messages, with_tools)
+                    assert await local.chat(messages, with_tools) == expected
