@@ -19,9 +19,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from litestar import Request, Response
+import msgspec
+from litestar import MediaType, Request, Response
 from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import (
+    ASGIApp,
+    HTTPResponseBodyEvent,
+    HTTPResponseStartEvent,
+    Receive,
+    Scope,
+    Send,
+)
 
 from gateway.decoding import read_body
 from gateway.errors import exception_handlers
@@ -34,6 +42,7 @@ if TYPE_CHECKING:
     from litestar import Litestar
 
 Kind = Literal["chat", "completion"]
+_encode = msgspec.json.Encoder().encode
 FAST_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -84,6 +93,44 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
             response = await generate(kind, services, request, principal)
         except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
             response = _handler_for(handlers, exc)(request, exc)
-        await response.to_asgi_response(None, request)(scope, receive, send)
+        if not await send_encoded(response, send):
+            await response.to_asgi_response(None, request)(scope, receive, send)
 
     return asgi
+
+
+async def send_encoded(response: Response[Any], send: Send) -> bool:
+    """Send a plain JSON response of bytes or a msgspec Struct (every whole answer and error) as the two ASGI
+    messages Litestar's response would send: the same body, the same headers in the same order (its own, then
+    content type and length), without building Litestar's response object. False (nothing sent) for
+    anything else: streams, cookies, background tasks."""
+    content = response.content
+    status = response.status_code or 200
+    if (
+        type(response) is not Response
+        or not isinstance(content, bytes | msgspec.Struct)
+        or (response.media_type or MediaType.JSON) != MediaType.JSON
+        or response.cookies
+        or response.background is not None
+        or status in (204, 304)
+        or status < 200
+    ):
+        return False
+    body = content if isinstance(content, bytes) else _encode(content)
+    headers = [
+        (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in response.headers.items()
+    ]
+    present = {name for name, _ in headers}
+    if b"content-type" not in present:
+        headers.append((b"content-type", b"application/json"))
+    if b"content-length" not in present:
+        headers.append((b"content-length", str(len(body)).encode()))
+    start: HTTPResponseStartEvent = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": headers,
+    }
+    end: HTTPResponseBodyEvent = {"type": "http.response.body", "body": body, "more_body": False}
+    await send(start)
+    await send(end)
+    return True

@@ -7,10 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+from litestar import MediaType, Request, Response
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
+from gateway.fastpath import send_encoded
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, lifespan, make_config
 
@@ -63,3 +66,49 @@ async def test_the_fast_path_and_the_litestar_route_answer_alike(
     # The same headers in the same order (values such as ids and remaining quota differ per request).
     assert [name for name, _ in fast.headers.raw] == [name for name, _ in routed.headers.raw]
     assert fast.headers["content-length"] == str(len(fast.content))
+
+
+class _Answer(msgspec.Struct, frozen=True):
+    id: str
+    text: str
+    tokens: list[int]
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        Response(
+            content=_Answer(id="a", text="héllo \u2028", tokens=[1, 2]), headers={"X-Lockgate-Model": "m@1"}
+        ),
+        Response(content=b'{"error":{}}', status_code=429, headers={"Retry-After": "1"}),
+        Response(content=b"", status_code=499),
+        Response(content=b"{}", headers={"content-type": "application/json; charset=utf-8"}),
+    ],
+    ids=["struct", "error", "client-closed", "own-content-type"],
+)
+async def test_an_encoded_response_sends_what_litestars_sends(response: Response[Any]) -> None:
+    messages: list[Any] = []
+    sent: list[Any] = []
+
+    async def record(into: list[Any], message: Any) -> None:
+        into.append(message)
+
+    request: Request[Any, Any, Any] = Request({"type": "http", "method": "POST", "headers": [], "state": {}})
+    await response.to_asgi_response(None, request)(request.scope, _nothing, lambda m: record(messages, m))
+    assert await send_encoded(response, lambda m: record(sent, m))
+    assert sent == messages
+
+
+async def test_a_stream_is_not_sent_encoded() -> None:
+    async def chunks() -> Any:
+        yield b"data: 1\n\n"
+
+    assert not await send_encoded(Response(content=chunks(), media_type=MediaType.TEXT), _never_sent)
+
+
+async def _nothing() -> Any:
+    raise AssertionError("nothing is received")
+
+
+async def _never_sent(message: Any) -> None:
+    raise AssertionError(f"sent {message}")
