@@ -12,11 +12,11 @@ import secrets
 from typing import Any
 
 from litestar import Request
-from litestar.datastructures import MutableScopeHeaders
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = "x-request-id"
+_NAME = HEADER.encode()
 _STATE_KEY = "lockgate_request_id"
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 
@@ -58,10 +58,14 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
             return
         request_id = _inbound(scope) or new_request_id()
         scope.setdefault("state", {})[_STATE_KEY] = request_id
+        header = (_NAME, request_id.encode())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableScopeHeaders.from_message(message)[HEADER] = request_id
+                # Set, not added: one the app wrote itself is replaced.
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != _NAME]
+                headers.append(header)
+                message["headers"] = headers
             await send(message)
 
         await app(scope, receive, send_with_id)
