@@ -93,7 +93,8 @@ async def test_an_encoded_response_sends_what_litestars_sends(response: Response
     async def record(into: list[Any], message: Any) -> None:
         into.append(message)
 
-    request: Request[Any, Any, Any] = Request({"type": "http", "method": "POST", "headers": [], "state": {}})
+    scope: Any = {"type": "http", "method": "POST", "headers": [], "state": {}}
+    request: Request[Any, Any, Any] = Request(scope)
     await response.to_asgi_response(None, request)(request.scope, _nothing, lambda m: record(messages, m))
     assert await send_encoded(response, lambda m: record(sent, m))
     assert sent == messages
