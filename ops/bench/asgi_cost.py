@@ -1,0 +1,168 @@
+"""The gateway's own cost per request, without sockets: chat requests driven straight into its ASGI app.
+
+    python -m ops.bench.asgi_cost [--mode whole|stream] [--requests 3000] [--quota memory|redis]
+    valgrind --tool=callgrind --instr-atstart=no python -m ops.bench.asgi_cost --callgrind --requests 200
+
+The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none`, a tenant with quotas on
+both scopes, the CPU shedding off), each request sent one after the other in this process: no HTTP parsing,
+no socket, no load generator sharing the core, so what is measured is the app's work per request (auth,
+quota, template and tokenizer, admission, the engine's stream, metrics, the response). It prints the CPU per
+request over the run and the fastest and median of its 100-request batches. On a shared machine those move
+by 10-30% between runs; under callgrind (`--callgrind` turns its instrumentation on for the measured
+requests only) the instruction count per request repeats within about 0.5%, which is what a change to the
+hot path is compared by: `Collected` over `--requests`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ops.bench._servers import _provision, gateway_env
+from ops.bench.overhead import body
+
+_BATCH = 100
+_WARMUP = 200
+
+
+class _Driver:
+    """One app, its lifespan, and requests sent into it as ASGI calls."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.headers = [
+            (b"host", b"gateway"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-type", b"application/json"),
+        ]
+        self._life: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+        self._said: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _lifespan(self, event: str) -> None:
+        await self._life.put({"type": f"lifespan.{event}"})
+        said = await self._said.get()
+        if said["type"] != f"lifespan.{event}.complete":
+            raise RuntimeError(f"lifespan {event} failed: {said}")
+
+    async def start(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        self._task = asyncio.create_task(self.app(scope, self._life.get, self._said.put))
+        await self._lifespan("startup")
+
+    async def stop(self) -> None:
+        await self._lifespan("shutdown")
+        if self._task is not None:
+            await self._task
+
+    async def send(self, payload: bytes) -> int:
+        """One chat request; its status."""
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [*self.headers, (b"content-length", str(len(payload)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "state": {},
+        }
+        received = False
+        never = asyncio.Event()
+        status = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            if received:  # the client stays connected
+                await never.wait()
+            received = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await self.app(scope, receive, send)
+        return status
+
+
+def _callgrind(state: str) -> None:
+    subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
+    """CPU seconds per request of each batch (in order), after a warm-up."""
+    from gateway.app import create_app
+    from gateway.config import load_config
+
+    env = {**gateway_env(args.quota, 8000, workdir, "none"), "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
+    key = await _provision(env, "bench-asgi")
+    driver = _Driver(create_app(load_config(env=env)), key)
+    payloads = [body(i, args.mode, args.model, 20, 16, 7) for i in range(_WARMUP + args.requests)]
+    await driver.start()
+    try:
+        for payload in payloads[:_WARMUP]:
+            if (status := await driver.send(payload)) != 200:
+                raise RuntimeError(f"warm-up request answered {status}")
+        gc.collect()
+        gc.freeze()
+        if args.callgrind:
+            _callgrind("on")
+        batches = []
+        failed = 0
+        measured = payloads[_WARMUP:]
+        for start in range(0, len(measured), _BATCH):
+            batch = measured[start : start + _BATCH]
+            cpu = time.process_time()
+            for payload in batch:
+                failed += await driver.send(payload) != 200
+            batches.append((time.process_time() - cpu) / len(batch))
+        if args.callgrind:
+            _callgrind("off")
+        if failed:  # the cost of failing requests is not the hot path's
+            raise RuntimeError(f"{failed} of {len(measured)} requests were not answered 200")
+        return batches
+    finally:
+        await driver.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, drive the requests, print the CPU per request."""
+    import uvloop
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.asgi_cost", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--mode", choices=["whole", "stream"], default="whole")
+    parser.add_argument("--requests", type=int, default=3000, help="measured requests (3000)")
+    parser.add_argument("--quota", choices=["memory", "redis"], default="memory")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
+    parser.add_argument("--callgrind", action="store_true", help="count instructions of the measured part")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="lockgate-asgi-") as tmp:
+        batches = uvloop.run(run(args, Path(tmp)))
+    ordered = [1e6 * b for b in sorted(batches)]
+    mean = 1e6 * sum(batches) / len(batches)
+    print(
+        f"{args.mode}, {args.quota} quotas, {args.requests} requests: {mean:.0f} us CPU per request "
+        f"(100-request batches: fastest {ordered[0]:.0f} us, median {ordered[len(ordered) // 2]:.0f} us)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""`python -m ops.bench.asgi_cost`: chat requests driven into the gateway's ASGI app, whole and streamed, all
+answered 200, and the CPU per request printed (never asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ops.bench.asgi_cost import main
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream"])
+def test_a_short_run_prints_the_cpu_per_request(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--mode", mode, "--requests", "150"]) == 0
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print(printed)
+    line = re.search(
+        rf"^{mode}, memory quotas, 150 requests: (\d+) us CPU per request \(100-request batches: "
+        r"fastest (\d+) us, median (\d+) us\)$",
+        printed,
+        re.MULTILINE,
+    )
+    assert line is not None, printed
+    assert all(int(figure) > 0 for figure in line.groups())
