@@ -24,6 +24,8 @@ from gateway.generation.pieces import piecewise_encoder
 # 242 us, 1,024 characters 410 us; the hand-off to the pool costs the loop about 70 us and lets a longer
 # prompt encode on another core (the Rust encoder releases the GIL), so only short ones stay: at most ~150 us.
 INLINE_CHARS = 256
+# Chat messages (and tools) as the template reads them.
+Messages = list[dict[str, Any]]
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -74,7 +76,7 @@ class PromptRenderer:
         system message, see gateway/generation/tools.py)."""
         return "tools" in self.template
 
-    def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _chat(self, messages: Messages, tools: Messages | None) -> list[int]:
         # The template already wrote every special token the model expects.
         return self._encode_rendered(self._render(messages, tools))
 
@@ -87,9 +89,7 @@ class PromptRenderer:
             self.executor, lambda: str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
         )
 
-    async def chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
+    async def chat(self, messages: Messages, tools: Messages | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, for a template that renders them) rendered with the chat
         template and a generation prompt."""
         if tools is None and _short(messages):
@@ -103,7 +103,7 @@ class PromptRenderer:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self._text, text)
 
 
-def _short(messages: list[dict[str, Any]]) -> bool:
+def _short(messages: Messages) -> bool:
     """Whether `messages` are plain text of at most `INLINE_CHARS` characters in all."""
     size = 0
     for message in messages:
@@ -112,9 +112,6 @@ def _short(messages: list[dict[str, Any]]) -> bool:
             return False
         size += len(content)
     return size <= INLINE_CHARS
-
-
-Messages = list[dict[str, Any]]
 
 
 def _renderer(tokenizer: Any, template: str) -> Callable[[Messages, Messages | None], str]:

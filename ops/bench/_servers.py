@@ -127,7 +127,7 @@ def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, s
     }
 
 
-async def _provision(env: dict[str, str], tenant_id: str) -> str:
+async def provision(env: dict[str, str], tenant_id: str) -> str:
     """A tenant with (huge) quotas on both scopes and a consumer key; the key's plaintext."""
     from gateway.app import open_tenant_store
     from gateway.config import load_config
@@ -166,7 +166,7 @@ async def start_gateway(
     is added to its environment, and `target` names it (default: the quota store)."""
     port = free_port()
     environ = {**gateway_env(quota, port, workdir, guard), **(env or {})}
-    key = await _provision(environ, f"bench-{secrets.token_hex(4)}")
+    key = await provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
     proc = _spawn(["-m", "gateway.cli", "serve", "--workers", str(workers)], environ, cores, log)
     return await _ready(Server(target or quota, proc, port, key), "/readyz", 300, log)

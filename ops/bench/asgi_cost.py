@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ops.bench._servers import _provision, gateway_env
+from ops.bench._servers import gateway_env, provision
 from ops.bench.overhead import body
 
 _BATCH = 100
@@ -34,7 +34,7 @@ _WARMUP = 200
 
 
 class _Driver:
-    """One app, its lifespan, and requests sent into it as ASGI calls."""
+    """Requests sent into one app as ASGI calls, with a consumer key."""
 
     def __init__(self, app: Any, key: str) -> None:
         self.app = app
@@ -43,25 +43,6 @@ class _Driver:
             (b"authorization", f"Bearer {key}".encode()),
             (b"content-type", b"application/json"),
         ]
-        self._life: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-        self._said: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
-
-    async def _lifespan(self, event: str) -> None:
-        await self._life.put({"type": f"lifespan.{event}"})
-        said = await self._said.get()
-        if said["type"] != f"lifespan.{event}.complete":
-            raise RuntimeError(f"lifespan {event} failed: {said}")
-
-    async def start(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-        self._task = asyncio.create_task(self.app(scope, self._life.get, self._said.put))
-        await self._lifespan("startup")
-
-    async def stop(self) -> None:
-        await self._lifespan("shutdown")
-        if self._task is not None:
-            await self._task
 
     async def send(self, payload: bytes) -> int:
         """One chat request; its status."""
@@ -106,15 +87,16 @@ def _callgrind(state: str) -> None:
 
 async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
     """CPU seconds per request of each batch (in order), after a warm-up."""
-    from gateway.app import create_app
+    from gateway.app import create_app, running
     from gateway.config import load_config
 
+    # The port is never bound: requests go straight into the app.
     env = {**gateway_env(args.quota, 8000, workdir, "none"), "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
-    key = await _provision(env, "bench-asgi")
-    driver = _Driver(create_app(load_config(env=env)), key)
+    key = await provision(env, "bench-asgi")
+    app = create_app(load_config(env=env))
+    driver = _Driver(app, key)
     payloads = [body(i, args.mode, args.model, 20, 16, 7) for i in range(_WARMUP + args.requests)]
-    await driver.start()
-    try:
+    async with running(app):
         for payload in payloads[:_WARMUP]:
             if (status := await driver.send(payload)) != 200:
                 raise RuntimeError(f"warm-up request answered {status}")
@@ -136,8 +118,6 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
         if failed:  # the cost of failing requests is not the hot path's
             raise RuntimeError(f"{failed} of {len(measured)} requests were not answered 200")
         return batches
-    finally:
-        await driver.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
