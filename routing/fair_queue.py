@@ -294,6 +294,22 @@ class FairQueue:
 
     def push(self, ticket: Ticket, now: float) -> None:
         """Queue `ticket` or refuse it (`QueueFullError` past a bound, `DeadlineUnmeetableError` too late)."""
+        self._admissible(ticket, now)
+        self._insert(ticket)
+
+    def start(self, ticket: Ticket, now: float) -> None:
+        """Dispatch `ticket` without queueing it: what `push(ticket, now)` then `pop(now)` do while nothing
+        is queued (the same refusals, counters and virtual time), without the heaps' work. The caller has
+        room for it now and must later call `finish(request_id)` once, however the request ends."""
+        if self._queued:
+            raise ValueError("tickets are queued: a new one must be pushed behind them")
+        # With nothing queued the predicted wait is 0: a deadline already past is refused here, never expired.
+        self._admissible(ticket, now)
+        state = self._enter(ticket)
+        self._seq += 1  # the push's sequence number, as `_insert` takes it
+        self._dispatched(state, ticket)
+
+    def _admissible(self, ticket: Ticket, now: float) -> None:
         if ticket.request_id in self._queued or ticket.request_id in self._in_flight:
             raise ValueError(f"request {ticket.request_id} is already queued or in flight")
         if not ticket.tenant_weight > 0 or ticket.prompt_tokens < 0 or ticket.max_tokens < 0:
@@ -310,13 +326,13 @@ class FairQueue:
         left = ticket.deadline - now
         if wait > left:
             raise DeadlineUnmeetableError(retry_after=wait - left, predicted_wait=wait)
-        self._insert(ticket)
 
     def _next_slot(self, work: int, count: int, share: float) -> float:
         # Seconds until one of `count` tickets holding `work` is served, at `share` x their fair rate.
         return max(work / max(count, 1) * share / self._rate.rate, 1e-3)
 
-    def _insert(self, ticket: Ticket) -> None:
+    def _enter(self, ticket: Ticket) -> _Tenant:
+        """The ticket's tenant, active, at the ticket's weight."""
         state = self._tenants.get(ticket.tenant)
         if state is None:
             state = self._tenants[ticket.tenant] = _Tenant(ticket.tenant, ticket.tenant_weight)
@@ -326,6 +342,10 @@ class FairQueue:
             if ticket.tenant in self._classes[klass].tenants:
                 self._classes[klass].weight += ticket.tenant_weight - state.weight
         state.weight = ticket.tenant_weight
+        return state
+
+    def _insert(self, ticket: Ticket) -> None:
+        state = self._enter(ticket)
         self._seq += 1
         rid, cls = ticket.request_id, self._classes[ticket.klass]
         if ticket.tenant not in cls.tenants:
@@ -358,14 +378,17 @@ class FairQueue:
         ticket = self.peek(now)
         if ticket is None:
             return None
-        state = self._tenants[ticket.tenant]
-        rid = ticket.request_id
         # In flight before leaving the queue, so the tenant stays active through the handover.
-        state.in_flight += 1
-        self._in_flight[rid] = ticket.tenant
-        self._unqueue(rid)
-        self._charge(state, ticket.prompt_tokens * self._config.w_in)
+        self._dispatched(self._tenants[ticket.tenant], ticket, queued=True)
         return ticket
+
+    def _dispatched(self, state: _Tenant, ticket: Ticket, *, queued: bool = False) -> None:
+        """`ticket` goes in flight (out of the queue if `queued`), its input charged."""
+        state.in_flight += 1
+        self._in_flight[ticket.request_id] = ticket.tenant
+        if queued:
+            self._unqueue(ticket.request_id)
+        self._charge(state, ticket.prompt_tokens * self._config.w_in)
 
     def _choose_class(self, now: float) -> Klass | None:
         interactive, batch = self._classes["interactive"], self._classes["batch"]

@@ -74,6 +74,13 @@ def session_key(headers: Mapping[str, str], user: str | None, *, tenant: str = "
     return f"{tenant}\x00{key}" if key else None
 
 
+def reserve(request: RouteRequest, replica: Replica) -> None:
+    """Hold the request's KV on `replica` (its prompt and growth reserve) until `Replica.release`."""
+    replica.reserve(
+        request.request_id, len(request.prompt_token_ids), replica.growth_reserve(request.max_tokens)
+    )
+
+
 def may_fail_over(exc: BaseException, *, first_token_sent: bool, attempt: int) -> bool:
     """Whether a request that failed with `exc` on attempt `attempt` (1 = first) is retried on another
     replica: only before its first token, only for the replica's fault (dead, overloaded, connection
@@ -150,9 +157,7 @@ class Router:
         `Replica.release(request.request_id)` when the request ends)."""
         replica = self.choose(request, replicas, now, exclude=exclude)
         if replica is not None:
-            replica.reserve(
-                request.request_id, len(request.prompt_token_ids), replica.growth_reserve(request.max_tokens)
-            )
+            reserve(request, replica)
         return replica
 
     def forget(self, replica_id: str) -> None:

@@ -5,9 +5,11 @@ needs (one `FairQueue` per weights hash: replicas that serve the same weights ar
 refuse it at once (`QueueFullError`, `DeadlineUnmeetableError`); then the dispatcher takes tickets in fair
 order and hands each one the replica the router picks, with the ticket's KV budget reserved there. The
 head of a queue waits until some replica has room for it (strict order: a smaller ticket behind it does not
-overtake, or fairness would not hold). Dispatch runs whenever something changes: a ticket arrives, a lease
-is released, replicas report load (the refresh loop), or the earliest queued deadline passes; a ticket whose
-deadline passes while queued is answered with `DeadlineExpiredError`.
+overtake, or fairness would not hold). A ticket that finds nothing of its weights queued and a replica with
+room is dispatched at once, without entering the heaps (`FairQueue.start`: the accounting of a push and a
+pop, which would give it the same replica). Dispatch runs whenever something changes: a ticket arrives, a
+lease is released, replicas report load (the refresh loop), or the earliest queued deadline passes; a
+ticket whose deadline passes while queued is answered with `DeadlineExpiredError`.
 
 A lease lasts until the request ends, however it ends: `Lease.release()` frees its KV budget on the replica,
 finishes it in the fair queue and reports the work done to the queue's service rate. While it runs,
@@ -34,7 +36,7 @@ from collections.abc import Callable, Sequence
 from routing.admission_config import AdmissionConfig, AdmissionError, Klass, Ticket
 from routing.fair_queue import FairQueue
 from routing.replicas import Replica
-from routing.router import NoHealthyReplicaError, Router, RouteRequest
+from routing.router import NoHealthyReplicaError, Router, RouteRequest, reserve
 
 log = logging.getLogger("lockgate.routing")
 
@@ -155,6 +157,8 @@ class Scheduler:
             error.retry_after = float(min(waits)) if waits else None
             raise error
         queue = self.queue(route.weights_sha256)
+        if not len(queue) and (lease := self._start(queue, ticket, route)) is not None:
+            return lease
         queue.push(ticket, self._clock())
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = _Waiter(ticket, route, future)
@@ -170,6 +174,18 @@ class Scheduler:
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()
             raise
+
+    def _start(self, queue: FairQueue, ticket: Ticket, route: RouteRequest) -> Lease | None:
+        """The lease of a ticket that nothing of its weights is queued ahead of, when a replica has room for
+        it now: the order `push` and `dispatch` would give, without the queue's heaps. None: queue it."""
+        self.settle()
+        now = self._clock()
+        replica = self._router.choose(route, self.replicas, now)
+        if replica is None:
+            return None
+        queue.start(ticket, now)
+        reserve(route, replica)
+        return Lease(self, ticket, route, replica, 0.0)
 
     def settle(self) -> None:
         """Charge the tokens leases observed since the last call: to each tenant's virtual counter (one charge

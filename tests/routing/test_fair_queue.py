@@ -381,6 +381,33 @@ def test_service_rate_follows_record_service_and_drives_prediction() -> None:
 # -- removal and consistency ---------------------------------------------------------------------------
 
 
+def test_start_is_a_push_and_a_pop_with_nothing_queued() -> None:
+    cfg = config()
+    started, pushed = FairQueue(cfg), FairQueue(cfg)
+    for queue in (started, pushed):
+        # Tenant "a" was served and is still in flight: "b" starts at the virtual time, a's counter.
+        queue.push(ticket("a", request_id="served"), 0.0)
+        serve(queue, output=50)
+        queue.push(ticket("a", request_id="held", arrival=1.0), 1.0)
+        assert queue.pop(1.0) is not None
+    late = ticket("b", weight=2.0, request_id="b1", arrival=1.0, prompt=30)
+    started.start(late, 1.0)
+    pushed.push(late, 1.0)
+    assert pushed.pop(1.0) == late
+    for queue in (started, pushed):
+        assert len(queue) == 0
+        assert queue.in_flight("b") == 1
+    assert started.counter("b") == pushed.counter("b") == pushed.counter("a") + 30 * cfg.w_in / 2.0
+    # Refused as a push is; never ahead of a queued ticket.
+    with pytest.raises(ValueError, match="already queued or in flight"):
+        started.start(late, 1.0)
+    with pytest.raises(DeadlineUnmeetableError):
+        started.start(ticket("c", arrival=1.0, deadline=0.5), 1.0)
+    started.push(ticket("c", arrival=1.0), 1.0)
+    with pytest.raises(ValueError, match="tickets are queued"):
+        started.start(ticket("d", arrival=1.0), 1.0)
+
+
 def test_remove_at_any_position() -> None:
     queue = FairQueue(config())
     pushed = [ticket("a", deadline=float(d)) for d in range(1, 8)]
@@ -482,6 +509,9 @@ operation = st.one_of(
         st.integers(0, 30),
     ),
     st.tuples(st.just("pop"), st.integers(0, 3)),
+    st.tuples(
+        st.just("start"), st.sampled_from(TENANTS), st.sampled_from([0.5, 1.0, 3.0]), st.integers(0, 30)
+    ),
     st.tuples(st.just("remove"), st.integers(0, 10**6)),
     st.tuples(st.just("expire"), st.integers(0, 3)),
     st.tuples(st.just("finish"), st.integers(0, 10**6)),
@@ -507,6 +537,13 @@ def test_heaps_agree_with_a_brute_force_model(ops: list[tuple[object, ...]]) -> 
                 else:
                     with pytest.raises(QueueFullError, match=expected):
                         queue.push(t, now)
+            case ("start", str(tenant), float(weight), int(prompt)) if not model.queued:
+                # Straight to in flight with nothing queued: what a push and then a pop do.
+                t = ticket(tenant, weight=weight, arrival=now, deadline=now + 5, prompt=prompt)
+                assert model.push(t) is None
+                assert model.pop(now) == t
+                queue.start(t, now)
+                assert queue.in_flight(tenant) == sum(n == tenant for n in model.in_flight.values())
             case ("pop", int(dt)):
                 now += dt
                 popped = queue.pop(now)

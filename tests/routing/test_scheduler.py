@@ -104,6 +104,26 @@ async def test_admit_returns_a_lease_at_once_when_there_is_room() -> None:
     assert replicas[0].held_tokens == 0
 
 
+async def test_a_ticket_is_queued_behind_a_waiting_one_even_when_it_would_fit() -> None:
+    # r2 needs the whole replica and waits; r3 is small enough for the room left but must not overtake.
+    scheduler, replicas, _, clock = build(200)
+    first = await scheduler.admit(ticket("r1", clock), route("r1"))
+    big = asyncio.create_task(scheduler.admit(ticket("r2", clock, prompt=100), route("r2", prompt=100)))
+    await settle()
+    small = admit(scheduler, "r3", clock, prompt=1)
+    await settle()
+    assert not big.done()
+    assert not small.done()
+    assert scheduler.depth() == 2
+    first.release()
+    granted = await big
+    assert granted.replica is replicas[0]
+    assert not small.done()
+    granted.release()
+    (await small).release()
+    assert replicas[0].held_tokens == 0
+
+
 async def test_a_ticket_waits_while_every_replica_is_full_then_gets_the_released_room() -> None:
     scheduler, replicas, _, clock = build(100, 100)
     first = await scheduler.admit(ticket("r1", clock), route("r1"))
