@@ -11,15 +11,17 @@ import os
 import queue
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import Config, ConfigError, load_config, with_workers
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import ROLES, Role
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from registry.default_guards import GuardRefs
 
 
@@ -36,22 +38,33 @@ def _serve(config: Config) -> int:
             from gateway import workers
 
             return workers.serve(config)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(config, freeze_start_up=True),
-                host=config.server.host,
-                port=config.server.port,
-                log_level=config.server.log_level,
-                lifespan="on",
-                # SIGTERM: stop accepting, let in-flight requests run this long, then cancel them (the
-                # lifespan shutdown then aborts what is left in the engine and stops it).
-                timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
-            )
-        )
-        server.run()
+        uvicorn.Server(uvicorn_config(config, create_app(config, freeze_start_up=True))).run()
     finally:
         listener.stop()
     return 0
+
+
+def uvicorn_config(config: Config, app: Callable[..., Any] | str, **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` (an ASGI app, or with `factory=True` its import path) as
+    `config` says; `options` adds to them.
+
+    No access log: the request log (`lockgate.requests`) already writes one line per request, off the event
+    loop, and says more; uvicorn's would be a second, formatted and written to stdout on the loop itself.
+    """
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        access_log=False,
+        lifespan="on",
+        # SIGTERM: stop accepting, let in-flight requests run this long, then cancel them (the lifespan
+        # shutdown then aborts what is left in the engine and stops it).
+        timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
+        **options,
+    )
 
 
 def log_off_the_loop(level: str) -> logging.handlers.QueueListener:

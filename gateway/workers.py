@@ -21,7 +21,6 @@ worker's live gauges are dropped (`mark_process_dead`), its counters stay. The d
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import socket
@@ -36,6 +35,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Multiprocess
 
+from gateway.cli import log_off_the_loop, uvicorn_config
 from gateway.config import Config
 from gateway.observe.multiproc import ENV as METRICS_ENV
 from gateway.observe.multiproc import mark_worker_dead
@@ -49,7 +49,6 @@ CONFIG_ENV = "LOCKGATE_WORKER_CONFIG"
 def app() -> Litestar:
     """The app of one worker (uvicorn's factory, called in the worker process)."""
     from gateway.app import create_app
-    from gateway.cli import log_off_the_loop
 
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=Config)
     log_off_the_loop(config.server.log_level.upper())
@@ -61,16 +60,7 @@ def serve(config: Config) -> int:
     metrics_dir = Path(tempfile.mkdtemp(prefix="lockgate-metrics-"))
     os.environ[METRICS_ENV] = str(metrics_dir)
     os.environ[CONFIG_ENV] = msgspec.json.encode(config).decode()
-    settings = uvicorn.Config(
-        f"{__name__}:app",
-        factory=True,
-        host=config.server.host,
-        port=config.server.port,
-        workers=config.server.workers,
-        log_level=config.server.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(config.server.drain_timeout),
-    )
+    settings = uvicorn_config(config, f"{__name__}:app", factory=True, workers=config.server.workers)
     listener = settings.bind_socket()
     try:
         supervisor = _Supervisor(settings, [listener], partial(mark_worker_dead, path=metrics_dir))

@@ -9,7 +9,7 @@ import httpx
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.cli import log_off_the_loop
+from gateway.cli import log_off_the_loop, uvicorn_config
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
@@ -39,3 +39,18 @@ async def test_a_warning_log_level_holds_through_the_apps_start_and_silences_the
         listener.stop()
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
+
+
+def test_uvicorn_writes_no_access_log_beside_the_request_log() -> None:
+    access = logging.getLogger("uvicorn.access")
+    saved = (access.level, access.handlers[:], access.propagate)
+    try:
+        settings = uvicorn_config(make_config(), "gateway.workers:app", factory=True)
+        assert settings.access_log is False
+        # uvicorn logs a request only where its access logger has a handler; it has none left.
+        assert not access.hasHandlers()
+        assert settings.timeout_graceful_shutdown is not None
+    finally:
+        access.setLevel(saved[0])
+        access.handlers[:] = saved[1]
+        access.propagate = saved[2]
