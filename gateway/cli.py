@@ -75,10 +75,28 @@ def log_off_the_loop(level: str) -> logging.handlers.QueueListener:
     stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s"))
     listener = logging.handlers.QueueListener(records, stderr)
     root = logging.getLogger()
-    root.handlers[:] = [logging.handlers.QueueHandler(records)]
+    root.handlers[:] = [HandOffHandler(records)]
     root.setLevel(level)
     listener.start()
     return listener
+
+
+class HandOffHandler(logging.handlers.QueueHandler):
+    """Queues records for the listener's thread. A record whose message is already a plain string (no
+    arguments, no exception: the request log's lines) is queued as it is; `QueueHandler.prepare` would
+    format it and copy it first, on the event loop, to make it what it already is."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """The record to queue: `record` itself when nothing in it needs formatting on this thread."""
+        if (
+            isinstance(record.msg, str)
+            and not record.args
+            and record.exc_info is None
+            and not record.stack_info
+        ):
+            return record
+        prepared: logging.LogRecord = super().prepare(record)
+        return prepared
 
 
 def _prepare(config: Config) -> int:

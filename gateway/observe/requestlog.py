@@ -122,4 +122,7 @@ class RequestLog:
     def write(self, t: RequestTimeline) -> None:
         """Log the line of an ended request."""
         if self._enabled and log.isEnabledFor(logging.INFO):
-            log.info(self._encoder.encode(log_line(t)).decode())
+            line = self._encoder.encode(log_line(t)).decode()
+            # `log.info` without its search of the stack for the caller's file and line, which say nothing
+            # here: the line is the same at every request end.
+            log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))

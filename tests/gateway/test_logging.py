@@ -4,12 +4,13 @@ per-request log line is not even built, and records are written by a thread of t
 from __future__ import annotations
 
 import logging
+import queue
 
 import httpx
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.cli import log_off_the_loop, uvicorn_config
+from gateway.cli import HandOffHandler, log_off_the_loop, uvicorn_config
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
@@ -21,7 +22,7 @@ async def test_a_warning_log_level_holds_through_the_apps_start_and_silences_the
     saved = (root.level, root.handlers[:])
     listener = log_off_the_loop("WARNING")
     try:
-        assert [type(h) for h in root.handlers] == [logging.handlers.QueueHandler]
+        assert [type(h) for h in root.handlers] == [HandOffHandler]
         app = create_app(
             make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
         )
@@ -54,3 +55,35 @@ def test_uvicorn_writes_no_access_log_beside_the_request_log() -> None:
         access.setLevel(saved[0])
         access.handlers[:] = saved[1]
         access.propagate = saved[2]
+
+
+def test_the_hand_off_queues_plain_records_as_they_are_and_formats_the_others_where_logged() -> None:
+    queued: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    handler = HandOffHandler(queued)
+    logger = logging.getLogger("tests.hand_off")
+    logger.propagate = False
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info('{"request_id": "r1"}')
+        plain = queued.get_nowait()
+        assert plain.getMessage() == '{"request_id": "r1"}'
+        assert plain.args == ()  # as logged: `QueueHandler.prepare` would have set None on a formatted copy
+        # Arguments are formatted now, on the caller's thread: a later change to them is not what is written.
+        items = ["first"]
+        logger.warning("items: %s", items)
+        items.append("second")
+        formatted = queued.get_nowait()
+        assert formatted.getMessage() == "items: ['first']"
+        assert formatted.args is None
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("failed")
+        failed = queued.get_nowait()
+        assert "ValueError: boom" in failed.getMessage()
+        assert failed.exc_info is None
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
