@@ -1,6 +1,7 @@
 """The gateway's own cost per request, without sockets: chat requests driven straight into its ASGI app.
 
     python -m ops.bench.asgi_cost [--mode whole|stream] [--requests 3000] [--quota memory|redis]
+                                  [--log-level warning|info]
     valgrind --tool=callgrind --instr-atstart=no python -m ops.bench.asgi_cost --callgrind --requests 200
 
 The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none`, a tenant with quotas on
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import subprocess
 import tempfile
@@ -132,13 +134,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quota", choices=["memory", "redis"], default="memory")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
     parser.add_argument("--callgrind", action="store_true", help="count instructions of the measured part")
+    parser.add_argument(
+        "--log-level",
+        choices=["warning", "info"],
+        default="warning",
+        help="the root logger's level, as `lockgate serve` sets it (warning, as the overhead bench; info, "
+        "the default of server.log_level, adds the request log line, written to /dev/null)",
+    )
     args = parser.parse_args(argv)
+    if args.log_level == "info":
+        from gateway.cli import log_off_the_loop
+
+        listener = log_off_the_loop("INFO")
+        for handler in listener.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(open(os.devnull, "w"))  # noqa: SIM115 (open until the process ends)
     with tempfile.TemporaryDirectory(prefix="lockgate-asgi-") as tmp:
         batches = uvloop.run(run(args, Path(tmp)))
     ordered = [1e6 * b for b in sorted(batches)]
     mean = 1e6 * sum(batches) / len(batches)
     print(
-        f"{args.mode}, {args.quota} quotas, {args.requests} requests: {mean:.0f} us CPU per request "
+        f"{args.mode}, {args.quota} quotas, log level {args.log_level}, {args.requests} requests: "
+        f"{mean:.0f} us CPU per request "
         f"(100-request batches: fastest {ordered[0]:.0f} us, median {ordered[len(ordered) // 2]:.0f} us)"
     )
     return 0

@@ -17,8 +17,8 @@ def test_a_short_run_prints_the_cpu_per_request(mode: str, capsys: pytest.Captur
     with capsys.disabled():
         print(printed)
     line = re.search(
-        rf"^{mode}, memory quotas, 150 requests: (\d+) us CPU per request \(100-request batches: "
-        r"fastest (\d+) us, median (\d+) us\)$",
+        rf"^{mode}, memory quotas, log level warning, 150 requests: (\d+) us CPU per request "
+        r"\(100-request batches: fastest (\d+) us, median (\d+) us\)$",
         printed,
         re.MULTILINE,
     )
