@@ -44,9 +44,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_body_bytes: int = 1_048_576
     # Seconds that in-flight requests may keep running after SIGTERM before they are aborted.
     drain_timeout: float = 30.0
-    # Engine deltas buffered per stream between engine and client; bounds memory per stream.
-    stream_buffer: int = 64
-    # Seconds a client may leave a full stream buffer undrained before it is cut off and its request aborted.
+    # Engine deltas read ahead per stream, by a task of its own, while the client reads what came before.
+    # 0: none; the task sending the stream pulls the engine as the client reads (no task, no queue).
+    stream_buffer: int = 0
+    # Seconds one write to a client may stay blocked (it stopped reading) before it is cut off and its
+    # request aborted.
     stream_stall_timeout: float = 30.0
     # Most choices (`n`) one request may ask for; quota reserves n x max_tokens.
     max_choices: int = 4
@@ -431,7 +433,6 @@ def _check(config: Config) -> None:
     positive = {
         "server.max_body_bytes": config.server.max_body_bytes,
         "server.drain_timeout": config.server.drain_timeout,
-        "server.stream_buffer": config.server.stream_buffer,
         "server.stream_stall_timeout": config.server.stream_stall_timeout,
         "server.workers": config.server.workers,
         "model.max_model_len": config.model.max_model_len,
@@ -465,6 +466,8 @@ def _check(config: Config) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"`{name}` must be > 0, got {value}")
+    if config.server.stream_buffer < 0:
+        raise ConfigError(f"`server.stream_buffer` must be >= 0, got {config.server.stream_buffer}")
     if not 0 < config.server.port < 65536:
         raise ConfigError(f"`server.port` must be in 1..65535, got {config.server.port}")
     if config.storage.backend == "postgres" and not config.storage.postgres_dsn:

@@ -225,6 +225,12 @@ def test_non_positive_stall_timeout_names_the_field(tmp_path: Path, value: str) 
     assert "server.stream_stall_timeout" in message
 
 
+def test_stream_buffer_may_be_zero_not_negative(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "[server]\nstream_buffer = 0\n"), env={}).server.stream_buffer == 0
+    message = config_error(write(tmp_path, "[server]\nstream_buffer = -1\n"))
+    assert "server.stream_buffer" in message
+
+
 @pytest.mark.parametrize("value", ["0", "-0.01"])
 def test_non_positive_lag_probe_interval_names_the_field(value: str) -> None:
     message = config_error(None, {"LOCKGATE_OVERLOAD__LAG_PROBE_INTERVAL": value})

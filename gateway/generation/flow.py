@@ -180,20 +180,30 @@ async def _produce(deltas: AsyncGenerator[EngineDelta, None], queue: asyncio.Que
         await queue.put(exc)
 
 
-async def pump(
+def pump(
     source: Source,
     tracker: RequestTracker,
     tasks: TaskSet,
     maxsize: int,
     transform: Transform | None = None,
 ) -> AsyncGenerator[EngineDelta, None]:
-    """Yield the engine's deltas through a queue of at most `maxsize` items, filled by a producer task.
+    """The engine's deltas for a stream, read at most `maxsize` ahead of the consumer.
 
-    When the queue is full the producer stops pulling the engine stream, so memory per stream stays bounded
-    whatever the client does. Closing this generator cancels the producer, which aborts the engine request.
+    0: none; the consumer pulls the tracked engine stream itself, so the engine is read only as fast as the
+    client takes what it sends (no task, no queue: each delta wakes one task, not two). Over 0: a producer
+    task fills a queue of `maxsize` deltas and stops pulling the engine stream while it is full. Either way
+    memory per stream stays bounded whatever the client does, and closing the stream aborts the engine
+    request (over 0, by cancelling the producer).
     """
+    tracked = _through(source, tracker, transform)
+    return tracked if maxsize == 0 else _buffered(tracked, tasks, maxsize)
+
+
+async def _buffered(
+    tracked: AsyncGenerator[EngineDelta, None], tasks: TaskSet, maxsize: int
+) -> AsyncGenerator[EngineDelta, None]:
     queue: asyncio.Queue[object] = asyncio.Queue(maxsize)
-    producer = tasks.spawn(_produce(_through(source, tracker, transform), queue))
+    producer = tasks.spawn(_produce(tracked, queue))
     try:
         while (item := await queue.get()) is not _END:
             if isinstance(item, Exception):

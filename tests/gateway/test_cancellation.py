@@ -213,10 +213,15 @@ def http_scope(path: str, key: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("buffer", [0, 4])
 async def test_stalled_reader_is_cut_off_and_its_request_aborted(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+    vllm_engine: VllmLocalEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+    buffer: int,
 ) -> None:
-    config = make_config(stream_stall_timeout=0.5, stream_buffer=4)
+    config = make_config(stream_stall_timeout=0.5, stream_buffer=buffer)
     app: Litestar = create_app(
         config, engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
     )

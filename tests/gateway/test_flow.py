@@ -68,10 +68,32 @@ async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
 
 
-async def test_pump_delivers_everything_and_reports_completion(sim_engine: SimulatedEngine) -> None:
+async def test_pump_without_a_buffer_reads_the_engine_only_as_the_client_takes_it(
+    sim_engine: SimulatedEngine,
+) -> None:
     counting = Counting()
     tasks = TaskSet()
-    deltas = [d async for d in pump(sim_engine.generate(request(12)), counting.tracker, tasks, maxsize=2)]
+    stream = pump(sim_engine.generate(request(1000)), counting.tracker, tasks, maxsize=0)
+    for _ in range(3):
+        await anext(stream)
+    await asyncio.sleep(0.1)  # the simulator steps every 2 ms: nothing pulls what it generates meanwhile
+    assert counting.seen == 3
+    await stream.aclose()
+    [outcome] = counting.outcomes
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens == 3
+    load = await sim_engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("maxsize", [0, 2])
+async def test_pump_delivers_everything_and_reports_completion(
+    sim_engine: SimulatedEngine, maxsize: int
+) -> None:
+    counting = Counting()
+    tasks = TaskSet()
+    stream = pump(sim_engine.generate(request(12)), counting.tracker, tasks, maxsize=maxsize)
+    deltas = [d async for d in stream]
     assert sum(len(d.token_ids) for d in deltas) == 12
     assert deltas[-1].finish_reason == "length"
     await tasks.cancel_all()
@@ -178,8 +200,9 @@ async def test_a_disconnect_after_the_work_finished_cancels_nothing() -> None:
     assert await caller() == "done"
 
 
+@pytest.mark.parametrize("maxsize", [0, 3])
 async def test_an_unexpected_error_between_engine_and_client_reaches_the_consumer(
-    sim_engine: SimulatedEngine,
+    sim_engine: SimulatedEngine, maxsize: int
 ) -> None:
     # A transform (the output guard) that breaks must not leave the consumer waiting on a dead producer.
     async def broken(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
@@ -190,7 +213,9 @@ async def test_an_unexpected_error_between_engine_and_client_reaches_the_consume
 
     counting = Counting()
     tasks = TaskSet()
-    stream = pump(sim_engine.generate(request(100)), counting.tracker, tasks, maxsize=3, transform=broken)
+    stream = pump(
+        sim_engine.generate(request(100)), counting.tracker, tasks, maxsize=maxsize, transform=broken
+    )
     await anext(stream)
     with pytest.raises(RuntimeError, match="moderator bug"):
         await anext(stream)
