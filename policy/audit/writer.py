@@ -27,6 +27,12 @@ has not caught up) and `AuditBufferFullError` when `buffer_size` drafts wait; `I
 checked at submission: what was accepted before it was reached is still spooled, so the spool can exceed it
 by at most the buffered drafts.
 
+Refusals keep a reserve: a draft that refuses a request (`block`, `refuse`, `deny`: the request is refused
+whether or not it is recorded, so the caller has nothing left to decide) is accepted past both bounds by an
+eighth more of each (`REFUSAL_RESERVE`). While the trail is full, allows are refused or served unaudited by
+their fail mode and stop filling it, and the refusals that follow (those fail-closed refusals among them)
+are still recorded until the reserve too is full.
+
     AuditWriterError
      ├── AuditBackpressureError
      │    ├── AuditSpoolFullError
@@ -53,6 +59,11 @@ from policy.audit.records import AuditDraft, normalize
 from policy.audit.spool import Spool
 
 log = logging.getLogger("lockgate.audit")
+
+# Decisions that refuse the request, and the share of `spool_max_bytes` and `buffer_size` they may use beyond
+# them (module docstring).
+REFUSALS = frozenset({"block", "refuse", "deny"})
+REFUSAL_RESERVE = 1 / 8
 Clock = Callable[[], float]
 Sleep = Callable[[float], Coroutine[Any, Any, None]]
 
@@ -184,9 +195,10 @@ class AuditWriter:
         if self._task is None or self._closing:
             raise AuditWriterClosedError("the audit writer is not running")
         clean = normalize(draft)
-        if not self._direct and self._spool.pending_bytes >= self._spool_max_bytes:
+        scale = 1.0 + REFUSAL_RESERVE if clean.decision in REFUSALS else 1.0
+        if not self._direct and self._spool.pending_bytes >= self._spool_max_bytes * scale:
             raise AuditSpoolFullError(f"the audit spool is full ({self._spool.pending_bytes} bytes)")
-        if len(self._buffer) >= self._buffer_size:
+        if len(self._buffer) >= self._buffer_size * scale:
             raise AuditBufferFullError(f"{len(self._buffer)} audit drafts are waiting")
         self._buffer.append(clean)
         self._submitted += 1

@@ -132,17 +132,28 @@ class SafetyGate:
             at=self._clock(),
             severity=severities.get(decision.category),
         )
-        try:
-            self._sink(record)
-        except AuditBackpressureError:
+        if not self._recorded(record):
             # The audit trail cannot take the record now (its spool is full). A block is enforced anyway; an
-            # allow follows the policy: any category failing closed refuses the request (503), else it is
-            # served unaudited (logged and counted).
+            # allow follows the policy: any category failing closed refuses the request (503), a refusal
+            # recorded from the trail's reserve for refusals; else it is served unaudited (logged, counted).
             self.counts[(item.direction, "audit_backpressure", decision.action)] += 1
-            log.error("audit trail full: %s decision on %s not recorded", decision.action, context.request_id)
             if decision.action == "allow" and "closed" in policy.spec.fail_modes.values():
                 decision = GuardDecision(
                     direction=item.direction, action="refuse", source="fail_closed", category="audit"
                 )
+                self._recorded(
+                    msgspec.structs.replace(
+                        record, action="refuse", source="fail_closed", category="audit", severity=None
+                    )
+                )
         self.counts[(item.direction, decision.source, decision.action)] += 1
         return decision
+
+    def _recorded(self, record: GuardRecord) -> bool:
+        """Hand `record` to the sink; False (logged) when the audit trail cannot take it now."""
+        try:
+            self._sink(record)
+        except AuditBackpressureError:
+            log.error("audit trail full: %s decision on %s not recorded", record.action, record.request_id)
+            return False
+        return True

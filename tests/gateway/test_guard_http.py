@@ -21,7 +21,7 @@ from engines.simulated import SimulatedEngine, SimulatorConfig
 from gateway.app import create_app
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
-from policy.audit.writer import AuditSpoolFullError
+from policy.audit.writer import REFUSALS, AuditSpoolFullError
 from policy.quota.meter import applicable
 from policy.safety.decision import GuardRecord
 from policy.safety.defaults import rules_policy
@@ -60,14 +60,16 @@ class CountingEngine(SimulatedEngine):
 
 
 class Records:
-    """The gate's record sink; `full` makes it refuse like an audit trail whose spool is full."""
+    """The gate's record sink; `full` makes it refuse like an audit trail whose spool is full (it still takes
+    refusals, into their reserve, unless `reserve_full` too)."""
 
     def __init__(self) -> None:
         self.items: list[GuardRecord] = []
         self.full = False
+        self.reserve_full = False
 
     def __call__(self, record: GuardRecord) -> None:
-        if self.full:
+        if self.full and (self.reserve_full or record.action not in REFUSALS):
             raise AuditSpoolFullError("the audit spool is full (test)")
         self.items.append(record)
 
@@ -423,7 +425,19 @@ async def test_a_full_audit_trail_refuses_what_it_cannot_record_under_a_fail_clo
     assert refused.json()["error"]["code"] == "guard_unavailable"
     blocked = await bed.chat(BLOCKED_INPUT)
     assert blocked.status_code == 400
-    bed.records.full = False
+    # Both refusals were recorded, from the trail's reserve for refusals; the allow that could not be was not.
+    refusal, block = bed.records.items[-2:]
+    assert (refusal.action, refusal.source, refusal.category) == ("refuse", "fail_closed", "audit")
+    assert refusal.request_id == refused.headers["x-request-id"]
+    assert block.action == "block"
+    assert block.request_id == blocked.headers["x-request-id"]
+    # With the reserve full too, the answers are the same, and nothing is recorded.
+    bed.records.reserve_full = True
+    recorded = len(bed.records.items)
+    assert (await bed.chat("Tell me a story")).status_code == 503
+    assert (await bed.chat(BLOCKED_INPUT)).status_code == 400
+    assert len(bed.records.items) == recorded
+    bed.records.full = bed.records.reserve_full = False
     assert (await bed.chat("Tell me a story")).status_code == 200
 
 

@@ -245,6 +245,46 @@ async def test_spool_full_refuses_and_drops_nothing(tmp_path: Path) -> None:
         assert store.ids(tenant) == expected(range(accepted + 1), tenant)
 
 
+async def test_a_full_spool_still_takes_refusals_into_their_reserve(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.down = True
+    writer = make(store, tmp_path / "spool", batch_size=1, spool_max_bytes=3000)
+    await writer.start()
+    accepted: list[AuditDraft] = []
+    i = 0
+    while True:  # allows, until the spool is full
+        try:
+            writer.submit(draft(i))
+        except AuditSpoolFullError:
+            break
+        accepted.append(draft(i))
+        i += 1
+        await until(lambda: writer.state().buffered == 0)
+    full_at = writer.state().spooled_bytes
+    # Refusals are still taken, from an eighth more of the spool; allows are not.
+    refusals = 0
+    while True:
+        block = msgspec.structs.replace(draft(i), decision="block")
+        try:
+            writer.submit(block)
+        except AuditSpoolFullError:
+            break
+        accepted.append(block)
+        refusals += 1
+        i += 1
+        await until(lambda: writer.state().buffered == 0)
+        with pytest.raises(AuditSpoolFullError):
+            writer.submit(draft(10_000 + i))
+    assert refusals > 0
+    assert full_at >= 3000
+    # Each check is made at submission: the last draft taken may cross the bound by its own size.
+    assert 3000 * 9 / 8 <= writer.state().spooled_bytes < 3000 * 9 / 8 + 1000
+    store.down = False
+    await until(lambda: store.total() == len(accepted) and writer.state().spooled_bytes == 0)
+    await writer.close()
+    assert [r.decision for t in TENANTS for r in store.records.get(t, [])].count("block") == refusals
+
+
 async def test_record_returns_only_once_durable(tmp_path: Path) -> None:
     store = FakeStore()
     store.gate = asyncio.Event()
