@@ -222,12 +222,15 @@ class RedisQuotaStore:
     ) -> RedisQuotaStore:
         """A store with a client of its own: a blocking pool of `pool_size` connections to one server, or a
         Redis Cluster client (`cluster`, `url` naming any node) with up to `pool_size` per node."""
+        # No socket_timeout: `_run` bounds each whole round trip by op_timeout already, and with one redis-py
+        # sends every command from a task of its own (`asyncio.wait_for` on Python 3.11) and arms a timer per
+        # reply read. A round trip cut off by `_run` disconnects its connection, as a socket timeout would.
         client: Client
         if cluster:
             client = redis.asyncio.RedisCluster.from_url(
                 url,
                 max_connections=pool_size,
-                socket_timeout=op_timeout,
+                socket_timeout=None,
                 socket_connect_timeout=op_timeout,
             )
         else:
@@ -235,7 +238,7 @@ class RedisQuotaStore:
                 url,
                 max_connections=pool_size,
                 timeout=pool_timeout,
-                socket_timeout=op_timeout,
+                socket_timeout=None,
                 socket_connect_timeout=op_timeout,
                 # After Redis restarts, every pooled connection is dead; the first command on each would
                 # fail and look like an outage. Reconnect and resend once instead: both scripts are
@@ -274,7 +277,7 @@ class RedisQuotaStore:
     async def _run(self, script: AsyncScript, keys: list[str], args: list[float | str]) -> Any:
         """Run one script: wait (bounded) for a connection slot, then one round trip bounded by `op_timeout`;
         a dead Redis must never hang a request, and our own pool must never look like a dead Redis."""
-        if self._slots is not None:
+        if self._slots is not None and self._slots.locked():
             try:
                 async with asyncio.timeout(self._pool_timeout):
                     await self._slots.acquire()
@@ -282,6 +285,8 @@ class RedisQuotaStore:
                 raise QuotaBusyError(
                     f"no Redis connection came free within {self._pool_timeout:g} s"
                 ) from None
+        elif self._slots is not None:
+            await self._slots.acquire()  # a slot is free: taken at once, no timer to arm
         try:
             async with asyncio.timeout(self._op_timeout):
                 return await script(keys=keys, args=args)
