@@ -277,16 +277,17 @@ class RedisQuotaStore:
     async def _run(self, script: AsyncScript, keys: list[str], args: list[float | str]) -> Any:
         """Run one script: wait (bounded) for a connection slot, then one round trip bounded by `op_timeout`;
         a dead Redis must never hang a request, and our own pool must never look like a dead Redis."""
-        if self._slots is not None and self._slots.locked():
+        slots = self._slots
+        if slots is not None and not slots.locked():
+            await slots.acquire()  # a slot is free: taken at once, no timer to arm
+        elif slots is not None:
             try:
                 async with asyncio.timeout(self._pool_timeout):
-                    await self._slots.acquire()
+                    await slots.acquire()
             except TimeoutError:
                 raise QuotaBusyError(
                     f"no Redis connection came free within {self._pool_timeout:g} s"
                 ) from None
-        elif self._slots is not None:
-            await self._slots.acquire()  # a slot is free: taken at once, no timer to arm
         try:
             async with asyncio.timeout(self._op_timeout):
                 return await script(keys=keys, args=args)
