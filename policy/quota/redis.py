@@ -4,9 +4,10 @@ Keys (all under `prefix`)::
 
     bucket:<spec.key>         hash {level, ts}; expires once the bucket would be full again (a missing key is
                               a full bucket, so expiry loses nothing)
-    res:{<tag>}:<id>          hash {s, lv}: the reservation record, EX 3600. s = "r" granted (lv: the levels
-                              after the debit, replayed to a retried reserve), s = "x" settled or voided (a
-                              tombstone: reserve refuses the id, reconcile is a no-op)
+    res:{<tag>}:<id>          hash {s, lv}: the reservation record. s = "r" granted (lv: the levels after the
+                              debit, replayed to a retried reserve; EX RECORD_TTL, an hour), s = "x" settled
+                              or voided (a tombstone: reserve refuses the id, reconcile is a no-op; EX
+                              TOMBSTONE_TTL, five minutes)
 
 `<tag>` is the Redis Cluster hash tag of the first bucket key (the meter names every bucket of a tenant
 `...{tenant}...`), so all keys one script touches live in one cluster slot.
@@ -44,7 +45,13 @@ from policy.quota.base import (
     Reservation,
     ReservationClosedError,
 )
-from policy.quota.memory import SETTLED_TTL, check_actual, check_request, new_reservation_id
+from policy.quota.memory import (
+    RECORD_TTL,
+    TOMBSTONE_TTL,
+    check_actual,
+    check_request,
+    new_reservation_id,
+)
 
 # Shared by the scripts below: the clock, and refill one bucket to `now` and persist it with an expiry.
 _LUA_COMMON = """
@@ -122,7 +129,7 @@ return {1, 0, '0', unpack(out)}
 """
 )
 
-# KEYS = buckets, then the reservation record; ARGV = now ('' = server time), record ttl, then capacity,
+# KEYS = buckets, then the reservation record; ARGV = now ('' = server time), tombstone ttl, then capacity,
 # rate, delta (reserved - actual) per bucket. Returns 1 if a granted reservation was settled now, 0 if it was
 # settled before or never granted (the record becomes a tombstone either way).
 _RECONCILE = (
@@ -311,7 +318,7 @@ class RedisQuotaStore:
         `QuotaStore.reserve`); at Redis server time unless the store was made with `server_time=False`."""
         check_request(buckets, amounts)
         rid = reservation_id or new_reservation_id()
-        args: list[float | str] = [self._now(now), str(int(SETTLED_TTL))]
+        args: list[float | str] = [self._now(now), str(int(RECORD_TTL))]
         for spec, amount in zip(buckets, amounts, strict=True):
             args += [spec.capacity, spec.rate, amount]
         code, worst, wait, *levels = await self._run(self._reserve, self._keys(buckets, rid), args)
@@ -331,7 +338,7 @@ class RedisQuotaStore:
         granted (see `QuotaStore.reconcile`)."""
         check_actual(reservation, actual)
         keys = self._keys(reservation.buckets, reservation.reservation_id)
-        args: list[float | str] = [self._now(now), str(int(SETTLED_TTL))]
+        args: list[float | str] = [self._now(now), str(int(TOMBSTONE_TTL))]
         for spec, reserved, used in zip(reservation.buckets, reservation.amounts, actual, strict=True):
             args += [spec.capacity, spec.rate, reserved - used]
         return bool(int(await self._run(self._reconcile, keys, args)))

@@ -25,6 +25,7 @@ from policy.quota import (
     Reservation,
     ReservationClosedError,
 )
+from policy.quota.memory import RECORD_TTL, TOMBSTONE_TTL
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 T0 = 1_700_000_000.0  # A realistic epoch time: refill arithmetic must stay exact at this magnitude.
@@ -201,6 +202,32 @@ async def test_settling_an_id_never_granted_refunds_nothing_and_closes_it(quota_
     with pytest.raises(ReservationClosedError):
         await quota_store.reserve([A], [30.0], T0, "r-3")
     assert await quota_store.levels([A], T0) == (100.0,)
+
+
+async def test_a_granted_reservation_settles_long_after_a_tombstone_would_be_forgotten(
+    quota_store: QuotaStore,
+) -> None:
+    # A long stream: granted records live for RECORD_TTL, not for the tombstones' shorter TTL.
+    reservation = await quota_store.reserve([B], [50.0], T0, "r-long")
+    later = T0 + TOMBSTONE_TTL + 60.0
+    assert await quota_store.reconcile(reservation, [60.0], later)  # Refilled to full, then 10 over.
+    assert await quota_store.levels([B], later) == (40.0,)
+
+
+async def test_memory_store_forgets_tombstones_after_their_ttl_and_granted_records_after_theirs() -> None:
+    store = MemoryQuotaStore()
+    closed = await store.reserve([A], [30.0], T0, "r-closed")
+    assert await store.reconcile(closed, [30.0], T0)
+    stale = await store.reserve([B], [50.0], T0, "r-stale")  # Never settled in time.
+    with pytest.raises(ReservationClosedError):
+        await store.reserve([A], [1.0], T0 + TOMBSTONE_TTL - 1.0, "r-closed")
+    # Past the tombstone's TTL the id is forgotten: a reserve that late is a new one, debited anew.
+    assert (await store.reserve([A], [1.0], T0 + TOMBSTONE_TTL + 1.0, "r-closed")).levels == (99.0,)
+    # Past RECORD_TTL a granted id is forgotten too: its late reconcile is a no-op (no overrun charged).
+    late = T0 + RECORD_TTL + 1.0
+    assert not await store.reconcile(stale, [60.0], late)
+    assert await store.levels([B], late) == (50.0,)
+    await store.close()
 
 
 async def test_a_denied_reserve_is_not_recorded(quota_store: QuotaStore) -> None:
