@@ -19,7 +19,7 @@ _MIN_ADMITTED = 4
 _COST_WEIGHT = 0.02
 # The last probe interval's arrivals set the floor only past this many times what the whole CPU could serve: a
 # jump, not a chance count of a few milliseconds.
-_JUMP = 1.5
+_JUMP = 1.2
 # One reading of the clocks and counts: (wall, thread, process, arrived, admitted).
 _Sample = tuple[float, float, float, int, int]
 
