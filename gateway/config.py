@@ -285,6 +285,10 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # One JSON line per request end on the `lockgate.requests` logger (at INFO).
     request_log: bool = True
+    # GET /metrics needs a key with the `operator` role of the operating organisation (tenant "lockgate"),
+    # sent as `Authorization: Bearer` (Prometheus: `authorization: {credentials: ...}`), since its labels name
+    # every tenant. Off: no key, like the health probes (then only the scraper should reach the port).
+    require_key: bool = False
     # OTLP/HTTP metrics endpoint to push the same series to, e.g. "http://127.0.0.1:4318/v1/metrics";
     # "" = no OTLP export (Prometheus scrapes GET /metrics either way).
     otlp_endpoint: str = ""

@@ -61,7 +61,10 @@ TAGS: Final = (
     Tag(
         name="registry", description="Versioned models, templates, guards and policies (role `policy_admin`)."
     ),
-    Tag(name="health", description="Liveness and readiness probes, and the metrics (no key)."),
+    Tag(
+        name="health",
+        description="Liveness and readiness probes, and the metrics (no key unless `[metrics] require_key`).",
+    ),
 )
 
 # Every authenticated operation can answer these.

@@ -65,6 +65,16 @@ def allow_operator(principal: Principal) -> None:
         )
 
 
+def allow_scraper(principal: Principal) -> None:
+    """403 unless the caller holds the `operator` role of the operating organisation: the metrics name every
+    tenant, so no tenant's own key may read them."""
+    allow(principal, "operator")
+    if principal.tenant.tenant_id != SYSTEM_TENANT:
+        raise PermissionDeniedError(
+            "only operator keys of the operating organisation may read the metrics", code="operator_only"
+        )
+
+
 def reviewer_scope(principal: Principal) -> str | None:
     """The tenant whose decisions and appeals the caller may review (None: every tenant, for reviewers of the
     operating organisation); 403 without the `reviewer` role."""

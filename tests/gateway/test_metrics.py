@@ -24,6 +24,7 @@ from gateway.app import create_app
 from gateway.config import Config, EngineConfig, ReplicaSpec, SloConfig, SloTargets, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
+from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Limits, Quotas, Tenant
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec
 from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
@@ -227,6 +228,43 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         # The scrape itself is a request too.
         again = await gw.scrape()
         assert again.value(requests, route="/metrics", status="200") >= 1
+
+
+async def test_with_require_key_only_an_operator_key_of_the_operating_organisation_scrapes(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    cfg = config()
+    cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, require_key=True))
+    operator = await add_key(tenancy.store, SYSTEM_TENANT, ("operator",))
+    tenant_operator = await add_key(tenancy.store, "acme", ("operator",))
+    async with gateway(renderer, outcomes, tenancy, cfg) as gw:
+        assert (await gw.chat("acme")).status_code == 200
+
+        async def scrape(key: str | None) -> httpx.Response:
+            headers = {} if key is None else {"authorization": f"Bearer {key}"}
+            return await gw.http.get("/metrics", headers=headers)
+
+        missing = await scrape(None)
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        # Tenant names are in the labels: no tenant's own key reads them, whatever its roles.
+        for key, code in (
+            (tenancy.consumer, "missing_role"),
+            (tenancy.admin, "missing_role"),
+            (tenant_operator, "operator_only"),
+        ):
+            refused = await scrape(key)
+            assert refused.status_code == 403
+            assert refused.json()["error"]["code"] == code
+            assert "acme" not in refused.text
+
+        async def counted() -> bool:  # the chat's end is observed just after its answer
+            answer = await scrape(operator)
+            assert answer.status_code == 200
+            return Scrape(answer.text).value(f"{P}requests_total", tenant="acme", status="200") == 1
+
+        await eventually(counted, within=10.0)
 
 
 async def test_a_cancelled_stream_is_counted_once_and_leaves_no_active_stream(

@@ -33,8 +33,9 @@ from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make
 
 SCHEMA = "/schema/openapi.json"
 ERROR_REF = "#/components/schemas/ErrorResponse"
-# Routes that need no key (the health probes; metrics scrapers where the app serves them).
-PUBLIC = frozenset({"/healthz", "/readyz", "/metrics"})
+# Routes that need no key (the health probes), and those that need one only where configured (the metrics).
+PUBLIC = frozenset({"/healthz", "/readyz"})
+OPTIONAL_KEY = frozenset({"/metrics"})
 # Answers every authenticated operation declares.
 AUTH_ERRORS = ("401", "403", "503")
 MAX_BODY = 16_384
@@ -211,7 +212,7 @@ async def test_the_document_lists_every_route_with_its_key_and_errors(gateway: G
         if path in PUBLIC:
             assert "security" not in op, where
             continue
-        assert op.get("security") == [{"bearer": []}], where
+        assert op.get("security") == ([{}] if path in OPTIONAL_KEY else []) + [{"bearer": []}], where
         answers = op["responses"]
         for status in AUTH_ERRORS:
             assert answers[status]["content"]["application/json"]["schema"] == {"$ref": ERROR_REF}, where
