@@ -21,7 +21,9 @@ integer, and Lua's own tostring keeps only 14 digits; 17 significant digits roun
 
 Connections: at most `pool_size` operations are in flight; the next waits up to `pool_timeout` for a free
 slot and then fails as QuotaBusyError (our own load), never as QuotaBackendError (Redis unreachable), and
-`op_timeout` bounds only the round trip itself, not the wait for a slot.
+`op_timeout` bounds only the round trip itself, not the wait for a slot. On one server the scripts run on
+connections of the store's own (`redis_direct.py`: redis-py's connections without its client layers); a
+Cluster client routes them itself.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from policy.quota.memory import (
     check_request,
     new_reservation_id,
 )
+from policy.quota.redis_direct import DirectConnections
 
 # Shared by the scripts below: the clock, and refill one bucket to `now` and persist it with an expiry.
 _LUA_COMMON = """
@@ -208,9 +211,14 @@ class RedisQuotaStore:
         # At most `pool_size` scripts in flight, so the client's own pool never has to refuse or block: the
         # wait for a slot is ours, bounded by `pool_timeout` and separate from `op_timeout`.
         self._slots = asyncio.Semaphore(pool_size) if pool_size else None
+        self._pool_size = pool_size or 0
         self._pool_timeout = pool_timeout
         self._server_time = server_time
         self._cluster = isinstance(client, redis.asyncio.RedisCluster)
+        # One server: scripts run on connections of our own (redis_direct); a cluster's client routes them.
+        self._direct = (
+            DirectConnections(client.connection_pool) if isinstance(client, redis.asyncio.Redis) else None
+        )
         self._reserve = client.register_script(_RESERVE)
         self._reconcile = client.register_script(_RECONCILE)
         self._levels = client.register_script(_LEVELS)
@@ -297,6 +305,8 @@ class RedisQuotaStore:
                 ) from None
         try:
             async with asyncio.timeout(self._op_timeout):
+                if self._direct is not None:
+                    return await self._direct.evalsha(script, keys, args)
                 return await script(keys=keys, args=args)
         except redis.exceptions.MaxConnectionsError as exc:
             # The client's own pool is full (shared beyond `pool_size`): our load, not Redis's health.
@@ -353,26 +363,26 @@ class RedisQuotaStore:
         return tuple(float(x) for x in await self._run(self._levels, [self._key(b) for b in buckets], args))
 
     async def warm(self) -> int:
-        """Open the pool's connections now, up to `pool_size`, so that a jump in load does not open them on
-        the event loop while requests wait (each costs about a millisecond of the loop's CPU: handshake and
+        """Open the connections now, up to `pool_size`, so that a jump in load does not open them on the
+        event loop while requests wait (each costs about a millisecond of the loop's CPU: handshake and
         client set-up). Best effort: a Redis that is down is the meter's outage to handle, not start-up's.
-        How many were opened; a Cluster client (one pool per node, found as keys are used) opens none."""
-        if not isinstance(self._client, redis.asyncio.Redis) or self._slots is None:
+        How many are open; a Cluster client (one pool per node, found as keys are used) opens none."""
+        if self._direct is None or self._pool_size == 0:
             return 0
-        pool = self._client.connection_pool
-        size = getattr(pool, "max_connections", 0)
-        taken: list[Any] = []
         try:
             async with asyncio.timeout(self._op_timeout * 4):
-                for _ in range(size):
-                    taken.append(await pool.get_connection())  # type: ignore[no-untyped-call]
+                await self._direct.open(self._pool_size)
         except (TimeoutError, *_BACKEND_ERRORS) as exc:
-            log.warning("quota store: %d of %d Redis connections opened at start: %r", len(taken), size, exc)
-        finally:
-            for connection in taken:
-                await pool.release(connection)
-        return len(taken)
+            log.warning(
+                "quota store: %d of %d Redis connections opened at start: %r",
+                len(self._direct),
+                self._pool_size,
+                exc,
+            )
+        return len(self._direct)
 
     async def close(self) -> None:
-        """Close the client and its connection pool."""
+        """Close the store's connections, the client and its connection pool."""
+        if self._direct is not None:
+            await self._direct.close()
         await self._client.aclose()
