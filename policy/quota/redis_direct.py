@@ -32,6 +32,7 @@ class DirectConnections:
     def __init__(self, pool: redis.asyncio.ConnectionPool) -> None:
         self._pool = pool
         self._idle: list[AbstractConnection] = []
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -53,7 +54,8 @@ class DirectConnections:
             return await self._round_trip(("EVAL", script.script, len(keys), *keys, *args))
 
     async def close(self) -> None:
-        """Close the idle connections (one in use is dropped by its round trip's end)."""
+        """Close the idle connections (one in use is closed when its round trip ends)."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for connection in idle:
             await connection.disconnect()
@@ -76,7 +78,13 @@ class DirectConnections:
             await connection.send_packed_command(connection.pack_command(*command), check_health=False)
             reply = await connection.read_response()
         except redis.exceptions.ResponseError:
-            self._idle.append(connection)  # an error reply: the connection is in step still
+            await self._put_back(connection)  # an error reply: the connection is in step still
             raise
-        self._idle.append(connection)
+        await self._put_back(connection)
         return reply
+
+    async def _put_back(self, connection: AbstractConnection) -> None:
+        if self._closed:
+            await connection.disconnect()
+        else:
+            self._idle.append(connection)

@@ -3,6 +3,7 @@ closed them, and scripts sent whole when Redis lost its script cache. Needs Redi
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -82,3 +83,46 @@ async def test_a_script_cache_redis_lost_is_filled_again(
     assert await store.reconcile(first, [0.0], T0)
     assert await store.reconcile(second, [0.0], T0)
     assert await store.levels([SPEC], T0) == (100.0,)
+
+
+async def read_command(reader: asyncio.StreamReader) -> list[bytes] | None:
+    """One RESP command (an array of bulk strings) from a client; None at its end."""
+    line = await reader.readline()
+    if not line:
+        return None
+    args = []
+    for _ in range(int(line[1:])):
+        size = int((await reader.readline())[1:])
+        args.append((await reader.readexactly(size + 2))[:-2])
+    return args
+
+
+async def test_a_call_in_flight_when_the_store_closes_leaves_no_connection_open() -> None:
+    # A stand-in server that holds the script's reply until told: the store closes meanwhile.
+    asked, release, gone = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (command := await read_command(reader)) is not None:
+            if command[0].upper() == b"EVALSHA":
+                asked.set()
+                await release.wait()
+                writer.write(b"*4\r\n:1\r\n:0\r\n$1\r\n0\r\n$2\r\n99\r\n")  # granted, level 99
+            else:
+                writer.write(b"+OK\r\n")  # the connection's set-up commands
+            await writer.drain()
+        gone.set()  # the client closed its end
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisQuotaStore.from_url(f"redis://127.0.0.1:{port}/0", pool_size=2, op_timeout=30.0)
+    try:
+        call = asyncio.create_task(store.reserve([SPEC], [1.0], T0))
+        await asyncio.wait_for(asked.wait(), 30)
+        await store.close()
+        release.set()
+        assert (await call).levels == (99.0,)
+        await asyncio.wait_for(gone.wait(), 30)  # closed after its reply, not kept idle
+    finally:
+        server.close()
+        await server.wait_closed()
