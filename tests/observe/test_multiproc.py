@@ -154,8 +154,11 @@ def key(name: str, **labels: str) -> Key:
 
 async def scrape(directory: Path) -> dict[Key, float]:
     """`GET /metrics` of a worker whose observer runs in multiprocess mode on `directory`."""
-    services: Any = SimpleNamespace(observer=SimpleNamespace(multiprocess_dir=directory))
-    response = await routes.metrics.fn(services=services)
+    services: Any = SimpleNamespace(
+        observer=SimpleNamespace(multiprocess_dir=directory),
+        config=SimpleNamespace(metrics=SimpleNamespace(require_key=False)),  # no key: the request is not read
+    )
+    response = await routes.metrics.fn(request=None, services=services)
     return {
         key(s.name, **s.labels): float(s.value)
         for family in text_string_to_metric_families(response.content.decode())
