@@ -56,22 +56,13 @@ def allow_tenant(principal: Principal, tenant_id: str) -> None:
         raise PermissionDeniedError("this key may only administer its own tenant", code="other_tenant")
 
 
-def allow_operator(principal: Principal) -> None:
-    """403 unless the caller is a policy administrator of the operating organisation."""
-    allow(principal, "policy_admin")
-    if not principal.is_operator_admin:
-        raise PermissionDeniedError(
-            "only policy administrators of the operating organisation may do this", code="operator_only"
-        )
-
-
-def allow_scraper(principal: Principal) -> None:
-    """403 unless the caller holds the `operator` role of the operating organisation: the metrics name every
-    tenant, so no tenant's own key may read them."""
-    allow(principal, "operator")
+def allow_operator(principal: Principal, role: Role = "policy_admin") -> None:
+    """403 unless the caller holds `role` (a policy administrator by default) in the operating organisation,
+    whose keys act on every tenant (and read the metrics, which name them all)."""
+    allow(principal, role)
     if principal.tenant.tenant_id != SYSTEM_TENANT:
         raise PermissionDeniedError(
-            "only operator keys of the operating organisation may read the metrics", code="operator_only"
+            f"only `{role}` keys of the operating organisation may do this", code="operator_only"
         )
 
 

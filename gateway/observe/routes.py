@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.observe.multiproc import aggregate
 from gateway.openapi import BEARER, errors
-from gateway.security import allow_scraper, provide_principal
+from gateway.security import allow_operator, provide_principal
 from gateway.service import Services
 
 
@@ -30,7 +30,7 @@ async def metrics(request: Request[Any, Any, Any], services: NamedDependency[Ser
     they read is changed; in multiprocess mode merged from the workers' files, in a thread). With `[metrics]
     require_key`, only for a key with the `operator` role of the operating organisation."""
     if services.config.metrics.require_key:
-        allow_scraper(await provide_principal(request, services))
+        allow_operator(await provide_principal(request, services), "operator")
     observer = services.observer
     if observer.multiprocess_dir is None:
         body = generate_latest(observer.registry)

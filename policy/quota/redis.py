@@ -35,8 +35,6 @@ from typing import Any
 
 import redis.asyncio
 import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from policy.quota.base import (
@@ -235,8 +233,8 @@ class RedisQuotaStore:
         prefix: str = "lockgate:quota:",
         server_time: bool = True,
     ) -> RedisQuotaStore:
-        """A store with a client of its own: a blocking pool of `pool_size` connections to one server, or a
-        Redis Cluster client (`cluster`, `url` naming any node) with up to `pool_size` per node."""
+        """A store with a client of its own: up to `pool_size` connections to one server, or a Redis Cluster
+        client (`cluster`, `url` naming any node) with up to `pool_size` per node."""
         # No socket_timeout: `_run` bounds each whole round trip by op_timeout already, and with one redis-py
         # sends every command from a task of its own (`asyncio.wait_for` on Python 3.11) and arms a timer per
         # reply read. A round trip cut off by `_run` disconnects its connection, as a socket timeout would.
@@ -249,16 +247,10 @@ class RedisQuotaStore:
                 socket_connect_timeout=op_timeout,
             )
         else:
-            pool = redis.asyncio.BlockingConnectionPool.from_url(
-                url,
-                max_connections=pool_size,
-                timeout=pool_timeout,
-                socket_timeout=None,
-                socket_connect_timeout=op_timeout,
-                # After Redis restarts, every pooled connection is dead; the first command on each would
-                # fail and look like an outage. Reconnect and resend once instead: both scripts are
-                # idempotent by reservation id, so a resend never debits or refunds twice.
-                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            # The pool only makes the connections (its settings: URL, credentials, timeouts): the store
+            # keeps them itself (redis_direct), bounded by its slots, and resends after a restart there.
+            pool = redis.asyncio.ConnectionPool.from_url(
+                url, socket_timeout=None, socket_connect_timeout=op_timeout
             )
             client = redis.asyncio.Redis.from_pool(pool)
         return cls(

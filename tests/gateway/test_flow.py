@@ -43,6 +43,34 @@ class _CountingTracker(RequestTracker):
         super().observe(delta)
 
 
+async def engine_steps(engine: SimulatedEngine, count: int) -> None:
+    """Wait until `engine` has stepped `count` more times (time for a pump to overrun, if it would)."""
+    start = (await engine.load()).steps
+
+    async def stepped() -> bool:
+        return (await engine.load()).steps >= start + count
+
+    await eventually(stepped)
+
+
+async def closed_early(
+    stream: AsyncGenerator[EngineDelta, None],
+    tasks: TaskSet,
+    counting: Counting,
+    engine: SimulatedEngine,
+    tokens: int,
+) -> None:
+    """Close `stream` (and its tasks) and check it ended cancelled after `tokens` tokens, its engine
+    capacity freed."""
+    await stream.aclose()
+    await tasks.cancel_all()
+    [outcome] = counting.outcomes
+    assert outcome.status == "cancelled"
+    assert outcome.usage.completion_tokens == tokens
+    load = await engine.load()
+    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+
+
 async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(
     sim_engine: SimulatedEngine,
 ) -> None:
@@ -57,15 +85,9 @@ async def test_pump_holds_at_most_its_buffer_while_the_client_does_not_read(
 
     # 1 delivered + 3 queued + 1 waiting to be queued: the producer then stops pulling the engine.
     await eventually(buffer_full)
-    await asyncio.sleep(0.1)  # give the producer every chance to overrun (the simulator steps every 2 ms)
+    await engine_steps(sim_engine, 50)  # every chance to overrun
     assert counting.seen == 5
-    await stream.aclose()
-    await tasks.cancel_all()
-    [outcome] = counting.outcomes
-    assert outcome.status == "cancelled"
-    assert outcome.usage.completion_tokens == 5
-    load = await sim_engine.load()
-    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+    await closed_early(stream, tasks, counting, sim_engine, 5)
 
 
 async def test_pump_without_a_buffer_reads_the_engine_only_as_the_client_takes_it(
@@ -76,14 +98,9 @@ async def test_pump_without_a_buffer_reads_the_engine_only_as_the_client_takes_i
     stream = pump(sim_engine.generate(request(1000)), counting.tracker, tasks, maxsize=0)
     for _ in range(3):
         await anext(stream)
-    await asyncio.sleep(0.1)  # the simulator steps every 2 ms: nothing pulls what it generates meanwhile
+    await engine_steps(sim_engine, 50)  # nothing pulls what the engine generates meanwhile
     assert counting.seen == 3
-    await stream.aclose()
-    [outcome] = counting.outcomes
-    assert outcome.status == "cancelled"
-    assert outcome.usage.completion_tokens == 3
-    load = await sim_engine.load()
-    assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
+    await closed_early(stream, tasks, counting, sim_engine, 3)
 
 
 @pytest.mark.parametrize("maxsize", [0, 2])
