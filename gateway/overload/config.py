@@ -54,16 +54,28 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Seconds the utilisation is measured over (a sliding window, sampled at each lag probe). Short: a load
     # that jumps to twice the capacity fills the queue by its whole excess until the signal has seen it.
     cpu_window: float = 0.05
-    # How fast the shed fraction rises while the utilisation is over the target: by `cpu_gain * (utilisation -
-    # target_utilisation)` per second.
+    # How fast the shed fraction rises while the utilisation is at least `cpu_climb_utilisation`: by
+    # `cpu_gain * (utilisation - target_utilisation)` per second.
     cpu_gain: float = 150.0
+    # The utilisation over the window from which the fraction rises: a window with idle moments in it had no
+    # backlog through it, however busy (between the target and this, the fraction holds). At the target
+    # itself, the chance bursts of a steady load under it (a window of 50 ms holds only ~20 requests' worth
+    # of CPU on a slow machine) would pump the fraction up, since it rises much faster than it falls.
+    cpu_climb_utilisation: float = 0.97
     # How fast it falls back (towards 0) while under the target: `cpu_release_gain * (target_utilisation -
     # utilisation)` per second. Slower than the rise, so that the fraction settles instead of swinging
     # between 0 and the most (the utilisation lags it by about half the window).
-    cpu_release_gain: float = 5.0
+    cpu_release_gain: float = 50.0
     # The most of the generation requests the CPU signal sheds (a shed request costs CPU too).
     max_shed_fraction: float = 0.95
     # Shed at once the share of the arrivals over the window that the CPU could not serve at the target, at
     # the CPU per request learned while nothing was shed (`CpuShedder`): a jump in load is shed as it
     # arrives, not only once the CPU shows it saturated.
     cpu_feed_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilisation <= self.cpu_climb_utilisation <= 1:
+            raise ValueError(
+                f"`cpu_climb_utilisation` ({self.cpu_climb_utilisation}) must lie between "
+                f"`target_utilisation` ({self.target_utilisation}) and 1, and the target over 0"
+            )

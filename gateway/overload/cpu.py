@@ -20,6 +20,10 @@ _COST_WEIGHT = 0.02
 # The last probe interval's arrivals set the floor only past this many times what the whole CPU could serve: a
 # jump, not a chance count of a few milliseconds.
 _JUMP = 1.2
+# ... over an interval of at least a probe interval and this many requests' worth of CPU at the learned cost:
+# on a slow machine a probe interval holds only a few requests, and arrivals reach the gate in batches (those
+# read in one turn of a busy loop), so a count of 5 in 10 ms would often look like a jump.
+_JUMP_REQUESTS = 10
 # One reading of the clocks and counts: (wall, thread, process, arrived, admitted).
 _Sample = tuple[float, float, float, int, int]
 
@@ -114,10 +118,16 @@ class CpuShedder:
 
         fraction = clamp(fraction + gain * (utilisation - target_utilisation) * d wall, 0, max_shed)
 
-    with `gain` = `cpu_gain` over the target and `cpu_release_gain` under it: an integral controller. While
-    the process is saturated the utilisation cannot show by how much, so the fraction keeps rising (fast)
-    until the CPU has room again (the queue in front of the wrapper has drained); it falls back slowly,
-    settling where the utilisation meets the target, and to 0 while the load stays under it.
+    with `gain` = `cpu_release_gain` under the target, `cpu_gain` from `cpu_climb_utilisation` on, and 0
+    between them: an integral controller with a dead band. While the process is saturated the utilisation
+    cannot show by how much, so the fraction keeps rising (fast) until the CPU has room again (the queue in
+    front of the wrapper has drained); it falls back more slowly, settling where the utilisation is between
+    the target and the climb, and to 0 while the load stays under the target. The climb is not the target
+    itself because the window holds few requests where each costs much (50 ms is ~20 requests of 2.6 ms):
+    a steady load well under the target has windows at 90-100% by chance, and a fraction that rises 3x
+    faster than it falls would turn those into shedding (a queueing model of Poisson arrivals, 2.6 ms each,
+    shed 10% at 70% load and 22% at 80% with the climb at the target and a release gain of 5; 3% and 8%
+    with the climb at 0.97 and 50, the first half second at twice the capacity the same).
 
     The controller climbs at `cpu_gain` per second once the window shows the CPU over the target, and
     meanwhile arrivals are taken: at twice the capacity the first tenths of a second queue. With
@@ -128,16 +138,18 @@ class CpuShedder:
         floor = 1 - target_utilisation / predicted      (when predicted > 1 and utilisation >= target)
 
     `cost` is an exponential average over the samples with at least `_MIN_ADMITTED` admitted arrivals in the
-    window, taken while both the utilisation and the prediction are under the target (a rising load's CPU is
-    not yet in the window: it would pull the cost down just when it is needed). Under the whole CPU the floor
+    window, taken while the utilisation is under the target (a rising load's CPU, not yet in the window when
+    its arrivals are, pulls it down for the few samples until the CPU shows the rise; each moves it 2%).
+    Under the whole CPU the floor
     is 0, since the count of one window varies by chance and the controller decides there; and under the
     target, since an arrival's CPU may be spread over more than the window (a long stream), so a burst is no
     overload until the CPU shows it. From there the floor jumps where the controller would climb at `cpu_gain`
     per second. The window's utilisation reaches the target only once the CPU has been saturated for most of
     the window, and at a jump from idle the requests taken until then would queue: so the last probe
-    interval's arrivals and utilisation (since the newest sample at least `lag_probe_interval` old) set the
-    same floor at once where they predict more than `_JUMP` times the whole CPU (a jump, not a chance count
-    of a few milliseconds) and that interval's CPU is over the target. The floor ignores what a refusal
+    interval's arrivals and utilisation (since the newest sample at least `lag_probe_interval` and
+    `_JUMP_REQUESTS` requests' worth of CPU old, at most the window) set the same floor at once where they
+    predict more than `_JUMP` times the whole CPU (a jump, not a chance count of a few requests) and that
+    interval's CPU is over the target. The floor ignores what a refusal
     costs, so in steady overload the controller's own fraction is above it; it matters while the controller
     catches up, and falls with the arrivals. `shed()` refuses the larger of the two (`shed_fraction`)
     deterministically by error diffusion: each arrival adds it to a credit, and one whose credit reaches 1
@@ -190,9 +202,13 @@ class CpuShedder:
         self.utilisation = self._busy(first, now)
         config = self._config
         error = self.utilisation - config.target_utilisation
-        step = (config.cpu_gain if error > 0 else config.cpu_release_gain) * error * (now[0] - previous)
+        if error <= 0:
+            gain = config.cpu_release_gain
+        else:  # over the target: rises only while the window had no idle moment (a backlog), else holds
+            gain = config.cpu_gain if self.utilisation >= config.cpu_climb_utilisation else 0.0
+        step = gain * error * (now[0] - previous)
         if config.cpu_feed_forward:
-            self._learn_cost(wall, now[3] - first[3], now[4] - first[4])
+            self._learn_cost(wall, now[4] - first[4])
             # Only arrivals past what the whole CPU could serve (a floor set by a window's chance count would
             # shed below saturation), and only while the CPU is over the target too: a request's CPU may be
             # spread over more than the window (a long stream), and a burst of such arrivals is no overload
@@ -209,14 +225,16 @@ class CpuShedder:
         wall = now[0] - since[0]
         return min(1.0, max((now[1] - since[1]) / wall, (now[2] - since[2]) / (wall * self.cores)))
 
-    def _learn_cost(self, wall: float, arrived: int, admitted: int) -> None:
-        predicted = arrived * self.cost / wall
+    def _learn_cost(self, wall: float, admitted: int) -> None:
         if (
             self.shed_fraction == 0
             and admitted >= _MIN_ADMITTED
-            and max(self.utilisation, predicted) < self._config.target_utilisation
+            and self.utilisation < self._config.target_utilisation
         ):
-            # Steady and under the target: the window's CPU is its arrivals' (a rising load's is not yet).
+            # Under the target: the window's CPU is its arrivals'. (Not also "while the arrivals predict less
+            # than the target": that prediction is made with the cost itself, so a cost learned too high
+            # (at a low rate, where the process's own background work is a larger share) would stop its own
+            # correction.)
             cost = self.utilisation * wall / admitted
             self.cost = cost if self.cost == 0 else self.cost + _COST_WEIGHT * (cost - self.cost)
 
@@ -230,10 +248,10 @@ class CpuShedder:
         return 0.0
 
     def _probe_interval_before(self, now: float) -> _Sample | None:
-        """The newest sample at least a probe interval before `now` (samples come after each probe and from
-        arrivals, so two may be a fraction of a millisecond apart, and one arrival between them would look
-        like a jump); None before there is one."""
-        bound = now - self._config.lag_probe_interval
+        """The newest sample at least a probe interval, and `_JUMP_REQUESTS` requests' worth of CPU, before
+        `now` (samples come after each probe and from arrivals, so two may be a fraction of a millisecond
+        apart, and one arrival between them would look like a jump); None before there is one."""
+        bound = now - max(self._config.lag_probe_interval, _JUMP_REQUESTS * self.cost)
         for sample in reversed(self._samples):
             if sample[0] <= bound:
                 return sample

@@ -370,6 +370,7 @@ class FakeCpu:
 CPU = OverloadConfig(
     cpu_shedding=True,
     target_utilisation=0.8,
+    cpu_climb_utilisation=0.8,  # the controller alone, without the dead band (tested on its own)
     cpu_window=0.2,
     cpu_gain=10.0,
     cpu_release_gain=5.0,
@@ -450,6 +451,29 @@ def test_the_shed_fraction_rises_while_over_the_target_and_falls_back_under_it()
     assert [b - a for a, b in itertools.pairwise(again)] == pytest.approx([0.05] * 4)
 
 
+def test_between_the_target_and_the_climb_the_fraction_holds() -> None:
+    loop = FakeLoop()
+    cpu = FakeCpu(loop)
+    shed = shedder(loop, cpu, config=msgspec.structs.replace(CPU, cpu_climb_utilisation=0.95))
+    shed.sample()
+    cpu.load(loop_share=0.9, process_cores=1.0)  # over the 80% target, but the window has idle moments
+    assert set(run_for(shed, loop, 2.0)) == {0.0}
+    cpu.load(loop_share=1.0, process_cores=1.0)  # no idle moment: a backlog, so it climbs
+    assert run_for(shed, loop, 0.5)[-1] > 0.5
+    cpu.load(loop_share=0.9, process_cores=1.0)  # back in the band: held where it was, not released
+    run_for(shed, loop, CPU.cpu_window)
+    held = run_for(shed, loop, 1.0)
+    assert held == pytest.approx([held[0]] * len(held))
+    cpu.load(loop_share=0.5, process_cores=1.0)  # under the target: falls back to 0
+    assert run_for(shed, loop, 10.0)[-1] == 0.0
+
+
+def test_the_climb_must_lie_between_the_target_and_the_whole_cpu() -> None:
+    for climb in (0.5, 1.01):
+        with pytest.raises(msgspec.ValidationError, match="cpu_climb_utilisation"):
+            msgspec.convert({"target_utilisation": 0.85, "cpu_climb_utilisation": climb}, OverloadConfig)
+
+
 def test_the_shed_requests_are_the_fraction_of_arrivals_spread_evenly() -> None:
     loop = FakeLoop()
     shed = shedder(loop, FakeCpu(loop))
@@ -492,14 +516,15 @@ def arrive(shed: CpuShedder, loop: FakeLoop, rate: float, seconds: float) -> lis
 FEED = msgspec.structs.replace(CPU, lag_probe_interval=1 / 16, cpu_window=0.25)
 
 
-def steady(config: OverloadConfig = FEED) -> tuple[FakeLoop, FakeCpu, CpuShedder]:
-    """A signal on one core after 6 s of 40 requests a second at 10 ms of CPU each (40%), nothing shed."""
+def steady(config: OverloadConfig = FEED, rate: float = 40) -> tuple[FakeLoop, FakeCpu, CpuShedder]:
+    """A signal on one core after 6 s of `rate` requests a second at 40% of the core (by default 40 a second
+    at 10 ms of CPU each), nothing shed."""
     loop = FakeLoop()
     cpu = FakeCpu(loop)
     shed = shedder(loop, cpu, cores=1, config=config)
     shed.sample()
     cpu.load(loop_share=0.4, process_cores=0.4)
-    assert not any(arrive(shed, loop, rate=40, seconds=6.0))
+    assert not any(arrive(shed, loop, rate=rate, seconds=6.0))
     return loop, cpu, shed
 
 
@@ -538,15 +563,38 @@ def test_a_burst_of_arrivals_the_cpu_does_not_show_sets_no_floor() -> None:
 
 
 def test_a_jump_is_shed_within_a_probe_interval_before_the_window_shows_it() -> None:
-    loop, cpu, shed = steady()
+    loop, cpu, shed = steady(rate=400)  # 1 ms each: a probe interval holds 62 requests' worth
     cpu.load(loop_share=1.0, process_cores=1.0)  # saturated from the jump on
-    jump = arrive(shed, loop, rate=300, seconds=2 * FEED.lag_probe_interval)
+    jump = arrive(shed, loop, rate=3000, seconds=2 * FEED.lag_probe_interval)
     # Half the window saturated, half at 40%: the window is still under the target, the controller idle.
     assert shed.utilisation < FEED.target_utilisation
     assert shed.fraction == 0.0
-    # The last probe interval: 300/s x 10 ms = 3.0 cores' worth on a saturated core.
+    # The last probe interval: 3000/s x 1 ms = 3.0 cores' worth on a saturated core.
     assert shed.floor == pytest.approx(1 - FEED.target_utilisation / 3.0, abs=0.08)
-    assert sum(jump[-15:]) == pytest.approx(15 * shed.floor, abs=2)
+    assert sum(jump[-150:]) == pytest.approx(150 * shed.floor, abs=2)
+
+
+def test_where_a_probe_interval_holds_few_requests_a_jump_is_judged_over_ten_requests_worth() -> None:
+    loop, cpu, shed = steady()  # 10 ms each: a probe interval (62.5 ms) holds 6 requests' worth
+    cpu.load(loop_share=1.0, process_cores=1.0)
+    # 8 arrivals in one probe interval (a batch a busy loop read at once) predict 1.28 cores' worth, past the
+    # jump, but over 10 requests' worth (100 ms) they are no jump.
+    assert not any(arrive(shed, loop, rate=8 / FEED.lag_probe_interval, seconds=FEED.lag_probe_interval))
+    assert shed.floor == 0.0
+    # A jump that lasts is shed within those 100 ms (before the 250 ms window shows the CPU over the target).
+    jump = arrive(shed, loop, rate=300, seconds=0.1)
+    assert shed.utilisation < FEED.target_utilisation
+    assert shed.floor == pytest.approx(1 - FEED.target_utilisation / 3.0, abs=0.1)
+    assert any(jump)
+
+
+def test_a_cost_learned_at_a_low_rate_comes_down_at_a_higher_one() -> None:
+    loop, _, shed = steady()
+    assert shed.cost == pytest.approx(0.010, rel=0.1)
+    # The same 40% of the core for 90 requests a second (its fixed work spread thinner): 4.4 ms each. At the
+    # cost learned before they predict 0.9, over the 80% target, while the CPU itself stays under it.
+    arrive(shed, loop, rate=90, seconds=12.0)
+    assert shed.cost == pytest.approx(0.4 / 90, rel=0.1)
 
 
 def test_a_probe_interval_of_arrivals_just_past_the_cpu_sets_no_floor() -> None:
