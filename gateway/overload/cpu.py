@@ -126,8 +126,8 @@ class CpuShedder:
     itself because the window holds few requests where each costs much (50 ms is ~20 requests of 2.6 ms):
     a steady load well under the target has windows at 90-100% by chance, and a fraction that rises 3x
     faster than it falls would turn those into shedding (a queueing model of Poisson arrivals, 2.6 ms each,
-    shed 10% at 70% load and 22% at 80% with the climb at the target and a release gain of 5; 3% and 8%
-    with the climb at 0.97 and 50, the first half second at twice the capacity the same).
+    tests/gateway/test_overload_queueing.py, shed 11% at 70% load and 21% at 80% with the climb at the
+    target and a release gain of 5; 3% and 7% with the climb at 0.97 and 50).
 
     The controller climbs at `cpu_gain` per second once the window shows the CPU over the target, and
     meanwhile arrivals are taken: at twice the capacity the first tenths of a second queue. With
