@@ -183,10 +183,13 @@ class Router:
                 value -= cfg.session_weight
             return value, r.queue_depth, r.replica_id
 
-        preferred = min(roomy, key=score)
-        least = min(roomy, key=lambda r: (r.queue_depth, r.kv_utilisation, r.replica_id))
-        # Escape hatch: affinity must not outweigh a large imbalance of load.
-        chosen = least if preferred.queue_depth - least.queue_depth > cfg.imbalance_margin else preferred
+        if len(roomy) == 1:  # nothing to weigh (the usual pool of one): still remembered below
+            chosen = roomy[0]
+        else:
+            preferred = min(roomy, key=score)
+            least = min(roomy, key=lambda r: (r.queue_depth, r.kv_utilisation, r.replica_id))
+            # Escape hatch: affinity must not outweigh a large imbalance of load.
+            chosen = least if preferred.queue_depth - least.queue_depth > cfg.imbalance_margin else preferred
         if hashes:
             memory = self._prefixes.setdefault(chosen.replica_id, PrefixMemory(cfg.prefix_lru_size))
             memory.remember(hashes)
