@@ -58,26 +58,61 @@ class _Children(Generic[M]):
         return child
 
 
-def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
-    """`histogram.observe(a)` for each of `amounts`, with one increment per bucket they fall in and one of
-    the sum: `observe` walks the bucket bounds in Python and takes two locks for each value, and a 16-token
-    answer has 15 inter-token gaps. It reaches into the child's `_upper_bounds`, `_buckets` and `_sum`
-    (prometheus_client's own, in multiprocess mode too); where a version lacks them, each is observed."""
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for amount in amounts:
-            histogram.observe(amount)
-        return
-    counts: dict[int, int] = {}
-    for amount in amounts:
+class Observer:
+    """`observe` and `observe_all` of one histogram child, as prometheus_client's `observe` records them: the
+    bucket found by bisection, one increment per bucket and one of the sum. `Histogram.observe` checks that
+    the child is observable, then walks the bucket bounds in Python, taking a lock per increment: for the
+    handful of histograms a request observes and its 15 inter-token gaps, most of the cost of its metrics.
+    It reaches into the child's `_upper_bounds`, `_buckets` and `_sum` (prometheus_client's own, in
+    multiprocess mode too); where a version lacks them, each value is observed."""
+
+    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        bounds = getattr(child, "_upper_bounds", None)
+        buckets = getattr(child, "_buckets", None)
+        self._sum = getattr(child, "_sum", None)
+        known = bounds is not None and buckets is not None and len(bounds) == len(buckets)
+        self._bounds: list[float] | None = bounds if known and self._sum is not None else None
+        self._buckets = buckets
+
+    def observe(self, amount: float) -> None:
+        """`observe(amount)`."""
+        if self._bounds is None or self._buckets is None or self._sum is None:
+            self._child.observe(amount)
+            return
         # The first bound >= amount, as `observe` finds it (the last bound is +Inf).
-        index = bisect_left(bounds, amount)
-        counts[index] = counts.get(index, 0) + 1
-    for index, count in counts.items():
-        buckets[index].inc(count)
-    total.inc(sum(amounts))
+        self._buckets[bisect_left(self._bounds, amount)].inc(1)
+        self._sum.inc(amount)
+
+    def observe_all(self, amounts: Sequence[float]) -> None:
+        """`observe(a)` for each of `amounts`, with one increment per bucket they fall in."""
+        if self._bounds is None or self._buckets is None or self._sum is None:
+            for amount in amounts:
+                self._child.observe(amount)
+            return
+        counts: dict[int, int] = {}
+        for amount in amounts:
+            index = bisect_left(self._bounds, amount)
+            counts[index] = counts.get(index, 0) + 1
+        for index, count in counts.items():
+            self._buckets[index].inc(count)
+        self._sum.inc(sum(amounts))
+
+
+class _Observers:
+    """A labelled histogram's `Observer`s by label values, kept after the first lookup."""
+
+    def __init__(self, metric: Histogram) -> None:
+        self._children = _Children(metric)
+        self._known: dict[tuple[str, ...], Observer] = {}
+
+    def __call__(self, *values: str) -> Observer:
+        observer = self._known.get(values)
+        if observer is None:
+            observer = self._known[values] = Observer(self._children(*values))
+        return observer
 
 
 class RequestMetrics:
@@ -181,17 +216,17 @@ class RequestMetrics:
         # Children by label values (bounded like the series themselves).
         self._requests = _Children(self.requests)
         self._rejections = _Children(self.rejections)
-        self._phase = _Children(self.phase)
-        self._guard_latency = _Children(self.guard_latency)
+        self._phase = _Observers(self.phase)
+        self._guard_latency = _Observers(self.guard_latency)
         self._outcomes = _Children(self.outcomes)
         self._prompt_tokens = _Children(self.prompt_tokens)
         self._generation_tokens = _Children(self.generation_tokens)
         self._finished = _Children(self.finished)
         self._attained = _Children(self.attained)
-        self._e2e = _Children(self.e2e)
-        self._queue_wait = _Children(self.queue_wait)
-        self._ttft = _Children(self.ttft)
-        self._itl = _Children(self.itl)
+        self._e2e = _Observers(self.e2e)
+        self._queue_wait = _Observers(self.queue_wait)
+        self._ttft = _Observers(self.ttft)
+        self._itl = _Observers(self.itl)
 
     def observe(self, t: RequestTimeline) -> None:
         """Record one ended request (called once, when its timeline ends)."""
@@ -239,4 +274,4 @@ class RequestMetrics:
             self._ttft(klass, t.model).observe(ttft)
         gaps = t.inter_token_gaps()
         if gaps:
-            observe_all(self._itl(klass, t.model), gaps)
+            self._itl(klass, t.model).observe_all(gaps)

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.base import Usage
 from gateway.config import Config, SloConfig, SloTargets
 from gateway.generation.tracking import Outcome
-from gateway.observe.metrics import ITL_BUCKETS, RequestMetrics, observe_all
+from gateway.observe.metrics import ITL_BUCKETS, Observer, RequestMetrics
 from gateway.observe.requestlog import log_line
 from gateway.observe.timeline import RequestTimeline
 from guard.cascade import CascadeResult, StageRun
@@ -167,7 +167,19 @@ def test_observing_many_at_once_exposes_what_observing_each_does() -> None:
     # On a bound, between bounds, under the first and over the last, repeated, and none at all.
     amounts = [0.0, 0.001, 0.0011, 0.02, 0.02, 0.025, 1.0, 79.9, 80.0, 123.4, 0.0004]
     exposed = []
-    for observe in (lambda h, xs: [h.observe(x) for x in xs], observe_all):
+
+    def one_by_one(histogram: Histogram, xs: list[float]) -> None:
+        for x in xs:
+            histogram.observe(x)
+
+    def observer_one_by_one(histogram: Histogram, xs: list[float]) -> None:
+        for x in xs:
+            Observer(histogram).observe(x)
+
+    def observer_all(histogram: Histogram, xs: list[float]) -> None:
+        Observer(histogram).observe_all(xs)
+
+    for observe in (one_by_one, observer_all, observer_one_by_one):
         registry = CollectorRegistry()
         histogram = Histogram("itl", "gaps", ("model",), buckets=ITL_BUCKETS, registry=registry)
         observe(histogram.labels("m@1"), amounts)
@@ -175,6 +187,6 @@ def test_observing_many_at_once_exposes_what_observing_each_does() -> None:
         observe(histogram.labels("m@2"), amounts[:3])
         text = generate_latest(registry).decode()
         exposed.append("\n".join(line for line in text.splitlines() if "_created" not in line))
-    assert exposed[0] == exposed[1]
+    assert exposed[0] == exposed[1] == exposed[2]
     assert 'itl_bucket{le="0.001",model="m@1"} 3.0' in exposed[1]
     assert 'itl_count{model="m@1"} 11.0' in exposed[1]
