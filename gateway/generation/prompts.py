@@ -118,18 +118,26 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[Messages, Messages | N
     """`(messages, tools) -> text` with `template` and a generation prompt: what `transformers`'
     `apply_chat_template(..., tokenize=False)` renders, without the work it repeats on every call (looking up
     the compiled template, building the special tokens' map, checking its arguments; about a quarter of
-    rendering a short prompt). The same compiled template and variables; tools are already JSON schemas."""
+    rendering a short prompt). The same compiled template and variables; tools are already JSON schemas.
+
+    The template's globals (Jinja's and transformers' helpers, a ChainMap) are merged with the fixed
+    variables once, here: `Template.render` merges them into a new context on every call, walking the
+    ChainMap in Python (half of rendering a 20-word prompt: 44 -> 22 us on a slow 2-core EPYC). The context
+    is the template's own (`new_context`), shared with a dict made per call."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     compiled = _compile_jinja_template(template)
-    special = dict(tokenizer.special_tokens_map)
+    fixed = {
+        **compiled.globals,
+        **tokenizer.special_tokens_map,
+        "documents": None,
+        "add_generation_prompt": True,
+    }
+    concat = compiled.environment.concat
 
     def render(messages: Messages, tools: Messages | None) -> str:
-        return str(
-            compiled.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=True, **special
-            )
-        )
+        context = compiled.new_context({**fixed, "messages": messages, "tools": tools}, shared=True)
+        return str(concat(compiled.root_render_func(context)))
 
     return render
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import jinja2
+import pytest
+
 from gateway.generation.prompts import INLINE_CHARS, PromptRenderer
 
 
@@ -65,6 +68,15 @@ _VARIABLES_TEMPLATE = (
     "{% if documents is none %}(no documents){% endif %}{{ eos_token }}{{ pad_token }}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# One that uses the helpers a template may call: Jinja's globals (`namespace`, `range`) and those transformers
+# adds (`strftime_now`, `raise_exception`), which raises for a role it does not know.
+_HELPERS_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for i in range(ns.n) %}.{% endfor %}{{ strftime_now('%Y') | length }}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 async def test_rendering_gives_the_text_transformers_renders(renderer: PromptRenderer) -> None:
@@ -76,9 +88,20 @@ async def test_rendering_gives_the_text_transformers_renders(renderer: PromptRen
         {"role": "user", "content": "12 + 30?"},
     ]
     with ThreadPoolExecutor(1) as pool:
-        for template in [renderer.template, _VARIABLES_TEMPLATE]:
+        for template in [renderer.template, _VARIABLES_TEMPLATE, _HELPERS_TEMPLATE]:
             local = PromptRenderer(renderer.tokenizer, pool, template)
             for messages in [turns[1:2], turns]:
                 for with_tools in [None, tools]:
                     expected = reference_chat(local, messages, with_tools)
                     assert await local.chat(messages, with_tools) == expected
+
+
+async def test_a_template_that_raises_fails_the_render_as_transformers_does(renderer: PromptRenderer) -> None:
+    messages = [{"role": "critic", "content": "Hi"}]
+    with ThreadPoolExecutor(1) as pool:
+        local = PromptRenderer(renderer.tokenizer, pool, _HELPERS_TEMPLATE)
+        with pytest.raises(jinja2.TemplateError, match="bad role") as ours:
+            await local.chat(messages)
+        with pytest.raises(jinja2.TemplateError, match="bad role") as theirs:
+            reference_chat(local, messages)
+        assert type(ours.value) is type(theirs.value)
