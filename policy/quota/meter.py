@@ -26,8 +26,10 @@ reserved + reserve_unknown == settled + settle_noop + settle_given_up.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import secrets
 from collections import Counter
 from collections.abc import Callable
 
@@ -41,7 +43,6 @@ from policy.quota.base import (
     QuotaStore,
     Reservation,
 )
-from policy.quota.memory import new_reservation_id
 from policy.quota.settle import SettlePolicy, Settler, Sleep
 from policy.tenants.models import ApiKey, Limits, Tenant
 
@@ -109,6 +110,10 @@ class QuotaMeter:
     ) -> None:
         self.store = store
         self._clock = clock
+        # Reservation ids: a random prefix of this meter's and a count, unique across replicas (the
+        # exactly-once marker is keyed by them) without a UUID and a read of the OS's randomness per request.
+        self._id_prefix = secrets.token_hex(12)
+        self._id_count = itertools.count()
         # Reservations, fail-open / fail-closed decisions and settlements, by name (see the module docstring).
         self.counters: Counter[str] = Counter()
         self.settler = Settler(store, clock, self.counters, policy=settle_policy, sleep=sleep)
@@ -125,7 +130,7 @@ class QuotaMeter:
         buckets = tuple(bucket for _, bucket, _ in spec)
         amounts = tuple(float(tokens) if flag else 1.0 for flag in counts_tokens)
         # Chosen here, before the call: if the reply is lost, this id still names whatever the store did.
-        rid = new_reservation_id()
+        rid = f"{self._id_prefix}{next(self._id_count):x}"
         try:
             reservation = await self.store.reserve(buckets, amounts, self._clock(), rid)
         except QuotaBusyError:

@@ -243,3 +243,19 @@ async def test_a_busy_pool_is_not_a_fail_open_or_fail_closed_decision() -> None:
         with pytest.raises(QuotaBusyError):
             await meter.reserve(tenant(fail_mode), KEY, 100)
     assert meter.counters == Counter(pool_exhausted=2)
+
+
+async def test_every_reservation_a_meter_makes_has_an_id_of_its_own_and_so_do_two_meters() -> None:
+    # Two gateway replicas on one store: the exactly-once marker is keyed by the id, so no two may share one.
+    clock = FakeClock()
+    store = MemoryQuotaStore()
+    big = Limits(requests_per_second=1_000, request_burst=10_000, tokens_per_second=1, token_burst=10_000)
+    acme = Tenant(tenant_id="acme", display_name="Acme", quotas=Quotas(tenant=big))
+    meters = [QuotaMeter(store, clock), QuotaMeter(store, clock)]
+    ids = []
+    for _ in range(200):
+        for meter in meters:
+            charge = await meter.reserve(acme, KEY, 1)
+            assert charge.reservation is not None
+            ids.append(charge.reservation.reservation_id)
+    assert len(set(ids)) == len(ids) == 400
