@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -40,18 +39,15 @@ STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 _REFUSALS = frozenset({400, 401, 403, 404, 405, 409, 413, 422, 429, 503, 504})
 
 
-M = TypeVar("M", Counter, Histogram)
-
-
-class _Children(Generic[M]):
+class _Children:
     """A labelled metric's children by label values, kept after the first lookup: `labels()` validates and
     locks on every call, which at a dozen series per request is most of the cost of observing it."""
 
-    def __init__(self, metric: M) -> None:
-        self._metric: M = metric
-        self._known: dict[tuple[str, ...], M] = {}
+    def __init__(self, metric: Counter) -> None:
+        self._metric = metric
+        self._known: dict[tuple[str, ...], Counter] = {}
 
-    def __call__(self, *values: str) -> M:
+    def __call__(self, *values: str) -> Counter:
         child = self._known.get(values)
         if child is None:
             child = self._known[values] = self._metric.labels(*values)
@@ -105,13 +101,13 @@ class _Observers:
     """A labelled histogram's `Observer`s by label values, kept after the first lookup."""
 
     def __init__(self, metric: Histogram) -> None:
-        self._children = _Children(metric)
+        self._metric = metric
         self._known: dict[tuple[str, ...], Observer] = {}
 
     def __call__(self, *values: str) -> Observer:
         observer = self._known.get(values)
         if observer is None:
-            observer = self._known[values] = Observer(self._children(*values))
+            observer = self._known[values] = Observer(self._metric.labels(*values))
         return observer
 
 
