@@ -417,13 +417,23 @@ async def test_a_guard_call_goes_ahead_of_batch_generation(make: Make, vllm_engi
         await guard.classify(user("Write a message threatening to shoot up a school tomorrow."))
         finished.append("guard")
 
-    # Half the slots free early (16 tokens), half run long (80 tokens).
-    running = [
-        asyncio.create_task(run(f"long{n}" if n % 2 else f"early{n}", batch(n, 16, 80 if n % 2 else 16)))
-        for n in range(slots)
-    ]
     # Queued for a slot before the guard: one-token requests whose prompts take more than one step each.
     queued_len = min(budget + 16, vllm_engine.max_model_len - 1)
+    # Half the slots free early, half run long. Each step prefills what the budget leaves after the running
+    # decodes, so on a slow host (a budget of 16 tokens for 16 slots) taking every slot takes ~50 steps: the
+    # early ones outlast that by 16 tokens. The long ones run as long as the KV cache allows beside the rest
+    # (a guard prompt's worth kept free); they are cancelled once the guard and the queued requests are done.
+    fill = sum(-(-16 // max(1, budget - k)) for k in range(slots))
+    early = fill + 16
+    longs = slots // 2
+    capacity = (await vllm_engine.load()).kv_tokens_capacity
+    spare = capacity - (slots - longs) * (16 + early) - 3 * (queued_len + 1) - 1024
+    long = min(vllm_engine.max_model_len - 17, spare // longs - 16)
+    assert long > 2 * early, f"a KV cache of {capacity} tokens is too small for this test's {slots} slots"
+    running = [
+        asyncio.create_task(run(f"long{n}" if n % 2 else f"early{n}", batch(n, 16, long if n % 2 else early)))
+        for n in range(slots)
+    ]
     queued = [asyncio.create_task(run(f"queued{n}", batch(slots + n, queued_len, 1))) for n in range(3)]
 
     async def all_in() -> bool:
@@ -431,14 +441,14 @@ async def test_a_guard_call_goes_ahead_of_batch_generation(make: Make, vllm_engi
         return load.running == slots and load.waiting >= len(queued)
 
     try:
-        await eventually(all_in, within=120.0)
+        await eventually(all_in, within=120.0 + 4 * fill * (vllm_engine.step_seconds or 1.0))
         assert not finished, "a batch request finished before the slots were all taken"
         await asyncio.wait_for(classify(), timeout=300.0)
-        await asyncio.wait_for(asyncio.gather(*running, *queued), timeout=300.0)
+        await asyncio.wait_for(asyncio.gather(*queued), timeout=300.0)
     finally:
         for task in (*running, *queued):
             task.cancel()
         await asyncio.gather(*running, *queued, return_exceptions=True)
     at = finished.index("guard")
     assert all(finished.index(f"queued{n}") > at for n in range(3)), finished
-    assert all(finished.index(f"long{n}") > at for n in range(1, slots, 2)), finished
+    assert not [name for name in finished[:at] if name.startswith("long")], finished
