@@ -15,12 +15,12 @@ Four signals, any of which sheds:
   persists through the window is overload; one late probe (another process took the core for a moment) is
   not, and sheds nothing;
 - **CPU** (`overload.cpu_shedding`): a fraction of new generation requests, set by `CpuShedder` (after
-  Envoy's CPU utilisation resource monitor) so that the process's CPU utilisation stays at
-  `target_utilisation`. A process past saturation queues work *before* the wrapper (socket buffers, the
-  server's parsing, the loop's ready queue, threads competing for the core), where neither the in-flight
-  count nor latency measured from the wrapper see it, and the loop's lag stays small; refusing enough
-  requests to keep the CPU just below saturation keeps that queue from forming, so refusals are quick and
-  the admitted do not wait.
+  Envoy's CPU utilisation resource monitor) so that the process's CPU utilisation stays between
+  `target_utilisation` and `cpu_climb_utilisation`. A process past saturation queues work *before* the
+  wrapper (socket buffers, the server's parsing, the loop's ready queue, threads competing for the core),
+  where neither the in-flight count nor latency measured from the wrapper see it, and the loop's lag stays
+  small; refusing enough requests to keep the CPU just below saturation keeps that queue from forming, so
+  refusals are quick and the admitted do not wait.
 
 A shed request gets 503 `overloaded` in the OpenAI error shape with `Retry-After`, from an ASGI wrapper in
 front of Litestar: its body is not read, no route, auth, quota or engine is reached. Only generation routes

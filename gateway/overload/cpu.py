@@ -124,7 +124,7 @@ class CpuShedder:
     front of the wrapper has drained); it falls back more slowly, settling where the utilisation is between
     the target and the climb, and to 0 while the load stays under the target. The climb is not the target
     itself because the window holds few requests where each costs much (50 ms is ~20 requests of 2.6 ms):
-    a steady load well under the target has windows at 90-100% by chance, and a fraction that rises 3x
+    a steady load well under the target has windows at 90-100% by chance, and a fraction that rises much
     faster than it falls would turn those into shedding (a queueing model of Poisson arrivals, 2.6 ms each,
     tests/gateway/test_overload_queueing.py, shed 11% at 70% load and 21% at 80% with the climb at the
     target and a release gain of 5; 3% and 7% with the climb at 0.97 and 50).
