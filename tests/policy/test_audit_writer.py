@@ -119,13 +119,12 @@ def expected(ids: range, tenant: str) -> list[str]:
     return [f"req-{i:05d}" for i in ids if TENANTS[i % len(TENANTS)] == tenant]
 
 
-async def until(cond: Callable[[], bool], turns: int = 200_000) -> None:
-    """Let the writer (and its spool threads) run until `cond` holds; fails rather than hang."""
-    for _ in range(turns):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
+async def until(cond: Callable[[], bool], within: float = 120.0) -> None:
+    """Let the writer (and its spool threads) run until `cond` holds; fails rather than hang. Bounded by
+    time, not loop turns: the spool's threads take as long as a slow machine needs."""
+    async with asyncio.timeout(within):
+        while not cond():  # noqa: ASYNC110 - polling state the spool threads change
+            await asyncio.sleep(0.001)
 
 
 def make(store: FakeStore | SqliteAuditStore, spool: Path, **kw: object) -> AuditWriter:
