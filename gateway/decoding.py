@@ -11,9 +11,12 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 from litestar import Request
-from litestar.exceptions import InternalServerException
+from litestar.exceptions import ClientException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.handlers import HTTPRouteHandler
 
 from gateway.errors import ClientClosedError, InvalidRequestError
+from gateway.inbound import Inbound
 
 T = TypeVar("T")
 
@@ -35,15 +38,42 @@ def _param(message: str) -> tuple[str | None, str]:
     return (path or None), message
 
 
+def body_limit(handler: HTTPRouteHandler) -> int | None:
+    """The most bytes a route takes in a body (None: no limit), as Litestar resolves it."""
+    return handler.resolve_request_max_body_size() or None
+
+
 async def read_body(request: Request[Any, Any, Any]) -> bytes:
-    """The whole body (over the size limit: 413), or ClientClosedError if the client left first."""
-    try:
-        return await request.body()
-    except InternalServerException as exc:
-        # Litestar's way of saying the client disconnected before the body was complete.
-        if "disconnected" in str(exc.detail):
-            raise ClientClosedError("the client disconnected before sending its whole request") from exc
-        raise
+    """The whole body of a request to a Litestar route, within the route's limit (`read_limited`)."""
+    return await read_limited(request, body_limit(request.route_handler))
+
+
+async def read_limited(inbound: Inbound, limit: int | None) -> bytes:
+    """The whole body, as Litestar's `Request.body()` reads it: over `limit` bytes (None: no limit), by its
+    `content-length` or by what arrives, 413 (Litestar's `RequestEntityTooLarge`, rendered by the app's
+    handlers); a `content-length` that is not a number, 400; ClientClosedError if the client left first."""
+    announced = inbound.headers.get("content-length")
+    if announced is not None and limit is not None:
+        try:
+            too_long = int(announced) > limit
+        except ValueError:
+            raise ClientException(f"Invalid content-length: {announced!r}") from None
+        if too_long:
+            raise RequestEntityTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await inbound.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientClosedError("the client disconnected before sending its whole request")
+        if message["type"] == "http.request":
+            if chunk := message.get("body", b""):
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise RequestEntityTooLarge
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class Decoder(Generic[T]):

@@ -4,10 +4,11 @@
 loop put about a third of its time in Litestar's request cycle around them: routing, the exception
 middleware, dependency injection and signature parsing, response handling (`ops.bench.overhead`, README
 "Gateway overhead"). `fast_generation` answers these two routes straight from ASGI with the same code the
-Litestar handlers run (`generate`): the principal from `provide_principal`, the body through
-`Request.body()` (Litestar's request object, with the route handler in the scope, so the body limit and its
-413 are the route's), the pipeline's own response objects, and errors rendered by the app's exception
-handlers (`gateway.errors.exception_handlers`) as Litestar would. Every other request, including other
+Litestar handlers run (`generate`): the principal from `principal_of`, the body read within the route's
+limit (its 413 is the route's), the pipeline's own response objects, and errors rendered by the app's
+exception handlers (`gateway.errors.exception_handlers`) as Litestar would. The request is read through an
+`AsgiInbound` (`gateway.inbound`), not Litestar's request object, which is built only to render an error or
+send a stream. Every other request, including other
 methods on these paths, goes to Litestar; the two routes stay registered there, where the OpenAPI document
 is generated from them.
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from litestar import MediaType, Request, Response
 from litestar.enums import ScopeType
+from litestar.handlers import HTTPRouteHandler
 from litestar.types import (
     ASGIApp,
     HTTPResponseBodyEvent,
@@ -31,10 +33,11 @@ from litestar.types import (
     Send,
 )
 
-from gateway.decoding import read_body
+from gateway.decoding import body_limit, read_limited
 from gateway.errors import exception_handlers
 from gateway.generation.pipeline import run_chat, run_completion
-from gateway.security import allow, provide_principal
+from gateway.inbound import AsgiInbound, Inbound
+from gateway.security import allow, principal_of
 from gateway.service import Services
 from policy.auth import Principal
 
@@ -47,14 +50,15 @@ FAST_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions"
 
 
 async def generate(
-    kind: Kind, services: Services, request: Request[Any, Any, Any], principal: Principal
+    kind: Kind, services: Services, inbound: Inbound, principal: Principal, body_limit: int | None
 ) -> Response[Any]:
-    """Chat or legacy completions for a consumer: the body decoded, then the generation pipeline."""
+    """Chat or legacy completions for a consumer: the body (at most `body_limit` bytes) decoded, then the
+    generation pipeline."""
     allow(principal, "consumer")
-    body = await read_body(request)
+    body = await read_limited(inbound, body_limit)
     if kind == "chat":
-        return await run_chat(services, services.chat_decoder.decode(body), request, principal)
-    return await run_completion(services, services.completion_decoder.decode(body), request, principal)
+        return await run_chat(services, services.chat_decoder.decode(body), inbound, principal)
+    return await run_completion(services, services.completion_decoder.decode(body), inbound, principal)
 
 
 def _handler_for(handlers: dict[type[Exception] | int, Any], exc: Exception) -> Any:
@@ -67,14 +71,15 @@ def _handler_for(handlers: dict[type[Exception] | int, Any], exc: Exception) -> 
 
 def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
     """`inner` (Litestar's handler), with the generation routes answered directly (module docstring)."""
-    routes: dict[str, tuple[Any, str]] = {}
+    routes: dict[str, tuple[Any, str, int | None]] = {}
     handlers = exception_handlers()
 
-    def route(path: str) -> tuple[Any, str]:
-        # The registered route handler (its body limit) and path template, looked up once.
+    def route(path: str) -> tuple[Any, str, int | None]:
+        # The registered route handler, its path template and body limit, looked up once.
         if path not in routes:
             _, handler, _, _, template = app.asgi_router.handle_routing(path=path, method="POST")
-            routes[path] = (handler, template)
+            assert isinstance(handler, HTTPRouteHandler)  # the generation routes are @post handlers
+            routes[path] = (handler, template, body_limit(handler))
         return routes[path]
 
     async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,19 +87,20 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
         if kind is None or scope.get("method") != "POST" or scope.get("root_path"):
             await inner(scope, receive, send)
             return
-        handler, template = route(scope["path"])
+        handler, template, limit = route(scope["path"])
+        # What Litestar's request object, built only for an error or a stream, reads of the scope.
         scope["route_handler"] = handler
         scope["path_template"] = template
         scope.setdefault("path_params", {})
-        request: Request[Any, Any, Any] = Request(scope, receive, send)
+        inbound = AsgiInbound(scope, receive)
         services: Services = app.state.services
         try:
-            principal = await provide_principal(request, services)
-            response = await generate(kind, services, request, principal)
+            principal = await principal_of(inbound, services)
+            response = await generate(kind, services, inbound, principal, limit)
         except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
-            response = _handler_for(handlers, exc)(request, exc)
+            response = _handler_for(handlers, exc)(Request(scope, receive, send), exc)
         if not await send_encoded(response, send):
-            await response.to_asgi_response(None, request)(scope, receive, send)
+            await response.to_asgi_response(None, Request(scope, receive, send))(scope, receive, send)
 
     return asgi
 

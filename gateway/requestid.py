@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
 
-from litestar import Request
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -44,9 +42,9 @@ def request_id_in(scope: Scope) -> str:
     return value if isinstance(value, str) else ""
 
 
-def request_id_of(request: Request[Any, Any, Any]) -> str:
-    """The id the middleware gave this request."""
-    return request_id_in(request.scope) or new_request_id()
+def request_id_of(scope: Scope) -> str:
+    """The id the middleware gave the request of this scope, else a new one."""
+    return request_id_in(scope) or new_request_id()
 
 
 def request_id_middleware(app: ASGIApp) -> ASGIApp:

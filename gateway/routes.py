@@ -10,6 +10,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Example
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
+from gateway.decoding import body_limit
 from gateway.fastpath import generate
 from gateway.openapi import (
     ChatStreamingOperation,
@@ -86,7 +87,7 @@ async def chat_completions(
 ) -> Response[Any]:
     """OpenAI chat completions, whole or streamed (served by `gateway.fastpath`; this handler documents the
     route and answers only if the fast path is not in front, e.g. behind a root path)."""
-    return await generate("chat", services, request, principal)
+    return await generate("chat", services, request, principal, body_limit(request.route_handler))
 
 
 @post(
@@ -112,7 +113,7 @@ async def completions(
     principal: NamedDependency[Principal],
 ) -> Response[Any]:
     """OpenAI legacy completions, whole or streamed (served by `gateway.fastpath`, as chat is)."""
-    return await generate("completion", services, request, principal)
+    return await generate("completion", services, request, principal, body_limit(request.route_handler))
 
 
 @get("/v1/models", responses=errors())

@@ -24,7 +24,7 @@ replica's breaker with `Replica.record_failure`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 
 import msgspec
 
@@ -66,11 +66,10 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     pool: str | None = None
 
 
-def session_key(headers: Mapping[str, str], user: str | None, *, tenant: str = "") -> str | None:
-    """The session of a request: its `x-session-id` header, else the body's `user` field, scoped to the
-    tenant; None when it has neither. `headers` looks names up case-insensitively (Litestar's headers do) or
-    has lower-case names."""
-    key = headers.get("x-session-id") or user
+def session_key(session_id: str | None, user: str | None, *, tenant: str = "") -> str | None:
+    """The session of a request: its `x-session-id` header (`session_id`), else the body's `user` field,
+    scoped to the tenant; None when it has neither."""
+    key = session_id or user
     return f"{tenant}\x00{key}" if key else None
 
 

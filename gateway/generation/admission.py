@@ -18,14 +18,13 @@ import functools
 import hashlib
 import math
 from collections.abc import AsyncGenerator
-from typing import Any
 
 import msgspec
-from litestar import Request
 
 from engines.base import EngineDelta, EngineRequest
 from gateway.errors import APIError, InvalidRequestError
 from gateway.generation.planning import Plan
+from gateway.inbound import Inbound
 from gateway.service import Services
 from policy.auth import Principal
 from routing.admission_config import CLASSES, AdmissionError, Klass, Ticket
@@ -35,6 +34,7 @@ from routing.scheduler import ENGINE_PRIORITY, Lease, Scheduler
 
 PRIORITY_HEADER = "x-lockgate-priority"
 DEADLINE_HEADER = "x-lockgate-queue-deadline"
+SESSION_HEADER = "x-session-id"
 QUEUE_WAIT_HEADER = "x-lockgate-queue-wait"
 
 
@@ -62,7 +62,7 @@ def admission_api_error(exc: AdmissionError | RoutingError) -> APIError:
     return AdmissionAPIError(exc.status, str(exc), code=exc.code, retry_after=retry)
 
 
-def priority_class(request: Request[Any, Any, Any], principal: Principal) -> Klass:
+def priority_class(request: Inbound, principal: Principal) -> Klass:
     """The request's class: the header's, or the tenant's highest; never above the tenant's allowance."""
     allowed = principal.tenant.max_priority
     asked = request.headers.get(PRIORITY_HEADER)
@@ -80,7 +80,7 @@ def priority_class(request: Request[Any, Any, Any], principal: Principal) -> Kla
     return klass
 
 
-def queue_deadline(request: Request[Any, Any, Any], services: Services, klass: Klass) -> float:
+def queue_deadline(request: Inbound, services: Services, klass: Klass) -> float:
     """Seconds the request may wait in the queue: the class default, or less when the header says so."""
     config = services.config.admission
     default = config.interactive_deadline if klass == "interactive" else config.batch_deadline
@@ -149,9 +149,9 @@ async def admit(
         raise admission_api_error(exc) from exc
 
 
-def session_of(request: Request[Any, Any, Any], user: str | None, principal: Principal) -> str | None:
+def session_of(request: Inbound, user: str | None, principal: Principal) -> str | None:
     """The request's session for replica affinity (`x-session-id`, else `user`), scoped to its tenant."""
-    return session_key(request.headers, user, tenant=principal.tenant.tenant_id)
+    return session_key(request.headers.get(SESSION_HEADER), user, tenant=principal.tenant.tenant_id)
 
 
 async def routed(

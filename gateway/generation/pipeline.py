@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from litestar import MediaType, Request, Response
+from litestar import MediaType, Response
 from msgspec.structs import replace
 
 from engines.base import (
@@ -58,6 +58,7 @@ from gateway.generation.planning import Plan, plan_chat, plan_completion
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
+from gateway.inbound import Inbound
 from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.observe.trace import traceparent_of
 from gateway.requestid import request_id_of
@@ -82,10 +83,10 @@ _WHOLE = 1 << 30
 
 
 async def run_chat(
-    services: Services, req: ChatCompletionRequest, request: Request[Any, Any, Any], principal: Principal
+    services: Services, req: ChatCompletionRequest, request: Inbound, principal: Principal
 ) -> Response[Any]:
     """A chat completion, from decoded request to response."""
-    request_id = request_id_of(request)
+    request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, services.clock)
     start = timeline.now()
     model, limits = services.target(req.model, request_id)
@@ -96,10 +97,10 @@ async def run_chat(
 
 
 async def run_completion(
-    services: Services, req: CompletionRequest, request: Request[Any, Any, Any], principal: Principal
+    services: Services, req: CompletionRequest, request: Inbound, principal: Principal
 ) -> Response[Any]:
     """A legacy completion, from decoded request to response."""
-    request_id = request_id_of(request)
+    request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, services.clock)
     start = timeline.now()
     model, limits = services.target(req.model, request_id)
@@ -251,7 +252,7 @@ def _refund(services: Services, charge: Charge) -> None:
 async def _run(
     services: Services,
     plan: Plan,
-    request: Request[Any, Any, Any],
+    request: Inbound,
     principal: Principal,
     tokenizer: Any,
     timeline: RequestTimeline,

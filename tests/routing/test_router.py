@@ -259,10 +259,10 @@ def test_failover_rule() -> None:
 
 
 def test_session_key() -> None:
-    assert session_key({"x-session-id": "abc"}, "user-1", tenant="t") == "t\x00abc"
-    assert session_key({}, "user-1", tenant="t") == "t\x00user-1"
-    assert session_key({}, None) is None
-    assert session_key({"x-session-id": ""}, "") is None
+    assert session_key("abc", "user-1", tenant="t") == "t\x00abc"
+    assert session_key(None, "user-1", tenant="t") == "t\x00user-1"
+    assert session_key(None, None) is None
+    assert session_key("", "") is None
 
 
 def test_prefix_hashes_chain_and_memories_are_bounded() -> None:
