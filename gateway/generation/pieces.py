@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from gateway.generation.words import word_encoder
+
 # The text of the pieces remembered, in characters (their ids take about 9 bytes a character: ~20 MB), and
 # the longest piece remembered.
 CACHE_CHARS = 2_000_000
@@ -67,11 +69,14 @@ def piecewise_encoder(tokenizer: Any, cache: PieceCache | None = None) -> Callab
     split = re.compile("(" + "|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True)) + ")").split
     batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
     pieces = cache if cache is not None else PieceCache()
+    new_piece = word_encoder(backend, batch) or (
+        lambda piece: tuple(batch([piece], add_special_tokens=False)[0].ids)
+    )
 
     def encode_piece(piece: str) -> tuple[int, ...]:
         known = pieces.get(piece)
         if known is None:
-            known = tuple(batch([piece], add_special_tokens=False)[0].ids)
+            known = new_piece(piece)
             if len(piece) <= PIECE_MAX_CHARS:
                 pieces.put(piece, known)
         return known

@@ -1,0 +1,134 @@
+"""ASCII text encoded word by word (`gateway.generation.words`): the tokenizer's ids, fewer calls to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.generation import words
+from gateway.generation.words import word_encoder
+
+# Mostly what the expression treats specially (contractions, spaces, digits, punctuation), some of anything.
+_TRICKY = st.sampled_from(list(" \t\n\r\x0b\x0c'sStTrevmlLdD aZ09,.!?-_\x00\x7f"))
+_TEXT = st.lists(
+    st.one_of(_TRICKY, _TRICKY, st.characters(max_codepoint=127), st.characters(exclude_categories=("Cs",))),
+    max_size=40,
+)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir: Path) -> tokenizers.Tokenizer:
+    """The default model's tokenizer (SmolLM2's byte-level BPE)."""
+    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def by_words(backend: tokenizers.Tokenizer) -> words.Encode:
+    """A word encoder of the default tokenizer, shared by the examples of a property (built in ~0.1 s)."""
+    encode = word_encoder(backend, backend.encode_batch_fast)
+    assert encode is not None
+    return encode
+
+
+class Counting:
+    """`encode_batch_fast` of a tokenizer, recording the texts of each call."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self.backend = backend
+        self.calls: list[list[str]] = []
+
+    def __call__(self, texts: list[str], add_special_tokens: bool) -> Any:
+        self.calls.append(list(texts))
+        return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+def _ids(backend: tokenizers.Tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=_TEXT)
+def test_word_by_word_gets_the_ids_of_the_whole_text(
+    backend: tokenizers.Tokenizer, by_words: words.Encode, parts: list[str]
+) -> None:
+    text = "".join(parts)
+    assert by_words(text) == _ids(backend, text)
+    assert by_words(text) == _ids(backend, text)  # again, from remembered words
+
+
+def test_only_words_not_remembered_are_encoded(backend: tokenizers.Tokenizer) -> None:
+    batch = Counting(backend)
+    encode = word_encoder(backend, batch)
+    assert encode is not None
+    batch.calls.clear()  # the probe's
+    text = "The zebra's  quizzical gaze, 1234 times!\n"
+    assert encode(text) == _ids(backend, text)
+    # The probe's words ("'s", " ") are remembered already.
+    assert batch.calls == [["The", " zebra", " quizzical", " gaze", ",", " 1234", " times", "!", "\n"]]
+    batch.calls.clear()
+    assert encode(text + "The gaze of the zebra") == _ids(backend, text + "The gaze of the zebra")
+    assert batch.calls == [[" of", " the"]]  # one call, for the words it had not seen
+    batch.calls.clear()
+    assert encode("Zèbre zebra") == _ids(backend, "Zèbre zebra")
+    assert batch.calls == [["Zèbre zebra"]]  # not ASCII: whole
+
+
+def test_past_its_size_the_memory_starts_again(
+    backend: tokenizers.Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(words, "WORDS_MAX", 150)  # the probe's words fit, a few more do not
+    batch = Counting(backend)
+    encode = word_encoder(backend, batch)
+    assert encode is not None
+    texts = [f"word{i} and some words {i * 7}" for i in range(40)]
+    for text in texts * 2:
+        assert encode(text) == _ids(backend, text)
+    batch.calls.clear()
+    encode(texts[-1])
+    assert batch.calls == []  # remembered since the last restart
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c: c.update(normalizer={"type": "NFC"}),
+        lambda c: c["pre_tokenizer"].update(add_prefix_space=True),
+        lambda c: c["pre_tokenizer"].update(use_regex=False),
+        lambda c: c["model"].update(dropout=0.1),
+        lambda c: c.update(pre_tokenizer={"type": "Whitespace"}),
+    ],
+    ids=["normalizer", "prefix-space", "no-regex", "dropout", "other-pre-tokenizer"],
+)
+def test_a_tokenizer_of_another_scheme_has_no_word_encoder(
+    backend: tokenizers.Tokenizer, change: Any
+) -> None:
+    config = json.loads(backend.to_str())
+    change(config)
+    other = tokenizers.Tokenizer.from_str(json.dumps(config))
+    assert word_encoder(other, other.encode_batch_fast) is None
+
+
+def test_a_tokenizer_whose_words_do_not_add_up_has_no_word_encoder(backend: tokenizers.Tokenizer) -> None:
+    class Shifted:
+        """The real tokenizer's configuration, but each word's ids shifted: the probe's ids differ."""
+
+        def to_str(self) -> str:
+            return backend.to_str()
+
+        def encode(self, text: str, add_special_tokens: bool) -> Any:
+            return backend.encode(text, add_special_tokens=add_special_tokens)
+
+    def shifted(texts: list[str], add_special_tokens: bool) -> list[Any]:
+        return [
+            type("E", (), {"ids": [i + 1 for i in e.ids]})()
+            for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        ]
+
+    assert word_encoder(Shifted(), shifted) is None
+    assert word_encoder(object(), backend.encode_batch_fast) is None  # no configuration to read
