@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,14 +38,26 @@ def by_words(backend: tokenizers.Tokenizer) -> words.Encode:
 
 
 class Counting:
-    """`encode_batch_fast` of a tokenizer, recording the texts of each call."""
+    """A tokenizer whose BPE model's and batch entry point's calls are recorded."""
 
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self.backend = backend
-        self.calls: list[list[str]] = []
+        self.model = self
+        self.words: list[str] = []  # byte-level words given to the model
+        self.batches: list[list[str]] = []
 
-    def __call__(self, texts: list[str], add_special_tokens: bool) -> Any:
-        self.calls.append(list(texts))
+    def to_str(self) -> str:
+        return self.backend.to_str()
+
+    def encode(self, text: str, add_special_tokens: bool) -> Any:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
+
+    def tokenize(self, word: str) -> Any:
+        self.words.append(word)
+        return self.backend.model.tokenize(word)
+
+    def batch(self, texts: list[str], add_special_tokens: bool) -> Any:
+        self.batches.append(list(texts))
         return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
 
@@ -63,35 +76,36 @@ def test_word_by_word_gets_the_ids_of_the_whole_text(
 
 
 def test_only_words_not_remembered_are_encoded(backend: tokenizers.Tokenizer) -> None:
-    batch = Counting(backend)
-    encode = word_encoder(backend, batch)
+    counting = Counting(backend)
+    encode = word_encoder(counting, counting.batch)
     assert encode is not None
-    batch.calls.clear()  # the probe's
+    counting.words.clear()  # the probe's
     text = "The zebra's  quizzical gaze, 1234 times!\n"
     assert encode(text) == _ids(backend, text)
-    # The probe's words ("'s", " ") are remembered already.
-    assert batch.calls == [["The", " zebra", " quizzical", " gaze", ",", " 1234", " times", "!", "\n"]]
-    batch.calls.clear()
+    # As byte-level text (a space is "Ġ", a newline "Ċ"); the probe's words ("'s", " ") are remembered.
+    assert counting.words == ["The", "Ġzebra", "Ġquizzical", "Ġgaze", ",", "Ġ1234", "Ġtimes", "!", "Ċ"]
+    counting.words.clear()
     assert encode(text + "The gaze of the zebra") == _ids(backend, text + "The gaze of the zebra")
-    assert batch.calls == [[" of", " the"]]  # one call, for the words it had not seen
-    batch.calls.clear()
+    assert counting.words == ["Ġof", "Ġthe"]
+    assert counting.batches == []
+    counting.words.clear()
     assert encode("Zèbre zebra") == _ids(backend, "Zèbre zebra")
-    assert batch.calls == [["Zèbre zebra"]]  # not ASCII: whole
+    assert (counting.batches, counting.words) == ([["Zèbre zebra"]], [])  # not ASCII: whole
 
 
 def test_past_its_size_the_memory_starts_again(
     backend: tokenizers.Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(words, "WORDS_MAX", 150)  # the probe's words fit, a few more do not
-    batch = Counting(backend)
-    encode = word_encoder(backend, batch)
+    counting = Counting(backend)
+    encode = word_encoder(counting, counting.batch)
     assert encode is not None
     texts = [f"word{i} and some words {i * 7}" for i in range(40)]
     for text in texts * 2:
         assert encode(text) == _ids(backend, text)
-    batch.calls.clear()
+    counting.words.clear()
     encode(texts[-1])
-    assert batch.calls == []  # remembered since the last restart
+    assert counting.words == []  # remembered since the last restart
 
 
 @pytest.mark.parametrize(
@@ -115,20 +129,12 @@ def test_a_tokenizer_of_another_scheme_has_no_word_encoder(
 
 
 def test_a_tokenizer_whose_words_do_not_add_up_has_no_word_encoder(backend: tokenizers.Tokenizer) -> None:
-    class Shifted:
+    class Shifted(Counting):
         """The real tokenizer's configuration, but each word's ids shifted: the probe's ids differ."""
 
-        def to_str(self) -> str:
-            return backend.to_str()
+        def tokenize(self, word: str) -> Any:
+            return [SimpleNamespace(id=token.id + 1) for token in self.backend.model.tokenize(word)]
 
-        def encode(self, text: str, add_special_tokens: bool) -> Any:
-            return backend.encode(text, add_special_tokens=add_special_tokens)
-
-    def shifted(texts: list[str], add_special_tokens: bool) -> list[Any]:
-        return [
-            type("E", (), {"ids": [i + 1 for i in e.ids]})()
-            for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        ]
-
-    assert word_encoder(Shifted(), shifted) is None
+    shifted = Shifted(backend)
+    assert word_encoder(shifted, shifted.batch) is None
     assert word_encoder(object(), backend.encode_batch_fast) is None  # no configuration to read
