@@ -21,8 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-# Words remembered; past this the memory starts again (about 100 bytes each).
-WORDS_MAX = 200_000
+# Words remembered per tokenizer; past this the memory starts again (about 200 bytes a word: 20 MB at most).
+WORDS_MAX = 100_000
 
 _WS = "\\t\\n\\x0b\\x0c\\r "
 # GPT-2's expression, `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`, on ASCII.
