@@ -1,7 +1,7 @@
 """The gateway's own cost per request, without sockets: chat requests driven straight into its ASGI app.
 
-    python -m ops.bench.asgi_cost [--mode whole|stream] [--requests 3000] [--quota memory|redis]
-                                  [--log-level warning|info]
+    python -m ops.bench.asgi_cost [--mode whole|stream] [--server gateway|mock] [--requests 3000]
+                                  [--quota memory|redis] [--max-tokens 16] [--log-level warning|info]
     valgrind --tool=callgrind --instr-atstart=no python -m ops.bench.asgi_cost --callgrind --requests 200
 
 The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none`, a tenant with quotas on
@@ -11,23 +11,28 @@ quota, template and tokenizer, admission, the engine's stream, metrics, the resp
 request over the run and the fastest and median of its 100-request batches. On a shared machine those move
 by 10-30% between runs; under callgrind (`--callgrind` turns its instrumentation on for the measured
 requests only) the instruction count per request repeats within about 0.5%, which is what a change to the
-hot path is compared by: `Collected` over `--requests`.
+hot path is compared by: `Collected` over `--requests`. `--server mock` drives the overhead bench's mock
+OpenAI server (`ops.bench._mock_openai`: the same simulated engine with nothing in front) the same way, so
+the gateway's figure can be set against the engine's own; `--max-tokens` sets the answers' length (per-token
+cost: the difference between two lengths).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ops.bench._mock_openai import MockOpenAI
 from ops.bench._servers import gateway_env, provision
 from ops.bench.overhead import body
 
@@ -87,8 +92,17 @@ def _callgrind(state: str) -> None:
     subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
 
 
-async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
-    """CPU seconds per request of each batch (in order), after a warm-up."""
+@contextlib.asynccontextmanager
+async def _served(args: argparse.Namespace, workdir: Path) -> AsyncIterator[tuple[Any, str]]:
+    """The app `args.server` names, started, and the key to call it with."""
+    if args.server == "mock":
+        mock = MockOpenAI()
+        await mock.engine.start()
+        try:
+            yield mock, ""
+        finally:
+            await mock.engine.shutdown()
+        return
     from gateway.app import create_app, running
     from gateway.config import load_config
 
@@ -96,9 +110,17 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
     env = {**gateway_env(args.quota, 8000, workdir, "none"), "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
     key = await provision(env, "bench-asgi")
     app = create_app(load_config(env=env))
-    driver = _Driver(app, key)
-    payloads = [body(i, args.mode, args.model, 20, 16, 7) for i in range(_WARMUP + args.requests)]
     async with running(app):
+        yield app, key
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
+    """CPU seconds per request of each batch (in order), after a warm-up."""
+    payloads = [
+        body(i, args.mode, args.model, 20, args.max_tokens, 7) for i in range(_WARMUP + args.requests)
+    ]
+    async with _served(args, workdir) as (app, key):
+        driver = _Driver(app, key)
         for payload in payloads[:_WARMUP]:
             if (status := await driver.send(payload)) != 200:
                 raise RuntimeError(f"warm-up request answered {status}")
@@ -130,9 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m ops.bench.asgi_cost", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--mode", choices=["whole", "stream"], default="whole")
+    parser.add_argument(
+        "--server",
+        choices=["gateway", "mock"],
+        default="gateway",
+        help="the gateway, or the overhead bench's mock OpenAI server (the same simulated engine alone)",
+    )
     parser.add_argument("--requests", type=int, default=3000, help="measured requests (3000)")
     parser.add_argument("--quota", choices=["memory", "redis"], default="memory")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
     parser.add_argument("--callgrind", action="store_true", help="count instructions of the measured part")
     parser.add_argument(
         "--log-level",
@@ -153,8 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = uvloop.run(run(args, Path(tmp)))
     ordered = [1e6 * b for b in sorted(batches)]
     mean = 1e6 * sum(batches) / len(batches)
+    served = "mock server" if args.server == "mock" else f"{args.quota} quotas, log level {args.log_level}"
     print(
-        f"{args.mode}, {args.quota} quotas, log level {args.log_level}, {args.requests} requests: "
+        f"{args.mode}, {served}, {args.requests} requests: "
         f"{mean:.0f} us CPU per request "
         f"(100-request batches: fastest {ordered[0]:.0f} us, median {ordered[len(ordered) // 2]:.0f} us)"
     )

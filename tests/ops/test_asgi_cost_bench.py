@@ -24,3 +24,11 @@ def test_a_short_run_prints_the_cpu_per_request(mode: str, capsys: pytest.Captur
     )
     assert line is not None, printed
     assert all(int(figure) > 0 for figure in line.groups())
+
+
+def test_the_mock_server_is_driven_the_same_way(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--server", "mock", "--max-tokens", "4", "--requests", "100"]) == 0
+    printed = capsys.readouterr().out
+    line = re.search(r"^whole, mock server, 100 requests: (\d+) us CPU per request", printed, re.MULTILINE)
+    assert line is not None, printed
+    assert int(line.group(1)) > 0
