@@ -12,7 +12,7 @@ from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimi
 from gateway.generation.planning import Plan
 from policy.auth import Principal
 from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
-from policy.quota.meter import Charge, QuotaMeter, QuotaUnavailableError, applicable, rate_limit_headers
+from policy.quota.meter import BucketSet, Charge, QuotaMeter, QuotaUnavailableError, rate_limit_headers
 
 
 def charge_headers(charge: Charge) -> dict[str, str]:
@@ -20,7 +20,7 @@ def charge_headers(charge: Charge) -> dict[str, str]:
     reservation = charge.reservation
     if reservation is None:
         return {}
-    return rate_limit_headers(charge.names, reservation.buckets, reservation.levels)
+    return rate_limit_headers(charge.bucket_set, reservation.levels)
 
 
 async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge:
@@ -30,23 +30,19 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
     try:
         return await meter.reserve(principal.tenant, principal.key, tokens)
     except QuotaExceededError as exc:
-        spec = applicable(principal.tenant, principal.key)
-        names = tuple(name for name, _, _ in spec)
-        buckets = tuple(bucket for _, bucket, _ in spec)
+        spec = meter.buckets_for(principal.tenant, principal.key)
         # A bucket that never refills (rate 0) waits forever; say a day rather than overflow.
         wait = min(exc.retry_after, 86_400.0)
         headers = {"Retry-After": str(max(1, math.ceil(wait)))}
-        headers.update(rate_limit_headers(names, buckets, exc.levels))
-        name = next((n for n, b, _ in spec if b.key == exc.bucket), exc.bucket)
+        headers.update(rate_limit_headers(spec, exc.levels))
+        name = _bucket_name(spec, exc.bucket)
         raise RateLimitedError(
             f"rate limit reached on `{name}`; this request fits again in {wait:.2f} s",
             code="rate_limit_exceeded",
             headers=headers,
         ) from exc
     except QuotaImpossibleError as exc:
-        name = next(
-            (n for n, b, _ in applicable(principal.tenant, principal.key) if b.key == exc.bucket), exc.bucket
-        )
+        name = _bucket_name(meter.buckets_for(principal.tenant, principal.key), exc.bucket)
         raise InvalidRequestError(
             f"this request needs {exc.amount:g} tokens (prompt {len(req.prompt_token_ids)} + n {req.n} x "
             f"max_tokens {req.sampling.max_tokens}) but `{name}` holds at most {exc.capacity:g}: it can "
@@ -64,3 +60,8 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
             code="quota_busy",
             headers={"Retry-After": "1"},
         ) from exc
+
+
+def _bucket_name(spec: BucketSet, key: str) -> str:
+    """The header name of the bucket stored under `key` (the key itself if it is not one of `spec`'s)."""
+    return next((n for n, b in zip(spec.names, spec.buckets, strict=True) if b.key == key), key)

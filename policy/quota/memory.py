@@ -128,6 +128,10 @@ class MemoryQuotaStore:
 
     async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
         """Refund or charge the difference between reserved and actual; False if already settled."""
+        return self.reconcile_now(reservation, actual, now)
+
+    def reconcile_now(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
+        """`reconcile`, called without awaiting (it never waits): the meter settles in place with it."""
         check_actual(reservation, actual)
         self._forget(now)
         rid = reservation.reservation_id

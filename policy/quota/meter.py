@@ -2,7 +2,8 @@
 
 Each request reserves 1 request and `prompt_tokens + max_tokens` tokens on every bucket that applies (tenant
 and key scopes), atomically. When it ends, however it ended, `settle_later` refunds what it did not use, in
-the settler's own tasks (retried, drained at shutdown: see `policy.quota.settle`). While the store is
+the settler's own tasks (retried, drained at shutdown: see `policy.quota.settle`), or at once on the
+in-process store, which cannot fail or wait. While the store is
 unreachable the tenant's `fail_mode` decides: `open` admits unmetered (logged and counted), `closed` refuses
 (QuotaUnavailableError). Our own connection pool staying busy is not the store being unreachable: it is
 counted as `pool_exhausted` and refused as QuotaBusyError whatever the fail mode.
@@ -43,24 +44,39 @@ from policy.quota.base import (
     QuotaStore,
     Reservation,
 )
+from policy.quota.memory import MemoryQuotaStore
 from policy.quota.settle import SettlePolicy, Settler, Sleep
-from policy.tenants.models import ApiKey, Limits, Tenant
+from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 
 log = logging.getLogger("lockgate.quota")
 Clock = Callable[[], float]
+# Keys whose bucket sets a meter remembers; past this it starts again.
+BUCKET_SETS_MAX = 10_000
 
 
 class QuotaUnavailableError(Exception):
     """The quota store is unreachable and the tenant's quotas fail closed."""
 
 
+class BucketSet(msgspec.Struct, frozen=True, kw_only=True):
+    """The buckets a key's requests draw from, in order, with what every request's headers repeat."""
+
+    # Header names (`tenant-requests`, ...), and per bucket whether it counts tokens (else requests).
+    names: tuple[str, ...]
+    buckets: tuple[BucketSpec, ...]
+    counts_tokens: tuple[bool, ...]
+    # The `RateLimit-Policy` header's value ("" without buckets).
+    policy: str
+
+
+NO_BUCKETS = BucketSet(names=(), buckets=(), counts_tokens=(), policy="")
+
+
 class Charge(msgspec.Struct, frozen=True, kw_only=True):
     """One request's reservation (None when unmetered), with what the RateLimit headers need."""
 
     reservation: Reservation | None
-    names: tuple[str, ...]
-    # Per bucket: whether it counts tokens (else requests).
-    counts_tokens: tuple[bool, ...]
+    bucket_set: BucketSet
     fail_open: bool = False
     # A fail-open request whose reserve may have run after all: settled by id like a granted one.
     pending: Reservation | None = None
@@ -97,6 +113,25 @@ def applicable(tenant: Tenant, key: ApiKey) -> list[tuple[str, BucketSpec, bool]
     )
 
 
+def bucket_set(tenant: Tenant, key: ApiKey) -> BucketSet:
+    """`applicable`'s buckets as a `BucketSet`."""
+    spec = applicable(tenant, key)
+    names = tuple(name for name, _, _ in spec)
+    buckets = tuple(bucket for _, bucket, _ in spec)
+    policy = ", ".join(
+        f'"{name}";q={math.floor(bucket.capacity)};w={_refill_window(bucket)}'
+        for name, bucket in zip(names, buckets, strict=True)
+    )
+    return BucketSet(
+        names=names, buckets=buckets, counts_tokens=tuple(flag for _, _, flag in spec), policy=policy
+    )
+
+
+def _refill_window(bucket: BucketSpec) -> int:
+    """Seconds a bucket takes to refill from empty (0 for one that never refills)."""
+    return math.ceil(bucket.capacity / bucket.rate) if bucket.rate > 0 else 0
+
+
 class QuotaMeter:
     """Reserves and settles one request's quota against a `QuotaStore`."""
 
@@ -117,18 +152,35 @@ class QuotaMeter:
         # Reservations, fail-open / fail-closed decisions and settlements, by name (see the module docstring).
         self.counters: Counter[str] = Counter()
         self.settler = Settler(store, clock, self.counters, policy=settle_policy, sleep=sleep)
+        # The in-process store settles at once and cannot fail for want of a backend: no task to hand it to,
+        # nothing to retry, nothing a cancelled request could cut off. Exactly that class: a subclass or a
+        # wrapper may reconcile otherwise (tests make theirs fail), so it goes through the settler.
+        self._settle_now = store.reconcile_now if type(store) is MemoryQuotaStore else None
+        # Each key's bucket set, with the tenant's quotas it was made from, by (tenant id, key id): the same
+        # for every request until an administrator changes the quotas.
+        self._bucket_sets: dict[tuple[str, str], tuple[Quotas, BucketSet]] = {}
+
+    def buckets_for(self, tenant: Tenant, key: ApiKey) -> BucketSet:
+        """The buckets a request of this key draws from (`bucket_set`, remembered while the quotas hold)."""
+        ident = (tenant.tenant_id, key.key_id)
+        known = self._bucket_sets.get(ident)
+        if known is not None and known[0] == tenant.quotas:
+            return known[1]
+        made = bucket_set(tenant, key)
+        if len(self._bucket_sets) >= BUCKET_SETS_MAX:
+            self._bucket_sets.clear()
+        self._bucket_sets[ident] = (tenant.quotas, made)
+        return made
 
     async def reserve(self, tenant: Tenant, key: ApiKey, tokens: int) -> Charge:
         """Reserve 1 request and `tokens` tokens on every applicable bucket, or raise.
 
         Raises QuotaExceededError (retry later), QuotaImpossibleError (never fits), QuotaUnavailableError."""
-        spec = applicable(tenant, key)
-        names = tuple(name for name, _, _ in spec)
-        counts_tokens = tuple(flag for _, _, flag in spec)
-        if not spec:
-            return Charge(reservation=None, names=(), counts_tokens=())
-        buckets = tuple(bucket for _, bucket, _ in spec)
-        amounts = tuple(float(tokens) if flag else 1.0 for flag in counts_tokens)
+        spec = self.buckets_for(tenant, key)
+        if not spec.buckets:
+            return Charge(reservation=None, bucket_set=spec)
+        buckets = spec.buckets
+        amounts = tuple(float(tokens) if flag else 1.0 for flag in spec.counts_tokens)
         # Chosen here, before the call: if the reply is lost, this id still names whatever the store did.
         rid = f"{self._id_prefix}{next(self._id_count):x}"
         try:
@@ -150,13 +202,7 @@ class QuotaMeter:
                     exc,
                     tenant.tenant_id,
                 )
-                return Charge(
-                    reservation=None,
-                    names=names,
-                    counts_tokens=counts_tokens,
-                    fail_open=True,
-                    pending=unknown,
-                )
+                return Charge(reservation=None, bucket_set=spec, fail_open=True, pending=unknown)
             self.counters["fail_closed"] += 1
             log.warning(
                 "quota store unreachable (%s): tenant %s fails closed, request refused", exc, tenant.tenant_id
@@ -165,17 +211,25 @@ class QuotaMeter:
             self.settler.submit(unknown, [0.0] * len(amounts))
             raise QuotaUnavailableError("the quota service is unavailable; retry shortly") from exc
         self.counters["reserved"] += 1
-        return Charge(reservation=reservation, names=names, counts_tokens=counts_tokens)
+        return Charge(reservation=reservation, bucket_set=spec)
 
     def _actual(self, charge: Charge, used_tokens: int) -> list[float]:
-        return [float(used_tokens) if flag else 1.0 for flag in charge.counts_tokens]
+        return [float(used_tokens) if flag else 1.0 for flag in charge.bucket_set.counts_tokens]
 
     def settle_later(self, charge: Charge, used_tokens: int) -> None:
         """Settle with what the request used (1 request, `used_tokens` tokens) in the settler's own task:
-        safe to call from a task that is being cancelled; retried on failure; drained at shutdown."""
+        safe to call from a task that is being cancelled; retried on failure; drained at shutdown. On the
+        in-process store, settled here and now."""
         reservation = charge.reservation or charge.pending
-        if reservation is not None:
-            self.settler.submit(reservation, self._actual(charge, used_tokens))
+        if reservation is None:
+            return
+        actual = self._actual(charge, used_tokens)
+        if self._settle_now is None:
+            self.settler.submit(reservation, actual)
+        else:
+            self.counters[
+                "settled" if self._settle_now(reservation, actual, self._clock()) else "settle_noop"
+            ] += 1
 
     async def settle(self, charge: Charge, used_tokens: int) -> None:
         """Like `settle_later`, awaited here (retries included)."""
@@ -188,21 +242,16 @@ class QuotaMeter:
         await self.settler.drain(within)
 
 
-def rate_limit_headers(
-    names: tuple[str, ...], buckets: tuple[BucketSpec, ...], levels: tuple[float, ...]
-) -> dict[str, str]:
+def rate_limit_headers(spec: BucketSet, levels: tuple[float, ...]) -> dict[str, str]:
     """`RateLimit-Policy` and `RateLimit` (IETF httpapi ratelimit-headers draft) for token buckets.
 
     Policy: `q` = burst capacity, `w` = seconds to refill from empty. Current: `r` = what is left now, `t` =
     seconds until the bucket is full again."""
-    if not names:
+    if not spec.names:
         return {}
-    policy = []
     current = []
-    for name, bucket, level in zip(names, buckets, levels, strict=True):
-        window = math.ceil(bucket.capacity / bucket.rate) if bucket.rate > 0 else 0
-        policy.append(f'"{name}";q={math.floor(bucket.capacity)};w={window}')
+    for name, bucket, level in zip(spec.names, spec.buckets, levels, strict=True):
         left = max(0.0, level)
         reset = math.ceil((bucket.capacity - level) / bucket.rate) if bucket.rate > 0 else 0
         current.append(f'"{name}";r={math.floor(left)};t={max(0, reset)}')
-    return {"RateLimit-Policy": ", ".join(policy), "RateLimit": ", ".join(current)}
+    return {"RateLimit-Policy": spec.policy, "RateLimit": ", ".join(current)}

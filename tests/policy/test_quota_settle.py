@@ -15,6 +15,7 @@ from policy.quota import (
     MemoryQuotaStore,
     QuotaBackendError,
     QuotaBusyError,
+    QuotaImpossibleError,
     QuotaStore,
     Reservation,
     ReservationClosedError,
@@ -173,10 +174,12 @@ async def test_drain_waits_for_settlements_then_cuts_off_the_stuck_ones() -> Non
     assert counters["settled"] == 1
 
 
-async def test_settlements_are_not_cancelled_with_the_request_that_ended() -> None:
+@pytest.mark.parametrize("in_process", [True, False], ids=["settled-in-place", "settler-task"])
+async def test_settlements_are_not_cancelled_with_the_request_that_ended(in_process: bool) -> None:
     clock = FakeClock()
     store = MemoryQuotaStore()
-    meter = QuotaMeter(store, clock)
+    # Behind a wrapper the meter does not know the store settles in place: a settler task does it.
+    meter = QuotaMeter(store if in_process else Flaky(store, failures=0), clock)
     charge = await meter.reserve(tenant("closed"), KEY, 100)
 
     async def request() -> None:
@@ -259,3 +262,39 @@ async def test_every_reservation_a_meter_makes_has_an_id_of_its_own_and_so_do_tw
             assert charge.reservation is not None
             ids.append(charge.reservation.reservation_id)
     assert len(set(ids)) == len(ids) == 400
+
+
+async def test_a_keys_buckets_are_remembered_until_its_tenants_quotas_change() -> None:
+    store = MemoryQuotaStore()
+    meter = QuotaMeter(store, FakeClock())
+    acme = tenant("closed")
+    first = meter.buckets_for(acme, KEY)
+    assert meter.buckets_for(acme, KEY) is first
+    assert first.names == ("tenant-requests", "tenant-tokens")
+    assert first.buckets == tuple(b for _, b, _ in applicable(acme, KEY))
+    assert first.policy == '"tenant-requests";q=10;w=10, "tenant-tokens";q=1000;w=1000'
+    # An administrator lowers the token burst: the next request draws from the new bucket.
+    lower = Limits(requests_per_second=1, request_burst=10, tokens_per_second=1, token_burst=50)
+    changed = Tenant(tenant_id="acme", display_name="Acme", quotas=Quotas(tenant=lower))
+    with pytest.raises(QuotaImpossibleError):
+        await meter.reserve(changed, KEY, 100)
+    assert meter.buckets_for(changed, KEY).buckets[1].capacity == 50
+    # Another key of the tenant has buckets of its own.
+    other = ApiKey(key_id="k2", tenant_id="acme", roles=("consumer",), created_at=0.0)
+    unlimited = Tenant(tenant_id="acme", display_name="Acme", quotas=Quotas(tenant=LIMITS, per_key=LIMITS))
+    assert meter.buckets_for(unlimited, other).buckets[2].key == "key:{acme}:k2:req"
+
+
+async def test_the_in_process_store_is_settled_at_once_without_a_task() -> None:
+    clock = FakeClock()
+    store = MemoryQuotaStore()
+    meter = QuotaMeter(store, clock)
+    charge = await meter.reserve(tenant("closed"), KEY, 100)
+    meter.settle_later(charge, 30)
+    assert meter.settler.in_flight == 0
+    assert meter.counters == Counter(reserved=1, settled=1)
+    [_, tokens] = [b for _, b, _ in applicable(tenant("closed"), KEY)]
+    assert await store.levels([tokens], clock()) == (1_000.0 - 30,)
+    meter.settle_later(charge, 30)  # settled before: nothing changes
+    assert meter.counters == Counter(reserved=1, settled=1, settle_noop=1)
+    assert await store.levels([tokens], clock()) == (1_000.0 - 30,)
