@@ -16,10 +16,11 @@ get the same ids both ways; otherwise there is no word encoder and texts are enc
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Callable
 from typing import Any
+
+import tokenizers
 
 # Words remembered per tokenizer; past this the memory starts again (about 200 bytes a word: 20 MB at most).
 WORDS_MAX = 100_000
@@ -50,35 +51,34 @@ def _byte_level_table() -> dict[int, str]:
 _BYTE_LEVEL = _byte_level_table()
 
 
-def _is_plain_byte_level(config: dict[str, Any]) -> bool:
+def _is_plain_byte_level(backend: Any) -> bool:
     """GPT-2's scheme: no normalizer; the ByteLevel pre-tokenizer with its expression and no prefix space;
     a BPE model that always merges the same way (no dropout)."""
-    pre = config.get("pre_tokenizer") or {}
-    model = config.get("model") or {}
+    pre = backend.pre_tokenizer
+    model = backend.model
     return (
-        config.get("normalizer") is None
-        and pre.get("type") == "ByteLevel"
-        and pre.get("use_regex", True) is True
-        and pre.get("add_prefix_space") is False
-        and model.get("type") == "BPE"
-        and model.get("dropout") is None
+        backend.normalizer is None
+        and isinstance(pre, tokenizers.pre_tokenizers.ByteLevel)
+        and pre.use_regex is True
+        and pre.add_prefix_space is False
+        and isinstance(model, tokenizers.models.BPE)
+        and model.dropout is None
     )
 
 
-def word_encoder(backend: Any, batch: Callable[..., Any]) -> Encode | None:
+def word_encoder(
+    backend: Any, batch: Callable[..., Any], tokenize: Callable[[str], Any] | None = None
+) -> Encode | None:
     """`text -> ids` (no special tokens added) for text without added tokens, by words (module docstring);
-    `batch(texts, add_special_tokens=False)` encodes non-ASCII texts. None when `backend` (a
-    `tokenizers.Tokenizer`) is not a plain byte-level BPE one or the probe's ids differ."""
-    try:
-        config = json.loads(backend.to_str())
-    except Exception:  # not a `tokenizers.Tokenizer`: no configuration to check
-        return None
-    if not isinstance(config, dict) or not _is_plain_byte_level(config):
+    `batch(texts, add_special_tokens=False)` encodes non-ASCII texts, `tokenize` (the BPE model's, unless
+    given) the words not remembered. None when `backend` is not a `tokenizers.Tokenizer` of the plain
+    byte-level BPE scheme or the probe's ids differ."""
+    if not isinstance(backend, tokenizers.Tokenizer) or not _is_plain_byte_level(backend):
         return None
     words: dict[str, tuple[int, ...]] = {}
     split = _ASCII_WORDS.findall
     get = words.get
-    tokenize = backend.model.tokenize
+    tokenize = tokenize or backend.model.tokenize
 
     def encode(text: str) -> tuple[int, ...]:
         if not text.isascii():

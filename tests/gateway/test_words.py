@@ -38,19 +38,12 @@ def by_words(backend: tokenizers.Tokenizer) -> words.Encode:
 
 
 class Counting:
-    """A tokenizer whose BPE model's and batch entry point's calls are recorded."""
+    """A tokenizer's BPE model and batch entry point, recording what each is given."""
 
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self.backend = backend
-        self.model = self
         self.words: list[str] = []  # byte-level words given to the model
         self.batches: list[list[str]] = []
-
-    def to_str(self) -> str:
-        return self.backend.to_str()
-
-    def encode(self, text: str, add_special_tokens: bool) -> Any:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens)
 
     def tokenize(self, word: str) -> Any:
         self.words.append(word)
@@ -77,7 +70,7 @@ def test_word_by_word_gets_the_ids_of_the_whole_text(
 
 def test_only_words_not_remembered_are_encoded(backend: tokenizers.Tokenizer) -> None:
     counting = Counting(backend)
-    encode = word_encoder(counting, counting.batch)
+    encode = word_encoder(backend, counting.batch, counting.tokenize)
     assert encode is not None
     counting.words.clear()  # the probe's
     text = "The zebra's  quizzical gaze, 1234 times!\n"
@@ -98,7 +91,7 @@ def test_past_its_size_the_memory_starts_again(
 ) -> None:
     monkeypatch.setattr(words, "WORDS_MAX", 150)  # the probe's words fit, a few more do not
     counting = Counting(backend)
-    encode = word_encoder(counting, counting.batch)
+    encode = word_encoder(backend, counting.batch, counting.tokenize)
     assert encode is not None
     texts = [f"word{i} and some words {i * 7}" for i in range(40)]
     for text in texts * 2:
@@ -129,12 +122,9 @@ def test_a_tokenizer_of_another_scheme_has_no_word_encoder(
 
 
 def test_a_tokenizer_whose_words_do_not_add_up_has_no_word_encoder(backend: tokenizers.Tokenizer) -> None:
-    class Shifted(Counting):
-        """The real tokenizer's configuration, but each word's ids shifted: the probe's ids differ."""
+    def shifted(word: str) -> list[Any]:
+        """The BPE model's ids, each one off: the probe's ids differ."""
+        return [SimpleNamespace(id=token.id + 1) for token in backend.model.tokenize(word)]
 
-        def tokenize(self, word: str) -> Any:
-            return [SimpleNamespace(id=token.id + 1) for token in self.backend.model.tokenize(word)]
-
-    shifted = Shifted(backend)
-    assert word_encoder(shifted, shifted.batch) is None
-    assert word_encoder(object(), backend.encode_batch_fast) is None  # no configuration to read
+    assert word_encoder(backend, backend.encode_batch_fast, shifted) is None
+    assert word_encoder(object(), backend.encode_batch_fast) is None  # not a `tokenizers.Tokenizer`
