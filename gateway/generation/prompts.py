@@ -63,12 +63,16 @@ class PromptRenderer:
         cls, model_dir: Path, executor: ThreadPoolExecutor, template: str | None = None
     ) -> PromptRenderer:
         """Load the tokenizer from a prepared model directory (never from the network); render with
-        `template` (None: the directory's own chat template)."""
-        loop = asyncio.get_running_loop()
-        tokenizer = await loop.run_in_executor(executor, load_tokenizer, model_dir)
-        if template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{model_dir} has no chat template")
-        return cls(tokenizer, executor, template)
+        `template` (None: the directory's own chat template). Built in `executor`, off the event loop."""
+
+        def build() -> PromptRenderer:
+            # In the worker thread: the tokenizer's load, and the template's compilation and probes.
+            tokenizer = load_tokenizer(model_dir)
+            if template is None and not getattr(tokenizer, "chat_template", None):
+                raise ValueError(f"{model_dir} has no chat template")
+            return cls(tokenizer, executor, template)
+
+        return await asyncio.get_running_loop().run_in_executor(executor, build)
 
     @property
     def supports_tools(self) -> bool:

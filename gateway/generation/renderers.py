@@ -159,8 +159,10 @@ class RendererCache:
     async def _build(self, source: RenderSource) -> PromptRenderer:
         try:
             # Not the tokenizer pool: a load takes far longer than a prompt, which would wait behind it.
-            tokenizer = await asyncio.to_thread(_load_tokenizer, source)
-            renderer = PromptRenderer(tokenizer, self.executor, source.template)
+            # The template's compilation and the encoders' probes too (a millisecond or more).
+            renderer = await asyncio.to_thread(
+                lambda: PromptRenderer(_load_tokenizer(source), self.executor, source.template)
+            )
             self._put(source.key, renderer)
             return renderer
         finally:
