@@ -50,12 +50,12 @@ FAST_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions"
 
 
 async def generate(
-    kind: Kind, services: Services, inbound: Inbound, principal: Principal, body_limit: int | None
+    kind: Kind, services: Services, inbound: Inbound, principal: Principal, max_body: int | None
 ) -> Response[Any]:
-    """Chat or legacy completions for a consumer: the body (at most `body_limit` bytes) decoded, then the
-    generation pipeline."""
+    """Chat or legacy completions for a consumer: the body (at most `max_body` bytes; None: no limit)
+    decoded, then the generation pipeline."""
     allow(principal, "consumer")
-    body = await read_limited(inbound, body_limit)
+    body = await read_limited(inbound, max_body)
     if kind == "chat":
         return await run_chat(services, services.chat_decoder.decode(body), inbound, principal)
     return await run_completion(services, services.completion_decoder.decode(body), inbound, principal)

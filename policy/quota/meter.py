@@ -69,9 +69,6 @@ class BucketSet(msgspec.Struct, frozen=True, kw_only=True):
     policy: str
 
 
-NO_BUCKETS = BucketSet(names=(), buckets=(), counts_tokens=(), policy="")
-
-
 class Charge(msgspec.Struct, frozen=True, kw_only=True):
     """One request's reservation (None when unmetered), with what the RateLimit headers need."""
 
