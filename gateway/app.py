@@ -33,7 +33,7 @@ from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guards import GuardFactory
 from gateway.observe.collectors import ServiceCollector
-from gateway.observe.multiproc import CollectorMirror
+from gateway.observe.multiproc import CollectorMirror, repeat
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
@@ -384,6 +384,9 @@ def create_app(
                 pusher = _metrics_pusher(config, observer, metric_exporter)
                 owned.push_async_callback(asyncio.to_thread, pusher.shutdown)  # with a last push
                 owned.push_async_callback(_stop, asyncio.create_task(pusher.run()))
+            if observer.multiprocess_dir is not None:  # a worker: others read its counts from its files
+                flushing = repeat(observer.metrics.flush, config.metrics.multiprocess_interval)
+                owned.push_async_callback(_stop, asyncio.create_task(flushing))
             if config.overload.enabled:
                 owned.push_async_callback(_stop, asyncio.create_task(overload.monitor.run()))
             owned.callback(executor.shutdown, wait=False, cancel_futures=True)

@@ -8,6 +8,10 @@ canary's latencies next to its stable version's), error codes (ours). Never a re
 Under `lockgate serve --workers N` prometheus_client runs in multiprocess mode (gateway/observe/multiproc.py):
 the same metrics are then backed by per-worker files that `/metrics` merges; counters and histograms sum, and
 each gauge declares how it merges (`multiprocess_mode`).
+
+A request's increments are counted in a `Tally` (gateway/observe/tally.py) and reach the series when the
+registry is read (and, in a worker, every `metrics.multiprocess_interval` seconds): the series themselves lock
+on every increment.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.config import SloConfig
 from gateway.observe import slo
+from gateway.observe.tally import Incrementable, Tally, value_of
 from gateway.observe.timeline import RequestTimeline
 
 PREFIX = "lockgate:"
@@ -40,32 +45,33 @@ _REFUSALS = frozenset({400, 401, 403, 404, 405, 409, 413, 422, 429, 503, 504})
 
 
 class _Children:
-    """A labelled metric's children by label values, kept after the first lookup: `labels()` validates and
-    locks on every call, which at a dozen series per request is most of the cost of observing it."""
+    """A labelled counter's values by label values (`tally.value_of` each child), kept after the first
+    lookup: `labels()` validates and locks on every call."""
 
     def __init__(self, metric: Counter) -> None:
         self._metric = metric
-        self._known: dict[tuple[str, ...], Counter] = {}
+        self._known: dict[tuple[str, ...], Incrementable] = {}
 
-    def __call__(self, *values: str) -> Counter:
+    def __call__(self, *values: str) -> Incrementable:
         child = self._known.get(values)
         if child is None:
-            child = self._known[values] = self._metric.labels(*values)
+            child = self._known[values] = value_of(self._metric.labels(*values))
         return child
 
 
 class Observer:
-    """`observe` and `observe_all` of one histogram child, as prometheus_client's `observe` records them: the
-    bucket found by bisection, one increment per bucket and one of the sum. `Histogram.observe` checks that
-    the child is observable, then walks the bucket bounds in Python, taking a lock per increment: for the
-    handful of histograms a request observes and its 15 inter-token gaps, most of the cost of its metrics.
-    It reaches into the child's `_upper_bounds`, `_buckets` and `_sum` (prometheus_client's own, in
-    multiprocess mode too); where a version lacks them, each value is observed."""
+    """`observe` and `observe_all` of one histogram child, as prometheus_client's `observe` records them, with
+    the increments counted in a `Tally`: the bucket found by bisection, one increment per bucket and one of
+    the sum. `Histogram.observe` checks that the child is observable, then walks the bucket bounds in Python,
+    taking a lock per increment. It reaches into the child's `_upper_bounds`, `_buckets` and `_sum`
+    (prometheus_client's own, in multiprocess mode too); where a version lacks them, each value is observed
+    (and nothing waits for a flush)."""
 
-    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
+    __slots__ = ("_bounds", "_buckets", "_child", "_sum", "_totals")
 
-    def __init__(self, child: Histogram) -> None:
+    def __init__(self, child: Histogram, tally: Tally) -> None:
         self._child = child
+        self._totals = tally.totals
         bounds = getattr(child, "_upper_bounds", None)
         buckets = getattr(child, "_buckets", None)
         self._sum = getattr(child, "_sum", None)
@@ -78,36 +84,37 @@ class Observer:
         if self._bounds is None or self._buckets is None or self._sum is None:
             self._child.observe(amount)
             return
+        totals = self._totals
         # The first bound >= amount, as `observe` finds it (the last bound is +Inf).
-        self._buckets[bisect_left(self._bounds, amount)].inc(1)
-        self._sum.inc(amount)
+        bucket = self._buckets[bisect_left(self._bounds, amount)]
+        totals[bucket] = totals.get(bucket, 0) + 1
+        totals[self._sum] = totals.get(self._sum, 0) + amount
 
     def observe_all(self, amounts: Sequence[float]) -> None:
-        """`observe(a)` for each of `amounts`, with one increment per bucket they fall in."""
+        """`observe(a)` for each of `amounts`."""
         if self._bounds is None or self._buckets is None or self._sum is None:
             for amount in amounts:
                 self._child.observe(amount)
             return
-        counts: dict[int, int] = {}
+        totals, bounds, buckets = self._totals, self._bounds, self._buckets
         for amount in amounts:
-            index = bisect_left(self._bounds, amount)
-            counts[index] = counts.get(index, 0) + 1
-        for index, count in counts.items():
-            self._buckets[index].inc(count)
-        self._sum.inc(sum(amounts))
+            bucket = buckets[bisect_left(bounds, amount)]
+            totals[bucket] = totals.get(bucket, 0) + 1
+        totals[self._sum] = totals.get(self._sum, 0) + sum(amounts)
 
 
 class _Observers:
     """A labelled histogram's `Observer`s by label values, kept after the first lookup."""
 
-    def __init__(self, metric: Histogram) -> None:
+    def __init__(self, metric: Histogram, tally: Tally) -> None:
         self._metric = metric
+        self._tally = tally
         self._known: dict[tuple[str, ...], Observer] = {}
 
     def __call__(self, *values: str) -> Observer:
         observer = self._known.get(values)
         if observer is None:
-            observer = self._known[values] = Observer(self._metric.labels(*values))
+            observer = self._known[values] = Observer(self._metric.labels(*values), self._tally)
         return observer
 
 
@@ -116,6 +123,10 @@ class RequestMetrics:
 
     def __init__(self, registry: CollectorRegistry, slo_config: SloConfig) -> None:
         self._slo = slo_config
+        # Every increment below goes through the tally; its collector, registered before the series, flushes
+        # it at every read of the registry.
+        self.tally = Tally()
+        registry.register(self.tally.collector)
         p = PREFIX
         self.requests = Counter(
             f"{p}requests",
@@ -210,26 +221,34 @@ class RequestMetrics:
         )
 
         # Children by label values (bounded like the series themselves).
+        tally = self.tally
         self._requests = _Children(self.requests)
         self._rejections = _Children(self.rejections)
-        self._phase = _Observers(self.phase)
-        self._guard_latency = _Observers(self.guard_latency)
+        self._phase = _Observers(self.phase, tally)
+        self._guard_latency = _Observers(self.guard_latency, tally)
         self._outcomes = _Children(self.outcomes)
         self._prompt_tokens = _Children(self.prompt_tokens)
         self._generation_tokens = _Children(self.generation_tokens)
         self._finished = _Children(self.finished)
         self._attained = _Children(self.attained)
-        self._e2e = _Observers(self.e2e)
-        self._queue_wait = _Observers(self.queue_wait)
-        self._ttft = _Observers(self.ttft)
-        self._itl = _Observers(self.itl)
+        self._cancellations = value_of(self.cancellations)
+        self._stalls = value_of(self.stalls)
+        self._e2e = _Observers(self.e2e, tally)
+        self._queue_wait = _Observers(self.queue_wait, tally)
+        self._ttft = _Observers(self.ttft, tally)
+        self._itl = _Observers(self.itl, tally)
+
+    def flush(self) -> None:
+        """Hand every counted increment to its series (`Tally.flush`)."""
+        self.tally.flush()
 
     def observe(self, t: RequestTimeline) -> None:
         """Record one ended request (called once, when its timeline ends)."""
+        add = self.tally.add
         status = t.http_status
-        self._requests(t.route or "unmatched", str(status), t.tenant).inc()
+        add(self._requests(t.route or "unmatched", str(status), t.tenant))
         if status in _REFUSALS and t.error_code:
-            self._rejections(t.error_code).inc()
+            add(self._rejections(t.error_code))
         for name, (start, end) in t.phases.items():
             self._phase(name).observe(end - start)
         for check in t.guard_checks:
@@ -238,25 +257,25 @@ class RequestMetrics:
         outcome = t.outcome
         if outcome is None:
             return
-        self._outcomes(outcome.status).inc()
+        add(self._outcomes(outcome.status))
         if outcome.status == "cancelled":
-            self.cancellations.inc()
+            add(self._cancellations)
         elif outcome.status == "stalled":
-            self.stalls.inc()
+            add(self._stalls)
         usage = outcome.usage
         if usage.prompt_tokens:
-            self._prompt_tokens(t.tenant, t.model).inc(usage.prompt_tokens)
+            add(self._prompt_tokens(t.tenant, t.model), usage.prompt_tokens)
         if usage.completion_tokens:
-            self._generation_tokens(t.tenant, t.model).inc(usage.completion_tokens)
+            add(self._generation_tokens(t.tenant, t.model), usage.completion_tokens)
         klass = t.klass
         if not klass:
             return
         self._latencies(t, klass)
         targets = slo.targets_for(self._slo, klass)
         if targets is not None and slo.counts(t):
-            self._finished(klass).inc()
+            add(self._finished(klass))
             if slo.attained(t, targets):
-                self._attained(klass).inc()
+                add(self._attained(klass))
 
     def _latencies(self, t: RequestTimeline, klass: str) -> None:
         e2e = t.e2e

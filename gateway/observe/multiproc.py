@@ -99,6 +99,27 @@ Labels = tuple[str, ...]
 M = TypeVar("M", Counter, Gauge)
 
 
+async def repeat(
+    work: Callable[[], None], interval: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+) -> None:
+    """`work()` now and every `interval` seconds until cancelled, and once more then (a worker's metric files
+    brought up to date: a worker that stops cleanly leaves its final counts). A failed pass is logged and
+    retried next time."""
+
+    def logged() -> None:
+        try:
+            work()
+        except Exception:
+            log.exception("bringing the metric files of this worker up to date failed")
+
+    try:
+        while True:
+            logged()
+            await sleep(interval)
+    finally:
+        logged()
+
+
 class CollectorMirror:
     """Copies a scrape-time collector's counter and gauge families into file-backed metrics of this process:
     once per `sync()`, and every `interval` seconds in `run()`. Other metric types are not mirrored.
@@ -150,19 +171,8 @@ class CollectorMirror:
 
     async def run(self) -> None:
         """Mirror now and every `interval` seconds until cancelled, and once more then (so a worker that
-        stops cleanly leaves its final counts). A failed pass is logged and retried next time."""
-        try:
-            while True:
-                self._sync_logged()
-                await self._sleep(self._interval)
-        finally:
-            self._sync_logged()
-
-    def _sync_logged(self) -> None:
-        try:
-            self.sync()
-        except Exception:
-            log.exception("mirroring the service metrics for multiprocess mode failed")
+        stops cleanly leaves its final counts)."""
+        await repeat(self.sync, self._interval, self._sleep)
 
     def _count(self, name: str, doc: str, labels: Mapping[str, str], value: float) -> None:
         counter = self._counters.get(name)

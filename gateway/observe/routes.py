@@ -35,6 +35,7 @@ async def metrics(request: Request[Any, Any, Any], services: NamedDependency[Ser
     if observer.multiprocess_dir is None:
         body = generate_latest(observer.registry)
     else:
+        observer.metrics.flush()  # this worker's counts now; the others' as of their last flush
         body = await asyncio.to_thread(aggregate, observer.multiprocess_dir)
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 

@@ -48,11 +48,14 @@ from gateway.observe.collectors import ServiceCollector
 from gateway.observe.multiproc import CollectorMirror
 from gateway.observe.observer import RequestObserver
 from gateway.observe.otlp_metrics import MetricsPusher
+from gateway.observe.tally import value_of
 
 spec = json.loads(sys.argv[1])
 observer = RequestObserver(Config(), time.monotonic)
 m = observer.metrics
-m.requests.labels("/v1/chat/completions", "200", "acme").inc(spec["requests"])
+# Counted as a request's metrics are, and flushed to the worker's files as its periodic flush does.
+m.tally.add(value_of(m.requests.labels("/v1/chat/completions", "200", "acme")), spec["requests"])
+m.flush()
 m.active_streams.inc(spec["streams"])
 for ttft in spec["ttfts"]:
     m.ttft.labels("interactive", "m@1").observe(ttft)
@@ -155,7 +158,7 @@ def key(name: str, **labels: str) -> Key:
 async def scrape(directory: Path) -> dict[Key, float]:
     """`GET /metrics` of a worker whose observer runs in multiprocess mode on `directory`."""
     services: Any = SimpleNamespace(
-        observer=SimpleNamespace(multiprocess_dir=directory),
+        observer=SimpleNamespace(multiprocess_dir=directory, metrics=SimpleNamespace(flush=lambda: None)),
         config=SimpleNamespace(metrics=SimpleNamespace(require_key=False)),  # no key: the request is not read
     )
     response = await routes.metrics.fn(request=None, services=services)

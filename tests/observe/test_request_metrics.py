@@ -12,6 +12,7 @@ from gateway.config import Config, SloConfig, SloTargets
 from gateway.generation.tracking import Outcome
 from gateway.observe.metrics import ITL_BUCKETS, Observer, RequestMetrics
 from gateway.observe.requestlog import log_line
+from gateway.observe.tally import Tally
 from gateway.observe.timeline import RequestTimeline
 from guard.cascade import CascadeResult, StageRun
 from policy.safety.decision import GuardDecision
@@ -173,11 +174,15 @@ def test_observing_many_at_once_exposes_what_observing_each_does() -> None:
             histogram.observe(x)
 
     def observer_one_by_one(histogram: Histogram, xs: list[float]) -> None:
+        tally = Tally()
         for x in xs:
-            Observer(histogram).observe(x)
+            Observer(histogram, tally).observe(x)
+        tally.flush()
 
     def observer_all(histogram: Histogram, xs: list[float]) -> None:
-        Observer(histogram).observe_all(xs)
+        tally = Tally()
+        Observer(histogram, tally).observe_all(xs)
+        tally.flush()
 
     for observe in (one_by_one, observer_all, observer_one_by_one):
         registry = CollectorRegistry()
