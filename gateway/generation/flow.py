@@ -106,21 +106,36 @@ async def _ended(
 ) -> AsyncGenerator[EngineDelta, None]:
     """Pass deltas through (counting each one with `counted`, as `_counted` does); record how the stream
     ended; closing it early aborts the engine request(s)."""
-    try:
+    async with _Recorded(source, tracker):
         async for delta in source:
             if counted:
                 tracker.observe(delta)
             yield delta
-    except (asyncio.CancelledError, GeneratorExit):
-        tracker.finish("cancelled")
-        raise
-    except Exception:
-        # An engine error, or a failure between engine and client (an output block has recorded itself).
-        tracker.finish("error")
-        raise
-    finally:
-        await source.aclose()
-    tracker.finish("completed")
+
+
+class _Recorded:
+    """Around the reading of a tracked engine stream: records how it ended on the tracker (cancelled, error,
+    completed) and closes the stream (which aborts the engine request if it has not finished)."""
+
+    __slots__ = ("_source", "_tracker")
+
+    def __init__(self, source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker) -> None:
+        self._source = source
+        self._tracker = tracker
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        if kind is not None:
+            if issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
+                self._tracker.finish("cancelled")
+            elif issubclass(kind, Exception):
+                # An engine error, or a failure between engine and client (an output block recorded itself).
+                self._tracker.finish("error")
+        await self._source.aclose()
+        if kind is None:
+            self._tracker.finish("completed")
 
 
 async def merged(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
@@ -165,8 +180,18 @@ async def collect(
     source: Source, tracker: RequestTracker, transform: Transform | None = None
 ) -> list[EngineDelta]:
     """All deltas of a request (non-streaming responses)."""
-    async with contextlib.aclosing(_through(source, tracker, transform)) as deltas:
-        return [delta async for delta in deltas]
+    deltas: list[EngineDelta] = []
+    if isinstance(source, AsyncGenerator) and transform is None:
+        # One choice as the engine sent it: read here, as `_ended` would (one generator fewer per delta).
+        async with _Recorded(source, tracker):
+            async for delta in source:
+                tracker.observe(delta)
+                deltas.append(delta)
+        return deltas
+    async with contextlib.aclosing(_through(source, tracker, transform)) as through:
+        async for delta in through:
+            deltas.append(delta)
+    return deltas
 
 
 async def _produce(deltas: AsyncGenerator[EngineDelta, None], queue: asyncio.Queue[object]) -> None:
