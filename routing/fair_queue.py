@@ -196,7 +196,7 @@ class _Tenant:
     queued: int = 0
     # Per class: this tenant's queued request ids keyed by (deadline, push seq), and their work.
     queues: dict[Klass, _IndexedHeap[str]] = field(
-        default_factory=lambda: {k: _IndexedHeap[str]() for k in CLASSES}
+        default_factory=lambda: {k: _IndexedHeap() for k in CLASSES}
     )
     work: dict[Klass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
 
