@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import tempfile
@@ -41,6 +42,15 @@ from policy.tenants.sqlite import SqliteTenantStore
 DATA_DIR = Path(os.environ.get("LOCKGATE_MODEL__DATA_DIR", "~/.cache/lockgate/models")).expanduser()
 MODEL = DEFAULT_MODEL_NAME
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="lockgate-tests-"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (vLLM, torch, transformers: about half a million objects) out of the
+    garbage collector's walk, as `lockgate serve` freezes what its start-up built: a full collection over
+    them took 350 ms on an idle core, and more on a loaded machine stalled whichever test was running (a
+    healthy store's round trips reached their timeout in CI). Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
