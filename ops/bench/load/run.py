@@ -64,7 +64,7 @@ def quiet_gc(*, collect: bool = True) -> Iterator[None]:
     garbage collection's walk while it offers load, or with `collect=False` no collection at all (a short
     step): a full collection stopped it for 250-370 ms on a slow machine, and the requests it was sending or
     reading then counted that as the server's latency."""
-    enabled = gc.isenabled()
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     if not collect:
@@ -74,7 +74,8 @@ def quiet_gc(*, collect: bool = True) -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-        gc.unfreeze()
+        if not frozen:  # a caller that had frozen its own heap (a test session) keeps it frozen
+            gc.unfreeze()
 
 
 async def _launch(
