@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import contextlib
 import itertools
 import json
@@ -64,6 +65,34 @@ class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_model_len: int = 2048  # longest prompt + max_tokens a request may ask for
 
 
+_Item = EngineDelta | EngineRequestError | EngineDeadError
+
+
+class _Outbox:
+    """One request's deltas from the scheduler to its stream, in order, waking the stream's reader.
+
+    A deque and one future per wait: `asyncio.Queue` costs several times as much per item (its getters and
+    putters queues, its unfinished-task count and `Event`), paid once per simulated token."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[_Item] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: _Item) -> None:
+        self.items.append(item)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():  # a reader cancelled while waiting left it cancelled
+            waiter.set_result(None)
+
+    async def get(self) -> _Item:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
 class _Seq:
     """Scheduler-side state of one request."""
 
@@ -78,6 +107,8 @@ class _Seq:
         "req",
         "reserved",
         "rng",
+        "stop_hold",
+        "stops",
         "text",
         "token_ids",
     )
@@ -86,7 +117,7 @@ class _Seq:
         self.req = req
         self.order = order  # FIFO tie-break among equal priorities
         self.rng = rng
-        self.out: asyncio.Queue[EngineDelta | EngineRequestError | EngineDeadError] = asyncio.Queue()
+        self.out = _Outbox()
         self.token_ids: list[int] = []
         self.text = ""
         self.emitted = 0  # chars of `text` already sent; the rest may still turn out to be a stop string
@@ -94,6 +125,9 @@ class _Seq:
         bias = req.sampling.logit_bias
         self.banned = frozenset(t for t, b in bias if b <= -100)
         self.forced = sorted({t for t, b in bias if b >= 100} - self.banned)
+        self.stops = tuple(s for s in req.sampling.stop if s)
+        # Chars at the end of the text held back while they might still grow into a stop string.
+        self.stop_hold = max(map(len, self.stops), default=1) - 1
         # Under a constraint: the whole JSON text to stream, and how many of its chars are out already.
         self.json: str | None = None
         self.json_pos = 0
@@ -103,8 +137,11 @@ class _Seq:
         return (self.req.priority, self.order)
 
 
+_PIECES = tuple(" " + word for word in _WORDS)
+
+
 def _token_text(token_id: int) -> str:
-    return " " + _WORDS[token_id % len(_WORDS)]
+    return _PIECES[token_id % len(_PIECES)]
 
 
 # What a `json_object` constraint gets: a small object, varied like any other output.
@@ -295,7 +332,8 @@ class SimulatedEngine:
     async def _run(self) -> None:
         try:
             while True:
-                self._drop_expired()
+                if self._waiting:
+                    self._drop_expired()
                 prefill_tokens = self._admit()
                 if not self._running:
                     self._wake.clear()
@@ -362,15 +400,14 @@ class SimulatedEngine:
         end = len(seq.text)
         # vLLM looks for stop strings only from min_tokens on; the text before is sent unchecked.
         may_end = len(seq.token_ids) >= sampling.min_tokens
-        stops = [s for s in sampling.stop if s] if may_end else []
-        if stops:
+        if seq.stops and may_end:
             # No stop string starts before `emitted`: the tail below is held back until it cannot.
-            hits = [i for i in (seq.text.find(s, seq.emitted) for s in stops) if i >= 0]
+            hits = [i for i in (seq.text.find(s, seq.emitted) for s in seq.stops) if i >= 0]
             if hits:
                 finish, end = "stop", min(hits)
             else:
                 # Hold back a tail that might still grow into a stop string spanning tokens.
-                end = max(seq.emitted, end - max(map(len, stops)) + 1)
+                end = max(seq.emitted, end - seq.stop_hold)
         # Complete JSON is where the grammar allows only end of sequence, which ignore_eos skips.
         json_done = seq.json is not None and seq.json_pos >= len(seq.json)
         if finish is None and json_done and may_end and not sampling.ignore_eos:

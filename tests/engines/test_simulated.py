@@ -270,6 +270,23 @@ async def test_closing_or_cancelling_frees_at_once(make: Make) -> None:
     assert (load.running, load.waiting, load.kv_tokens_used) == (0, 0, 0)
 
 
+async def test_a_slow_reader_gets_every_delta_in_order(make: Make) -> None:
+    # Deltas the scheduler makes while the stream is not read wait for it, none lost, none merged.
+    engine, _ = await make(SimulatorConfig())
+    stream = engine.generate(req(max_tokens=6, seed=3))
+    first = await anext(stream)
+
+    async def finished() -> bool:
+        return (await engine.load()).running == 0
+
+    await until(finished)  # every step ran while nobody read
+    rest = [d async for d in stream]
+    assert [len(d.token_ids) for d in [first, *rest]] == [1] * 6
+    assert [d.finish_reason for d in rest] == [None] * 4 + ["length"]
+    again = await collect(engine, req(max_tokens=6, seed=3))
+    assert token_ids([first, *rest]) == token_ids(again)
+
+
 async def test_too_long_is_refused(make: Make) -> None:
     engine, _ = await make(SimulatorConfig(max_model_len=64))
     with pytest.raises(EngineRequestError):
