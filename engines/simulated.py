@@ -443,9 +443,10 @@ class SimulatedEngine:
         if seq.forced:
             token_id = seq.rng.choice(seq.forced)
         else:
-            token_id = seq.rng.randrange(vocab)
+            # `int(random() * vocab)`: one call into C where `randrange` runs three Python frames.
+            token_id = int(seq.rng.random() * vocab)
             while token_id in seq.banned:  # generate() refused a request that bans every id
-                token_id = seq.rng.randrange(vocab)
+                token_id = int(seq.rng.random() * vocab)
         return token_id, _token_text(token_id)
 
     def _token_logprob(self, token_id: int, text: str, n: int) -> TokenLogprob:
