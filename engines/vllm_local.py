@@ -29,6 +29,7 @@ from engines.base import (
     Usage,
 )
 from engines.host import Dtype, DtypeChoice, detect_dtype, host_key
+from engines.reaper import Reaper
 from engines.step_budget import (
     PROBE_BUDGET,
     StepClock,
@@ -186,6 +187,8 @@ class VllmLocalEngine:
         self._stats = _SchedulerStats()
         self._llm: Any = None
         self._kv_capacity = 0
+        # Stops the engine core processes if this process is killed (engines/reaper.py).
+        self._reaper: Reaper | None = None
 
     @property
     def llm(self) -> Any:
@@ -206,6 +209,11 @@ class VllmLocalEngine:
     def steps(self) -> StepClock:
         """The engine steps run so far (tests count steps instead of seconds)."""
         return self._stats.steps
+
+    @property
+    def reaper(self) -> Reaper | None:
+        """The watcher that stops the engine core processes if this process dies (None while stopped)."""
+        return self._reaper
 
     def engine_core_pids(self) -> list[int]:
         """Process ids of vLLM's engine core processes (fault tests kill them)."""
@@ -233,6 +241,7 @@ class VllmLocalEngine:
 
     async def _start_with(self, dtype: Dtype, budget: int) -> None:
         self._llm = await asyncio.to_thread(self._build, dtype, budget)
+        self._reaper = await asyncio.to_thread(Reaper.start, self.engine_core_pids())
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = int((cache.num_gpu_blocks or 0) * cache.block_size)
 
@@ -491,7 +500,12 @@ class VllmLocalEngine:
             # vLLM's shutdown cancels the output handler that would fail these: fail them here, or their
             # streams would wait forever.
             llm.output_processor.propagate_error(VllmDeadError())
-        await asyncio.to_thread(llm.shutdown)
+        reaper, self._reaper = self._reaper, None
+        try:
+            await asyncio.to_thread(llm.shutdown)
+        finally:
+            if reaper is not None:
+                await asyncio.to_thread(reaper.stop)
 
 
 def _logprobs(token_ids: tuple[int, ...], raw: Any, top_n: int | None) -> tuple[TokenLogprob, ...] | None:

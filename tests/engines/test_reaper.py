@@ -1,0 +1,119 @@
+"""The reaper: engine processes stop when the process that started them is killed, and only then."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from engines.reaper import Reaper, reap
+from engines.vllm_local import VllmLocalEngine
+
+# An upper bound for a process to be gone once it should be (a failure bound, not a measured figure).
+GONE_WITHIN_S = 60.0
+
+# A stand-in engine core: a process with a child of its own (vLLM's worker); it prints the child's id.
+CORE = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+# A stand-in gateway: starts the core, has a reaper watch it, prints `core worker reaper` ids, then waits
+# to be killed.
+GATEWAY = """
+import subprocess, sys, time
+from engines.reaper import Reaper
+core = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+worker = core.stdout.readline().strip()
+reaper = Reaper.start([core.pid], grace=float(sys.argv[3]))
+print(core.pid, worker, reaper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE  # exited; its new parent has not collected it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_ended(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes still running after `GONE_WITHIN_S` (none once all have ended)."""
+    deadline = time.monotonic() + GONE_WITHIN_S
+    running = processes
+    while running and time.monotonic() < deadline:
+        time.sleep(0.05)
+        running = [p for p in running if not _ended(p)]
+    return running
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.parametrize("core_mode", ["obey-term", "ignore-term"])
+def test_killing_the_gateway_stops_its_engine_processes(core_mode: str) -> None:
+    gateway = subprocess.Popen(
+        [sys.executable, "-c", GATEWAY, CORE, core_mode, "0.5"], stdout=subprocess.PIPE, text=True
+    )
+    assert gateway.stdout is not None
+    ids = [int(pid) for pid in gateway.stdout.readline().split()]
+    processes = [psutil.Process(pid) for pid in ids]
+    try:
+        assert not any(_ended(p) for p in processes)
+        gateway.kill()  # as the OOM killer would: no clean-up runs in it
+        gateway.wait()
+        # The core (even one that ignores SIGTERM: killed after the grace), its worker, and the reaper.
+        assert _wait_ended(processes) == []
+    finally:
+        for process in processes:
+            if not _ended(process):
+                process.kill()
+
+
+def test_stopping_the_reaper_leaves_the_engine_running(sleeper: subprocess.Popen[bytes]) -> None:
+    reaper = Reaper.start([sleeper.pid], grace=0.1)
+    assert reaper.pids == (sleeper.pid,)
+    watcher = psutil.Process(reaper.pid)
+    reaper.stop()
+    assert _wait_ended([watcher]) == []
+    assert sleeper.poll() is None
+
+
+def test_reap_signals_only_the_process_it_was_given(sleeper: subprocess.Popen[bytes]) -> None:
+    created = psutil.Process(sleeper.pid).create_time()
+    # Another process that reused the id (another start time) is left alone.
+    assert reap([(sleeper.pid, created + 1.0)], grace=0.1) == []
+    assert sleeper.poll() is None
+    assert reap([(sleeper.pid, created)], grace=5.0) == [sleeper.pid]
+    assert sleeper.poll() is not None  # ended (reap collected it: psutil waits on its own children)
+
+
+def test_reap_skips_a_process_that_is_already_gone(sleeper: subprocess.Popen[bytes]) -> None:
+    created = psutil.Process(sleeper.pid).create_time()
+    sleeper.kill()
+    sleeper.wait()
+    assert reap([(sleeper.pid, created)], grace=0.1) == []
+
+
+async def test_the_vllm_engine_core_is_watched(vllm_engine: VllmLocalEngine) -> None:
+    reaper = vllm_engine.reaper
+    assert reaper is not None
+    assert reaper.pids == tuple(vllm_engine.engine_core_pids()) != ()
+    watcher = psutil.Process(reaper.pid)
+    assert watcher.ppid() == os.getpid()
+    assert not _ended(watcher)
