@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from engines.host import detect_dtype
+from engines.reaper import Reaper
 from engines.vllm_local import offline_environment
 from tests.conftest import MODEL, SESSION_DIR, free_port
 
@@ -57,7 +58,7 @@ def _server_command(model_dir: Path, port: int) -> list[str]:
 @asynccontextmanager
 async def running_server(model_dir: Path) -> AsyncIterator[str]:
     """A real vLLM OpenAI server for the session, offline; yields its base URL. Its whole process group is
-    killed at the end (the engine core runs in a child process)."""
+    killed at the end (the engine core runs in a child process), and by a reaper if the test run is killed."""
     port = free_port()
     log_path = SESSION_DIR / f"vllm-server-{port}.log"
     env = {**os.environ, **offline_environment(model_dir.parent)}
@@ -69,9 +70,12 @@ async def running_server(model_dir: Path) -> AsyncIterator[str]:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
         )
+    # A killed test run takes the server with it.
+    reaper = Reaper.start([proc.pid])
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        reaper.stop()
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
