@@ -240,8 +240,14 @@ class VllmLocalEngine:
         )
 
     async def _start_with(self, dtype: Dtype, budget: int) -> None:
-        self._llm = await asyncio.to_thread(self._build, dtype, budget)
-        self._reaper = await asyncio.to_thread(Reaper.start, self.engine_core_pids())
+        self._reaper = reaper = await asyncio.to_thread(Reaper.start)
+        try:
+            self._llm = await asyncio.to_thread(self._build, dtype, budget)
+        except BaseException:
+            self._reaper = None
+            await asyncio.to_thread(reaper.stop)
+            raise
+        await asyncio.to_thread(reaper.watch, self.engine_core_pids())
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = int((cache.num_gpu_blocks or 0) * cache.block_size)
 

@@ -62,6 +62,8 @@ async def running_server(model_dir: Path) -> AsyncIterator[str]:
     port = free_port()
     log_path = SESSION_DIR / f"vllm-server-{port}.log"
     env = {**os.environ, **offline_environment(model_dir.parent)}
+    # A killed test run takes the server with it.
+    reaper = Reaper.start()
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *_server_command(model_dir, port),
@@ -70,8 +72,7 @@ async def running_server(model_dir: Path) -> AsyncIterator[str]:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
         )
-    # A killed test run takes the server with it.
-    reaper = Reaper.start([proc.pid])
+    reaper.watch([proc.pid])
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

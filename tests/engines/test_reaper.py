@@ -27,15 +27,20 @@ print(worker.pid, flush=True)
 time.sleep(600)
 """
 
-# A stand-in gateway: starts the core, has a reaper watch it, prints `core worker reaper` ids, then waits
-# to be killed.
+# A stand-in gateway: a child from before its reaper (not the engine's), then a reaper and the core; it
+# prints `ids: core worker reaper other`, tells the reaper the core's id unless told to leave it adopting (a
+# gateway killed while its engine starts), then waits to be killed. The reaper's `adopted <pid>` lines go
+# to the same output.
 GATEWAY = """
 import subprocess, sys, time
 from engines.reaper import Reaper
+other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+reaper = Reaper.start(grace=float(sys.argv[3]), report=sys.stdout)
 core = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
 worker = core.stdout.readline().strip()
-reaper = Reaper.start([core.pid], grace=float(sys.argv[3]))
-print(core.pid, worker, reaper.pid, flush=True)
+if sys.argv[4] == "watch":
+    reaper.watch([core.pid])
+print("ids:", core.pid, worker, reaper.pid, other.pid, flush=True)
 time.sleep(600)
 """
 
@@ -65,20 +70,32 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     process.wait()
 
 
+@pytest.mark.parametrize("told", ["watch", "adopting"])
 @pytest.mark.parametrize("core_mode", ["obey-term", "ignore-term"])
-def test_killing_the_gateway_stops_its_engine_processes(core_mode: str) -> None:
+def test_killing_the_gateway_stops_its_engine_processes(core_mode: str, told: str) -> None:
     gateway = subprocess.Popen(
-        [sys.executable, "-c", GATEWAY, CORE, core_mode, "0.5"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", GATEWAY, CORE, core_mode, "0.5", told], stdout=subprocess.PIPE, text=True
     )
     assert gateway.stdout is not None
-    ids = [int(pid) for pid in gateway.stdout.readline().split()]
+    ids: list[int] = []
+    adopted: set[int] = set()
+    # Until the ids, and while adopting, until the watcher has seen the core.
+    while not ids or (told == "adopting" and ids[0] not in adopted):
+        kind, *numbers = gateway.stdout.readline().split()
+        if kind == "ids:":
+            ids = [int(n) for n in numbers]
+        else:
+            adopted.add(int(numbers[0]))
     processes = [psutil.Process(pid) for pid in ids]
+    *engine, other = processes
     try:
         assert not any(_ended(p) for p in processes)
         gateway.kill()  # as the OOM killer would: no clean-up runs in it
         gateway.wait()
         # The core (even one that ignores SIGTERM: killed after the grace), its worker, and the reaper.
-        assert _wait_ended(processes) == []
+        assert _wait_ended(engine) == []
+        # A child the gateway started before its reaper is none of the engine's.
+        assert not _ended(other)
     finally:
         for process in processes:
             if not _ended(process):
@@ -86,7 +103,8 @@ def test_killing_the_gateway_stops_its_engine_processes(core_mode: str) -> None:
 
 
 def test_stopping_the_reaper_leaves_the_engine_running(sleeper: subprocess.Popen[bytes]) -> None:
-    reaper = Reaper.start([sleeper.pid], grace=0.1)
+    reaper = Reaper.start(grace=0.1)
+    reaper.watch([sleeper.pid])
     assert reaper.pids == (sleeper.pid,)
     watcher = psutil.Process(reaper.pid)
     reaper.stop()
