@@ -128,7 +128,8 @@ def _new_children(parent: int, known: set[int]) -> dict[int, float]:
 
 def reap(watched: Sequence[tuple[int, float]], grace: float) -> list[int]:
     """Stop each `(pid, create time)` that is still that process, with its descendants: SIGTERM, then
-    SIGKILL after `grace` seconds. The ids signalled."""
+    SIGKILL (to any of them) still running after `grace` seconds. The ids of the processes stopped, the
+    descendants included."""
     roots: list[psutil.Process] = []
     for pid, created in watched:
         try:
