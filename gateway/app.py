@@ -444,6 +444,7 @@ def create_app(
                 tokenizer_ref=served.tokenizer.ref,
                 artifacts=config.model.data_path(),
                 config=config.guard,
+                clock=clock,
             )
             owned.callback(factory.close)
             # The default policy's guards are loaded before the first request: it is served guarded.
@@ -468,7 +469,13 @@ def create_app(
             )
             # Engine, queue, quota and guard series, read from the live objects at scrape time.
             collector = ServiceCollector(
-                scheduler.replicas, scheduler.depth, meter.counters, gate.counts, overload=overload
+                scheduler.replicas,
+                scheduler.depth,
+                meter.counters,
+                gate.counts,
+                stage_failures=gate.stage_failures,
+                guard_backlogs=factory.backlogs,
+                overload=overload,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`

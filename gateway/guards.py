@@ -17,6 +17,7 @@ from typing import Any
 from engines.base import Scorer
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
+from guard.backlog import Backlog
 from guard.base import Classifier, GuardError, GuardInput, GuardScore
 from guard.embedding import load_embedding_guard
 from guard.one_token import OneTokenClassifier
@@ -71,13 +72,17 @@ class GuardFactory:
         tokenizer_ref: str,
         artifacts: Path,
         config: GuardConfig,
+        clock: Callable[[], float],
     ) -> None:
         self._pools = pools
         self._renderer = renderer
         self._tokenizer_ref = tokenizer_ref
         self._artifacts = artifacts
         self._config = config
+        self._clock = clock
         self._built: dict[str, Classifier] = {}
+        # One per engine pool, shared by the guards that run on it (`guard.backlog`).
+        self.backlogs: dict[str, Backlog] = {}
 
     def __call__(self, guard: ResolvedGuard) -> Classifier:
         """The classifier of `guard`, built on first use."""
@@ -106,6 +111,9 @@ class GuardFactory:
                 guard.ref,
                 f"its model uses tokenizer {model.tokenizer.ref}, this gateway loads {self._tokenizer_ref}",
             )
+        backlog = self.backlogs.get(pool)
+        if backlog is None:
+            backlog = self.backlogs[pool] = Backlog(self._clock)
         try:
             return OneTokenClassifier(
                 guard.ref,
@@ -116,6 +124,7 @@ class GuardFactory:
                 min_label_mass=self._config.min_label_mass,
                 model_ref=model.ref,
                 priority=self._config.priority,
+                backlog=backlog,
             )
         except ValueError as exc:
             return BrokenGuard(guard.ref, str(exc))

@@ -6,7 +6,9 @@ never decides what a failure means; it raises `GuardError` and the policy's fail
 Exceptions::
 
     GuardError                   a guard could not score the item (engine error, malformed output, timeout)
-    └── GuardUnavailableError    the guard is not called at all (its circuit breaker is open)
+    ├── GuardTimeoutError        the guard did not answer within its stage's timeout
+    ├── GuardUnavailableError    the guard is not called at all (its circuit breaker is open)
+    └── GuardOverloadedError     the guard is not called: its engine could not answer within the timeout
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ class GuardError(Exception):
 
 class GuardUnavailableError(GuardError):
     """The guard was not called: its circuit breaker is open after repeated failures."""
+
+
+class GuardTimeoutError(GuardError):
+    """The guard did not answer within its stage's timeout."""
+
+
+class GuardOverloadedError(GuardError):
+    """The guard was not called: the work queued on its engine would keep the call past its stage's timeout.
+    `retry_after`: seconds until that work is done."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,4 +90,13 @@ class Classifier(Protocol):
 
     async def classify(self, item: GuardInput) -> GuardScore:
         """P(unsafe) of `item`; GuardError when it cannot say."""
+        ...
+
+
+@runtime_checkable
+class Queued(Protocol):
+    """A classifier whose calls queue for an engine shared with others (`guard.backlog`)."""
+
+    def expected_wait(self) -> float:
+        """Seconds until a call made now would be answered, from the work queued ahead of it (0: unknown)."""
         ...

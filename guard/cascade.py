@@ -2,11 +2,11 @@
 
 A stage with score p allows when p < allow_below, blocks when p > block_above, and passes the item to the
 next stage in between. Past the last stage the policy's band action applies (`escalate`: allow and flag for
-review; `block`). A stage that fails (guard error, timeout, open breaker) settles nothing: later stages still
-run, and a later block still blocks, but without a block the result is `error` with the categories the
-failed stage was responsible for. What an error means (fail open or closed) is the policy's decision, not the
-cascade's (see `policy/safety.py`). Every stage run is recorded, with its score, thresholds, latency and the
-versions it ran, for the audit trail.
+review; `block`). A stage that fails (guard error, timeout, open breaker, an engine too busy to answer in
+time) settles nothing: later stages still run, and a later block still blocks, but without a block the
+result is `error` with the categories the failed stage was responsible for. What an error means (fail open
+or closed) is the policy's decision, not the cascade's (see `policy/safety.py`). Every stage run is recorded,
+with its score, thresholds, latency and the versions it ran, for the audit trail.
 
 `route` is the pure decision over stored scores, so evaluation can replay new thresholds without models.
 """
@@ -20,11 +20,21 @@ from typing import Literal
 
 import msgspec
 
-from guard.base import Classifier, GuardError, GuardInput, GuardScore
+from guard.base import (
+    Classifier,
+    GuardError,
+    GuardInput,
+    GuardOverloadedError,
+    GuardScore,
+    GuardTimeoutError,
+    GuardUnavailableError,
+    Queued,
+)
 from guard.breaker import CircuitBreaker
 
 StageVerdict = Literal["allow", "block", "next", "error"]
 Verdict = Literal["allow", "block", "escalate", "error"]
+StageFailure = Literal["timeout", "overloaded", "unavailable", "error"]
 BandAction = Literal["escalate", "block"]
 
 
@@ -44,6 +54,10 @@ class StageRun(msgspec.Struct, frozen=True, kw_only=True):
     verdict: StageVerdict
     latency_s: float
     error: str = ""
+    # Why it failed: timeout, overloaded (not called: `Stage.score`), unavailable (breaker open), error.
+    failure: StageFailure | None = None
+    # Overloaded: seconds until the work queued on the guard's engine is done.
+    retry_after: float = 0.0
 
 
 class CascadeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,7 +99,19 @@ class Stage:
         return stage_verdict(p_unsafe, self.allow_below, self.block_above)
 
     async def score(self, item: GuardInput) -> GuardScore:
-        """The classifier's score within the timeout, through the breaker; GuardError on any failure."""
+        """The classifier's score within the timeout, through the breaker; GuardError on any failure.
+
+        A call that the work queued on the classifier's engine would keep past the timeout is not made
+        (GuardOverloadedError, `guard.backlog`); that is not the guard's failure: the breaker is left alone.
+        """
+        if isinstance(self.classifier, Queued):
+            wait = self.classifier.expected_wait()
+            if wait > self.timeout_s:
+                raise GuardOverloadedError(
+                    f"guard {self.classifier.name} is overloaded: a call now would take about {wait:.1f} s "
+                    f"behind the work queued on its engine, past the stage's {self.timeout_s:g} s timeout",
+                    retry_after=wait - self.timeout_s,
+                )
         if self.breaker is not None:
             self.breaker.before_call()
         try:
@@ -93,7 +119,9 @@ class Stage:
                 score = await self.classifier.classify(item)
         except TimeoutError as exc:
             self._failed()
-            raise GuardError(f"guard {self.classifier.name} timed out after {self.timeout_s:g} s") from exc
+            raise GuardTimeoutError(
+                f"guard {self.classifier.name} timed out after {self.timeout_s:g} s"
+            ) from exc
         except GuardError:
             self._failed()
             raise
@@ -112,6 +140,17 @@ class Stage:
     def _failed(self) -> None:
         if self.breaker is not None:
             self.breaker.failure()
+
+
+def failure_of(exc: GuardError) -> StageFailure:
+    """What kind of failure a stage's GuardError is."""
+    if isinstance(exc, GuardOverloadedError):
+        return "overloaded"
+    if isinstance(exc, GuardTimeoutError):
+        return "timeout"
+    if isinstance(exc, GuardUnavailableError):
+        return "unavailable"
+    return "error"
 
 
 def stage_verdict(p_unsafe: float, allow_below: float, block_above: float) -> StageVerdict:
@@ -177,6 +216,8 @@ class Cascade:
                 verdict="error",
                 latency_s=time.perf_counter() - started,
                 error=str(exc),
+                failure=failure_of(exc),
+                retry_after=exc.retry_after if isinstance(exc, GuardOverloadedError) else 0.0,
             )
         return StageRun(
             index=index,

@@ -43,6 +43,7 @@ import msgspec
 from jinja2.sandbox import SandboxedEnvironment
 
 from engines.base import Scorer
+from guard.backlog import Backlog
 from guard.base import GuardError, GuardInput, GuardScore
 from registry.models import GuardModelSpec
 
@@ -84,11 +85,13 @@ class OneTokenClassifier:
         window_overlap: int = 64,
         max_windows: int = 16,
         clock: Callable[[], float] = time.perf_counter,
+        backlog: Backlog | None = None,
     ) -> None:
         """Build the guard `name` (name@version) of `spec` on `engine`.
 
         `tokenizer` is the guard model's transformers tokenizer (with its chat template); its work runs in
-        `executor`. `model_ref` (default `spec.model`) names the model version in every score. Raises
+        `executor`. `model_ref` (default `spec.model`) names the model version in every score. `backlog`
+        counts the engine calls of every guard on the same engine pool (`expected_wait`). Raises
         ValueError for a spec that cannot work: not one-token, a template without exactly one `content`, a
         label variant that is not one token, or a token that is both safe and unsafe.
         """
@@ -110,6 +113,7 @@ class OneTokenClassifier:
         self._overlap = window_overlap
         self._max_windows = max_windows
         self._clock = clock
+        self._backlog = backlog
         env = SandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
         try:
             self._template = env.from_string(spec.prompt_template)
@@ -138,6 +142,11 @@ class OneTokenClassifier:
                 )
             ids[tokens[0]] = None
         return tuple(ids)
+
+    def expected_wait(self) -> float:
+        """Seconds until a call made now would be scored, behind the calls in flight on the engine pool (0
+        without a backlog, or before the pool's speed is measured)."""
+        return 0.0 if self._backlog is None else self._backlog.expected_wait()
 
     async def classify(self, item: GuardInput) -> GuardScore:
         """P(unsafe) of the item's text (untrusted spans of an input, the text of an output); the highest of
@@ -219,14 +228,21 @@ class OneTokenClassifier:
 
     async def _score_window(self, prompt_ids: list[int]) -> WindowScore:
         """Label masses of one prompt from the engine; GuardError for any failure or a non-answer."""
+        backlog, completed = self._backlog, False
+        if backlog is not None:
+            backlog.begin(len(prompt_ids))
         try:
             logprobs = await self._engine.score_next_token(
                 prompt_ids, self._label_token_ids, priority=self.priority
             )
+            completed = True
         # Whatever the engine raises, the item was not scored: a guard error, which the policy's fail mode
         # handles, never an answer. (Cancellation is not an Exception and passes through.)
         except Exception as exc:
             raise GuardError(f"engine failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if backlog is not None:
+                backlog.end(len(prompt_ids), completed=completed)
         return self._masses(logprobs, len(prompt_ids))
 
     def _masses(self, logprobs: dict[int, float], prompt_tokens: int) -> WindowScore:

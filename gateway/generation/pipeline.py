@@ -137,7 +137,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
             f"the safety guard for {decision.category or 'this policy'} is unavailable and the policy "
             "fails closed; retry later",
             code="guard_unavailable",
-            headers={**headers, "Retry-After": "1"},
+            headers={**headers, "Retry-After": _retry_after(decision)},
         )
     category = f" (category {decision.category})" if decision.category else ""
     return InvalidRequestError(
@@ -148,10 +148,19 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
     )
 
 
+def _retry_after(decision: GuardDecision) -> str:
+    """Retry-After (whole seconds, at least 1) of a refusal: until the work queued on an overloaded guard's
+    engine is done."""
+    runs = decision.result.runs if decision.result is not None else ()
+    return str(max(1, math.ceil(max((run.retry_after for run in runs), default=0.0))))
+
+
 def _output_error(decision: GuardDecision) -> APIError:
     if decision.action == "refuse":
         return EngineUnavailableError(
-            "the output guard is unavailable and the policy fails closed", code="guard_unavailable"
+            "the output guard is unavailable and the policy fails closed",
+            code="guard_unavailable",
+            headers={"Retry-After": _retry_after(decision)},
         )
     category = f" (category {decision.category})" if decision.category else ""
     return InvalidRequestError(

@@ -1,6 +1,7 @@
 """Series read at scrape time from the state the gateway already keeps: the router's view of every engine
-replica, the admission queue, the quota meter's counters, the safety gate's decision counts and the overload
-gate's (requests shed at the door never reach the request metrics).
+replica, the admission queue, the quota meter's counters, the safety gate's decision and stage failure
+counts, the guard pools' backlogs, and the overload gate's counts (requests shed at the door never reach the
+request metrics).
 
 Nothing on the request path feeds these: each scrape reads the live objects (in the event loop, where they
 are changed, so a scrape never sees one half-updated).
@@ -9,13 +10,14 @@ are changed, so a scrape never sees one half-updated).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from gateway.observe.metrics import PREFIX
 from gateway.overload import OverloadGate
+from guard.backlog import Backlog
 from routing.replicas import Replica
 
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -40,6 +42,8 @@ class ServiceCollector:
         quota_counters: Counter[str],
         guard_counts: Counter[tuple[str, str, str]],
         *,
+        stage_failures: Counter[tuple[str, str, str]] | None = None,
+        guard_backlogs: Mapping[str, Backlog] | None = None,
         overload: OverloadGate | None = None,
     ) -> None:
         self._replicas = replicas
@@ -47,6 +51,8 @@ class ServiceCollector:
         self._queue_depth = queue_depth
         self._quota = quota_counters
         self._guard = guard_counts
+        self._stage_failures = stage_failures if stage_failures is not None else Counter()
+        self._backlogs = guard_backlogs if guard_backlogs is not None else {}
 
     def collect(self) -> Iterable[Metric]:
         """The series as of now."""
@@ -165,3 +171,22 @@ class ServiceCollector:
         for direction, count in sorted(fail_open.items()):
             opened.add_metric((direction,), count)
         yield opened
+        failures = CounterMetricFamily(
+            f"{PREFIX}guard_stage_failures",
+            "Guard stage runs that failed, by direction, stage (name@version) and reason: timeout, "
+            "overloaded (not called: its engine could not answer within the timeout), unavailable (breaker "
+            "open), error.",
+            labels=("direction", "stage", "reason"),
+        )
+        for key, count in sorted(self._stage_failures.items()):
+            failures.add_metric(key, count)
+        yield failures
+        backlog = GaugeMetricFamily(
+            f"{PREFIX}guard_backlog_seconds",
+            "Seconds a guard call made now would take on its engine pool, behind the calls in flight "
+            "(measured speed; 0 before a call has completed).",
+            labels=("pool",),
+        )
+        for pool, work in sorted(self._backlogs.items()):
+            backlog.add_metric((pool,), work.expected_wait())
+        yield backlog

@@ -59,6 +59,8 @@ class SafetyGate:
         self._breakers: dict[str, CircuitBreaker] = {}
         # (direction, source, action) -> decisions; fail_open ones are what operators watch.
         self.counts: Counter[tuple[str, str, str]] = Counter()
+        # (direction, guard, failure) -> stage runs that failed (timeout, overloaded, unavailable, error).
+        self.stage_failures: Counter[tuple[str, str, str]] = Counter()
 
     def breaker(self, guard: str) -> CircuitBreaker:
         """The circuit breaker of guard `guard` (name@version, or "rules@<policy>")."""
@@ -147,6 +149,9 @@ class SafetyGate:
                     )
                 )
         self.counts[(item.direction, decision.source, decision.action)] += 1
+        for run in result.runs:
+            if run.failure is not None:
+                self.stage_failures[(item.direction, run.guard, run.failure)] += 1
         return decision
 
     def _recorded(self, record: GuardRecord) -> bool:

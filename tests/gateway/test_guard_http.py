@@ -8,6 +8,7 @@ the stream moderator are the real ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,38 @@ async def test_guard_outage_fails_closed_when_the_category_says_so(bed: Bed) -> 
     assert ready.status_code == 503
     assert ready.json()["pools"] == {"default": True, "guard": False}
     assert bed.app.state.services.gate.counts[("input", "fail_closed", "refuse")] == 1
+
+
+async def test_a_guard_pool_too_busy_to_answer_in_time_is_not_called_and_says_when_to_retry(bed: Bed) -> None:
+    await bed.bind(policy(fail_mode="closed"))
+    assert (await bed.chat("What is the capital of France?")).status_code == 200
+    services = bed.app.state.services
+    backlog = services.guards.backlogs["guard"]
+    # The pool answered 100 prompt tokens in a busy second; now 10,000 more are in flight on it.
+    backlog.begin(100)
+    bed.clock.advance(1.0)
+    backlog.end(100, completed=True)
+    backlog.begin(10_000)
+    wait = backlog.expected_wait()
+    assert wait > 2.0  # the judge stage's timeout
+    response = await bed.chat("What is the capital of France?")
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "guard_unavailable"
+    assert response.headers["retry-after"] == str(math.ceil(wait - 2.0))
+    record = bed.records.items[-1]
+    assert (record.action, record.source) == ("refuse", "fail_closed")
+    assert "overloaded" in (record.runs[1].error or "")
+    assert services.gate.stage_failures == {("input", "judge@1", "overloaded"): 1}
+    # Shed, not failed: the judge's breaker is still closed, and the request never reached the engine.
+    assert services.gate.breaker("judge@1").state == "closed"
+    assert len(bed.engine.requests) == 1
+    metrics = (await bed.http.get("/metrics")).text
+    shed = 'lockgate:guard_stage_failures_total{direction="input",reason="overloaded",stage="judge@1"} 1.0'
+    assert shed in metrics
+    assert 'lockgate:guard_backlog_seconds{pool="guard"}' in metrics
+    # The work done, the next request is checked by the judge again.
+    backlog.end(10_000, completed=False)
+    assert (await bed.chat("What is the capital of France?")).status_code == 200
 
 
 def sse_events(raw: bytes) -> list[Any]:

@@ -51,3 +51,15 @@ class ByText:
         text = item.text()
         self.seen.append(text)
         return GuardScore(p_unsafe=1.0 if self.needle in text else 0.0, category="violence", guard=self.name)
+
+
+class Queued(Scripted):
+    """A scripted guard whose engine has `wait` seconds of work queued ahead of a new call."""
+
+    def __init__(self, name: str, p_unsafe: float, *, wait: float) -> None:
+        super().__init__(name, p_unsafe)
+        self.wait = wait
+
+    def expected_wait(self) -> float:
+        """The scripted wait."""
+        return self.wait

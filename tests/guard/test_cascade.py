@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from guard.base import GuardInput, GuardScore, Span
+from guard.base import GuardInput, GuardOverloadedError, GuardScore, Span
 from guard.breaker import BreakerPolicy, CircuitBreaker
 from guard.cascade import BandAction, Cascade, Stage
-from tests.guard.fakes import Hanging, Scripted
+from tests.guard.fakes import Hanging, Queued, Scripted
 
 ITEM = GuardInput(direction="input", spans=(Span(text="hello", source="user"),))
 CATEGORIES = ("violence", "spam")
@@ -102,6 +102,7 @@ async def test_a_stage_that_stalls_times_out_as_an_error() -> None:
     result = await cascade(stage(hanging, timeout_s=0.05)).run(ITEM)
     assert result.verdict == "error"
     assert "timed out" in result.runs[0].error
+    assert result.runs[0].failure == "timeout"
 
 
 def state(breaker: CircuitBreaker) -> str:
@@ -129,6 +130,7 @@ async def test_breaker_opens_after_repeated_failures_and_probes_after_cooldown()
     result = await run.run(ITEM)
     assert guard.calls == 3
     assert "circuit open" in result.runs[0].error
+    assert result.runs[0].failure == "unavailable"
     # After the cooldown one probe goes through; it fails, so the breaker opens again.
     clock.now = 10.0
     assert state(breaker) == "half_open"
@@ -176,3 +178,44 @@ async def test_an_unforeseen_classifier_exception_is_a_guard_error() -> None:
     ).run(ITEM)
     assert result.verdict == "error"
     assert "RuntimeError: a bug in the guard" in result.runs[0].error
+
+
+async def test_a_call_its_engine_could_not_answer_in_time_is_shed_without_touching_the_breaker() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker("a@1", BreakerPolicy(threshold=1, cooldown=30.0), clock)
+    guard = Queued("a@1", 0.0, wait=7.5)
+    run = cascade(stage(guard, timeout_s=5.0, breaker=breaker))
+    for _ in range(3):
+        result = await run.run(ITEM)
+        assert result.verdict == "error"
+        [shed] = result.runs
+        assert (shed.failure, shed.p_unsafe) == ("overloaded", None)
+        assert shed.retry_after == pytest.approx(2.5)  # until the queued work is done
+        assert "overloaded" in shed.error
+    # Never called, and not the guard's failure: the breaker (threshold 1) is still closed.
+    assert guard.calls == 0
+    assert state(breaker) == "closed"
+    # Once the queue is short enough to answer within the timeout, calls go ahead at once.
+    guard.wait = 4.9
+    assert (await run.run(ITEM)).verdict == "allow"
+    assert guard.calls == 1
+
+
+async def test_an_overloaded_stage_raises_a_guard_error_that_says_when_to_retry() -> None:
+    with pytest.raises(GuardOverloadedError) as raised:
+        await stage(Queued("a@1", 0.0, wait=9.0), timeout_s=2.0).score(ITEM)
+    assert raised.value.retry_after == pytest.approx(7.0)
+
+
+async def test_a_shed_call_does_not_take_the_half_open_probe() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker("a@1", BreakerPolicy(threshold=1, cooldown=10.0), clock)
+    breaker.failure()
+    clock.now = 10.0
+    guard = Queued("a@1", 0.0, wait=60.0)
+    run = cascade(stage(guard, breaker=breaker))
+    assert (await run.run(ITEM)).runs[0].failure == "overloaded"
+    # The probe is still there for the first call that can go ahead.
+    guard.wait = 0.0
+    assert (await run.run(ITEM)).verdict == "allow"
+    assert state(breaker) == "closed"

@@ -27,10 +27,12 @@ from engines.base import (
     SamplingSpec,
 )
 from engines.vllm_local import VllmLocalEngine
-from guard.base import Classifier, Direction, GuardError, GuardInput, Span
+from guard.backlog import Backlog
+from guard.base import Classifier, Direction, GuardError, GuardInput, Queued, Span
 from guard.default_guard import DEFAULT_JUDGE_SPEC, DEFAULT_MIN_LABEL_MASS, DEFAULT_MODEL_REF, JUDGE_PROMPT
 from guard.one_token import OneTokenClassifier
 from registry.models import GuardModelSpec
+from tests.backends import FakeClock
 from tests.conftest import eventually
 
 SAFE_IDS = (18437, 2991, 34806, 16872)  # "safe", " safe", "Safe", " Safe" in SmolLM2's tokenizer
@@ -253,6 +255,74 @@ async def test_a_missing_label_is_a_guard_error(make: Make) -> None:
     del lp[SAFE_IDS[2]]
     with pytest.raises(GuardError, match=str(SAFE_IDS[2])):
         await make(FakeEngine(lambda _: lp)).classify(user("anything"))
+
+
+# --- the pool's backlog ------------------------------------------------------------------------------------
+
+
+class Held(FakeEngine):
+    """A FakeEngine whose calls wait for `release` (set `fail` to make them raise then)."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__(scorer)
+        self.release = asyncio.Event()
+        self.fail = False
+        self.held = 0
+        self._arrived = asyncio.Condition()
+
+    async def holding(self, calls: int) -> None:
+        """Wait until `calls` calls are held."""
+        async with self._arrived:
+            await self._arrived.wait_for(lambda: self.held >= calls)
+
+    async def score_next_token(
+        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+    ) -> dict[int, float]:
+        async with self._arrived:
+            self.held += 1
+            self._arrived.notify_all()
+        await self.release.wait()
+        self.held -= 1
+        if self.fail:
+            raise EngineDeadError("gone")
+        return await super().score_next_token(prompt_token_ids, token_ids, priority=priority)
+
+
+async def test_every_engine_call_counts_on_the_pools_backlog(make: Make) -> None:
+    clock = FakeClock()
+    backlog = Backlog(clock)
+    engine = Held(lambda _: masses(0.9, 0.1))
+    # Two guards on one pool share its backlog.
+    first, second = make(engine, backlog=backlog), make(engine, backlog=backlog)
+    assert isinstance(first, Queued)
+    assert first.expected_wait() == 0.0  # nothing measured yet
+    calls = [asyncio.create_task(g.classify(user("is this fine?"))) for g in (first, second)]
+    await engine.holding(2)
+    assert backlog.calls == 2
+    assert backlog.tokens > 0
+    clock.advance(0.5)
+    engine.release.set()
+    await asyncio.gather(*calls)
+    assert (backlog.calls, backlog.tokens) == (0, 0)
+    prompt = len(engine.calls[0][0])
+    # Both prompts in half a busy second.
+    assert backlog.rate() == pytest.approx(2 * prompt / 0.5)
+    # A failed call is over too, and adds no work done.
+    engine.release.clear()
+    engine.fail = True
+    failing = asyncio.create_task(first.classify(user("is this fine?")))
+    await engine.holding(1)
+    assert backlog.calls == 1
+    assert first.expected_wait() == pytest.approx(2 * prompt / backlog.rate())  # type: ignore[operator]
+    engine.release.set()
+    with pytest.raises(GuardError):
+        await failing
+    assert (backlog.calls, backlog.tokens) == (0, 0)
+    assert backlog.rate() == pytest.approx(2 * prompt / 0.5)
+
+
+async def test_without_a_backlog_the_guard_never_waits(make: Make) -> None:
+    assert make(FakeEngine(lambda _: masses(0.9, 0.1))).expected_wait() == 0.0
 
 
 # --- windows --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The scrape-time series: quota meter counters, gate decision counts, overload gate, replicas."""
+"""The scrape-time series: quota meter counters, gate decision and stage failure counts, guard backlogs,
+overload gate, replicas."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observe.collectors import ServiceCollector
+from guard.backlog import Backlog
+from tests.backends import FakeClock
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -52,6 +56,13 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
         cpu=None,
     )
     depth = [4]
+    failures = Counter({("input", "judge@1", "overloaded"): 3, ("output", "judge@1", "timeout"): 1})
+    clock = FakeClock()
+    backlog = Backlog(clock)
+    backlog.begin(100)
+    clock.advance(1.0)
+    backlog.end(100, completed=True)  # 100 tokens per second
+    backlog.begin(300)
     registry = CollectorRegistry()
     registry.register(
         ServiceCollector(
@@ -59,6 +70,8 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
             lambda: depth[0],
             quota,
             guard,
+            stage_failures=failures,
+            guard_backlogs={"guard": backlog},
             overload=overload,
         )
     )
@@ -73,6 +86,12 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     assert got[(f"{p}fail_open_total", (("direction", "output"),))] == 1
     block = (("action", "block"), ("direction", "input"), ("source", "rules"))
     assert got[(f"{p}guard_decisions_total", block)] == 4
+    shed = (("direction", "input"), ("reason", "overloaded"), ("stage", "judge@1"))
+    assert got[(f"{p}guard_stage_failures_total", shed)] == 3
+    timed_out = (("direction", "output"), ("reason", "timeout"), ("stage", "judge@1"))
+    assert got[(f"{p}guard_stage_failures_total", timed_out)] == 1
+    # 300 tokens in flight and a typical call's 100, at 100 tokens per second.
+    assert got[(f"{p}guard_backlog_seconds", (("pool", "guard"),))] == pytest.approx(4.0)
     assert got[(f"{p}shed_requests_total", (("reason", "in_flight"),))] == 5
     assert got[(f"{p}in_flight_requests", ())] == 7
     assert got[(f"{p}admission_queue_depth", ())] == 4
@@ -84,9 +103,11 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     # Nothing is cached: the next scrape sees what changed.
     quota["denied"] += 1
     depth[0] = 0
+    backlog.end(300, completed=False)
     got = samples(registry)
     assert got[(f"{p}quota_denials_total", ())] == 3
     assert got[(f"{p}admission_queue_depth", ())] == 0
+    assert got[(f"{p}guard_backlog_seconds", (("pool", "guard"),))] == 0.0
 
 
 def test_the_adaptive_limit_and_the_cpu_signal_are_shown_only_when_on() -> None:
