@@ -35,6 +35,9 @@ from guard.breaker import CircuitBreaker
 StageVerdict = Literal["allow", "block", "next", "error"]
 Verdict = Literal["allow", "block", "escalate", "error"]
 StageFailure = Literal["timeout", "overloaded", "unavailable", "error"]
+# Share of a stage's timeout that an input check may wait behind the work queued on its guard's engine (an
+# output check may wait all of it): under overload new requests are refused before running streams are cut.
+INPUT_SHARE = 0.5
 BandAction = Literal["escalate", "block"]
 
 
@@ -101,16 +104,20 @@ class Stage:
     async def score(self, item: GuardInput) -> GuardScore:
         """The classifier's score within the timeout, through the breaker; GuardError on any failure.
 
-        A call that the work queued on the classifier's engine would keep past the timeout is not made
+        A call that the work queued on the classifier's engine would keep too long is not made
         (GuardOverloadedError, `guard.backlog`); that is not the guard's failure: the breaker is left alone.
+        Too long is past the timeout for an output check, past `INPUT_SHARE` of it for an input check: new
+        requests are refused first, so the checks of streams already served still find room.
         """
         if isinstance(self.classifier, Queued):
             wait = self.classifier.expected_wait()
-            if wait > self.timeout_s:
+            limit = self.timeout_s * (INPUT_SHARE if item.direction == "input" else 1.0)
+            if wait > limit:
                 raise GuardOverloadedError(
                     f"guard {self.classifier.name} is overloaded: a call now would take about {wait:.1f} s "
-                    f"behind the work queued on its engine, past the stage's {self.timeout_s:g} s timeout",
-                    retry_after=wait - self.timeout_s,
+                    f"behind the work queued on its engine, more than the {limit:g} s an {item.direction} "
+                    f"check may wait (stage timeout {self.timeout_s:g} s)",
+                    retry_after=wait - limit,
                 )
         if self.breaker is not None:
             self.breaker.before_call()

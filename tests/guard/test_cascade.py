@@ -12,6 +12,7 @@ from guard.cascade import BandAction, Cascade, Stage
 from tests.guard.fakes import Hanging, Queued, Scripted
 
 ITEM = GuardInput(direction="input", spans=(Span(text="hello", source="user"),))
+OUTPUT = GuardInput(direction="output", spans=(Span(text="hello", source="output"),))
 CATEGORIES = ("violence", "spam")
 
 
@@ -185,26 +186,37 @@ async def test_a_call_its_engine_could_not_answer_in_time_is_shed_without_touchi
     breaker = CircuitBreaker("a@1", BreakerPolicy(threshold=1, cooldown=30.0), clock)
     guard = Queued("a@1", 0.0, wait=7.5)
     run = cascade(stage(guard, timeout_s=5.0, breaker=breaker))
-    for _ in range(3):
-        result = await run.run(ITEM)
+    for item in (ITEM, OUTPUT):
+        result = await run.run(item)
         assert result.verdict == "error"
         [shed] = result.runs
         assert (shed.failure, shed.p_unsafe) == ("overloaded", None)
-        assert shed.retry_after == pytest.approx(2.5)  # until the queued work is done
         assert "overloaded" in shed.error
     # Never called, and not the guard's failure: the breaker (threshold 1) is still closed.
     assert guard.calls == 0
     assert state(breaker) == "closed"
-    # Once the queue is short enough to answer within the timeout, calls go ahead at once.
-    guard.wait = 4.9
+    # Once the queue is short enough to answer in time, calls go ahead at once.
+    guard.wait = 2.4
     assert (await run.run(ITEM)).verdict == "allow"
+    assert guard.calls == 1
+
+
+async def test_input_checks_are_shed_first_so_running_streams_keep_their_output_checks() -> None:
+    guard = Queued("a@1", 0.0, wait=3.0)
+    run = cascade(stage(guard, timeout_s=5.0))
+    # 3 s of queued work: more than an input check may wait (half the timeout), within an output check's.
+    assert (await run.run(ITEM)).runs[0].failure == "overloaded"
+    assert (await run.run(OUTPUT)).verdict == "allow"
     assert guard.calls == 1
 
 
 async def test_an_overloaded_stage_raises_a_guard_error_that_says_when_to_retry() -> None:
     with pytest.raises(GuardOverloadedError) as raised:
-        await stage(Queued("a@1", 0.0, wait=9.0), timeout_s=2.0).score(ITEM)
-    assert raised.value.retry_after == pytest.approx(7.0)
+        await stage(Queued("a@1", 0.0, wait=9.0), timeout_s=4.0).score(ITEM)
+    assert raised.value.retry_after == pytest.approx(7.0)  # until the work queued is down to 2 s
+    with pytest.raises(GuardOverloadedError) as raised:
+        await stage(Queued("a@1", 0.0, wait=9.0), timeout_s=4.0).score(OUTPUT)
+    assert raised.value.retry_after == pytest.approx(5.0)
 
 
 async def test_a_shed_call_does_not_take_the_half_open_probe() -> None:
