@@ -4,8 +4,9 @@ A guard model's engine has a finite speed. Past it, calls queue in the engine, w
 timeout, fail, and after a few such failures the guard's circuit breaker opens and every call fails for its
 whole cooldown, long after the burst has passed (seen with `lockgate bench` at 2 requests/s on 2 cores:
 five-second waits, then 30 s of refusals). The backlog lets a stage refuse a call at once instead, when the
-work already in flight means it could not finish within the timeout (`expected_wait`): the overload is shed
-where it starts, the calls admitted finish in time, and the breaker keeps counting only real failures.
+work already in flight means it would wait too long (`expected_wait`; `guard.cascade.Stage.score` decides
+how long is too long): the overload is shed where it starts, the calls admitted finish in time, and the
+breaker keeps counting only real failures.
 
 The speed is measured, never configured: prompt tokens of completed calls per second during which calls
 were in flight (busy time), both decayed with a half-life of busy time so that it follows a pool whose

@@ -8,7 +8,7 @@ Exceptions::
     GuardError                   a guard could not score the item (engine error, malformed output, timeout)
     ├── GuardTimeoutError        the guard did not answer within its stage's timeout
     ├── GuardUnavailableError    the guard is not called at all (its circuit breaker is open)
-    └── GuardOverloadedError     the guard is not called: its engine could not answer within the timeout
+    └── GuardOverloadedError     the guard is not called: its engine is too busy to answer in time
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class GuardTimeoutError(GuardError):
 
 
 class GuardOverloadedError(GuardError):
-    """The guard was not called: the work queued on its engine would keep the call past its stage's timeout.
-    `retry_after`: seconds until that work is done."""
+    """The guard was not called: the work queued on its engine would keep the call waiting longer than the
+    check may wait (`guard.cascade.Stage.score`). `retry_after`: seconds until that work is short enough."""
 
     def __init__(self, message: str, *, retry_after: float) -> None:
         super().__init__(message)

@@ -59,7 +59,7 @@ class StageRun(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     # Why it failed: timeout, overloaded (not called: `Stage.score`), unavailable (breaker open), error.
     failure: StageFailure | None = None
-    # Overloaded: seconds until the work queued on the guard's engine is done.
+    # Overloaded: seconds until the work queued on the guard's engine is short enough for this check.
     retry_after: float = 0.0
 
 

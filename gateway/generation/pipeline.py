@@ -150,7 +150,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
 
 def _retry_after(decision: GuardDecision) -> str:
     """Retry-After (whole seconds, at least 1) of a refusal: until the work queued on an overloaded guard's
-    engine is done."""
+    engine is short enough (`StageRun.retry_after`)."""
     runs = decision.result.runs if decision.result is not None else ()
     return str(max(1, math.ceil(max((run.retry_after for run in runs), default=0.0))))
 

@@ -174,8 +174,8 @@ class ServiceCollector:
         failures = CounterMetricFamily(
             f"{PREFIX}guard_stage_failures",
             "Guard stage runs that failed, by direction, stage (name@version) and reason: timeout, "
-            "overloaded (not called: its engine could not answer within the timeout), unavailable (breaker "
-            "open), error.",
+            "overloaded (not called: its engine too busy to answer in time), unavailable (breaker open), "
+            "error.",
             labels=("direction", "stage", "reason"),
         )
         for key, count in sorted(self._stage_failures.items()):
