@@ -24,11 +24,19 @@ Direction = Literal["input", "output"]
 
 
 class GuardError(Exception):
-    """A guard could not score an item. Never read as "safe"."""
+    """A guard could not score an item. Never read as "safe". `retry_after`: seconds until a call may go
+    ahead again, where that is known (0: unknown)."""
+
+    retry_after: float = 0.0
 
 
 class GuardUnavailableError(GuardError):
-    """The guard was not called: its circuit breaker is open after repeated failures."""
+    """The guard was not called: its circuit breaker is open after repeated failures. `retry_after`: seconds
+    until the breaker lets a probe through (0 while a probe is out)."""
+
+    def __init__(self, message: str, *, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class GuardTimeoutError(GuardError):

@@ -55,9 +55,13 @@ class CircuitBreaker:
         if state == "half_open" and not self._probing:
             self._probing = True
             return
+        probe_in = 0.0
+        if state == "open" and self._opened_at is not None:
+            probe_in = self._policy.cooldown - (self._clock() - self._opened_at)
         raise GuardUnavailableError(
             f"guard {self.name} is unavailable: {self._failures} consecutive failures "
-            f"(circuit open, next probe within {self._policy.cooldown:g} s)"
+            f"(circuit open, next probe within {self._policy.cooldown:g} s)",
+            retry_after=probe_in,
         )
 
     def success(self) -> None:

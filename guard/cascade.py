@@ -59,7 +59,8 @@ class StageRun(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     # Why it failed: timeout, overloaded (not called: `Stage.score`), unavailable (breaker open), error.
     failure: StageFailure | None = None
-    # Overloaded: seconds until the work queued on the guard's engine is short enough for this check.
+    # Seconds until a call may go ahead (0: unknown): overloaded, until the work queued on the guard's engine
+    # is short enough for this check; unavailable, until its breaker lets a probe through.
     retry_after: float = 0.0
 
 
@@ -224,7 +225,7 @@ class Cascade:
                 latency_s=time.perf_counter() - started,
                 error=str(exc),
                 failure=failure_of(exc),
-                retry_after=exc.retry_after if isinstance(exc, GuardOverloadedError) else 0.0,
+                retry_after=exc.retry_after,
             )
         return StageRun(
             index=index,

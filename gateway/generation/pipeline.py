@@ -149,8 +149,8 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
 
 
 def _retry_after(decision: GuardDecision) -> str:
-    """Retry-After (whole seconds, at least 1) of a refusal: until the work queued on an overloaded guard's
-    engine is short enough (`StageRun.retry_after`)."""
+    """Retry-After (whole seconds, at least 1) of a refusal: until its failed stages may go ahead again
+    (`StageRun.retry_after`: an overloaded guard's queued work short enough, an open breaker's next probe)."""
     runs = decision.result.runs if decision.result is not None else ()
     return str(max(1, math.ceil(max((run.retry_after for run in runs), default=0.0))))
 

@@ -323,6 +323,24 @@ async def test_a_guard_pool_too_busy_to_answer_in_time_is_not_called_and_says_wh
     assert (await bed.chat("What is the capital of France?")).status_code == 200
 
 
+async def test_an_open_breakers_refusal_says_when_its_probe_comes(bed: Bed) -> None:
+    await bed.bind(policy(fail_mode="closed"))
+    bed.judge.kill("guard pool down")
+    breaker = bed.app.state.services.gate.breaker("judge@1")
+    threshold = bed.app.state.services.config.guard.breaker.threshold
+    cooldown = bed.app.state.services.config.guard.breaker.cooldown
+    for _ in range(threshold):  # engine errors: the breaker counts them, the refusal cannot say when
+        failed = await bed.chat("What is the capital of France?")
+        assert (failed.status_code, failed.headers["retry-after"]) == (503, "1")
+    assert breaker.state == "open"
+    bed.clock.advance(cooldown / 3)
+    refused = await bed.chat("What is the capital of France?")
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == str(math.ceil(cooldown - cooldown / 3))
+    assert "guard judge@1 is unavailable" in bed.records.items[-1].runs[1].error
+    assert bed.app.state.services.gate.stage_failures[("input", "judge@1", "unavailable")] == 1
+
+
 def sse_events(raw: bytes) -> list[Any]:
     events = []
     for block in raw.decode().split("\n\n"):

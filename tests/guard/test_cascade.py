@@ -132,6 +132,9 @@ async def test_breaker_opens_after_repeated_failures_and_probes_after_cooldown()
     assert guard.calls == 3
     assert "circuit open" in result.runs[0].error
     assert result.runs[0].failure == "unavailable"
+    assert result.runs[0].retry_after == pytest.approx(10.0)  # until the probe
+    clock.now = 7.5
+    assert (await run.run(ITEM)).runs[0].retry_after == pytest.approx(2.5)
     # After the cooldown one probe goes through; it fails, so the breaker opens again.
     clock.now = 10.0
     assert state(breaker) == "half_open"
@@ -161,6 +164,7 @@ async def test_only_one_probe_while_half_open() -> None:
     # A second request while the probe is out is refused at once instead of piling onto a sick guard.
     refused = await run.run(ITEM)
     assert refused.verdict == "error"
+    assert refused.runs[0].retry_after == 0.0  # when the probe answers is not known
     hanging.release.set()
     assert (await probe).verdict == "allow"
     assert state(breaker) == "closed"
