@@ -144,6 +144,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens_capacity: int
     # Engine steps run so far: a supervisor sees a stuck engine (work in hand, no step) by this not moving.
     steps: int = 0
+    # Most sequences the engine runs at once (vLLM's `max_num_seqs`); more wait in the engine's own queue,
+    # in its order, not the gateway's. 0 = not known.
+    max_running: int = 0
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):

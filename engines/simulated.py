@@ -298,6 +298,7 @@ class SimulatedEngine:
             kv_tokens_used=self._kv_used,
             kv_tokens_capacity=self._cfg.kv_capacity_tokens,
             steps=self._steps,
+            max_running=self._cfg.max_batch,
         )
 
     async def health(self) -> Health:

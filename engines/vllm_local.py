@@ -187,6 +187,7 @@ class VllmLocalEngine:
         self._stats = _SchedulerStats()
         self._llm: Any = None
         self._kv_capacity = 0
+        self._max_running = 0  # the started engine's max_num_seqs
         # Stops the engine core processes if this process is killed (engines/reaper.py).
         self._reaper: Reaper | None = None
 
@@ -250,6 +251,7 @@ class VllmLocalEngine:
         await asyncio.to_thread(reaper.watch, self.engine_core_pids())
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self._max_running = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
 
     async def _measured_budget(self, dtype: Dtype) -> int:
         """The budget for the step target from this host's cached profile, measured first if there is none.
@@ -466,6 +468,7 @@ class VllmLocalEngine:
                 kv_tokens_used=0,
                 kv_tokens_capacity=self._kv_capacity,
                 steps=self._stats.steps.count,
+                max_running=self._max_running,
             )
         unfinished = self._llm.get_num_unfinished_requests()
         return EngineLoad(
@@ -475,6 +478,7 @@ class VllmLocalEngine:
             waiting=max(self._stats.waiting, unfinished - self._stats.running),
             kv_tokens_used=int(self._stats.kv_usage * self._kv_capacity),
             kv_tokens_capacity=self._kv_capacity,
+            max_running=self._max_running,
         )
 
     async def health(self) -> Health:

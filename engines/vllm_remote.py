@@ -8,7 +8,9 @@ priority other than 0 otherwise; `RemoteEngineConfig.priority_scheduling=False` 
 '{"backend":"xgrammar","disable_any_whitespace":true}'` (the gateway checks schemas against xgrammar) and
 `--worker-extension-cls engines.vllm_local.ScoringWorkerExtension` (named-id scoring sharing a step with
 top-k logprobs, see `engines.vllm_local._patch_sampler`). `EngineRequest.deadline` is not sent: vLLM's
-server has no such field; the gateway enforces deadlines by closing the stream.
+server has no such field; the gateway enforces deadlines by closing the stream. The server does not say how
+many sequences it runs at once: `RemoteEngineConfig.max_num_seqs`, its `--max-num-seqs`, is reported in the
+load (`EngineLoad.max_running`) so that requests beyond it wait in the gateway's fair queue.
 
 Errors map onto `engines.base`: unreachable replica (refused, reset, cut mid-stream) -> `EngineDeadError`
 with `retry_after`; HTTP 429/503 or a full connection pool -> `EngineOverloadedError`; any other refusal
@@ -159,6 +161,7 @@ class VllmRemoteEngine:
             kv_tokens_used=int(m.kv_usage * m.kv_capacity),
             kv_tokens_capacity=m.kv_capacity,
             steps=m.steps,
+            max_running=self.config.max_num_seqs,
         )
 
     async def _metrics_loop(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -36,6 +36,10 @@ class RemoteEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     # The server runs `--scheduling-policy priority`: send each request's priority (vLLM refuses a nonzero
     # priority otherwise, so False leaves it out and every request runs first come, first served).
     priority_scheduling: bool = True
+    # The server's `--max-num-seqs` (its default depends on the device): the gateway sends it at most that
+    # many sequences (and `routing.replicas.engine_queue` more), so requests beyond what it runs wait in the
+    # gateway's fair queue rather than in vLLM's. 0 = not known: every request the KV budget allows goes.
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class LogprobsWire(msgspec.Struct):

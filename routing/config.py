@@ -29,6 +29,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # max_tokens); a request that outgrows its reserve is counted as it grows (`Replica.grow`), and if the
     # engine runs out of blocks anyway vLLM preempts a sequence (recompute) instead of failing it.
     growth_reserve_cap: _NonNegInt = 512
+    # Sequences sent to a replica beyond the most it runs at once (`EngineLoad.max_running`, vLLM's
+    # `max_num_seqs`): they wait in the engine's own queue, so a slot that one step frees is filled in the
+    # next without a round trip through the gateway. Everything beyond waits in the gateway's fair queue,
+    # where tenant fairness and deadlines apply (in the engine's queue only the class priority does).
+    engine_queue: _NonNegInt = 2
     # Consecutive failed health checks or fatal errors (EngineDeadError) that take a replica out, and the
     # seconds it stays out before one trial request or health probe may test it.
     breaker: BreakerPolicy = msgspec.field(default_factory=_replica_breaker)

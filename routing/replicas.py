@@ -12,6 +12,12 @@ min(max_tokens, growth_reserve_cap) output tokens, and more once its output outg
 A request fits when capacity - held - (prompt + reserve) >= 0. Reservations change synchronously on
 dispatch and on release, so the budget is exact on the gateway side between two load reports.
 
+Sequences. An engine runs at most `EngineLoad.max_running` sequences at once (vLLM's `max_num_seqs`); the
+rest wait in its own queue, ordered by class priority and arrival, where tenant fairness no longer holds. So
+a replica takes a request only while the sequences the gateway has in flight there (one per choice), plus
+the request's, stay within that limit plus `engine_queue`; an idle replica takes any request. Unknown (0),
+no limit applies beyond the KV budget.
+
 Health. A breaker (`guard.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
 failed health checks in `refresh()` and fatal errors the pipeline reports (`record_failure`). At the
 threshold the replica is out (open) for the cooldown; then one trial (a dispatched request, or the next
@@ -73,11 +79,12 @@ def kv_tokens_for_bytes(budget_bytes: int, kv_bytes_per_token: int | ResolvedMod
 class _Held:
     """What one in-flight request holds of a replica's KV cache."""
 
-    __slots__ = ("output", "prompt", "reserve", "seq")
+    __slots__ = ("output", "prompt", "reserve", "seq", "sequences")
 
-    def __init__(self, prompt: int, reserve: int, seq: int) -> None:
+    def __init__(self, prompt: int, reserve: int, seq: int, sequences: int) -> None:
         self.prompt = prompt
         self.reserve = reserve
+        self.sequences = sequences  # sequences the engine runs for it (its choices)
         self.output = 0  # output tokens generated so far (`Replica.grow`)
         self.seq = seq  # dispatch number: later than the replica's last load report = not yet in it
 
@@ -114,8 +121,10 @@ class Replica:
         self.health_ready = True
         self.health_detail = ""
         self._held: dict[str, _Held] = {}
-        # Invariant: _held_tokens == sum(h.tokens for h in _held.values()) >= 0.
+        # Invariants: _held_tokens == sum(h.tokens for h in _held.values()) >= 0, and _sequences ==
+        # sum(h.sequences for h in _held.values()).
         self._held_tokens = 0
+        self._sequences = 0
         self._dispatched = 0  # dispatches so far; each reservation takes the next number
         self._reported_upto = 0  # dispatches made before the start of the last successful load report
         self._trial: str | None = None  # holder of the half-open trial slot
@@ -154,33 +163,52 @@ class Replica:
         """Output tokens reserved for a request of `max_tokens`: min(max_tokens, growth_reserve_cap)."""
         return max(0, min(max_tokens, self._config.growth_reserve_cap))
 
-    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
-        """Whether a request fits the KV budget now: capacity - held - (prompt + reserve) >= 0."""
-        need = prompt_tokens + self.growth_reserve(max_tokens)
-        return self.kv_capacity_tokens - self._held_tokens - need >= 0
+    @property
+    def sequences(self) -> int:
+        """Sequences the gateway's in-flight requests run on this replica."""
+        return self._sequences
+
+    @property
+    def sequence_limit(self) -> int:
+        """The most sequences the gateway has in flight here at once: the engine's reported `max_running`
+        plus `engine_queue`; 0 while the engine has not reported one (no limit)."""
+        reported = self.last_load.max_running if self.last_load is not None else 0
+        return reported + self._config.engine_queue if reported > 0 else 0
+
+    def fits(self, prompt_tokens: int, max_tokens: int, sequences: int = 1) -> bool:
+        """Whether a request fits now: the KV budget (capacity - held - (prompt + reserve) >= 0) and, on a
+        replica with requests in flight, the sequence limit."""
+        return self._has_room(prompt_tokens, self.growth_reserve(max_tokens), sequences)
+
+    def _has_room(self, prompt_tokens: int, growth_reserve: int, sequences: int) -> bool:
+        if self.kv_capacity_tokens - self._held_tokens - prompt_tokens - growth_reserve < 0:
+            return False
+        limit = self.sequence_limit
+        return not limit or not self._held or self._sequences + sequences <= limit
 
     def fits_idle(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether the request would fit this replica with nothing else in flight."""
         return prompt_tokens + self.growth_reserve(max_tokens) <= self.kv_capacity_tokens
 
-    def reserve(self, request_id: str, prompt_tokens: int, growth_reserve: int) -> None:
-        """Hold prompt + growth reserve for a request dispatched here (call it in the same event-loop step
-        as `Router.choose`). Takes the half-open trial slot if the breaker is half-open.
+    def reserve(self, request_id: str, prompt_tokens: int, growth_reserve: int, sequences: int = 1) -> None:
+        """Hold prompt + growth reserve and `sequences` for a request dispatched here (call it in the same
+        event-loop step as `Router.choose`). Takes the half-open trial slot if the breaker is half-open.
 
         Raises ReplicaUnavailableError when the breaker refuses or the request does not fit, ValueError when
         `request_id` already holds a reservation here.
         """
         if request_id in self._held:
             raise ValueError(f"request {request_id} already holds KV on replica {self.replica_id}")
-        if prompt_tokens < 0 or growth_reserve < 0:
-            raise ValueError("prompt tokens and growth reserve cannot be negative")
-        if self.kv_capacity_tokens - self._held_tokens - prompt_tokens - growth_reserve < 0:
-            raise ReplicaUnavailableError(f"replica {self.replica_id} has no KV room for {request_id}")
+        if prompt_tokens < 0 or growth_reserve < 0 or sequences < 1:
+            raise ValueError("prompt tokens and growth reserve cannot be negative, sequences must be >= 1")
+        if not self._has_room(prompt_tokens, growth_reserve, sequences):
+            raise ReplicaUnavailableError(f"replica {self.replica_id} has no room for {request_id}")
         self._take_trial(request_id)
         self._dispatched += 1
-        held = _Held(prompt_tokens, growth_reserve, self._dispatched)
+        held = _Held(prompt_tokens, growth_reserve, self._dispatched, sequences)
         self._held[request_id] = held
         self._held_tokens += held.tokens
+        self._sequences += sequences
 
     def grow(self, request_id: str, tokens: int) -> None:
         """Count `tokens` more output tokens of a request; it holds more only past its growth reserve."""
@@ -201,6 +229,7 @@ class Replica:
         if held is None:
             return False
         self._held_tokens -= held.tokens
+        self._sequences -= held.sequences
         if self._trial == request_id:
             self.record_success()
         return True

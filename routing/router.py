@@ -2,7 +2,8 @@
 
 Candidates are the replicas that serve the request's weights (the resolved model version's
 `weights_sha256`), are routable (last health check ready; breaker closed, or half-open with its trial slot
-free) and have KV room for the request. Among them the lowest score wins::
+free) and have room for the request (its KV and its sequences, `routing.replicas`). Among them the lowest
+score wins::
 
     score = queue_weight * queue_depth + kv_weight * kv_utilisation
             - prefix_weight * (leading prompt blocks the replica was recently sent / blocks hashed)
@@ -64,6 +65,8 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     # Only replicas of this pool; None = any pool.
     pool: str | None = None
+    # Sequences the engine runs for it: one per choice (`n`).
+    sequences: int = 1
 
 
 def session_key(session_id: str | None, user: str | None, *, tenant: str = "") -> str | None:
@@ -76,7 +79,10 @@ def session_key(session_id: str | None, user: str | None, *, tenant: str = "") -
 def reserve(request: RouteRequest, replica: Replica) -> None:
     """Hold the request's KV on `replica` (its prompt and growth reserve) until `Replica.release`."""
     replica.reserve(
-        request.request_id, len(request.prompt_token_ids), replica.growth_reserve(request.max_tokens)
+        request.request_id,
+        len(request.prompt_token_ids),
+        replica.growth_reserve(request.max_tokens),
+        request.sequences,
     )
 
 
@@ -133,7 +139,7 @@ class Router:
                 + (f" (excluding {', '.join(sorted(exclude))})" if exclude else "")
             )
         prompt, max_tokens = len(request.prompt_token_ids), request.max_tokens
-        roomy = [r for r in healthy if r.fits(prompt, max_tokens)]
+        roomy = [r for r in healthy if r.fits(prompt, max_tokens, request.sequences)]
         if not roomy:
             if all(r.kv_capacity_tokens > 0 and not r.fits_idle(prompt, max_tokens) for r in healthy):
                 largest = max(r.kv_capacity_tokens for r in healthy)

@@ -19,6 +19,8 @@ from tests.conftest import MODEL, SESSION_DIR, free_port
 
 # A CPU server loads in 30-40 s; a busy 2-core machine (another engine starting) takes longer.
 SERVER_START_TIMEOUT = 300.0
+# Sequences the server runs at once (the in-process engine's default); `RemoteEngineConfig.max_num_seqs`.
+MAX_NUM_SEQS = 16
 
 
 def _server_command(model_dir: Path, port: int) -> list[str]:
@@ -45,6 +47,8 @@ def _server_command(model_dir: Path, port: int) -> list[str]:
         str(256 << 20),
         "--max-logprobs",
         "20",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
         "--scheduling-policy",
         "priority",
         "--enable-prompt-tokens-details",

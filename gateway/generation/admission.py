@@ -142,6 +142,7 @@ async def admit(
         session=session,
         cache_salt=req.cache_salt,
         pool=plan.model.spec.engine_pool,
+        sequences=req.n,
     )
     try:
         return await services.scheduler.admit(ticket, route)

@@ -91,6 +91,17 @@ class ServiceCollector:
             "held_tokens": GaugeMetricFamily(
                 f"{p}held_tokens", "KV tokens the gateway's requests hold on the replica.", labels=labels
             ),
+            "sequences": GaugeMetricFamily(
+                f"{p}sequences",
+                "Sequences the gateway's requests run on the replica (one per choice).",
+                labels=labels,
+            ),
+            "sequence_limit": GaugeMetricFamily(
+                f"{p}sequence_limit",
+                "Most sequences the gateway runs on the replica at once: what the engine runs plus "
+                "routing.replicas.engine_queue (0 = not known, no limit).",
+                labels=labels,
+            ),
             "routable": GaugeMetricFamily(
                 f"{p}routable", "1 when the router may send requests to the replica.", labels=labels
             ),
@@ -105,6 +116,8 @@ class ServiceCollector:
             gauges["in_flight"].add_metric(ids, replica.in_flight)
             gauges["kv_capacity_tokens"].add_metric(ids, replica.kv_capacity_tokens)
             gauges["held_tokens"].add_metric(ids, replica.held_tokens)
+            gauges["sequences"].add_metric(ids, replica.sequences)
+            gauges["sequence_limit"].add_metric(ids, replica.sequence_limit)
             gauges["routable"].add_metric(ids, 1.0 if replica.routable else 0.0)
             state = replica.breaker_state
             for candidate in BREAKER_STATES:

@@ -45,6 +45,9 @@ GAUGE_MODES: Mapping[str, LiveMode] = {
     f"{PREFIX}in_flight_requests": "livesum",
     f"{PREFIX}engine_in_flight": "livesum",
     f"{PREFIX}engine_held_tokens": "livesum",
+    f"{PREFIX}engine_sequences": "livesum",
+    # Each worker applies the limit to its own sequences.
+    f"{PREFIX}engine_sequence_limit": "livemax",
     # Read from the engine's own load report, which already counts every worker's requests (plus a worker's
     # few not yet reported): each worker sees about the same figure, so summing would count it N times.
     f"{PREFIX}engine_queue_depth": "livemax",

@@ -13,7 +13,7 @@ from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_remote import RemoteEngineConfig, VllmRemoteEngine
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, SESSION_DIR
-from tests.vllm_server import SERVER_START_TIMEOUT
+from tests.vllm_server import MAX_NUM_SEQS, SERVER_START_TIMEOUT
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -51,6 +51,7 @@ async def vllm_remote(vllm_server: str, renderer: PromptRenderer) -> AsyncIterat
         # The contract polls load() for ~2 s after a close: scrape often enough to see it.
         metrics_interval=0.2,
         start_timeout=SERVER_START_TIMEOUT,
+        max_num_seqs=MAX_NUM_SEQS,
     )
     tokenizer = renderer.tokenizer
     engine = VllmRemoteEngine(config, token_text=lambda t: str(tokenizer.decode([t])))

@@ -99,6 +99,13 @@ async def test_closing_stream_frees_the_request(contract_engine: Engine) -> None
     assert (load.running, load.waiting) == (0, 0)
 
 
+async def test_load_reports_the_most_sequences_run_at_once(contract_engine: Engine) -> None:
+    # The router holds requests beyond it in the gateway's fair queue (routing.replicas).
+    load = await contract_engine.load()
+    assert load.max_running > 0
+    assert load.running <= load.max_running
+
+
 async def test_logprobs_shape(contract_engine: Engine) -> None:
     deltas = await _collect(
         contract_engine, _request(SamplingSpec(max_tokens=6, temperature=1.0, seed=7, logprobs=2))

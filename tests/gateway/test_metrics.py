@@ -27,6 +27,7 @@ from gateway.service import Services
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Limits, Quotas, Tenant
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec
+from routing.config import ReplicaConfig
 from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
 
 CHAT = "/v1/chat/completions"
@@ -208,12 +209,18 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
             "in_flight",
             "kv_capacity_tokens",
             "held_tokens",
+            "sequences",
+            "sequence_limit",
             "routable",
         ):
             assert {ls["replica"] for ls in scrape.labelsets(f"{P}engine_{name}")} == replicas, name
         assert scrape.value(f"{P}engine_routable") == 2
         assert scrape.value(f"{P}engine_in_flight") == 0
         assert scrape.value(f"{P}engine_kv_capacity_tokens") > 0
+        assert scrape.value(f"{P}engine_sequences") == 0
+        # Each simulated replica runs max_batch sequences, and engine_queue more may wait in it.
+        limit = SimulatorConfig().max_batch + ReplicaConfig().engine_queue
+        assert scrape.value(f"{P}engine_sequence_limit") == 2 * limit
         assert scrape.value(f"{P}engine_breaker_state", state="closed") == 2
         # Nothing was shed at the door; every request has ended.
         assert {ls["reason"] for ls in scrape.labelsets(f"{P}shed_requests_total")} == {

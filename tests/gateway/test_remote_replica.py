@@ -18,7 +18,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.overload import OverloadConfig, OverloadGate
 from routing.config import ReplicaConfig, RoutingConfig
 from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
-from tests.vllm_server import SERVER_START_TIMEOUT
+from tests.vllm_server import MAX_NUM_SEQS, SERVER_START_TIMEOUT
 
 
 def remote_config(vllm_server: str, overload: OverloadConfig | None = None) -> Config:
@@ -31,6 +31,7 @@ def remote_config(vllm_server: str, overload: OverloadConfig | None = None) -> C
         token_timeout=60.0,
         metrics_interval=0.2,
         start_timeout=SERVER_START_TIMEOUT,
+        max_num_seqs=MAX_NUM_SEQS,
     )
     # On a loaded 2-core machine the server's /health and /metrics answer slowly while it generates: a
     # generous refresh bound keeps it from being taken out for slowness.

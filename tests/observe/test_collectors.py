@@ -34,6 +34,8 @@ def replica(replica_id: str, state: str, routable: bool) -> Any:
         in_flight=2,
         kv_capacity_tokens=1000,
         held_tokens=250,
+        sequences=3,
+        sequence_limit=18,
         routable=routable,
         breaker_state=state,
     )
@@ -98,6 +100,8 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     r1 = (("pool", "default"), ("replica", "r1"))
     assert got[(f"{p}engine_routable", r1)] == 0
     assert got[(f"{p}engine_held_tokens", r1)] == 250
+    assert got[(f"{p}engine_sequences", r1)] == 3
+    assert got[(f"{p}engine_sequence_limit", r1)] == 18
     assert got[(f"{p}engine_breaker_state", (*r1[:1], ("replica", "r1"), ("state", "open")))] == 1
     assert got[(f"{p}engine_breaker_state", (*r1[:1], ("replica", "r1"), ("state", "closed")))] == 0
     # Nothing is cached: the next scrape sees what changed.

@@ -103,6 +103,8 @@ A = {
         "in_flight": 2,
         "kv_capacity_tokens": 1000,
         "held_tokens": 100,
+        "sequences": 4,
+        "sequence_limit": 18,
         "routable": True,
         "breaker_state": "closed",
     },
@@ -123,6 +125,8 @@ B = {
         "in_flight": 1,
         "kv_capacity_tokens": 1000,
         "held_tokens": 50,
+        "sequences": 1,
+        "sequence_limit": 10,
         "routable": False,
         "breaker_state": "open",
     },
@@ -190,6 +194,8 @@ async def test_a_scrape_answers_for_every_worker_and_a_dead_ones_live_gauges_lea
     assert got[key(f"{P}in_flight_requests")] == 4
     assert got[key(f"{P}engine_in_flight", **R0)] == 3
     assert got[key(f"{P}engine_held_tokens", **R0)] == 150
+    assert got[key(f"{P}engine_sequences", **R0)] == 5
+    assert got[key(f"{P}engine_sequence_limit", **R0)] == 18
     assert got[key(f"{P}engine_queue_depth", **R0)] == 12
     assert got[key(f"{P}engine_kv_utilisation", **R0)] == 0.75
     assert got[key(f"{P}engine_kv_capacity_tokens", **R0)] == 1000

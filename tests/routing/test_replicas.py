@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 
+import msgspec
 import pytest
 
 from engines.base import Engine, EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health, Usage
@@ -33,12 +34,24 @@ class FakeClock:
 class FakeEngine:
     """An engine whose load and health are whatever the test sets; `generate` fails with `fail` if set."""
 
-    def __init__(self, replica_id: str, *, capacity: int = 1000, running: int = 0, waiting: int = 0) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        *,
+        capacity: int = 1000,
+        running: int = 0,
+        waiting: int = 0,
+        max_running: int = 0,
+    ) -> None:
         self.replica_id = replica_id
         self.model_name = "fake"
         self.max_model_len = 4096
         self.load_value = EngineLoad(
-            running=running, waiting=waiting, kv_tokens_used=0, kv_tokens_capacity=capacity
+            running=running,
+            waiting=waiting,
+            kv_tokens_used=0,
+            kv_tokens_capacity=capacity,
+            max_running=max_running,
         )
         self.health_value = Health(ready=True)
         self.raise_on_check: Exception | None = None
@@ -49,10 +62,10 @@ class FakeEngine:
     def set_load(
         self, *, running: int = 0, waiting: int = 0, used: int = 0, capacity: int | None = None
     ) -> None:
-        """Report this load from now on."""
+        """Report this load from now on (the same sequence limit)."""
         cap = self.load_value.kv_tokens_capacity if capacity is None else capacity
-        self.load_value = EngineLoad(
-            running=running, waiting=waiting, kv_tokens_used=used, kv_tokens_capacity=cap
+        self.load_value = msgspec.structs.replace(
+            self.load_value, running=running, waiting=waiting, kv_tokens_used=used, kv_tokens_capacity=cap
         )
 
     async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
@@ -185,7 +198,7 @@ async def test_kv_budget_reserve_and_release() -> None:
     assert replica.held_tokens == 900
     assert replica.fits(50, 50)  # exactly 1000: capacity - held - need == 0 fits
     assert not replica.fits(50, 51)
-    with pytest.raises(ReplicaUnavailableError, match="no KV room"):
+    with pytest.raises(ReplicaUnavailableError, match="no room"):
         replica.reserve("r2", 50, 51)
     with pytest.raises(ValueError, match="already holds"):
         replica.reserve("r1", 1, 1)
@@ -193,6 +206,42 @@ async def test_kv_budget_reserve_and_release() -> None:
     assert not replica.release("r1")  # a second release is a no-op
     assert replica.held_tokens == 0
     assert replica.fits(50, 51)
+
+
+async def test_sequences_in_flight_stay_within_the_engines_limit_plus_its_queue() -> None:
+    # The engine runs 2 sequences at once; 1 more may wait in its own queue.
+    config = msgspec.structs.replace(CONFIG, engine_queue=1)
+    replica = make_replica(FakeEngine("a", capacity=100_000, max_running=2), FakeClock(), config=config)
+    assert replica.sequence_limit == 0  # nothing reported yet: no limit but the KV budget's
+    await replica.refresh()
+    assert replica.sequence_limit == 3
+    replica.reserve("r1", 10, 10)
+    replica.reserve("r2", 10, 10, sequences=2)  # two choices: two sequences
+    assert replica.sequences == 3
+    assert not replica.fits(10, 10)  # plenty of KV, no sequence
+    with pytest.raises(ReplicaUnavailableError, match="no room"):
+        replica.reserve("r3", 10, 10)
+    replica.release("r1")
+    assert replica.sequences == 2
+    assert replica.fits(10, 10)
+    assert not replica.fits(10, 10, sequences=2)
+    replica.release("r2")
+    # An idle replica takes a request of more choices than the limit: nothing else could ever make room.
+    assert replica.fits(10, 10, sequences=5)
+    replica.reserve("r4", 10, 10, sequences=5)
+    assert replica.sequences == 5
+    assert not replica.fits(1, 1)
+    replica.release("r4")
+    assert replica.sequences == 0
+
+
+async def test_an_engine_that_does_not_report_its_limit_is_bounded_by_kv_alone() -> None:
+    replica = make_replica(FakeEngine("a", capacity=100_000), FakeClock())
+    await replica.refresh()
+    for i in range(50):
+        replica.reserve(f"r{i}", 10, 10)
+    assert replica.sequences == 50
+    assert replica.fits(10, 10)
 
 
 async def test_grow_counts_output_past_the_reserve() -> None:

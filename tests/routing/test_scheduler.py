@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from engines.base import EngineRequest, SamplingSpec
@@ -15,7 +16,7 @@ from routing.config import RouterConfig
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest
 from routing.scheduler import DeadlineExpiredError, Lease, Scheduler
-from tests.routing.test_replicas import SHA_A, FakeClock, FakeEngine, make_replica
+from tests.routing.test_replicas import CONFIG, SHA_A, FakeClock, FakeEngine, make_replica
 
 # growth_reserve_cap is 100 (tests.routing.test_replicas.CONFIG): a request holds prompt + min(max_tokens,
 # 100).
@@ -429,6 +430,83 @@ async def test_leases_on_simulated_engines_balance_the_budget() -> None:
     assert all(r.held_tokens == 0 for r in replicas)
     for engine in engines:
         await engine.shutdown()
+
+
+async def test_tenants_stay_fair_when_the_engine_runs_fewer_sequences_than_its_kv_holds() -> None:
+    # KV for 100 requests, but the engine runs 2 sequences at once and none may wait in its own queue: the
+    # rest wait in the fair queue, so a tenant arriving behind another's backlog is served next, not after it.
+    clock = FakeClock()
+    replica = make_replica(
+        FakeEngine("a", capacity=10_000, max_running=2),
+        clock,
+        config=msgspec.structs.replace(CONFIG, engine_queue=0),
+    )
+    await replica.refresh()
+    scheduler = Scheduler([replica], Router(RouterConfig(prefix_weight=0.0)), AdmissionConfig(), clock)
+    running = [await scheduler.admit(ticket(f"a{i}", clock, tenant="a"), route(f"a{i}")) for i in range(2)]
+    backlog = [admit(scheduler, f"a{i}", clock, tenant="a") for i in range(2, 6)]
+    await settle()
+    late = admit(scheduler, "b0", clock, tenant="b")
+    await settle()
+    assert replica.sequences == 2
+    assert scheduler.depth() == 5
+    running[0].observe(MAX_TOKENS)  # a's answer, charged to a before the next dispatch
+    running[0].release()
+    lease = await late
+    assert lease.ticket.tenant == "b"
+    assert replica.sequences == 2
+    assert not any(task.done() for task in backlog)
+    lease.release()
+    assert (await backlog[0]).ticket.request_id == "a2"
+    for task in backlog:
+        task.cancel()
+    results = await asyncio.gather(*backlog, return_exceptions=True)
+    for result in results:
+        if isinstance(result, Lease):
+            result.release()
+    running[1].release()
+    assert replica.sequences == 0
+    assert scheduler.depth() == 0
+
+
+async def test_a_simulated_engine_never_queues_more_than_the_engine_queue() -> None:
+    config = SimulatorConfig(
+        decode_step_s=0.0, decode_step_s_per_seq=0.0, prefill_s_per_token=0.0, max_batch=3
+    )
+    clock = FakeClock()
+    engine = SimulatedEngine(config, replica_id="sim-0")
+    replica = make_replica(engine, clock, config=msgspec.structs.replace(CONFIG, engine_queue=1))  # type: ignore[arg-type]
+    await engine.start()
+    scheduler = Scheduler([replica], Router(RouterConfig()), AdmissionConfig(), clock)
+    await scheduler.refresh()
+    assert replica.sequence_limit == 4
+    most = 0
+
+    async def serve(rid: str, tenant: str) -> int:
+        nonlocal most
+        lease = await scheduler.admit(
+            ticket(rid, clock, tenant=tenant, max_tokens=4), route(rid, max_tokens=4)
+        )
+        most = max(most, replica.sequences)
+        tokens = 0
+        try:
+            request = EngineRequest(
+                request_id=rid,
+                prompt_token_ids=lease.route.prompt_token_ids,
+                sampling=SamplingSpec(max_tokens=4),
+            )
+            async for delta in engine.generate(request):
+                tokens += len(delta.token_ids)
+                lease.observe(len(delta.token_ids))
+        finally:
+            lease.release()
+        return tokens
+
+    counts = await asyncio.gather(*(serve(f"r{i}", f"t{i % 3}") for i in range(20)))
+    assert counts == [4] * 20
+    assert most == 4
+    assert replica.sequences == 0
+    await engine.shutdown()
 
 
 async def test_run_looks_at_a_new_tickets_deadline_without_being_woken() -> None:
