@@ -88,8 +88,11 @@ ENGINE = SimulatorConfig(
 REPLICA = ReplicaConfig(growth_reserve_cap=4096, breaker=BreakerPolicy(threshold=3, cooldown=15.0))
 
 
-async def start_replicas(count: int, config: SimulatorConfig = ENGINE) -> list[Replica]:
-    """`count` started simulated replicas on the loop's clock, their capacity known without a refresh."""
+async def start_replicas(
+    count: int, config: SimulatorConfig = ENGINE, replica: ReplicaConfig = REPLICA
+) -> list[Replica]:
+    """`count` started simulated replicas on the loop's clock, their capacity and sequence limit known
+    without a refresh."""
     loop = asyncio.get_running_loop()
     replicas = []
     for i in range(count):
@@ -100,11 +103,12 @@ async def start_replicas(count: int, config: SimulatorConfig = ENGINE) -> list[R
                 engine,
                 pool="default",
                 weights_sha256=SHA,
-                config=REPLICA,
+                config=replica,
                 clock=loop.time,
                 kv_budget_tokens=config.kv_capacity_tokens,
             )
         )
+    await asyncio.gather(*(r.refresh() for r in replicas))
     return replicas
 
 

@@ -1,16 +1,20 @@
 """Fairness benchmark: one tenant sending 10x the load of three others, all backlogged, against simulated
 replicas behind the fair `Scheduler` (and `Router`), next to a plain FCFS queue over the same replicas.
 
-    python -m ops.bench.fairness [--seconds 60] [--replicas 3] [--clients 40] [--ratio 10] [--json PATH]
-                                 [--quick]
+    python -m ops.bench.fairness [--seconds 60] [--replicas 3] [--clients 40] [--ratio 10] [--kv-tokens N]
+                                 [--json PATH] [--quick]
 
 Every tenant runs closed-loop clients (`--clients` each, the heavy one `--ratio` times as many): each sends a
 request, streams its answer and sends the next, so every tenant always has requests queued. Service is
 counted as the fair queue charges it (prompt tokens x w_in at dispatch, output tokens x w_out as they
 stream) divided by the tenant's weight. Figures per dispatcher: service per tenant over time, the largest
 gap in service per weight between two tenants at any sample, Jain's fairness index of the service per weight
-over the run (1 = equal), and throughput. Time is virtual (`ops.bench._sim`): the figures do not depend on
-the machine, only the wall time of a run does.
+over the run (1 = equal), and throughput. Three dispatchers: the fair scheduler; the same with the KV
+budget as its only bound (`fair-kv`: every request the KV holds goes to the engine, whose own queue is first
+come, first served: how the gateway dispatched before it counted sequences); and a plain FCFS queue. Each
+simulated replica runs 48 sequences at once; `--kv-tokens` sets its KV cache (12,000 by default, which
+binds first for most requests; 200,000 leaves only the sequence limit). Time is virtual (`ops.bench._sim`):
+the figures do not depend on the machine, only the wall time of a run does.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ops.bench._sim import (
+    ENGINE,
+    REPLICA,
     Dispatcher,
     FifoDispatcher,
     Served,
@@ -37,9 +45,12 @@ from ops.bench._sim import (
     stop_replicas,
 )
 from routing.admission_config import AdmissionConfig
+from routing.config import ReplicaConfig
 from routing.replicas import Replica
 from routing.scheduler import Scheduler
 
+# Sequences an engine may queue itself in `fair-kv`: more than any run sends.
+UNBOUNDED = 1_000_000
 # Deadlines far away and bounds above the client count: this measures order, not refusals.
 ADMISSION = AdmissionConfig(
     interactive_deadline=1e9, max_queued_per_tenant=100_000, max_queued_per_class=1_000_000
@@ -58,10 +69,14 @@ def tenants(ratio: int) -> dict[str, tuple[float, int]]:
 
 
 async def measure(
-    name: str, make: Callable[[list[Replica]], Dispatcher], args: argparse.Namespace
+    name: str,
+    make: Callable[[list[Replica]], Dispatcher],
+    args: argparse.Namespace,
+    replica: ReplicaConfig = REPLICA,
 ) -> dict[str, Any]:
     """Run the closed-loop workload for `args.seconds` through one dispatcher; its figures."""
-    replicas = await start_replicas(args.replicas)
+    engine = msgspec.structs.replace(ENGINE, kv_capacity_tokens=args.kv_tokens)
+    replicas = await start_replicas(args.replicas, engine, replica)
     dispatcher = make(replicas)
     plan = tenants(args.ratio)
     config = ADMISSION
@@ -125,12 +140,18 @@ async def measure(
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The fair scheduler, then FCFS, on fresh replicas with the same workload seed."""
+    """The fair scheduler, the same bounded by KV alone, then FCFS, on fresh replicas with the same workload
+    seed."""
 
     def fair(replicas: list[Replica]) -> Dispatcher:
         return Scheduler(replicas, router(), ADMISSION, now)
 
-    return [await measure("fair", fair, args), await measure("fcfs", FifoDispatcher, args)]
+    kv_only = msgspec.structs.replace(REPLICA, engine_queue=UNBOUNDED)
+    return [
+        await measure("fair", fair, args),
+        await measure("fair-kv", fair, args, kv_only),
+        await measure("fcfs", FifoDispatcher, args),
+    ]
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -164,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3, help="simulated replicas (3)")
     parser.add_argument("--clients", type=int, default=40, help="closed-loop clients per light tenant (40)")
     parser.add_argument("--ratio", type=int, default=10, help="heavy tenant's clients per light one's (10)")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=ENGINE.kv_capacity_tokens, help="KV cache per replica (12000)"
+    )
     parser.add_argument("--sample", type=float, default=1.0, help="virtual seconds between samples (1)")
     parser.add_argument("--warmup", type=float, default=10.0, help="virtual s before the steady gap (10)")
     parser.add_argument("--seed", type=int, default=1)
@@ -177,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - started
     print(
         f"fairness benchmark: {args.replicas} replicas, {args.seconds:g} virtual s per dispatcher, "
-        f"tenants {args.clients * args.ratio}:{args.clients}:{args.clients}:{args.clients} clients "
+        f"tenants {args.clients * args.ratio}:{args.clients}:{args.clients}:{args.clients} clients, "
+        f"{args.kv_tokens} KV tokens and {ENGINE.max_batch} sequences per replica "
         f"(wall {wall:.1f} s)"
     )
     print(format_table(rows))

@@ -13,7 +13,7 @@ def test_fairness_quick(tmp_path: Path) -> None:
     out = tmp_path / "fairness.json"
     assert fairness.main(["--quick", "--json", str(out)]) == 0
     runs = {run["dispatcher"]: run for run in json.loads(out.read_text())["runs"]}
-    assert set(runs) == {"fair", "fcfs"}
+    assert set(runs) == {"fair", "fair-kv", "fcfs"}
     for run in runs.values():
         assert {"service", "share", "max_gap", "max_gap_steady", "jain", "samples"} <= set(run)
         assert 0 < run["jain"] <= 1
@@ -25,6 +25,20 @@ def test_fairness_quick(tmp_path: Path) -> None:
     assert fair["max_gap_steady"] < fcfs["max_gap_steady"]
     assert fair["jain"] > fcfs["jain"]
     assert fair["share"]["heavy"] < fcfs["share"]["heavy"]
+
+
+def test_fairness_holds_where_the_engines_sequence_limit_binds_before_its_kv(tmp_path: Path) -> None:
+    # KV for every request the clients send: only the engine's 48 sequences bound a replica. Dispatching all
+    # the KV holds (fair-kv) leaves the order to the engine's first-come queue, which the heavy tenant fills.
+    out = tmp_path / "fairness.json"
+    assert fairness.main(["--quick", "--kv-tokens", "200000", "--json", str(out)]) == 0
+    runs = {run["dispatcher"]: run for run in json.loads(out.read_text())["runs"]}
+    fair, kv_only = runs["fair"], runs["fair-kv"]
+    assert fair["share"]["heavy"] < 0.3 < 0.5 < kv_only["share"]["heavy"]
+    assert fair["jain"] > 0.99 > kv_only["jain"]
+    assert fair["max_gap_steady"] < kv_only["max_gap_steady"]
+    # The engines are no less busy for it.
+    assert fair["throughput_tokens_per_s"] > 0.95 * kv_only["throughput_tokens_per_s"]
 
 
 def test_overload_quick(tmp_path: Path) -> None:
