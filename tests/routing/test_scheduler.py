@@ -469,7 +469,8 @@ async def test_tenants_stay_fair_when_the_engine_runs_fewer_sequences_than_its_k
     assert scheduler.depth() == 0
 
 
-async def test_a_simulated_engine_never_queues_more_than_the_engine_queue() -> None:
+async def test_a_simulated_engine_never_holds_more_than_it_runs_plus_the_engine_queue() -> None:
+    # 20 requests at once on an engine that runs 3: 4 are sent (one waits in the engine), 16 wait here.
     config = SimulatorConfig(
         decode_step_s=0.0, decode_step_s_per_seq=0.0, prefill_s_per_token=0.0, max_batch=3
     )
@@ -480,10 +481,10 @@ async def test_a_simulated_engine_never_queues_more_than_the_engine_queue() -> N
     scheduler = Scheduler([replica], Router(RouterConfig()), AdmissionConfig(), clock)
     await scheduler.refresh()
     assert replica.sequence_limit == 4
-    most = 0
+    most = engine_most = 0  # the most sequences the gateway held there, and the engine ran and queued
 
     async def serve(rid: str, tenant: str) -> int:
-        nonlocal most
+        nonlocal most, engine_most
         lease = await scheduler.admit(
             ticket(rid, clock, tenant=tenant, max_tokens=4), route(rid, max_tokens=4)
         )
@@ -498,6 +499,8 @@ async def test_a_simulated_engine_never_queues_more_than_the_engine_queue() -> N
             async for delta in engine.generate(request):
                 tokens += len(delta.token_ids)
                 lease.observe(len(delta.token_ids))
+                load = await engine.load()
+                engine_most = max(engine_most, load.running + load.waiting)
         finally:
             lease.release()
         return tokens
@@ -505,6 +508,7 @@ async def test_a_simulated_engine_never_queues_more_than_the_engine_queue() -> N
     counts = await asyncio.gather(*(serve(f"r{i}", f"t{i % 3}") for i in range(20)))
     assert counts == [4] * 20
     assert most == 4
+    assert 3 <= engine_most <= 4
     assert replica.sequences == 0
     await engine.shutdown()
 
