@@ -34,6 +34,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.tenants.models import Tenant
 from routing.admission_config import AdmissionConfig
+from routing.config import ReplicaConfig, RoutingConfig
 from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
 
 QUESTION = [{"role": "user", "content": "hi"}]
@@ -122,6 +123,33 @@ async def test_a_light_tenant_is_not_starved_by_a_heavy_ones_backlog(
         waits = sorted(float(r.headers["x-lockgate-queue-wait"]) for r in responses)
         assert waits[0] < waits[-1]
         assert float(light.headers["x-lockgate-queue-wait"]) < waits[-1]
+
+
+async def test_requests_beyond_the_sequences_an_engine_runs_wait_in_the_gateway(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # KV for a hundred requests, but the engine runs 2 sequences at once and none may queue in it: a request
+    # of two choices fills it, and the next one waits in the admission queue, not in the engine's.
+    base = config()
+    simulator = msgspec.structs.replace(base.engine.simulator, kv_capacity_tokens=100_000, max_batch=2)
+    cfg = msgspec.structs.replace(
+        base,
+        engine=msgspec.structs.replace(base.engine, simulator=simulator),
+        routing=RoutingConfig(replicas=ReplicaConfig(engine_queue=0)),
+    )
+    async with gateway_for(cfg, renderer, outcomes, tenancy) as gw:
+        (replica,) = gw.services.scheduler.replicas
+        assert replica.sequence_limit == 2
+        both = asyncio.create_task(gw.chat(gw.acme, n=2))
+        await eventually(lambda: _true(replica.sequences == 2))
+        later = asyncio.create_task(gw.chat(gw.acme))
+        await gw.queued(1)
+        assert replica.in_flight == 1
+        assert (await replica.engine.load()).waiting == 0
+        first, second = await asyncio.gather(both, later)
+        assert [len(first.json()["choices"]), second.status_code] == [2, 200]
+        assert float(second.headers["x-lockgate-queue-wait"]) > 0
+        assert replica.sequences == 0
 
 
 async def test_priority_and_deadline_headers_are_checked(
@@ -254,6 +282,10 @@ async def test_a_request_fails_over_to_another_replica_before_its_first_token(
         assert refused.status_code == 503
         assert dead.calls + other.calls >= 2
         assert all(r.in_flight == 0 for r in replicas)
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _in_flight(services: Services, count: int) -> bool:
