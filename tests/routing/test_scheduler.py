@@ -5,6 +5,7 @@ and the run loop, on fake engines with a fake clock (nothing sleeps: the tests m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
@@ -397,6 +398,36 @@ async def test_run_answers_expired_tickets_on_its_own() -> None:
     lease.release()
 
 
+async def serve(
+    scheduler: Scheduler,
+    clock: FakeClock,
+    rid: str,
+    tenant: str,
+    max_tokens: int,
+    each_delta: Callable[[Lease], Awaitable[None]] | None = None,
+) -> int:
+    """Admit a request, generate it on its lease's (simulated) engine, counting its tokens on the lease,
+    and release it; its token count. `each_delta` runs after every delta."""
+    lease = await scheduler.admit(
+        ticket(rid, clock, tenant=tenant, max_tokens=max_tokens), route(rid, max_tokens=max_tokens)
+    )
+    tokens = 0
+    try:
+        request = EngineRequest(
+            request_id=rid,
+            prompt_token_ids=lease.route.prompt_token_ids,
+            sampling=SamplingSpec(max_tokens=max_tokens),
+        )
+        async for delta in lease.replica.engine.generate(request):
+            tokens += len(delta.token_ids)
+            lease.observe(len(delta.token_ids))
+            if each_delta is not None:
+                await each_delta(lease)
+    finally:
+        lease.release()
+    return tokens
+
+
 async def test_leases_on_simulated_engines_balance_the_budget() -> None:
     config = SimulatorConfig(decode_step_s=0.0, decode_step_s_per_seq=0.0, prefill_s_per_token=0.0)
     clock = FakeClock()
@@ -407,25 +438,7 @@ async def test_leases_on_simulated_engines_balance_the_budget() -> None:
     scheduler = Scheduler(replicas, Router(RouterConfig()), AdmissionConfig(), clock)
     await scheduler.refresh()
 
-    async def serve(rid: str, tenant: str) -> int:
-        lease = await scheduler.admit(
-            ticket(rid, clock, tenant=tenant, max_tokens=8), route(rid, max_tokens=8)
-        )
-        tokens = 0
-        try:
-            request = EngineRequest(
-                request_id=rid,
-                prompt_token_ids=lease.route.prompt_token_ids,
-                sampling=SamplingSpec(max_tokens=8),
-            )
-            async for delta in lease.replica.engine.generate(request):
-                tokens += len(delta.token_ids)
-                lease.observe(len(delta.token_ids))
-        finally:
-            lease.release()
-        return tokens
-
-    counts = await asyncio.gather(*(serve(f"r{i}", f"t{i % 3}") for i in range(20)))
+    counts = await asyncio.gather(*(serve(scheduler, clock, f"r{i}", f"t{i % 3}", 8) for i in range(20)))
     assert counts == [8] * 20
     assert all(r.held_tokens == 0 for r in replicas)
     for engine in engines:
@@ -483,29 +496,15 @@ async def test_a_simulated_engine_never_holds_more_than_it_runs_plus_the_engine_
     assert replica.sequence_limit == 4
     most = engine_most = 0  # the most sequences the gateway held there, and the engine ran and queued
 
-    async def serve(rid: str, tenant: str) -> int:
+    async def measure(lease: Lease) -> None:
         nonlocal most, engine_most
-        lease = await scheduler.admit(
-            ticket(rid, clock, tenant=tenant, max_tokens=4), route(rid, max_tokens=4)
-        )
         most = max(most, replica.sequences)
-        tokens = 0
-        try:
-            request = EngineRequest(
-                request_id=rid,
-                prompt_token_ids=lease.route.prompt_token_ids,
-                sampling=SamplingSpec(max_tokens=4),
-            )
-            async for delta in engine.generate(request):
-                tokens += len(delta.token_ids)
-                lease.observe(len(delta.token_ids))
-                load = await engine.load()
-                engine_most = max(engine_most, load.running + load.waiting)
-        finally:
-            lease.release()
-        return tokens
+        load = await engine.load()
+        engine_most = max(engine_most, load.running + load.waiting)
 
-    counts = await asyncio.gather(*(serve(f"r{i}", f"t{i % 3}") for i in range(20)))
+    counts = await asyncio.gather(
+        *(serve(scheduler, clock, f"r{i}", f"t{i % 3}", 4, measure) for i in range(20))
+    )
     assert counts == [4] * 20
     assert most == 4
     assert 3 <= engine_most <= 4
