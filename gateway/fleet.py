@@ -13,7 +13,8 @@ it names, serving the weights of the model version it names:
 Replica ids are unique in the fleet (`<kind>-<index>`, or the remote URL).
 
 A replica's KV byte budget (`kv_cache_bytes`, a local vLLM replica's `engine.kv_cache_bytes` by default)
-becomes tokens at the registry's bytes per token of the version it serves (`routing.replicas`).
+becomes tokens at the registry's bytes per token of the version it serves (`routing.replicas`). A remote
+replica is shared by the `server.workers` gateway processes, each leaving the others their part of it.
 """
 
 from __future__ import annotations
@@ -137,7 +138,9 @@ async def start_fleet(
     """Start every replica (those this function builds are shut down by `owned`) and wrap it for the
     router. `engine`, when given, is the single replica of a configuration without `[[engines]]`."""
 
-    def replica(engine: Engine, pool: str, model: ResolvedModel, kv_bytes: int) -> Replica:
+    def replica(
+        engine: Engine, pool: str, model: ResolvedModel, kv_bytes: int, remote: bool = False
+    ) -> Replica:
         return Replica(
             engine,
             pool=pool,
@@ -145,6 +148,8 @@ async def start_fleet(
             config=config.routing.replicas,
             clock=clock,
             kv_budget_tokens=kv_tokens_for_bytes(kv_bytes, model) if kv_bytes > 0 else None,
+            # Every worker dispatches to a remote engine; each has its own in-process one.
+            shared_by=config.server.workers if remote else 1,
         )
 
     local_bytes = config.engine.kv_cache_bytes
@@ -163,5 +168,5 @@ async def start_fleet(
         await built.start()
         owned.push_async_callback(built.shutdown)
         kv_bytes = spec.kv_cache_bytes or (local_bytes if spec.kind == "vllm_local" else 0)
-        replicas.append(replica(built, spec.pool, model, kv_bytes))
+        replicas.append(replica(built, spec.pool, model, kv_bytes, spec.kind == "vllm_remote"))
     return replicas

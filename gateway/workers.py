@@ -11,7 +11,8 @@ environment as JSON (`CONFIG_ENV`), so a worker never reads a file or an environ
 What the workers share lives outside them, which `config.check_workers` enforces: quotas in Redis, tenants,
 registry, audit and appeals in PostgreSQL, console sessions in Redis, engines reached over HTTP. Per
 worker: the admission queue and the router's view of each replica (each worker admits against the load the
-replicas report, plus what it sent itself since), the audit spool (each worker claims a directory of its own,
+replicas report, plus what it sent itself since, and leaves the other workers what they used of a remote
+replica at its last report: `routing.replicas`), the audit spool (each worker claims a directory of its own,
 `policy.audit.spool`), caches.
 
 Metrics: the parent gives the workers a fresh prometheus_client multiprocess directory

@@ -18,6 +18,19 @@ a replica takes a request only while the sequences the gateway has in flight the
 the request's, stay within that limit plus `engine_queue`; an idle replica takes any request. Unknown (0),
 no limit applies beyond the KV budget.
 
+Shared by several gateway processes (`lockgate serve --workers N`: `shared_by` = N, every engine remote).
+Each process holds only what it dispatched itself, so N processes that each filled the KV budget and the
+sequence limit would put N times both on the engine. A process therefore counts what the others use from
+the engine's load report: at each report, the sequences running and waiting beyond its own, and the KV
+tokens used beyond its own holding, measured when the report was asked for. It may use the whole budget
+less the others' part, and never less than an even share (budget // N), so that no process is starved by
+peers that filled the engine. Reports are up to `refresh_interval` old: processes that take load at once
+each count the others as last reported, so the engine may hold more than its budget until the next report
+shows it; from then on each takes nothing new until it is back within what it may use, and the total
+settles at the budget (tested). A process with nothing in flight there still takes any one request that
+fits the whole budget. With one process nothing of this applies (what others send to the engine is not
+counted).
+
 Health. A breaker (`guard.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
 failed health checks in `refresh()` and fatal errors the pipeline reports (`record_failure`). At the
 threshold the replica is out (open) for the cooldown; then one trial (a dispatched request, or the next
@@ -105,9 +118,13 @@ class Replica:
         config: ReplicaConfig,
         clock: Callable[[], float],
         kv_budget_tokens: int | None = None,
+        shared_by: int = 1,
     ) -> None:
         """`kv_budget_tokens`: the capacity the replica's KV byte budget gives at the registry's bytes per
-        token (`kv_tokens_for_bytes`), None when no budget is configured (module docstring)."""
+        token (`kv_tokens_for_bytes`), None when no budget is configured; `shared_by`: the gateway processes
+        (this one included) that dispatch to the engine (module docstring)."""
+        if shared_by < 1:
+            raise ValueError(f"shared_by must be >= 1, got {shared_by}")
         self.engine = engine
         self.pool = pool
         self.weights_sha256 = weights_sha256
@@ -128,6 +145,10 @@ class Replica:
         self._dispatched = 0  # dispatches so far; each reservation takes the next number
         self._reported_upto = 0  # dispatches made before the start of the last successful load report
         self._trial: str | None = None  # holder of the half-open trial slot
+        self.shared_by = shared_by
+        # What the other gateway processes used of the engine at its last load report (with `shared_by` > 1).
+        self._others_sequences = 0
+        self._others_tokens = 0
 
     @property
     def replica_id(self) -> str:
@@ -177,14 +198,24 @@ class Replica:
 
     def fits(self, prompt_tokens: int, max_tokens: int, sequences: int = 1) -> bool:
         """Whether a request fits now: the KV budget (capacity - held - (prompt + reserve) >= 0) and, on a
-        replica with requests in flight, the sequence limit."""
+        replica with requests in flight, the sequence limit (each less the other processes' part, when
+        shared: module docstring)."""
         return self._has_room(prompt_tokens, self.growth_reserve(max_tokens), sequences)
 
     def _has_room(self, prompt_tokens: int, growth_reserve: int, sequences: int) -> bool:
-        if self.kv_capacity_tokens - self._held_tokens - prompt_tokens - growth_reserve < 0:
+        capacity = self.kv_capacity_tokens
+        need = prompt_tokens + growth_reserve
+        if not self._held:
+            return need <= capacity
+        if self._held_tokens + need > self._share(capacity, self._others_tokens):
             return False
         limit = self.sequence_limit
-        return not limit or not self._held or self._sequences + sequences <= limit
+        return not limit or self._sequences + sequences <= self._share(limit, self._others_sequences)
+
+    def _share(self, budget: int, others: int) -> int:
+        """What of `budget` this process may use: all of it less what the other processes used at the last
+        report, and never less than an even share."""
+        return max(budget // self.shared_by, budget - others)
 
     def fits_idle(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether the request would fit this replica with nothing else in flight."""
@@ -269,6 +300,7 @@ class Replica:
         if probing:
             self._take_trial(_HEALTH_PROBE)
         started = self._dispatched
+        own_sequences, own_tokens = self._sequences, self._held_tokens
         check_health = state == "closed" or probing
         try:
             async with asyncio.timeout(self._config.refresh_timeout):
@@ -291,6 +323,9 @@ class Replica:
         if load is not None:
             self.last_load = load
             self._reported_upto = started
+            if self.shared_by > 1:
+                self._others_sequences = max(0, load.running + load.waiting - own_sequences)
+                self._others_tokens = max(0, load.kv_tokens_used - own_tokens)
             self._check_capacity(load.kv_tokens_capacity)
         if not check_health or not probing:
             # A replica that answers "not ready" (an engine restarting) is out of routing until it answers

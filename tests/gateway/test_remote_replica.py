@@ -16,6 +16,7 @@ from gateway.app import create_app
 from gateway.config import Config, ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
 from gateway.overload import OverloadConfig, OverloadGate
+from gateway.service import Services
 from routing.config import ReplicaConfig, RoutingConfig
 from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
 from tests.vllm_server import MAX_NUM_SEQS, SERVER_START_TIMEOUT
@@ -129,3 +130,43 @@ async def test_auto_turns_the_cpu_signal_on_in_front_of_remote_engines(
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             assert "lockgate:cpu_shed_fraction" in (await http.get("/metrics")).text
+
+
+async def test_a_worker_leaves_the_other_workers_their_part_of_a_remote_replica(
+    vllm_server: str, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # One worker of two: a request another worker sent runs on the server, and the load report shows it.
+    config = remote_config(vllm_server)
+    config = msgspec.structs.replace(config, server=msgspec.structs.replace(config.server, workers=2))
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    body = {"model": MODEL, "prompt": "The sea", "max_tokens": 2000, "min_tokens": 2000, "stream": True}
+    async with lifespan(app), httpx.AsyncClient(base_url=vllm_server, timeout=120) as other:
+        services: Services = app.state.services
+        (replica,) = services.scheduler.replicas
+        assert replica.shared_by == 2
+        async with other.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            # Kept referenced: a line iterator left unreferenced is closed by the collector, and with it the
+            # response, which aborts the request on the server.
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break  # the other worker's request runs
+
+            async def reported() -> bool:
+                await replica.refresh()
+                return replica.last_load is not None and replica.last_load.running >= 1
+
+            await eventually(reported, within=60)
+            # The sequence limit (16 + the engine queue of 2) less the other worker's (none of the reported
+            # requests is this worker's); no await from here on, so no refresh runs in between.
+            limit = replica.sequence_limit
+            assert limit == MAX_NUM_SEQS + config.routing.replicas.engine_queue
+            assert replica.last_load is not None
+            room = max(limit // 2, limit - replica.last_load.running - replica.last_load.waiting)
+            assert room < limit
+            for i in range(room):
+                replica.reserve(f"held-{i}", 1, 1)
+            assert not replica.fits(1, 1)
+            for i in range(room):
+                replica.release(f"held-{i}")

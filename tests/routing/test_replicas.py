@@ -244,6 +244,115 @@ async def test_an_engine_that_does_not_report_its_limit_is_bounded_by_kv_alone()
     assert replica.fits(10, 10)
 
 
+async def test_processes_sharing_an_engine_leave_the_others_their_sequences() -> None:
+    # Two gateway processes dispatch to an engine of 4 sequences (no queue); the other one runs 3 there.
+    config = msgspec.structs.replace(CONFIG, engine_queue=0)
+    engine = FakeEngine("a", capacity=100_000, max_running=4, running=3)
+    shared = Replica(
+        engine, pool="default", weights_sha256=SHA_A, config=config, clock=FakeClock(), shared_by=2
+    )
+    alone = make_replica(engine, FakeClock(), config=config)
+    await shared.refresh()
+    await alone.refresh()
+    for i in range(2):  # 4 - 3 = 1, but never less than an even share of 4 // 2 = 2
+        assert shared.fits(10, 10)
+        shared.reserve(f"r{i}", 10, 10)
+    assert not shared.fits(10, 10)
+    for i in range(4):  # one process counts nothing of the report: all 4 are its own
+        alone.reserve(f"r{i}", 10, 10)
+    assert not alone.fits(10, 10)
+    # The next report shows the other process gone: 2 running, both this process's own.
+    engine.set_load(running=2)
+    await shared.refresh()
+    for i in range(2, 4):
+        assert shared.fits(10, 10)
+        shared.reserve(f"r{i}", 10, 10)
+    assert not shared.fits(10, 10)
+    # The other process is back with 4: this one keeps its even share (its 4 are reported with them).
+    engine.set_load(running=4, waiting=4)
+    await shared.refresh()
+    assert not shared.fits(10, 10)
+    shared.release("r0")
+    shared.release("r1")
+    assert not shared.fits(10, 10)  # 2 of its own in flight: its share
+    shared.release("r2")
+    assert shared.fits(10, 10)
+
+
+async def test_processes_sharing_an_engine_leave_the_others_their_kv() -> None:
+    engine = FakeEngine("a", capacity=1000)
+    replica = Replica(
+        engine, pool="default", weights_sha256=SHA_A, config=CONFIG, clock=FakeClock(), shared_by=2
+    )
+    engine.set_load(used=700)  # the other process's requests hold 700 tokens of the cache
+    await replica.refresh()
+    # With nothing of its own in flight a process takes any request that fits the whole cache.
+    assert replica.fits(800, 100)
+    replica.reserve("big", 800, 100)
+    assert not replica.fits(1, 0)
+    replica.release("big")
+    replica.reserve("r1", 200, 100)
+    # 1000 - 700 = 300 would leave it nothing more; its even share is 500.
+    assert replica.fits(150, 50)
+    assert not replica.fits(150, 51)
+    # The next report: 700 used, of which this process's 300: the other's part is 400.
+    await replica.refresh()
+    assert replica.fits(250, 50)
+    assert not replica.fits(250, 51)
+    with pytest.raises(ValueError, match="shared_by"):
+        Replica(engine, pool="default", weights_sha256=SHA_A, config=CONFIG, clock=FakeClock(), shared_by=0)
+
+
+class SharedEngine(FakeEngine):
+    """An engine that reports as running every sequence the gateway processes in `processes` hold."""
+
+    def __init__(self, max_running: int) -> None:
+        super().__init__("shared", capacity=100_000, max_running=max_running)
+        self.processes: list[Replica] = []
+
+    async def load(self) -> EngineLoad:
+        """The sequences every process holds, running."""
+        running = sum(p.sequences for p in self.processes)
+        return msgspec.structs.replace(self.load_value, running=running)
+
+
+async def test_two_processes_on_one_engine_settle_at_its_limit_each_keeping_its_share() -> None:
+    config = msgspec.structs.replace(CONFIG, engine_queue=0)
+    engine = SharedEngine(max_running=8)
+    a, b = (
+        Replica(engine, pool="default", weights_sha256=SHA_A, config=config, clock=FakeClock(), shared_by=2)
+        for _ in range(2)
+    )
+    engine.processes = [a, b]
+
+    def fill(process: Replica, name: str) -> int:
+        taken = 0
+        while process.fits(10, 10):
+            process.reserve(f"{name}{process.sequences}-{taken}", 10, 10)
+            taken += 1
+        return taken
+
+    for process in (a, b):
+        await process.refresh()
+    assert fill(a, "a") == 8  # alone on the engine
+    await b.refresh()
+    assert fill(b, "b") == 4  # its even share, while `a` still holds all 8: 12 until the next report
+    for process in (a, b):
+        await process.refresh()
+    assert fill(a, "a") == fill(b, "b") == 0
+    # As their requests end, neither takes more than its share back: the engine settles at its limit.
+    for process, name in ((a, "a"), (b, "b")):
+        for held in [f"{name}{i}-{i}" for i in range(process.sequences)][:5]:
+            process.release(held)
+    assert (a.sequences, b.sequences) == (3, 0)
+    assert fill(a, "a") == 1
+    assert fill(b, "b") == 4
+    assert a.sequences + b.sequences == 8
+    for process in (a, b):
+        await process.refresh()
+    assert fill(a, "a") == fill(b, "b") == 0
+
+
 async def test_grow_counts_output_past_the_reserve() -> None:
     replica = make_replica(FakeEngine("a", capacity=1000), FakeClock())
     await replica.refresh()
