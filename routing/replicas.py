@@ -22,13 +22,14 @@ Shared by several gateway processes (`lockgate serve --workers N`: `shared_by` =
 Each process holds only what it dispatched itself, so N processes that each filled the KV budget and the
 sequence limit would put N times both on the engine. A process therefore counts what the others use from
 the engine's load report: at each report, the sequences running and waiting beyond its own, and the KV
-tokens used beyond its own holding, measured when the report was asked for. It may use the whole budget
-less the others' part, and never less than an even share (budget // N), so that no process is starved by
-peers that filled the engine. Reports are up to `refresh_interval` old: processes that take load at once
-each count the others as last reported, so the engine may hold more than its budget until the next report
-shows it; from then on each takes nothing new until it is back within what it may use, and the total
-settles at the budget (tested). A process with nothing in flight there still takes any one request that
-fits the whole budget. With one process nothing of this applies (what others send to the engine is not
+tokens used beyond what its own requests hold there (their prompts and output so far, not the growth
+reserve, which the engine does not allocate ahead), both measured when the report was asked for. It may use
+the whole budget less the others' part, and never less than an even share (budget // N), so that no process
+is starved by peers that filled the engine. Reports are up to `refresh_interval` old: processes that take
+load at once each count the others as last reported, so the engine may hold more than its budget until the
+next report shows it; from then on each takes nothing new until it is back within what it may use, and the
+total settles at the budget (tested). A process with nothing in flight there still takes any one request
+that fits the whole budget. With one process nothing of this applies (what others send to the engine is not
 counted).
 
 Health. A breaker (`guard.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
@@ -300,7 +301,8 @@ class Replica:
         if probing:
             self._take_trial(_HEALTH_PROBE)
         started = self._dispatched
-        own_sequences, own_tokens = self._sequences, self._held_tokens
+        own_sequences = self._sequences
+        own_tokens = sum(h.prompt + h.output for h in self._held.values()) if self.shared_by > 1 else 0
         check_health = state == "closed" or probing
         try:
             async with asyncio.timeout(self._config.refresh_timeout):

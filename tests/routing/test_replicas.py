@@ -291,14 +291,17 @@ async def test_processes_sharing_an_engine_leave_the_others_their_kv() -> None:
     replica.reserve("big", 800, 100)
     assert not replica.fits(1, 0)
     replica.release("big")
-    replica.reserve("r1", 200, 100)
+    replica.reserve("r1", 200, 100)  # holds 300 of the budget: its prompt and a reserve of 100
     # 1000 - 700 = 300 would leave it nothing more; its even share is 500.
     assert replica.fits(150, 50)
     assert not replica.fits(150, 51)
-    # The next report: 700 used, of which this process's 300: the other's part is 400.
+    # The next report: 500 used, of which this process's prompt of 200 and 50 tokens of output (the engine
+    # allocates no reserve ahead): the other's part is 250.
+    replica.grow("r1", 50)
+    engine.set_load(used=500)
     await replica.refresh()
-    assert replica.fits(250, 50)
-    assert not replica.fits(250, 51)
+    assert replica.fits(400, 50)  # 300 held + 450 = 750 = 1000 - 250
+    assert not replica.fits(400, 51)
     with pytest.raises(ValueError, match="shared_by"):
         Replica(engine, pool="default", weights_sha256=SHA_A, config=CONFIG, clock=FakeClock(), shared_by=0)
 
