@@ -150,9 +150,10 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     op_timeout: float = 0.25
     # `redis_url` names one node of a Redis Cluster (keys of one tenant share the hash tag `{tenant}`).
     redis_cluster: bool = False
-    # Most Redis connections (and operations in flight) per gateway process; with a cluster, per node.
+    # Most Redis operations in flight per gateway process (on one server they share one pipelined
+    # connection); with a cluster, also the most connections per node.
     pool_size: int = 50
-    # Seconds an operation may wait for a free connection; past it the request gets 503 `quota_busy`. A busy
+    # Seconds an operation may wait for a free slot; past it the request gets 503 `quota_busy`. A busy
     # pool is our own load, counted as `pool_exhausted`, never taken for Redis being unreachable.
     pool_timeout: float = 1.0
     # Tries (the first included) to settle a reservation while the store fails, before it is given up.

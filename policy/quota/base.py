@@ -21,7 +21,7 @@ Exceptions::
     ├── QuotaExceededError     not now: `retry_after` seconds until it would fit
     ├── QuotaImpossibleError   never: an amount above a bucket's capacity
     ├── ReservationClosedError this reservation id was already settled (or voided): it is never granted again
-    ├── QuotaBusyError         every connection of our own pool stayed busy past its wait bound: our load,
+    ├── QuotaBusyError         every operation slot of our own stayed busy past its wait bound: our load,
     │                          not the store's health (never a fail-open / fail-closed decision)
     └── QuotaBackendError      the store is unreachable or timed out (the tenant's fail mode decides)
 """
@@ -67,7 +67,8 @@ class ReservationClosedError(QuotaError):
 
 
 class QuotaBusyError(QuotaError):
-    """No connection to the store came free within the pool's wait bound; the store itself may be healthy."""
+    """No operation slot (or connection) to the store came free within its wait bound; the store itself may be
+    healthy."""
 
 
 class QuotaBackendError(QuotaError):

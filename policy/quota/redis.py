@@ -19,11 +19,11 @@ replicates script effects, so `TIME` before writes is allowed.
 Numbers cross the Lua boundary as strings formatted with %.17g: Redis would truncate a Lua number reply to an
 integer, and Lua's own tostring keeps only 14 digits; 17 significant digits round-trip a double exactly.
 
-Connections: at most `pool_size` operations are in flight; the next waits up to `pool_timeout` for a free
-slot and then fails as QuotaBusyError (our own load), never as QuotaBackendError (Redis unreachable), and
-`op_timeout` bounds only the round trip itself, not the wait for a slot. On one server the scripts run on
-connections of the store's own (`redis_direct.py`: redis-py's connections without its client layers); a
-Cluster client routes them itself.
+Operations in flight: at most `pool_size`; the next waits up to `pool_timeout` for a free slot and then fails
+as QuotaBusyError (our own load), never as QuotaBackendError (Redis unreachable), and `op_timeout` bounds only
+the round trip itself, not the wait for a slot. On one server every script runs on one pipelined connection of
+the store's own (`redis_direct.py`: commands written as they come, replies matched in order, without
+redis-py's client layers); a Cluster client routes them itself, on up to `pool_size` connections per node.
 """
 
 from __future__ import annotations
@@ -215,7 +215,9 @@ class RedisQuotaStore:
         self._cluster = isinstance(client, redis.asyncio.RedisCluster)
         # One server: scripts run on connections of our own (redis_direct); a cluster's client routes them.
         self._direct = (
-            DirectConnections(client.connection_pool) if isinstance(client, redis.asyncio.Redis) else None
+            DirectConnections(client.connection_pool, stale_after=op_timeout / 2)
+            if isinstance(client, redis.asyncio.Redis)
+            else None
         )
         self._reserve = client.register_script(_RESERVE)
         self._reconcile = client.register_script(_RECONCILE)
@@ -233,8 +235,9 @@ class RedisQuotaStore:
         prefix: str = "lockgate:quota:",
         server_time: bool = True,
     ) -> RedisQuotaStore:
-        """A store with a client of its own: up to `pool_size` connections to one server, or a Redis Cluster
-        client (`cluster`, `url` naming any node) with up to `pool_size` per node."""
+        """A store with a client of its own: one pipelined connection to one server, or a Redis Cluster client
+        (`cluster`, `url` naming any node) with up to `pool_size` connections per node; at most `pool_size`
+        operations in flight either way."""
         # No socket_timeout: `_run` bounds each whole round trip by op_timeout already, and with one redis-py
         # sends every command from a task of its own (`asyncio.wait_for` on Python 3.11) and arms a timer per
         # reply read. A round trip cut off by `_run` disconnects its connection, as a socket timeout would.
@@ -247,8 +250,8 @@ class RedisQuotaStore:
                 socket_connect_timeout=op_timeout,
             )
         else:
-            # The pool only makes the connections (its settings: URL, credentials, timeouts): the store
-            # keeps them itself (redis_direct), bounded by its slots, and resends after a restart there.
+            # The pool only makes the connection (its settings: URL, credentials, timeouts): the store keeps
+            # it itself (redis_direct), and opens another after a restart.
             pool = redis.asyncio.ConnectionPool.from_url(
                 url, socket_timeout=None, socket_connect_timeout=op_timeout
             )
@@ -293,7 +296,7 @@ class RedisQuotaStore:
                     await slots.acquire()
             except TimeoutError:
                 raise QuotaBusyError(
-                    f"no Redis connection came free within {self._pool_timeout:g} s"
+                    f"no Redis operation slot came free within {self._pool_timeout:g} s"
                 ) from None
         try:
             async with asyncio.timeout(self._op_timeout):
@@ -355,22 +358,17 @@ class RedisQuotaStore:
         return tuple(float(x) for x in await self._run(self._levels, [self._key(b) for b in buckets], args))
 
     async def warm(self) -> int:
-        """Open the connections now, up to `pool_size`, so that a jump in load does not open them on the
-        event loop while requests wait (each costs about a millisecond of the loop's CPU: handshake and
-        client set-up). Best effort: a Redis that is down is the meter's outage to handle, not start-up's.
-        How many are open; a Cluster client (one pool per node, found as keys are used) opens none."""
-        if self._direct is None or self._pool_size == 0:
+        """Open the connection now, so that the first requests do not wait while it is set up on the event
+        loop (about a millisecond of the loop's CPU: handshake and client set-up). Best effort: a Redis that
+        is down is the meter's outage to handle, not start-up's. How many are open (0 or 1); a Cluster
+        client (one pool per node, found as keys are used) opens none."""
+        if self._direct is None:
             return 0
         try:
             async with asyncio.timeout(self._op_timeout * 4):
-                await self._direct.open(self._pool_size)
+                await self._direct.open()
         except (TimeoutError, *_BACKEND_ERRORS) as exc:
-            log.warning(
-                "quota store: %d of %d Redis connections opened at start: %r",
-                len(self._direct),
-                self._pool_size,
-                exc,
-            )
+            log.warning("quota store: the Redis connection did not open at start: %r", exc)
         return len(self._direct)
 
     async def close(self) -> None:

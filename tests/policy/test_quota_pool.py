@@ -1,6 +1,6 @@
 """The Redis quota store under load and skew: a small pool at saturation meters every request exactly, a pool
 that stays busy is its own condition (never "unreachable"), bucket time is the Redis server's, and the pool's
-connections are opened at start.
+connection is opened at start.
 Needs Redis on 127.0.0.1:6379 (fails, never skips, without it)."""
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ async def test_with_client_time_the_same_skew_would_mint_tokens(prefix: str) -> 
         await store.close()
 
 
-async def test_warming_opens_the_pool_so_a_burst_opens_no_connection(prefix: str) -> None:
+async def test_warming_opens_the_connection_so_a_burst_opens_none(prefix: str) -> None:
     pool = redis.asyncio.BlockingConnectionPool.from_url(REDIS_URL, max_connections=5)
     store = RedisQuotaStore(redis.asyncio.Redis.from_pool(pool), pool_size=5, prefix=prefix)
     try:
-        assert await store.warm() == 5
+        assert await store.warm() == 1
         opened = []
         make = pool.make_connection
 
@@ -145,7 +145,7 @@ async def test_warming_opens_the_pool_so_a_burst_opens_no_connection(prefix: str
         pool.make_connection = counted  # type: ignore[method-assign]
         spec = [BucketSpec(key="burst", capacity=100.0, rate=1.0)]
         await asyncio.gather(*(store.reserve(spec, [1.0], time.time()) for _ in range(5)))
-        assert opened == []  # five at once, on the five connections opened at start
+        assert opened == []  # five at once, on the one connection opened at start
     finally:
         await store.close()
 
