@@ -184,12 +184,10 @@ class DirectConnections:
             raise
 
     async def _fresh(self) -> _Pipe:
-        """A new connection, opened once for every caller that asks while it opens (or the one another caller
-        opened since this one's failed)."""
+        """A new connection, opened once for every caller that asks while it opens (those a lost connection
+        failed wake together, before the new one is open)."""
         if self._closed:
             raise redis.exceptions.ConnectionError("the quota store is closed")
-        if self._pipe is not None and not self._pipe.lost:
-            return self._pipe
         opening = self._opening
         if opening is None or opening.done():
             opening = self._opening = asyncio.get_running_loop().create_task(self._connect())
