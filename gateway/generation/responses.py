@@ -37,6 +37,20 @@ def sse(payload: msgspec.Struct) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
+# Where a chunk's text goes: a text no id or model name is expected to hold (one that does has its chunks
+# encoded whole).
+_MARK = "\x00lockgate\x00"
+_MARK_JSON = _encoder.encode(_MARK)
+
+
+def _around(chunk: bytes) -> tuple[bytes, bytes] | None:
+    """The bytes of `chunk` before and after the marker text; None where it is not found exactly once."""
+    if chunk.count(_MARK_JSON) != 1:
+        return None
+    before, _, after = chunk.partition(_MARK_JSON)
+    return before, after
+
+
 def usage_info(usage: Usage) -> UsageInfo:
     """OpenAI `usage` from engine usage."""
     return UsageInfo(
@@ -96,6 +110,8 @@ class Formatter:
         self._offsets: dict[int, int] = {}
         self._calls: dict[int, CallStream] = {}
         self._ended: set[int] = set()
+        # Per choice: a plain content chunk's bytes around its text (chat without logprobs or tools).
+        self._content: dict[int, tuple[bytes, bytes] | None] = {}
 
     # ---- streaming ----
 
@@ -106,6 +122,18 @@ class Formatter:
         return sse(
             ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice])
         )
+
+    def _content_chunk(self, index: int, text: str, logprobs: ChatLogprobs | None) -> bytes:
+        """A chat chunk carrying `text`: with no logprobs, the choice's chunk bytes around the text's JSON
+        (the same bytes as encoding the chunk, without building and encoding three Structs per token)."""
+        if logprobs is not None:
+            return self._chat_chunk(index, ChatDelta(content=text), logprobs=logprobs)
+        if index not in self._content:
+            self._content[index] = _around(self._chat_chunk(index, ChatDelta(content=_MARK)))
+        around = self._content[index]
+        if around is None:
+            return self._chat_chunk(index, ChatDelta(content=text))
+        return around[0] + _encoder.encode(text) + around[1]
 
     def _completion_chunk(self, choice: CompletionChoice) -> bytes:
         return sse(Completion(id=self._id, created=self._created, model=self._model, choices=[choice]))
@@ -147,11 +175,7 @@ class Formatter:
         logprobs = _chat_logprobs(entries) if self._plan.logprobs else None
         calls = self._call_stream(index)
         if calls is None:
-            out = (
-                [self._chat_chunk(index, ChatDelta(content=delta.text), logprobs=logprobs)]
-                if delta.text
-                else []
-            )
+            out = [self._content_chunk(index, delta.text, logprobs)] if delta.text else []
             if finish is not None:
                 out.append(self._chat_chunk(index, ChatDelta(), finish))
             return out
