@@ -38,7 +38,6 @@ from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
 from gateway.overload import LoopLagMonitor, OverloadGate
-from gateway.requestid import request_id_middleware
 from gateway.routes import ROUTES
 from gateway.security import provide_principal
 from gateway.service import Services
@@ -547,14 +546,13 @@ def create_app(
         logging_config=LoggingConfig(configure_root_logger=False),
     )
     # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
-    # (unknown route, wrong method), and those responses need an `x-request-id` too.
+    # (unknown route, wrong method), and those responses need an `x-request-id` too (the observe middleware
+    # sets it, and the gate on its refusals).
     # Shedding in front of everything else: a shed request costs no routing, parsing or auth.
     # Each request that passes the door timed from its arrival (shed ones cost nothing more and are counted by
-    # the gate: lockgate:shed_requests_total), with the id the outer middleware gave it.
+    # the gate: lockgate:shed_requests_total), under its request id.
     # The generation routes skip Litestar's request cycle (gateway/fastpath.py), inside the observe
     # middleware.
-    app.asgi_handler = request_id_middleware(
-        overload.wrap(observe_middleware(fast_generation(app, app.asgi_handler), observer))
-    )
+    app.asgi_handler = overload.wrap(observe_middleware(fast_generation(app, app.asgi_handler), observer))
     app.state.overload = overload
     return app

@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import HTTPResponseStartEvent, Scope
 
 HEADER = "x-request-id"
 _NAME = HEADER.encode()
@@ -37,35 +36,32 @@ def _inbound(scope: Scope) -> str | None:
 
 
 def request_id_in(scope: Scope) -> str:
-    """The id the middleware gave the request of this scope ("" when it gave none)."""
+    """The id `assign_request_id` gave the request of this scope ("" when it gave none)."""
     value = scope.get("state", {}).get(_STATE_KEY)
     return value if isinstance(value, str) else ""
 
 
 def request_id_of(scope: Scope) -> str:
-    """The id the middleware gave the request of this scope, else a new one."""
+    """The id `assign_request_id` gave the request of this scope, else a new one."""
     return request_id_in(scope) or new_request_id()
 
 
-def request_id_middleware(app: ASGIApp) -> ASGIApp:
-    """Give each HTTP request an id and add it to the response headers (errors included)."""
+def assign_request_id(scope: Scope) -> str:
+    """Give the request of this scope its id (the client's valid one, else a new one), kept in its state;
+    the same id on a second call."""
+    state = scope.setdefault("state", {})
+    request_id = state.get(_STATE_KEY)
+    if not isinstance(request_id, str):
+        request_id = state[_STATE_KEY] = _inbound(scope) or new_request_id()
+    return request_id
 
-    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != ScopeType.HTTP:
-            await app(scope, receive, send)
-            return
-        request_id = _inbound(scope) or new_request_id()
-        scope.setdefault("state", {})[_STATE_KEY] = request_id
-        header = (_NAME, request_id.encode())
 
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                # Set, not added: one the app wrote itself is replaced.
-                headers = [h for h in message.get("headers", ()) if h[0].lower() != _NAME]
-                headers.append(header)
-                message["headers"] = headers
-            await send(message)
+def stamp(message: HTTPResponseStartEvent, request_id: str) -> None:
+    """Set `x-request-id` on a response's start message, after the app's headers (set, not added: one the
+    app wrote itself is replaced).
 
-        await app(scope, receive, send_with_id)
-
-    return middleware
+    Responses are stamped where they leave the app (the observe middleware's send, and the overload gate's
+    refusals), not by a send wrapper of their own: each message of a response passes one wrapper fewer."""
+    headers = [h for h in message.get("headers", ()) if h[0].lower() != _NAME]
+    headers.append((_NAME, request_id.encode()))
+    message["headers"] = headers

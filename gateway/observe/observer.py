@@ -23,7 +23,7 @@ from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
 from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
 from gateway.observe.trace import inbound_trace
-from gateway.requestid import request_id_in
+from gateway.requestid import assign_request_id, stamp
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from gateway.observe.tracing import Tracer
@@ -52,7 +52,7 @@ class RequestObserver:
             self.clock,
             trace_id=trace_id,
             parent_span_id=parent,
-            request_id=request_id_in(scope),
+            request_id=assign_request_id(scope),
             method=str(scope.get("method", "")),
             on_end=self.finish,
         )
@@ -81,7 +81,8 @@ class RequestObserver:
 
 
 def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
-    """Time every HTTP request from arrival, count active streams, and end its timeline with its status."""
+    """Time every HTTP request from arrival, count active streams, end its timeline with its status, and set
+    its `x-request-id` on the response."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -94,6 +95,7 @@ def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
         async def send_observed(message: Message) -> None:
             nonlocal status, streaming
             if message["type"] == "http.response.start":
+                stamp(message, timeline.request_id)
                 status = message["status"]
                 if timeline.stream and status == 200:
                     streaming = True

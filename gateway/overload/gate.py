@@ -8,13 +8,14 @@ from typing import Literal
 
 import msgspec
 from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, HTTPResponseStartEvent, Message, Receive, Scope, Send
 
 from gateway.errors import ErrorBody, ErrorResponse
 from gateway.overload.config import OverloadConfig
 from gateway.overload.cpu import CpuShedder
 from gateway.overload.lag import LoopLagMonitor
 from gateway.overload.limit import ConcurrencyLimit
+from gateway.requestid import assign_request_id, stamp
 
 ShedReason = Literal["concurrency", "cpu", "in_flight", "loop_lag"]
 SHED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -85,7 +86,7 @@ class OverloadGate:
             reason = self.refusal()
             if reason is not None:
                 self.shed[reason] += 1
-                await self._refuse(reason, send)
+                await self._refuse(reason, scope, send)
                 return
             if self.limit is None:
                 await self._held(app, scope, receive, send)
@@ -103,9 +104,11 @@ class OverloadGate:
         finally:
             self.in_flight -= 1
 
-    async def _refuse(self, reason: ShedReason, send: Send) -> None:
+    async def _refuse(self, reason: ShedReason, scope: Scope, send: Send) -> None:
         headers, body = self._refusals[reason]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        start: HTTPResponseStartEvent = {"type": "http.response.start", "status": 503, "headers": headers}
+        stamp(start, assign_request_id(scope))
+        await send(start)
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
