@@ -137,11 +137,7 @@ class Scheduler:
         DeadlineExpiredError. Cancelled while waiting, the ticket leaves the queue; a lease granted in the
         same instant is released.
         """
-        serving = [
-            r
-            for r in self.replicas
-            if r.weights_sha256 == route.weights_sha256 and (route.pool is None or r.pool == route.pool)
-        ]
+        serving = self._serving(route)
         if serving and not any(r.routable for r in serving):
             # What the last refresh saw may be stale (an engine that has just restarted): ask again now.
             await asyncio.gather(*(r.refresh() for r in serving), return_exceptions=True)
@@ -174,6 +170,23 @@ class Scheduler:
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()
             raise
+
+    def admit_now(self, ticket: Ticket, route: RouteRequest) -> Lease | None:
+        """`admit`'s answer when it needs no wait: the lease of a ticket that nothing of its weights is
+        queued ahead of and that a routable replica has room for now. None: `admit` it (it may wait, look
+        at the replicas again, or refuse it). A caller that must race the wait against something (a client
+        leaving) pays for the race only when there is a wait."""
+        queue = self._queues.get(route.weights_sha256)
+        if (queue is not None and len(queue)) or not any(r.routable for r in self._serving(route)):
+            return None
+        return self._start(self.queue(route.weights_sha256), ticket, route)
+
+    def _serving(self, route: RouteRequest) -> list[Replica]:
+        return [
+            r
+            for r in self.replicas
+            if r.weights_sha256 == route.weights_sha256 and (route.pool is None or r.pool == route.pool)
+        ]
 
     def _start(self, queue: FairQueue, ticket: Ticket, route: RouteRequest) -> Lease | None:
         """The lease of a ticket that nothing of its weights is queued ahead of, when a replica has room for

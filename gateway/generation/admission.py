@@ -20,9 +20,11 @@ import math
 from collections.abc import AsyncGenerator
 
 import msgspec
+from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineRequest
 from gateway.errors import APIError, InvalidRequestError
+from gateway.generation.flow import race_disconnect
 from gateway.generation.planning import Plan
 from gateway.inbound import Inbound
 from gateway.service import Services
@@ -119,8 +121,10 @@ async def admit(
     klass: Klass,
     wait: float,
     session: str | None,
+    receive: Receive,
 ) -> Lease:
-    """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens)."""
+    """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens); raises
+    ClientDisconnectedError if the client leaves (`receive`) meanwhile."""
     now = services.clock()
     tenant = principal.tenant
     reserve = req.n * req.sampling.max_tokens
@@ -144,8 +148,13 @@ async def admit(
         pool=plan.model.spec.engine_pool,
         sequences=req.n,
     )
+    scheduler = services.scheduler
     try:
-        return await services.scheduler.admit(ticket, route)
+        lease = scheduler.admit_now(ticket, route)
+        if lease is not None:
+            return lease
+        # Only a wait races the client leaving (a watcher task per race).
+        return await race_disconnect(scheduler.admit(ticket, route), receive)
     except (AdmissionError, RoutingError) as exc:
         raise admission_api_error(exc) from exc
 

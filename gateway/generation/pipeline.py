@@ -306,10 +306,8 @@ async def _run(
     # Admission: wait (bounded by the queue deadline) for a replica with room; the client may leave meanwhile.
     start = timeline.now()
     try:
-        lease = await race_disconnect(
-            admit(services, plan, req, principal, klass, wait, session_of(request, plan.user, principal)),
-            request.receive,
-        )
+        session = session_of(request, plan.user, principal)
+        lease = await admit(services, plan, req, principal, klass, wait, session, request.receive)
     except ClientDisconnectedError:
         timeline.phase("queue", start)
         _refund(services, charge)

@@ -7,6 +7,7 @@ order, the deadlines and the bounds of the admission queue show in what clients 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -193,6 +194,30 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504(
         assert await refusals() == [("admission", "refuse", "deadline_expired")]
         assert (await running).status_code == 200
         assert gw.services.scheduler.depth() == 0
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue_and_reaches_no_engine(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
+        running = asyncio.create_task(gw.chat(gw.acme, max_tokens=MAX_TOKENS))
+        await eventually(lambda: _in_flight(gw.services, 1))
+        leaving = asyncio.create_task(gw.chat(gw.acme))
+        await gw.queued(1)
+        leaving.cancel()  # the client closes its connection while its request waits for a replica
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaving
+        await eventually(lambda: _true(gw.services.scheduler.depth() == 0))
+
+        async def left() -> bool:
+            return any(o.status == "cancelled" for o in outcomes.items)
+
+        await eventually(left)
+        [cancelled] = [o for o in outcomes.items if o.status != "completed"]
+        # Refunded whole, as a request that never reached an engine (one that ran counts its prompt).
+        assert (cancelled.usage.prompt_tokens, cancelled.usage.completion_tokens) == (0, 0)
+        assert (await running).status_code == 200
+        assert await _in_flight(gw.services, 0)
 
 
 async def test_an_unmeetable_deadline_is_refused_at_once(

@@ -106,6 +106,27 @@ async def test_admit_returns_a_lease_at_once_when_there_is_room() -> None:
     assert replicas[0].held_tokens == 0
 
 
+async def test_admit_now_grants_only_what_needs_no_wait() -> None:
+    scheduler, replicas, _, clock = build(200)
+    lease = scheduler.admit_now(ticket("r1", clock), route("r1"))
+    assert lease is not None
+    assert (lease.replica, lease.queue_wait) == (replicas[0], 0.0)
+    held = replicas[0].held_tokens
+    # Too large for the room left: not granted, and nothing queued or reserved (admit decides).
+    assert scheduler.admit_now(ticket("r2", clock, prompt=100), route("r2", prompt=100)) is None
+    assert (scheduler.depth(), replicas[0].held_tokens) == (0, held)
+    big = asyncio.create_task(scheduler.admit(ticket("r2", clock, prompt=100), route("r2", prompt=100)))
+    await settle()
+    # Small enough for the room left, but a ticket waits ahead of it.
+    assert scheduler.admit_now(ticket("r3", clock, prompt=1), route("r3", prompt=1)) is None
+    # No replica serves these weights: admit refuses it, admit_now leaves it to admit.
+    assert scheduler.admit_now(ticket("r4", clock), route("r4", sha="c" * 64)) is None
+    assert replicas[0].held_tokens == held
+    lease.release()
+    (await big).release()
+    assert (scheduler.depth(), replicas[0].held_tokens) == (0, 0)
+
+
 async def test_a_ticket_is_queued_behind_a_waiting_one_even_when_it_would_fit() -> None:
     # r2 needs the whole replica and waits; r3 is small enough for the room left but must not overtake.
     scheduler, replicas, _, clock = build(200)
