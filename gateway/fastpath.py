@@ -35,6 +35,7 @@ from litestar.types import (
 
 from gateway.decoding import body_limit, read_limited
 from gateway.errors import exception_handlers
+from gateway.generation.flow import close_client_watch
 from gateway.generation.pipeline import run_chat, run_completion
 from gateway.inbound import AsgiInbound, Inbound
 from gateway.security import allow, principal_of
@@ -83,24 +84,29 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
         return routes[path]
 
     async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
-        kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == ScopeType.HTTP else None
-        if kind is None or scope.get("method") != "POST" or scope.get("root_path"):
-            await inner(scope, receive, send)
-            return
-        handler, template, limit = route(scope["path"])
-        # What Litestar's request object, built only for an error or a stream, reads of the scope.
-        scope["route_handler"] = handler
-        scope["path_template"] = template
-        scope.setdefault("path_params", {})
-        inbound = AsgiInbound(scope, receive)
-        services: Services = app.state.services
         try:
-            principal = await principal_of(inbound, services)
-            response = await generate(kind, services, inbound, principal, limit)
-        except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
-            response = _handler_for(handlers, exc)(Request(scope, receive, send), exc)
-        if not await send_encoded(response, send):
-            await response.to_asgi_response(None, Request(scope, receive, send))(scope, receive, send)
+            kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == ScopeType.HTTP else None
+            if kind is None or scope.get("method") != "POST" or scope.get("root_path"):
+                await inner(scope, receive, send)
+                return
+            handler, template, limit = route(scope["path"])
+            # What Litestar's request object, built only for an error or a stream, reads of the scope.
+            scope["route_handler"] = handler
+            scope["path_template"] = template
+            scope.setdefault("path_params", {})
+            inbound = AsgiInbound(scope, receive)
+            services: Services = app.state.services
+            try:
+                principal = await principal_of(inbound, services)
+                response = await generate(kind, services, inbound, principal, limit)
+            except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
+                response = _handler_for(handlers, exc)(Request(scope, receive, send), exc)
+            if not await send_encoded(response, send):
+                await response.to_asgi_response(None, Request(scope, receive, send))(scope, receive, send)
+        finally:
+            # The response has been sent (or never will be): the request's client is watched no more (the
+            # generation routes' Litestar handlers watch it too, `ClientWatch`).
+            close_client_watch(scope)
 
     return asgi
 

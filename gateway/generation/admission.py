@@ -20,11 +20,10 @@ import math
 from collections.abc import AsyncGenerator
 
 import msgspec
-from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineRequest
 from gateway.errors import APIError, InvalidRequestError
-from gateway.generation.flow import race_disconnect
+from gateway.generation.flow import ClientWatch
 from gateway.generation.planning import Plan
 from gateway.inbound import Inbound
 from gateway.service import Services
@@ -121,10 +120,10 @@ async def admit(
     klass: Klass,
     wait: float,
     session: str | None,
-    receive: Receive,
+    watch: ClientWatch,
 ) -> Lease:
     """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens); raises
-    ClientDisconnectedError if the client leaves (`receive`) meanwhile."""
+    ClientDisconnectedError if the client leaves (`watch`) meanwhile."""
     now = services.clock()
     tenant = principal.tenant
     reserve = req.n * req.sampling.max_tokens
@@ -153,8 +152,8 @@ async def admit(
         lease = scheduler.admit_now(ticket, route)
         if lease is not None:
             return lease
-        # Only a wait races the client leaving (a watcher task per race).
-        return await race_disconnect(scheduler.admit(ticket, route), receive)
+        # Only a wait races the client leaving (which starts the request's watcher task).
+        return await watch.race(scheduler.admit(ticket, route))
     except (AdmissionError, RoutingError) as exc:
         raise admission_api_error(exc) from exc
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-from litestar.types import Receive
+from litestar.types import Receive, Scope
 
 from engines.base import EngineDelta
 from gateway.generation.tracking import RequestTracker
@@ -245,47 +246,90 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Await `work` unless the client disconnects first; then cancel it and raise ClientDisconnectedError.
-
-    `work` runs in the calling task (no task of its own): one watcher task reads `receive`, and a disconnect
-    cancels the caller while it is still inside `work`. A cancellation from elsewhere (shutdown) still
-    propagates as such.
-    """
-    caller = asyncio.current_task()
-    assert caller is not None, "race_disconnect runs in a task"
-    race = _Race(caller)
-    watch = asyncio.get_running_loop().create_task(_until_disconnected(receive))
-    watch.add_done_callback(race.watched)
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if race.disconnected and caller.uncancel() == 0:
-            raise ClientDisconnectedError from None
-        raise
-    finally:
-        race.running = False
-        watch.cancel()
-    if race.disconnected:  # `work` swallowed the cancellation and finished anyway
-        caller.uncancel()
-        raise ClientDisconnectedError
-    return result
+_WATCH_KEY = "lockgate_client_watch"
 
 
-class _Race:
-    """One `race_disconnect`: cancels the caller when the watcher sees the client leave while `work` runs."""
+class ClientWatch:
+    """Whether one request's client has left: one watcher task reading `receive` for the whole request
+    (started by the first `race`, ended by `close`), however many waits race it (admission, the engine,
+    the stream's first delta, the stream's body)."""
 
-    __slots__ = ("caller", "disconnected", "running")
+    __slots__ = ("_cut", "_racer", "_receive", "_task", "gone")
 
-    def __init__(self, caller: asyncio.Task[Any]) -> None:
-        self.caller = caller
-        self.running = True
-        self.disconnected = False
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        # The task inside `race` now, and whether the watcher cancelled it.
+        self._racer: asyncio.Task[Any] | None = None
+        self._cut = False
+        self.gone = False
 
-    def watched(self, watch: asyncio.Task[None]) -> None:
-        if watch.cancelled():
+    async def race(self, work: Awaitable[T]) -> T:
+        """Await `work` unless the client leaves first; then cancel it and raise ClientDisconnectedError.
+
+        `work` runs in the calling task (no task of its own); a client that left before is reported at once
+        (`work` is not run). A cancellation from elsewhere (shutdown) still propagates as such.
+        """
+        caller = asyncio.current_task()
+        assert caller is not None, "a race runs in a task"
+        assert self._racer is None, "races of one request do not nest"
+        if self.gone:
+            if inspect.iscoroutine(work):
+                work.close()
+            raise ClientDisconnectedError
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(_until_disconnected(self._receive))
+            self._task.add_done_callback(self._watched)
+        self._racer, self._cut = caller, False
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if self._cut and caller.uncancel() == 0:
+                raise ClientDisconnectedError from None
+            raise
+        finally:
+            self._racer = None
+        if self._cut:  # `work` swallowed the cancellation and finished anyway
+            caller.uncancel()
+            raise ClientDisconnectedError
+        return result
+
+    def _watched(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
             return
-        watch.exception()  # retrieved: a `receive` that fails counts as the client gone, as a disconnect
-        if self.running:
-            self.disconnected = True
-            self.caller.cancel()
+        task.exception()  # retrieved: a `receive` that fails counts as the client gone, as a disconnect
+        self.gone = True
+        if self._racer is not None:
+            self._cut = True
+            self._racer.cancel()
+
+    def close(self) -> None:
+        """The request is over: stop watching."""
+        if self._task is not None:
+            self._task.cancel()
+
+
+def client_watch(scope: Scope, receive: Receive) -> ClientWatch:
+    """The watch of the request of this scope (made at the first call; `close_client_watch` ends it)."""
+    state = scope.setdefault("state", {})
+    watch = state.get(_WATCH_KEY)
+    if watch is None:
+        watch = state[_WATCH_KEY] = ClientWatch(receive)
+    assert isinstance(watch, ClientWatch)
+    return watch
+
+
+def close_client_watch(scope: Scope) -> None:
+    """End the watch of the request of this scope, if it has one (its response has been sent)."""
+    watch = scope.get("state", {}).get(_WATCH_KEY)
+    if watch is not None:
+        watch.close()
+
+
+async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Await `work` unless the client disconnects first (`ClientWatch.race`), with a watch of its own."""
+    watch = ClientWatch(receive)
+    try:
+        return await watch.race(work)
+    finally:
+        watch.close()

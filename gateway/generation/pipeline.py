@@ -52,7 +52,7 @@ from gateway.generation.admission import (
     session_of,
 )
 from gateway.generation.audit import record_refusal
-from gateway.generation.flow import ClientDisconnectedError, Transform, collect, pump, race_disconnect
+from gateway.generation.flow import ClientDisconnectedError, Transform, client_watch, collect, pump
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, plan_chat, plan_completion
 from gateway.generation.responses import Formatter, sse
@@ -304,10 +304,12 @@ async def _run(
         _refund(services, charge)
         raise guard_api_error(decision, headers)
     # Admission: wait (bounded by the queue deadline) for a replica with room; the client may leave meanwhile.
+    # The client may leave while the request waits (admission, the engine, the first delta, the stream).
+    watch = client_watch(request.scope, request.receive)
     start = timeline.now()
     try:
         session = session_of(request, plan.user, principal)
-        lease = await admit(services, plan, req, principal, klass, wait, session, request.receive)
+        lease = await admit(services, plan, req, principal, klass, wait, session, watch)
     except ClientDisconnectedError:
         timeline.phase("queue", start)
         _refund(services, charge)
@@ -351,7 +353,7 @@ async def _run(
         if not plan.stream:
             transform = output.transform(whole=True) if output else None
             try:
-                deltas = await race_disconnect(collect(source, tracker, transform), request.receive)
+                deltas = await watch.race(collect(source, tracker, transform))
                 filtered = False
             except OutputBlocked as blocked:
                 deltas, filtered = [], True
@@ -373,7 +375,7 @@ async def _run(
         # Wait for the first released delta before answering: an engine refusal is still an HTTP error.
         first: EngineDelta | OutputBlocked[GuardDecision]
         try:
-            first = await race_disconnect(anext(stream), request.receive)
+            first = await watch.race(anext(stream))
             timeline.released()
         except OutputBlocked as blocked:
             first = blocked
@@ -399,6 +401,7 @@ async def _run(
         raise
     return SSEResponse(
         _events(formatter, first, stream, tracker),
+        watch=watch,
         stall_timeout=services.config.server.stream_stall_timeout,
         on_stall=tracker.mark_stalled,
         headers=headers,

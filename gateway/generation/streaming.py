@@ -3,7 +3,7 @@
 `SSEResponse` sends the chunks; when one `send` cannot complete within the stall timeout because the client
 stopped reading (the server's write buffer stays full), it stops sending, closes the stream (which aborts the
 engine request) and ends the response, so the server closes the connection. A client that disconnects cancels
-the same way, through `race_disconnect`.
+the same way, through the request's `ClientWatch`.
 """
 
 from __future__ import annotations
@@ -18,20 +18,23 @@ from litestar.enums import MediaType
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from gateway.generation.flow import ClientDisconnectedError, race_disconnect
+from gateway.generation.flow import ClientDisconnectedError, ClientWatch
 
 
 class _StallGuardedResponse(ASGIStreamingResponse):
-    """Litestar's streaming response, with a time limit on each send, sent in the request's own task: one
-    watcher task for a disconnect (`race_disconnect`) and one timer for stalls (`_StallWatch`) per stream,
+    """Litestar's streaming response, with a time limit on each send, sent in the request's own task: the
+    request's watcher of a disconnect (`ClientWatch`) and one timer for stalls (`_StallWatch`) per stream,
     instead of an anyio task group and a timeout per chunk."""
 
-    __slots__ = ("on_stall", "stall_timeout")
+    __slots__ = ("on_stall", "stall_timeout", "watch")
 
-    def __init__(self, *, stall_timeout: float, on_stall: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(
+        self, *, stall_timeout: float, on_stall: Callable[[], None], watch: ClientWatch, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
+        self.watch = watch
 
     async def _guarded_stream(self, send: Send) -> None:
         iterator = self.iterator
@@ -56,7 +59,7 @@ class _StallGuardedResponse(ASGIStreamingResponse):
     async def send_body(self, send: Send, receive: Receive) -> None:
         """Stream the body until it ends, the client disconnects, or the client stops reading."""
         with contextlib.suppress(ClientDisconnectedError):
-            await race_disconnect(self._guarded_stream(send), receive)
+            await self.watch.race(self._guarded_stream(send))
 
 
 class _StallWatch:
@@ -100,12 +103,15 @@ class SSEResponse(Response[AsyncIterator[bytes]]):
         *,
         stall_timeout: float,
         on_stall: Callable[[], None],
+        watch: ClientWatch,
         headers: dict[str, str] | None = None,
     ) -> None:
+        """`watch`: the request's (whose client leaving ends the stream)."""
         super().__init__(content=content, media_type=MediaType.TEXT, headers=headers)
         self.media_type = "text/event-stream"
         self._stall_timeout = stall_timeout
         self._on_stall = on_stall
+        self._watch = watch
 
     def to_asgi_response(
         self, app: Any, request: Request[Any, Any, Any], **kwargs: Any
@@ -115,6 +121,7 @@ class SSEResponse(Response[AsyncIterator[bytes]]):
         return _StallGuardedResponse(
             stall_timeout=self._stall_timeout,
             on_stall=self._on_stall,
+            watch=self._watch,
             iterator=self.content,
             content_length=0,
             headers={**extra, **self.headers, "cache-control": "no-cache", "x-accel-buffering": "no"},

@@ -5,12 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, cast
 
 import pytest
 
 from engines.base import EngineDelta, EngineRequest, SamplingSpec
 from engines.simulated import SimulatedEngine
-from gateway.generation.flow import ClientDisconnectedError, TaskSet, collect, pump, race_disconnect
+from gateway.generation.flow import (
+    ClientDisconnectedError,
+    TaskSet,
+    client_watch,
+    close_client_watch,
+    collect,
+    pump,
+    race_disconnect,
+)
 from gateway.generation.tracking import Outcome, RequestTracker
 from tests.conftest import eventually
 
@@ -215,6 +224,62 @@ async def test_a_disconnect_after_the_work_finished_cancels_nothing() -> None:
         return result
 
     assert await caller() == "done"
+
+
+async def test_one_watch_serves_every_wait_of_a_request_and_ends_with_it() -> None:
+    left = asyncio.Event()
+    reads = 0
+
+    async def receive() -> Any:
+        nonlocal reads
+        reads += 1
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope: Any = {"type": "http", "state": {}}
+    watch = client_watch(scope, receive)
+    assert client_watch(scope, receive) is watch
+    assert await watch.race(asyncio.sleep(0, "admitted")) == "admitted"
+    assert await watch.race(asyncio.sleep(0, "first delta")) == "first delta"
+    assert reads == 1  # one watcher for both waits, still reading
+    waiting = asyncio.create_task(watch.race(asyncio.Event().wait()))
+    await asyncio.sleep(0)
+    left.set()
+    with pytest.raises(ClientDisconnectedError):
+        await waiting
+    # Gone between waits: the next one is refused at once, its work never started.
+    started = False
+
+    async def work() -> None:
+        nonlocal started
+        started = True
+
+    with pytest.raises(ClientDisconnectedError):
+        await watch.race(work())
+    assert not started
+    assert reads == 1
+
+
+async def test_closing_a_watch_stops_its_watcher_and_cancels_nobody() -> None:
+    stays = asyncio.Event()
+    read = asyncio.Event()
+
+    async def receive() -> Any:
+        read.set()
+        await stays.wait()
+        return {"type": "http.disconnect"}
+
+    scope: Any = {"type": "http", "state": {}}
+    watch = client_watch(scope, receive)
+    assert await watch.race(asyncio.sleep(0, 1)) == 1
+    await read.wait()
+    [watcher] = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    close_client_watch(scope)
+    close_client_watch(cast(Any, {"type": "http"}))  # a request that never watched its client: nothing to end
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert watcher.cancelled()
+    assert not watch.gone
 
 
 @pytest.mark.parametrize("maxsize", [0, 3])
