@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -177,14 +178,20 @@ class Services:
 
     def settle_on_outcome(self, charge: Charge, release: Callable[[], None] | None = None) -> OutcomeSink:
         """The sink for one request: free its engine capacity (`release`), report the outcome, then settle
-        its quota with the usage it had."""
+        its quota with the usage it had; in the event loop's next pass, so that what the request still has
+        to send (a whole answer's body, a stream's last events) leaves first: the client does not wait for
+        the bookkeeping. Nothing else can run before it: a request that arrives meanwhile is read in a later
+        pass, after it."""
 
-        def sink(outcome: Outcome) -> None:
+        def settle(outcome: Outcome) -> None:
             if release is not None:
                 release()
             self.sink(outcome)
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
             # The meter's own task, not the request TaskSet: shutdown cancels those, and drains these.
             self.meter.settle_later(charge, used)
+
+        def sink(outcome: Outcome) -> None:
+            asyncio.get_running_loop().call_soon(settle, outcome)
 
         return sink
