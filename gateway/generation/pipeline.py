@@ -414,26 +414,24 @@ async def _events(
     rest: AsyncGenerator[EngineDelta, None],
     tracker: RequestTracker,
 ) -> AsyncIterator[bytes]:
+    """The stream's SSE events. Those ready at one moment leave in one write: the opening with the first
+    delta's, each delta's (a last token and its finish), the closing ones (usage and `[DONE]`)."""
     async with contextlib.aclosing(rest):
-        for event in formatter.opening():
-            yield event
+        pending = formatter.opening()  # ready, not yet sent
         try:
             if isinstance(first, OutputBlocked):
                 raise first
-            for event in formatter.chunk(first):
-                yield event
+            if ready := b"".join([*pending, *formatter.chunk(first)]):
+                yield ready
+            pending = []
             async for delta in rest:
-                for event in formatter.chunk(delta):
-                    yield event
+                if events := formatter.chunk(delta):
+                    yield b"".join(events)
+            pending += formatter.closing(tracker.usage())
         except OutputBlocked as blocked:
             # Nothing of the blocked text was released; say why the stream ends, as OpenAI's filters do.
-            for event in formatter.filtered():
-                yield event
-            yield sse(_output_error(blocked.decision).body())
-            return
+            pending += [*formatter.filtered(), sse(_output_error(blocked.decision).body())]
         except EngineError as exc:
             # The status line is long gone: report the error in the stream, as OpenAI does, and stop.
-            yield sse(engine_api_error(exc).body())
-            return
-        for event in formatter.closing(tracker.usage()):
-            yield event
+            pending.append(sse(engine_api_error(exc).body()))
+        yield b"".join(pending)

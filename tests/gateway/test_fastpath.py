@@ -4,6 +4,7 @@ gets the same status, error body and answer shape."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -66,6 +67,63 @@ async def test_the_fast_path_and_the_litestar_route_answer_alike(
     # The same headers in the same order (values such as ids and remaining quota differ per request).
     assert [name for name, _ in fast.headers.raw] == [name for name, _ in routed.headers.raw]
     assert fast.headers["content-length"] == str(len(fast.content))
+
+
+async def test_a_streams_events_ready_together_leave_in_one_write(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    app = create_app(
+        make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
+    body = msgspec.json.encode(
+        {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4}
+    )
+    headers = [(k.lower().encode(), v.encode()) for k, v in tenancy.consumer_headers.items()]
+    scope: Any = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*headers, (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    stays = asyncio.Event()
+    received = False
+
+    async def receive() -> Any:
+        nonlocal received
+        if received:  # the client stays connected
+            await stays.wait()
+        received = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    writes: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            writes.append(message["body"])
+
+    async with lifespan(app):
+        await app(scope, receive, send)
+    events = [[e for e in w.split(b"\n\n") if e] for w in writes if w]
+    assert all(e.startswith(b"data: ") for w in events for e in w)
+    # The role with the first delta's text; the last delta's text with its finish; the usage with [DONE].
+    assert b'"role":"assistant"' in events[0][0]
+    assert b'"content":"' in events[0][1]
+    assert events[-1][-1] == b"data: [DONE]"
+    assert b'"usage":{' in events[-1][0]
+    assert len(events[-1]) == 2
+    finish = events[-2][-1]
+    assert b'"finish_reason":"length"' in finish
+    assert b'"content":"' in events[-2][-2]
+    assert sum(b'"finish_reason":"length"' in e for w in events for e in w) == 1
 
 
 class _Answer(msgspec.Struct, frozen=True):
