@@ -4,7 +4,6 @@ gets the same status, error body and answer shape."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
@@ -75,43 +74,25 @@ async def test_a_streams_events_ready_together_leave_in_one_write(
     app = create_app(
         make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
     )
-    body = msgspec.json.encode(
-        {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4}
-    )
-    headers = [(k.lower().encode(), v.encode()) for k, v in tenancy.consumer_headers.items()]
-    scope: Any = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [*headers, (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
-    stays = asyncio.Event()
-    received = False
-
-    async def receive() -> Any:
-        nonlocal received
-        if received:  # the client stays connected
-            await stays.wait()
-        received = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
     writes: list[bytes] = []
 
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.body":
-            writes.append(message["body"])
+    async def recorded(scope: Any, receive: Any, send: Any) -> None:
+        async def send_recorded(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                writes.append(message["body"])
+            await send(message)
 
-    async with lifespan(app):
-        await app(scope, receive, send)
+        await app(scope, receive, send_recorded)
+
+    payload = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4}
+    transport = httpx.ASGITransport(app=recorded)
+    async with (
+        lifespan(app),
+        httpx.AsyncClient(
+            transport=transport, base_url="http://gw", headers=tenancy.consumer_headers
+        ) as http,
+    ):
+        assert (await http.post("/v1/chat/completions", json=payload)).status_code == 200
     events = [[e for e in w.split(b"\n\n") if e] for w in writes if w]
     assert all(e.startswith(b"data: ") for w in events for e in w)
     # The role with the first delta's text; the last delta's text with its finish; the usage with [DONE].
