@@ -76,6 +76,12 @@ class Gateway:
             headers={"authorization": f"Bearer {key}", **(headers or {})},
         )
 
+    async def occupied(self, **body: Any) -> asyncio.Task[httpx.Response]:
+        """A request of `acme` started and running on the replica (what the next ones queue behind)."""
+        running = asyncio.create_task(self.chat(self.acme, **body))
+        await eventually(lambda: _in_flight(self.services, 1))
+        return running
+
     async def queued(self, count: int) -> None:
         """Wait until `count` requests wait in the admission queue."""
 
@@ -175,8 +181,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
-        running = asyncio.create_task(gw.chat(gw.acme, max_tokens=MAX_TOKENS))
-        await eventually(lambda: _in_flight(gw.services, 1))
+        running = await gw.occupied(max_tokens=MAX_TOKENS)
         late = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "0.1"})
         assert error_of(late) == (504, "deadline_expired")
         assert "Retry-After" in late.headers
@@ -200,8 +205,7 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_and_reaches_no
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
-        running = asyncio.create_task(gw.chat(gw.acme, max_tokens=MAX_TOKENS))
-        await eventually(lambda: _in_flight(gw.services, 1))
+        running = await gw.occupied(max_tokens=MAX_TOKENS)
         leaving = asyncio.create_task(gw.chat(gw.acme))
         await gw.queued(1)
         leaving.cancel()  # the client closes its connection while its request waits for a replica
@@ -225,8 +229,7 @@ async def test_an_unmeetable_deadline_is_refused_at_once(
 ) -> None:
     # One token per second: the prediction says a queued request ahead takes far longer than 1 s.
     async with gateway_for(config(initial_service_rate=1.0), renderer, outcomes, tenancy) as gw:
-        first = asyncio.create_task(gw.chat(gw.acme))
-        await eventually(lambda: _in_flight(gw.services, 1))
+        first = await gw.occupied()
         second = asyncio.create_task(gw.chat(gw.acme))
         await gw.queued(1)
         refused = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "1"})
@@ -239,8 +242,7 @@ async def test_a_full_tenant_queue_is_a_429(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
     async with gateway_for(config(max_queued_per_tenant=1), renderer, outcomes, tenancy) as gw:
-        first = asyncio.create_task(gw.chat(gw.acme))
-        await eventually(lambda: _in_flight(gw.services, 1))
+        first = await gw.occupied()
         second = asyncio.create_task(gw.chat(gw.acme))
         await gw.queued(1)
         refused = await gw.chat(gw.acme)
