@@ -137,7 +137,11 @@ class Scheduler:
         DeadlineExpiredError. Cancelled while waiting, the ticket leaves the queue; a lease granted in the
         same instant is released.
         """
-        serving = self._serving(route)
+        serving = [
+            r
+            for r in self.replicas
+            if r.weights_sha256 == route.weights_sha256 and (route.pool is None or r.pool == route.pool)
+        ]
         if serving and not any(r.routable for r in serving):
             # What the last refresh saw may be stale (an engine that has just restarted): ask again now.
             await asyncio.gather(*(r.refresh() for r in serving), return_exceptions=True)
@@ -177,16 +181,12 @@ class Scheduler:
         at the replicas again, or refuse it). A caller that must race the wait against something (a client
         leaving) pays for the race only when there is a wait."""
         queue = self._queues.get(route.weights_sha256)
-        if (queue is not None and len(queue)) or not any(r.routable for r in self._serving(route)):
+        if queue is not None and len(queue):
             return None
-        return self._start(self.queue(route.weights_sha256), ticket, route)
-
-    def _serving(self, route: RouteRequest) -> list[Replica]:
-        return [
-            r
-            for r in self.replicas
-            if r.weights_sha256 == route.weights_sha256 and (route.pool is None or r.pool == route.pool)
-        ]
+        try:
+            return self._start(self.queue(route.weights_sha256), ticket, route)
+        except NoHealthyReplicaError:  # `admit` asks the replicas again before it refuses
+            return None
 
     def _start(self, queue: FairQueue, ticket: Ticket, route: RouteRequest) -> Lease | None:
         """The lease of a ticket that nothing of its weights is queued ahead of, when a replica has room for

@@ -324,12 +324,3 @@ def close_client_watch(scope: Scope) -> None:
     watch = scope.get("state", {}).get(_WATCH_KEY)
     if watch is not None:
         watch.close()
-
-
-async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Await `work` unless the client disconnects first (`ClientWatch.race`), with a watch of its own."""
-    watch = ClientWatch(receive)
-    try:
-        return await watch.race(work)
-    finally:
-        watch.close()

@@ -303,9 +303,9 @@ async def _run(
     if decision is not None and decision.action != "allow":
         _refund(services, charge)
         raise guard_api_error(decision, headers)
-    # Admission: wait (bounded by the queue deadline) for a replica with room; the client may leave meanwhile.
     # The client may leave while the request waits (admission, the engine, the first delta, the stream).
     watch = client_watch(request.scope, request.receive)
+    # Admission: wait (bounded by the queue deadline) for a replica with room.
     start = timeline.now()
     try:
         session = session_of(request, plan.user, principal)

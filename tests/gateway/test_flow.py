@@ -5,23 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
+from litestar.types import Receive
 
 from engines.base import EngineDelta, EngineRequest, SamplingSpec
 from engines.simulated import SimulatedEngine
 from gateway.generation.flow import (
     ClientDisconnectedError,
+    ClientWatch,
     TaskSet,
     client_watch,
     close_client_watch,
     collect,
     pump,
-    race_disconnect,
 )
 from gateway.generation.tracking import Outcome, RequestTracker
 from tests.conftest import eventually
+
+T = TypeVar("T")
 
 
 def request(max_tokens: int, request_id: str = "r1") -> EngineRequest:
@@ -150,6 +153,15 @@ def receive_when(left: asyncio.Event) -> Callable[[], Awaitable[dict[str, str]]]
         return {"type": "http.disconnect"}
 
     return receive
+
+
+async def race_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """`work` raced against the client leaving, on a watch of its own (as one request's waits share one)."""
+    watch = ClientWatch(receive)
+    try:
+        return await watch.race(work)
+    finally:
+        watch.close()
 
 
 @pytest.mark.parametrize("ender", ["client", "shutdown"])
