@@ -1,7 +1,10 @@
 """`open_pool`: an asyncpg pool working in one PostgreSQL schema, created and migrated on open.
 
 `search_path` is set on every pooled connection, so a store's statements name tables without a schema.
-Replicas starting at once take turns on an advisory lock while creating the schema and migrating.
+Replicas starting at once take turns on an advisory lock while creating the schema and migrating: one per
+store and schema (`migration_lock`), so stores in other schemas of the same database never wait on it, and
+the wait for it has its own bound (`lock_timeout`), longer than a statement's: another replica's migration
+may take longer than one statement may.
 
 Every connection attempt and every statement has a time limit (`connect_timeout`, `command_timeout`), so a
 database that is down or paused shows as an error after a bounded wait, never as a hang. The pool replaces
@@ -12,6 +15,7 @@ onto its own unavailable error); other SQL errors are bugs and stay what they ar
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +37,12 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
+def migration_lock(lock_key: int, schema: str) -> int:
+    """The advisory lock (a signed 64-bit key) that replicas of the store `lock_key` take in `schema`."""
+    digest = hashlib.blake2b(f"{lock_key}:{schema}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
 async def open_pool(
     dsn: str,
     *,
@@ -44,12 +54,14 @@ async def open_pool(
     max_size: int,
     connect_timeout: float = 5.0,
     command_timeout: float = 10.0,
+    lock_timeout: float = 300.0,
 ) -> Any:
     """Connect to `dsn`, create `schema` if missing, and apply `migrations` (recorded in `table`) to it.
 
-    `lock_key` is the advisory lock held while migrating: a store's own fixed key, so the replicas of one
-    store wait on each other and not on other stores. `connect_timeout` bounds each connection attempt and
-    `command_timeout` each statement (both in seconds).
+    `lock_key` names the store: the advisory lock held while migrating is its and the schema's
+    (`migration_lock`), so the replicas of one store in one schema wait on each other and on nothing else.
+    `connect_timeout` bounds each connection attempt, `command_timeout` each statement, and `lock_timeout`
+    the wait for that lock while another replica migrates (all in seconds).
     """
     if not IDENTIFIER.fullmatch(schema):
         raise ValueError(f"schema {schema!r} must match {IDENTIFIER.pattern}")
@@ -63,13 +75,14 @@ async def open_pool(
     )
     try:
         async with pool.acquire() as conn:
-            await conn.execute("SELECT pg_advisory_lock($1)", lock_key)
+            lock = migration_lock(lock_key, schema)
+            await conn.execute("SELECT pg_advisory_lock($1)", lock, timeout=lock_timeout)
             try:
                 # Inside the lock: two replicas creating the same schema at once would otherwise collide.
                 await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
                 await migrate(conn, migrations, table)
             finally:
-                await conn.execute("SELECT pg_advisory_unlock($1)", lock_key)
+                await conn.execute("SELECT pg_advisory_unlock($1)", lock)
     except BaseException:
         await pool.close()
         raise
