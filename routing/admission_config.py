@@ -49,9 +49,11 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     initial_service_rate: float = 1000.0
     # Half-life in seconds (of busy time) of the service-rate estimate: how fast old measurements fade.
     service_rate_halflife: float = 10.0
-    # A gap longer than this many seconds between two `record_service` reports counts as idle, not as slow
-    # service: only this much of it is measured.
-    service_idle_gap: float = 2.0
+    # Service is timed while requests are in flight (time with none in flight is idle and never counts); one
+    # stretch between two `record_service` reports counts at most this many seconds (requests held in flight
+    # without progress: slow readers, a stalled engine). Longer than the longest wait between two finishing
+    # requests of a busy engine: a slow engine's long generations may finish many seconds apart.
+    service_idle_gap: float = 30.0
 
     def __post_init__(self) -> None:
         positive = {

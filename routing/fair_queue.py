@@ -47,8 +47,11 @@ Admission (`push`)
     ignores counter lag (at most M either way), EDF position within the tenant (it counts the whole tenant
     backlog, pessimistic), aged batch tickets overtaking interactive, and future arrivals.
     Service rate: tokens per second reported by `record_service`, an exponentially weighted average over busy
-    time (half-life `service_rate_halflife`; gaps beyond `service_idle_gap` count as idle). It starts from
-    `initial_service_rate`, which fades out as measurements arrive.
+    time (half-life `service_rate_halflife`). Busy time is the time with requests in flight (dispatched, not
+    finished): a stretch with nothing in flight is idle and never counts, and a stretch between two reports
+    with requests in flight counts whole (long generations on a slow engine finish seconds apart), up to
+    `service_idle_gap` seconds (requests held in flight without progress: slow readers, a stalled engine). It
+    starts from `initial_service_rate`, which fades out as measurements arrive.
     Expiry: `expire(now)` removes and returns tickets whose deadline passed (deadline < now; the scheduler
     answers them 504 `deadline_expired`). `pop(now)` never returns such a ticket: it sets them aside for the
     next `expire`.
@@ -160,9 +163,9 @@ class _IndexedHeap(Generic[T]):
 class ServiceRate:
     """Tokens served per second: an exponentially weighted average over busy time, seeded by a prior."""
 
-    def __init__(self, initial_rate: float, halflife: float, idle_gap: float) -> None:
+    def __init__(self, initial_rate: float, halflife: float, max_stretch: float) -> None:
         self._halflife = halflife
-        self._idle_gap = idle_gap
+        self._max_stretch = max_stretch
         # Weighted tokens over weighted seconds; the prior counts as one half-life of service at initial_rate.
         self._tokens = initial_rate * halflife
         self._seconds = halflife
@@ -173,13 +176,13 @@ class ServiceRate:
         """The current estimate, tokens per second."""
         return self._tokens / self._seconds
 
-    def record(self, tokens: float, now: float) -> None:
-        """`tokens` of work completed by `now` (a first report only starts the clock)."""
-        if self._last is None:
-            self._last = now
-            return
-        busy = min(max(now - self._last, 0.0), self._idle_gap)
-        self._last = max(self._last, now)
+    def record(self, tokens: float, now: float, busy_from: float | None) -> None:
+        """`tokens` of work completed by `now`, work having been in flight without a break since `busy_from`
+        (None: never). The busy time since the later of the last report and `busy_from` is measured, up to
+        `max_stretch` seconds."""
+        marks = [t for t in (self._last, busy_from) if t is not None]
+        busy = min(max(now - max(marks), 0.0), self._max_stretch) if marks else 0.0
+        self._last = max([*marks, now])
         decay = 0.5 ** (busy / self._halflife)
         self._tokens = self._tokens * decay + tokens
         self._seconds = self._seconds * decay + busy
@@ -228,6 +231,8 @@ class FairQueue:
         self._tenants: dict[str, _Tenant] = {}
         self._queued: dict[str, tuple[Ticket, int]] = {}
         self._in_flight: dict[str, str] = {}
+        # When the current (or the last) stretch with requests in flight began: service is timed over it.
+        self._busy_from: float | None = None
         self._by_deadline: _IndexedHeap[str] = _IndexedHeap()
         # Active tenants (queued or in flight), and inactive ones kept because their counter is above V.
         self._active: _IndexedHeap[str] = _IndexedHeap()
@@ -307,7 +312,7 @@ class FairQueue:
         self._admissible(ticket, now)
         state = self._enter(ticket)
         self._seq += 1  # the push's sequence number, as `_insert` takes it
-        self._dispatched(state, ticket)
+        self._dispatched(state, ticket, now)
 
     def _admissible(self, ticket: Ticket, now: float) -> None:
         if ticket.request_id in self._queued or ticket.request_id in self._in_flight:
@@ -379,11 +384,13 @@ class FairQueue:
         if ticket is None:
             return None
         # In flight before leaving the queue, so the tenant stays active through the handover.
-        self._dispatched(self._tenants[ticket.tenant], ticket, queued=True)
+        self._dispatched(self._tenants[ticket.tenant], ticket, now, queued=True)
         return ticket
 
-    def _dispatched(self, state: _Tenant, ticket: Ticket, *, queued: bool = False) -> None:
-        """`ticket` goes in flight (out of the queue if `queued`), its input charged."""
+    def _dispatched(self, state: _Tenant, ticket: Ticket, now: float, *, queued: bool = False) -> None:
+        """`ticket` goes in flight at `now` (out of the queue if `queued`), its input charged."""
+        if not self._in_flight:
+            self._busy_from = now
         state.in_flight += 1
         self._in_flight[ticket.request_id] = ticket.tenant
         if queued:
@@ -417,8 +424,9 @@ class FairQueue:
         self._maybe_deactivate(state)
 
     def record_service(self, tokens: float, now: float) -> None:
-        """The pipeline completed `tokens` of work (prompt and generated) by `now`: feeds the service rate."""
-        self._rate.record(tokens, now)
+        """The pipeline completed `tokens` of work (prompt and generated) by `now`: feeds the service rate
+        (call it after `finish` of the request that did the work)."""
+        self._rate.record(tokens, now, self._busy_from)
 
     # -- removal -----------------------------------------------------------------------------------------
 

@@ -359,23 +359,56 @@ def test_bounds_per_tenant_and_per_class() -> None:
 
 
 def test_service_rate_follows_record_service_and_drives_prediction() -> None:
-    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=1.0, service_idle_gap=2.0))
-    for _ in range(10):
-        queue.push(ticket("a", prompt=50, max_tokens=50), 0.0)
+    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=1.0))
     probe = ticket("a")
     assert queue.service_rate == 1000.0
-    assert queue.predicted_wait(probe) == pytest.approx(1.0)
-    queue.record_service(999.0, 0.0)  # only starts the clock
-    assert queue.service_rate == 1000.0
-    for i in range(1, 201):
-        queue.record_service(25.0, i * 0.1)  # 250 tokens/s
+    for i in range(200):  # back to back, one at a time: 25 tokens every 0.1 s
+        served(queue, i * 0.1, (i + 1) * 0.1, 25.0)
     assert queue.service_rate == pytest.approx(250.0, rel=1e-3)
-    assert queue.predicted_wait(probe) == pytest.approx(4.0, rel=1e-3)
-    # A long silence is idle time, not slow service: it counts as at most service_idle_gap seconds.
-    queue.record_service(500.0, 1000.0)
+    for _ in range(10):
+        queue.push(ticket("a", prompt=50, max_tokens=50), 20.0)
+    assert queue.predicted_wait(probe) == pytest.approx(4.0, rel=1e-3)  # 1,000 tokens ahead
+
+
+def served(queue: FairQueue, start: float, end: float, tokens: float) -> None:
+    """One request in flight from `start` to `end` (nothing else queued), reporting `tokens` of work."""
+    t = ticket("a", prompt=int(tokens), max_tokens=1)
+    queue.start(t, start)
+    queue.finish(t.request_id)
+    queue.record_service(tokens, end)
+
+
+def test_service_is_timed_while_requests_are_in_flight_and_idle_time_never_counts() -> None:
+    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=1.0))
+    for i in range(100):  # 0.4 s of service, then 0.6 s with nothing in flight
+        served(queue, float(i), i + 0.4, 100.0)
+    # 100 tokens per 0.4 s busy: 250/s (timing the gaps between reports would make it 100/s).
     assert queue.service_rate == pytest.approx(250.0, rel=1e-3)
-    with pytest.raises(DeadlineUnmeetableError):
-        queue.push(ticket("a", deadline=1003.0), 1000.0)
+    # A long silence with nothing in flight is idle, however long.
+    served(queue, 1000.0, 1000.4, 100.0)
+    assert queue.service_rate == pytest.approx(250.0, rel=1e-3)
+
+
+def test_a_slow_engines_long_generations_count_whole_and_refuse_what_cannot_meet_its_deadline() -> None:
+    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=10.0))
+    for i in range(20):  # one request at a time, each 8 s long: 400 tokens per 8 s
+        served(queue, i * 8.0, (i + 1) * 8.0, 400.0)
+    assert queue.service_rate == pytest.approx(50.0, rel=0.01)
+    now = 160.0
+    for _ in range(5):
+        queue.push(ticket("a", prompt=50, max_tokens=50, deadline=now + 100.0), now)
+    # 500 tokens ahead at 50/s: 10 s, more than this ticket may wait.
+    with pytest.raises(DeadlineUnmeetableError) as refused:
+        queue.push(ticket("a", deadline=now + 9.0), now)
+    assert refused.value.predicted_wait == pytest.approx(10.0, rel=0.01)
+
+
+def test_a_request_held_without_progress_counts_at_most_service_idle_gap() -> None:
+    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=1.0, service_idle_gap=2.0))
+    for i in range(100):
+        served(queue, i * 0.1, (i + 1) * 0.1, 25.0)
+    served(queue, 10.0, 1010.0, 500.0)  # in flight for 1000 s (a slow reader): 2 s of it count
+    assert queue.service_rate == pytest.approx(250.0, rel=1e-3)
 
 
 # -- removal and consistency ---------------------------------------------------------------------------
