@@ -39,19 +39,23 @@ Admission (`push`)
     Bounds: at most `max_queued_per_class` tickets per class (refused 503) and `max_queued_per_tenant` per
     tenant over both classes (refused 429): `QueueFullError(reason, retry_after)`, reason naming the bound.
     Deadlines: refused at once with `DeadlineUnmeetableError(retry_after)` when the predicted wait exceeds the
-    time left to the ticket's deadline. The prediction (`predicted_wait`) is the work served before the ticket
-    divided by the measured service rate. Work of a ticket = prompt_tokens + max_tokens (the whole reserve:
-    pessimistic for short answers). Work served first = everything queued in higher classes + the ticket's
-    own tenant's queued work in its class scaled by the tenant's fair share, W / w (W: weights of the tenants
-    backlogged in the class, itself included), capped by the class's whole queued work. The approximation
-    ignores counter lag (at most M either way), EDF position within the tenant (it counts the whole tenant
-    backlog, pessimistic), aged batch tickets overtaking interactive, and future arrivals.
-    Service rate: tokens per second reported by `record_service`, an exponentially weighted average over busy
-    time (half-life `service_rate_halflife`). Busy time is the time with requests in flight (dispatched, not
-    finished): a stretch with nothing in flight is idle and never counts, and a stretch between two reports
-    with requests in flight counts whole (long generations on a slow engine finish seconds apart), up to
-    `service_idle_gap` seconds (requests held in flight without progress: slow readers, a stalled engine). It
-    starts from `initial_service_rate`, which fades out as measurements arrive.
+    time left to the ticket's deadline. The prediction is the caller's `first_free` (seconds until the first
+    request in flight ends: the queue moves only then; `Scheduler.first_free`) plus `predicted_wait`, the work
+    served before the ticket divided by the measured service rate. Work of a ticket = prompt_tokens +
+    max_tokens (the whole reserve: pessimistic for short answers). Work served first = everything queued in
+    higher classes + the ticket's own tenant's queued work in its class scaled by the tenant's fair share, W /
+    w (W: weights of the tenants backlogged in the class, itself included), capped by the class's whole queued
+    work. The approximation ignores counter lag (at most M either way), EDF position within the tenant (it
+    counts the whole tenant backlog, pessimistic), aged batch tickets overtaking interactive, and future
+    arrivals.
+    Service rate: tokens per second reported by `record_service` (the scheduler reports generated tokens as
+    they come and a prompt when its request ends), an exponentially weighted average over busy time (half-life
+    `service_rate_halflife`). Busy time is the time with requests in flight (dispatched, not finished): a
+    stretch with nothing in flight is idle and never counts, and a stretch between two reports with requests
+    in flight counts whole (long generations on a slow engine finish seconds apart), up to `service_idle_gap`
+    seconds (requests held in flight without progress: slow readers, a stalled engine). It starts from
+    `initial_service_rate`, which weighs as one second of service and so fades out within the first seconds of
+    service.
     Expiry: `expire(now)` removes and returns tickets whose deadline passed (deadline < now; the scheduler
     answers them 504 `deadline_expired`). `pop(now)` never returns such a ticket: it sets them aside for the
     next `expire`.
@@ -160,15 +164,22 @@ class _IndexedHeap(Generic[T]):
             i = smallest
 
 
+# The prior service rate weighs as this many seconds of measured service: enough that the first few reports
+# do not swing the estimate, little enough that an engine several times slower than the prior shows so after
+# its first requests (as one half-life, 10 s, it still weighed 40% after 10 s of service, and the first
+# burst on a slow CPU engine was admitted at twice the rate it was served at, to expire at its deadline).
+_PRIOR_SECONDS = 1.0
+
+
 class ServiceRate:
     """Tokens served per second: an exponentially weighted average over busy time, seeded by a prior."""
 
     def __init__(self, initial_rate: float, halflife: float, max_stretch: float) -> None:
         self._halflife = halflife
         self._max_stretch = max_stretch
-        # Weighted tokens over weighted seconds; the prior counts as one half-life of service at initial_rate.
-        self._tokens = initial_rate * halflife
-        self._seconds = halflife
+        # Weighted tokens over weighted seconds, the prior (`initial_rate`) among them.
+        self._tokens = initial_rate * _PRIOR_SECONDS
+        self._seconds = _PRIOR_SECONDS
         self._last: float | None = None
 
     @property
@@ -297,9 +308,11 @@ class FairQueue:
 
     # -- admission ---------------------------------------------------------------------------------------
 
-    def push(self, ticket: Ticket, now: float) -> None:
-        """Queue `ticket` or refuse it (`QueueFullError` past a bound, `DeadlineUnmeetableError` too late)."""
-        self._admissible(ticket, now)
+    def push(self, ticket: Ticket, now: float, first_free: float = 0.0) -> None:
+        """Queue `ticket` or refuse it (`QueueFullError` past a bound, `DeadlineUnmeetableError` too late).
+        `first_free`: seconds until the first request in flight is predicted to end (the queue moves only
+        then), added to the predicted wait."""
+        self._admissible(ticket, now, first_free)
         self._insert(ticket)
 
     def start(self, ticket: Ticket, now: float) -> None:
@@ -309,12 +322,12 @@ class FairQueue:
         if self._queued:
             raise ValueError("tickets are queued: a new one must be pushed behind them")
         # With nothing queued the predicted wait is 0: a deadline already past is refused here, never expired.
-        self._admissible(ticket, now)
+        self._admissible(ticket, now, 0.0)
         state = self._enter(ticket)
         self._seq += 1  # the push's sequence number, as `_insert` takes it
         self._dispatched(state, ticket, now)
 
-    def _admissible(self, ticket: Ticket, now: float) -> None:
+    def _admissible(self, ticket: Ticket, now: float, first_free: float) -> None:
         if ticket.request_id in self._queued or ticket.request_id in self._in_flight:
             raise ValueError(f"request {ticket.request_id} is already queued or in flight")
         if not ticket.tenant_weight > 0 or ticket.prompt_tokens < 0 or ticket.max_tokens < 0:
@@ -327,7 +340,7 @@ class FairQueue:
             share = max(cls.weight, state.weight) / state.weight
             work = sum(state.work.values())
             raise QueueFullError("max_queued_per_tenant", self._next_slot(work, state.queued, share))
-        wait = self.predicted_wait(ticket)
+        wait = first_free + self.predicted_wait(ticket)
         left = ticket.deadline - now
         if wait > left:
             raise DeadlineUnmeetableError(retry_after=wait - left, predicted_wait=wait)
@@ -424,8 +437,7 @@ class FairQueue:
         self._maybe_deactivate(state)
 
     def record_service(self, tokens: float, now: float) -> None:
-        """The pipeline completed `tokens` of work (prompt and generated) by `now`: feeds the service rate
-        (call it after `finish` of the request that did the work)."""
+        """The engines served `tokens` more of work (prompt or generated) by `now`: feeds the service rate."""
         self._rate.record(tokens, now, self._busy_from)
 
     # -- removal -----------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Lease:
         # Seconds the request waited in the queue before dispatch.
         self.queue_wait = queue_wait
         self.attempts = 1
-        self._output = 0
+        self.output = 0
         # Generated tokens not yet charged (`Scheduler.settle`).
         self.unsettled = 0
         self._released = False
@@ -74,7 +74,7 @@ class Lease:
         by the scheduler's next `settle()`, before its next decision."""
         if self._released or tokens <= 0:
             return
-        self._output += tokens
+        self.output += tokens
         if not self.unsettled:
             self._scheduler.unsettled.append(self)
         self.unsettled += tokens
@@ -84,7 +84,7 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self._scheduler.finished(self, self.ticket.prompt_tokens + self._output)
+        self._scheduler.finished(self)
 
 
 class _Waiter:
@@ -118,6 +118,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         # Leases that observed tokens since the last `settle()`.
         self.unsettled: list[Lease] = []
+        # Leases not yet released, by weights hash and request id.
+        self._live: dict[str, dict[str, Lease]] = {}
 
     def queue(self, weights_sha256: str) -> FairQueue:
         """The fair queue of one weights hash (created on first use)."""
@@ -159,7 +161,8 @@ class Scheduler:
         queue = self.queue(route.weights_sha256)
         if not len(queue) and (lease := self._start(queue, ticket, route)) is not None:
             return lease
-        queue.push(ticket, self._clock())
+        self.settle()  # the service rate that predicts its wait, up to date
+        queue.push(ticket, self._clock(), self.first_free(route.weights_sha256))
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = _Waiter(ticket, route, future)
         self.dispatch()
@@ -198,11 +201,30 @@ class Scheduler:
             return None
         queue.start(ticket, now)
         reserve(route, replica)
-        return Lease(self, ticket, route, replica, 0.0)
+        return self._lease(ticket, route, replica, 0.0)
+
+    def _lease(self, ticket: Ticket, route: RouteRequest, replica: Replica, queue_wait: float) -> Lease:
+        lease = Lease(self, ticket, route, replica, queue_wait)
+        self._live.setdefault(route.weights_sha256, {})[ticket.request_id] = lease
+        return lease
+
+    def first_free(self, weights_sha256: str) -> float:
+        """Seconds until the first request in flight on these weights is predicted to end and free its
+        place: the least any has left of its max_tokens, at its share of the measured service rate (the
+        requests in flight share it). A queue moves only then: a burst that filled the engines at once ends
+        together, one batch time later, and the linear prediction of the work queued ahead (`FairQueue`)
+        would be short by that."""
+        live = self._live.get(weights_sha256)
+        if not live:
+            return 0.0
+        left = min(max(lease.ticket.max_tokens - lease.output, 1) for lease in live.values())
+        return left * len(live) / self.queue(weights_sha256).service_rate
 
     def settle(self) -> None:
         """Charge the tokens leases observed since the last call: to each tenant's virtual counter (one charge
-        per tenant and weights) and to each request's KV accounting on its replica."""
+        per tenant and weights), to each request's KV accounting on its replica, and to the service rate of
+        their weights (generated tokens count as served when they are generated, not when their request
+        ends: a batch of long answers is seen being served all along)."""
         if not self.unsettled:
             return
         leases, self.unsettled = self.unsettled, []
@@ -213,8 +235,13 @@ class Scheduler:
             lease.replica.grow(lease.ticket.request_id, tokens)
             key = (lease.route.weights_sha256, lease.ticket.tenant)
             charges[key] = charges.get(key, 0) + tokens
+        served: dict[str, int] = {}
         for (weights, tenant), tokens in charges.items():
             self.queue(weights).charge_output(tenant, tokens)
+            served[weights] = served.get(weights, 0) + tokens
+        now = self._clock()
+        for weights, tokens in served.items():
+            self.queue(weights).record_service(tokens, now)
 
     def dispatch(self) -> None:
         """Give every queue's head a replica while one has room; answer expired and unroutable tickets."""
@@ -240,7 +267,7 @@ class Scheduler:
                     break
                 queue.pop(now)  # the ticket peeked: nothing ran in between
                 del self._waiters[ticket.request_id]
-                lease = Lease(self, ticket, waiter.route, replica, max(0.0, now - ticket.arrival))
+                lease = self._lease(ticket, waiter.route, replica, max(0.0, now - ticket.arrival))
                 if waiter.future.done():  # cancelled in the same instant
                     lease.release()
                 else:
@@ -251,13 +278,15 @@ class Scheduler:
         if waiter is not None and not waiter.future.done():
             waiter.future.set_exception(exc)
 
-    def finished(self, lease: Lease, work: int) -> None:
-        """A lease was released: free what it held, then dispatch what now fits."""
+    def finished(self, lease: Lease) -> None:
+        """A lease was released: free what it held, count its prompt as served (its output was, as it came),
+        then dispatch what now fits."""
         self.settle()
         lease.replica.release(lease.ticket.request_id)
+        self._live.get(lease.route.weights_sha256, {}).pop(lease.ticket.request_id, None)
         queue = self.queue(lease.route.weights_sha256)
         queue.finish(lease.ticket.request_id)
-        queue.record_service(work, self._clock())
+        queue.record_service(lease.ticket.prompt_tokens, self._clock())
         self.dispatch()
 
     def fail_over(self, lease: Lease) -> Lease | None:

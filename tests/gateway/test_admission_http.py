@@ -227,10 +227,11 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_and_reaches_no
 async def test_an_unmeetable_deadline_is_refused_at_once(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
-    # One token per second: the prediction says a queued request ahead takes far longer than 1 s.
+    # One token per second: the prediction says a queued request ahead takes far longer than 1 s (the one
+    # in flight too: the second waits as a batch request, whose deadline is long enough for that).
     async with gateway_for(config(initial_service_rate=1.0), renderer, outcomes, tenancy) as gw:
         first = await gw.occupied()
-        second = asyncio.create_task(gw.chat(gw.acme))
+        second = asyncio.create_task(gw.chat(gw.acme, {"x-lockgate-priority": "batch"}))
         await gw.queued(1)
         refused = await gw.chat(gw.acme, {"x-lockgate-queue-deadline": "1"})
         assert error_of(refused) == (503, "deadline_unmeetable")

@@ -403,6 +403,14 @@ def test_a_slow_engines_long_generations_count_whole_and_refuse_what_cannot_meet
     assert refused.value.predicted_wait == pytest.approx(10.0, rel=0.01)
 
 
+def test_the_prior_rate_fades_within_the_first_seconds_of_service() -> None:
+    queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=10.0))
+    for i in range(100):  # 10 s of service at 100 tokens/s: a CPU engine ten times slower than the prior
+        served(queue, i * 0.1, (i + 1) * 0.1, 10.0)
+    # The prior weighs as one second of service: 1.6x the rate now (as a half-life, 10 s, it was 4.7x).
+    assert 100.0 < queue.service_rate < 170.0
+
+
 def test_a_request_held_without_progress_counts_at_most_service_idle_gap() -> None:
     queue = FairQueue(config(initial_service_rate=1000.0, service_rate_halflife=1.0, service_idle_gap=2.0))
     for i in range(100):

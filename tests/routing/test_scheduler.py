@@ -216,18 +216,37 @@ async def test_a_full_queue_refuses_at_admit() -> None:
 
 
 async def test_an_unmeetable_deadline_is_refused_at_admit() -> None:
-    # 100 tokens of work per ticket at 100 tokens/s: each ticket queued ahead costs one second of wait.
+    # 100 tokens of work per ticket at 100 tokens/s: each ticket queued ahead costs one second of wait, and
+    # the request in flight has 60 tokens left: its place frees in 0.6 s.
     scheduler, _, _, clock = build(100, config=AdmissionConfig(initial_service_rate=100.0))
     lease = await scheduler.admit(ticket("r0", clock), route("r0"))
     waiting = [admit(scheduler, f"r{i}", clock, deadline=100.0) for i in (1, 2, 3)]
     await settle()
     with pytest.raises(DeadlineUnmeetableError) as info:
         await scheduler.admit(ticket("late", clock, deadline=2.0), route("late"))
-    assert info.value.predicted_wait == pytest.approx(3.0)
+    assert info.value.predicted_wait == pytest.approx(3.6)
     assert scheduler.depth() == 3
     lease.release()
     for task in waiting:
         (await task).release()
+
+
+async def test_first_free_is_the_least_left_in_flight_at_its_share_of_the_rate() -> None:
+    scheduler, _, _, clock = build(1000, config=AdmissionConfig(initial_service_rate=100.0))
+    assert scheduler.first_free(SHA_A) == 0.0  # nothing in flight: nothing to wait for
+    a = await scheduler.admit(ticket("a", clock), route("a"))  # 60 tokens to generate
+    b = await scheduler.admit(ticket("b", clock, max_tokens=30), route("b", max_tokens=30))
+    # Two in flight share 100 tokens/s: b's 30 tokens take 0.6 s.
+    assert scheduler.first_free(SHA_A) == pytest.approx(0.6)
+    clock.now += 0.55
+    a.observe(55)  # at 100 tokens/s, as measured
+    scheduler.settle()
+    assert scheduler.queue(SHA_A).service_rate == pytest.approx(100.0)
+    assert scheduler.first_free(SHA_A) == pytest.approx(5 * 2 / 100.0)  # a has 5 left
+    a.release()
+    assert scheduler.first_free(SHA_A) == pytest.approx(30 / scheduler.queue(SHA_A).service_rate)
+    b.release()
+    assert scheduler.first_free(SHA_A) == 0.0
 
 
 async def test_a_ticket_whose_deadline_passes_in_the_queue_expires() -> None:
@@ -357,6 +376,33 @@ async def test_observed_tokens_charge_the_tenant_and_grow_the_replica_when_settl
     scheduler.settle()
     assert replicas[0].held_tokens == 0
     assert queue.counter("t") == pytest.approx(PROMPT * config.w_in + 130 * config.w_out)
+
+
+async def test_service_counts_tokens_as_they_are_generated_and_refuses_what_it_cannot_serve_in_time() -> None:
+    # A slow engine: two requests in flight generate 20 tokens a second each, and none finishes for 30 s.
+    config = AdmissionConfig(initial_service_rate=1000.0, service_rate_halflife=1.0)
+    scheduler, _, _, clock = build(200, config=config)
+    leases = [await scheduler.admit(ticket(f"r{i}", clock), route(f"r{i}")) for i in range(2)]
+    queue = scheduler.queue(SHA_A)
+    for _ in range(30):
+        clock.now += 1.0
+        for lease in leases:
+            lease.observe(20)
+        scheduler.settle()
+    # Measured while they run, from the generated tokens (not the prior, nor a gap capped at a few seconds).
+    assert queue.service_rate == pytest.approx(40.0, rel=0.01)
+    # w1 waits behind w0's 100 tokens (2.5 s at 40/s, within its 4 s); `late`, behind both (5 s), cannot.
+    waiting = [admit(scheduler, "w0", clock, deadline=60.0), admit(scheduler, "w1", clock, deadline=4.0)]
+    late = admit(scheduler, "late", clock, deadline=4.0)
+    await settle()
+    with pytest.raises(DeadlineUnmeetableError):
+        await late
+    assert not any(task.done() for task in waiting)
+    for lease in leases:
+        lease.release()
+    await settle()
+    assert all(task.done() for task in waiting)
+    assert scheduler.depth() == 0
 
 
 async def test_one_settle_charges_each_tenant_the_tokens_of_all_its_leases() -> None:
@@ -545,7 +591,7 @@ async def test_run_looks_at_a_new_tickets_deadline_without_being_woken() -> None
     runner = asyncio.create_task(scheduler.run())
     try:
         await settle()  # run() refreshed once and now waits for the next refresh
-        waiting = admit(scheduler, "r1", clock, deadline=0.001)
+        waiting = admit(scheduler, "r1", clock, deadline=0.5)  # r0 ends in 0.06 s (60 tokens at 1,000/s)
         await settle()
         clock.now += 1.0  # the deadline passed; nobody calls wake() or dispatch()
         with pytest.raises(DeadlineExpiredError):
