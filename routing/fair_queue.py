@@ -191,9 +191,10 @@ class ServiceRate:
         """`tokens` of work completed by `now`, work having been in flight without a break since `busy_from`
         (None: never). The busy time since the later of the last report and `busy_from` is measured, up to
         `max_stretch` seconds."""
-        marks = [t for t in (self._last, busy_from) if t is not None]
-        busy = min(max(now - max(marks), 0.0), self._max_stretch) if marks else 0.0
-        self._last = max([*marks, now])
+        last = self._last
+        since = busy_from if last is None or (busy_from is not None and busy_from > last) else last
+        busy = 0.0 if since is None else min(max(now - since, 0.0), self._max_stretch)
+        self._last = now if last is None or now > last else last
         decay = 0.5 ** (busy / self._halflife)
         self._tokens = self._tokens * decay + tokens
         self._seconds = self._seconds * decay + busy

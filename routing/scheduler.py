@@ -235,13 +235,11 @@ class Scheduler:
             lease.replica.grow(lease.ticket.request_id, tokens)
             key = (lease.route.weights_sha256, lease.ticket.tenant)
             charges[key] = charges.get(key, 0) + tokens
-        served: dict[str, int] = {}
-        for (weights, tenant), tokens in charges.items():
-            self.queue(weights).charge_output(tenant, tokens)
-            served[weights] = served.get(weights, 0) + tokens
         now = self._clock()
-        for weights, tokens in served.items():
-            self.queue(weights).record_service(tokens, now)
+        for (weights, tenant), tokens in charges.items():
+            queue = self.queue(weights)
+            queue.charge_output(tenant, tokens)
+            queue.record_service(tokens, now)
 
     def dispatch(self) -> None:
         """Give every queue's head a replica while one has room; answer expired and unroutable tickets."""
