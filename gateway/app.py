@@ -49,6 +49,7 @@ from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
+from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.quota.settle import SettlePolicy
 from policy.safety.decision import GuardRecord, RecordSink
@@ -250,9 +251,9 @@ async def _start_registry(
     return registry, prompts
 
 
-async def open_quota_store(config: Config) -> QuotaStore:
+async def open_quota_store(config: Config, clock: Clock) -> QuotaStore:
     """The quota store the configuration names (in memory, or Redis shared by replicas, its connections
-    opened)."""
+    opened; granting from leases where `quota.lease` is set)."""
     if config.quota.backend == "redis":
         from policy.quota.redis import RedisQuotaStore
 
@@ -264,20 +265,25 @@ async def open_quota_store(config: Config) -> QuotaStore:
             op_timeout=config.quota.op_timeout,
         )
         await store.warm()
-        return store
+        if config.quota.lease is None:
+            return store
+        return LeasedQuotaStore(store, clock, config.quota.lease, settle_policy=_settle_policy(config))
     from policy.quota.memory import MemoryQuotaStore
 
     return MemoryQuotaStore()
 
 
-def quota_meter(config: Config, store: QuotaStore, clock: Clock) -> QuotaMeter:
-    """The meter over `store`, with the configured settlement retries."""
-    policy = SettlePolicy(
+def _settle_policy(config: Config) -> SettlePolicy:
+    return SettlePolicy(
         attempts=config.quota.settle_attempts,
         first_delay=config.quota.settle_backoff,
         max_delay=config.quota.settle_backoff_max,
     )
-    return QuotaMeter(store, clock, settle_policy=policy)
+
+
+def quota_meter(config: Config, store: QuotaStore, clock: Clock) -> QuotaMeter:
+    """The meter over `store`, with the configured settlement retries."""
+    return QuotaMeter(store, clock, settle_policy=_settle_policy(config))
 
 
 def _metrics_pusher(
@@ -397,7 +403,7 @@ def create_app(
                 owned.push_async_callback(store.close)
             buckets = quota
             if buckets is None:
-                buckets = await open_quota_store(config)
+                buckets = await open_quota_store(config, clock)
                 owned.push_async_callback(buckets.close)
             versions = registry
             if versions is None:
@@ -475,6 +481,7 @@ def create_app(
                 stage_failures=gate.stage_failures,
                 guard_backlogs=factory.backlogs,
                 overload=overload,
+                lease_counters=buckets.counters if isinstance(buckets, LeasedQuotaStore) else None,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`

@@ -22,6 +22,7 @@ from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
 from guard.breaker import BreakerPolicy
+from policy.quota.lease import LeasePolicy
 from routing.admission_config import AdmissionConfig
 from routing.config import RoutingConfig
 
@@ -165,6 +166,10 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Seconds shutdown waits for settlements still in flight (after requests are aborted, before the
     # store is closed).
     settle_drain_timeout: float = 10.0
+    # Leases (`[quota.lease]`, `redis` backend): each process reserves a small block of a key's buckets
+    # ahead of need and grants that key's requests from it without a round trip to Redis, for a bounded
+    # loss of exactness (README "Quota leases"). Off (every request reserves on Redis) unless set.
+    lease: LeasePolicy | None = None
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -468,6 +473,15 @@ def _check(config: Config) -> None:
         "storage.postgres_connect_timeout": config.storage.postgres_connect_timeout,
         "storage.postgres_command_timeout": config.storage.postgres_command_timeout,
     }
+    lease = config.quota.lease
+    if lease is not None:
+        positive |= {
+            "quota.lease.requests": lease.requests,
+            "quota.lease.fraction": lease.fraction,
+            "quota.lease.seconds": lease.seconds,
+        }
+        if lease.fraction > 1 or not 0 <= lease.floor <= 1:
+            raise ConfigError("`quota.lease.fraction` must be in (0, 1] and `quota.lease.floor` in [0, 1]")
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"`{name}` must be > 0, got {value}")

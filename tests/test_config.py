@@ -13,6 +13,7 @@ import pytest
 from engines.simulated import SimulatorConfig
 from gateway import cli
 from gateway.config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, load_config
+from policy.quota.lease import LeasePolicy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "ops/deploy/lockgate.example.toml"
 
@@ -75,10 +76,13 @@ def test_example_file_documents_every_field() -> None:
     fields = _field_paths(Config)
     # TOML has no null: fields whose default is None appear commented out.
     nullable = {path for path, default in fields.items() if default is None}
-    assert nullable == {"engine.simulator.fail_after_tokens"}
+    assert nullable == {"engine.simulator.fail_after_tokens", "quota.lease"}
     assert _toml_paths(tomllib.loads(text)) == set(fields) - nullable
     lines = text.splitlines()
-    for path in nullable:
+    assert "# [quota.lease]" in lines  # an optional table: commented out, with its fields
+    for name in _field_paths(LeasePolicy):
+        assert f"# {name} = " in text
+    for path in nullable - {"quota.lease"}:
         assert f"# {path.rsplit('.', 1)[1]} = " in text
     # Each field line (set or commented out) has a comment line directly above it.
     leaf_names = {path.rsplit(".", 1)[-1] for path in fields}
@@ -317,3 +321,27 @@ def test_cli_bad_env_exits_2_naming_the_variable(
     err = capsys.readouterr().err
     assert "engine.kind" in err
     assert "LOCKGATE_ENGINE__KIND" in err
+
+
+def test_quota_leases_are_off_unless_their_table_is_given(tmp_path: Path) -> None:
+    assert load_config(None, env={}).quota.lease is None
+    config = load_config(
+        write(tmp_path, '[quota]\nbackend = "redis"\n[quota.lease]\nseconds = 0.5\n'), env={}
+    )
+    assert config.quota.lease == LeasePolicy(seconds=0.5)
+    assert load_config(None, env={"LOCKGATE_QUOTA__LEASE__REQUESTS": "8"}).quota.lease == LeasePolicy(
+        requests=8
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("seconds", "0", "quota.lease.seconds"),
+        ("requests", "0", "quota.lease.requests"),
+        ("fraction", "1.5", "quota.lease.fraction"),
+        ("floor", "-0.1", "quota.lease.floor"),
+    ],
+)
+def test_bad_lease_settings_name_the_field(field: str, value: str, named: str) -> None:
+    assert named in config_error(None, {f"LOCKGATE_QUOTA__LEASE__{field.upper()}": value})

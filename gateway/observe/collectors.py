@@ -29,6 +29,18 @@ QUOTA_COUNTERS = {
     "pool_exhausted": ("quota_busy", "Requests refused (503 quota_busy): every store connection busy."),
     "settle_given_up": ("quota_settle_failures", "Settlements given up after every retry."),
     "settle_retried": ("quota_settle_retries", "Settlement attempts retried."),
+    # A leased store's (policy.quota.lease), read from its own counters.
+    "lease_taken": ("quota_leases", "Quota leases taken on the shared store."),
+    "lease_grants": (
+        "quota_lease_grants",
+        "Requests granted from a quota lease, without a store round trip.",
+    ),
+    "lease_misses": ("quota_lease_misses", "Requests of a leased store that reserved on the shared store."),
+    "lease_denied": ("quota_lease_denials", "Quota leases the shared store refused (its buckets were low)."),
+    "lease_failed": (
+        "quota_lease_failures",
+        "Quota leases not taken: the shared store was unreachable or busy.",
+    ),
 }
 
 
@@ -45,11 +57,14 @@ class ServiceCollector:
         stage_failures: Counter[tuple[str, str, str]] | None = None,
         guard_backlogs: Mapping[str, Backlog] | None = None,
         overload: OverloadGate | None = None,
+        lease_counters: Mapping[str, int] | None = None,
     ) -> None:
         self._replicas = replicas
         self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
+        # A leased quota store's counters: its leases, and its own settlements (added to the meter's).
+        self._lease = lease_counters if lease_counters is not None else {}
         self._guard = guard_counts
         self._stage_failures = stage_failures if stage_failures is not None else Counter()
         self._backlogs = guard_backlogs if guard_backlogs is not None else {}
@@ -63,7 +78,9 @@ class ServiceCollector:
             value=self._queue_depth(),
         )
         for key, (name, doc) in QUOTA_COUNTERS.items():
-            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=self._quota.get(key, 0))
+            yield CounterMetricFamily(
+                f"{PREFIX}{name}", doc, value=self._quota.get(key, 0) + self._lease.get(key, 0)
+            )
         yield from self._guards()
         if self._overload is not None:
             yield from self._door(self._overload)

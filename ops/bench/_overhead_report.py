@@ -228,7 +228,7 @@ def summarise(points: Sequence[Point]) -> list[Summary]:
 
 def format_table(report: OverheadReport) -> str:
     """One line per point and target, then the summaries."""
-    header = f"{'mode':>6} {'rate/s':>7} {'target':>7} {'done/s':>7} {'err':>5} {'p50 ms':>7} {'p99 ms':>7} "
+    header = f"{'mode':>6} {'rate/s':>7} {'target':>11} {'done/s':>7} {'err':>5} {'p50 ms':>7} {'p99 ms':>7} "
     header += f"{'+p50':>6} {'+p99':>6} {'cpu/req ms':>10} {'cpu/chunk us':>12} {'lag ms':>7}"
     lines = [header]
     for point in report.points:
@@ -237,7 +237,7 @@ def format_table(report: OverheadReport) -> str:
             cells = [
                 f"{point.mode:>6}",
                 f"{point.rate:>7g}",
-                f"{m.target:>7}",
+                f"{m.target:>11}",
                 f"{m.achieved_per_s:>7.0f}",
                 f"{m.errors:>5}",
                 f"{1000 * m.latency.p50:>7.2f}",

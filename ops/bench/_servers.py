@@ -111,8 +111,14 @@ async def start_mock(core: int, workdir: Path) -> Server:
     return await _ready(Server("mock", proc, port), "/healthz", 60, log)
 
 
+# Quota stores the benches name: `redis-lease` is Redis granting from leases (`[quota.lease]`, defaults).
+QUOTAS = ("memory", "redis", "redis-lease")
+
+
 def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, str]:
-    """The environment of a `lockgate serve` on the zero-delay simulated engine."""
+    """The environment of a `lockgate serve` on the zero-delay simulated engine, with the quota store
+    `quota` (one of QUOTAS)."""
+    lease = {"LOCKGATE_QUOTA__LEASE__SECONDS": "1.0"} if quota == "redis-lease" else {}
     return {
         **os.environ,
         "LOCKGATE_ENGINE__KIND": "simulated",
@@ -123,7 +129,8 @@ def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, s
         "LOCKGATE_SERVER__PORT": str(port),
         "LOCKGATE_SERVER__LOG_LEVEL": "warning",
         "LOCKGATE_GUARD__DEFAULT_POLICY": guard,
-        "LOCKGATE_QUOTA__BACKEND": quota,
+        "LOCKGATE_QUOTA__BACKEND": quota.removesuffix("-lease"),
+        **lease,
     }
 
 

@@ -1,7 +1,8 @@
 """The gateway's own cost per request, without sockets: chat requests driven straight into its ASGI app.
 
     python -m ops.bench.asgi_cost [--mode whole|stream] [--server gateway|mock] [--requests 3000]
-                                  [--quota memory|redis] [--max-tokens 16] [--log-level warning|info]
+                                  [--quota memory|redis|redis-lease] [--max-tokens 16]
+                                  [--log-level warning|info]
     valgrind --tool=callgrind --instr-atstart=no python -m ops.bench.asgi_cost --callgrind --requests 200
 
 The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none`, a tenant with quotas on
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench._mock_openai import MockOpenAI
-from ops.bench._servers import gateway_env, provision
+from ops.bench._servers import QUOTAS, gateway_env, provision
 from ops.bench.overhead import body
 
 _BATCH = 100
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the gateway, or the overhead bench's mock OpenAI server (the same simulated engine alone)",
     )
     parser.add_argument("--requests", type=int, default=3000, help="measured requests (3000)")
-    parser.add_argument("--quota", choices=["memory", "redis"], default="memory")
+    parser.add_argument("--quota", choices=QUOTAS, default="memory")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
     parser.add_argument("--callgrind", action="store_true", help="count instructions of the measured part")

@@ -1,21 +1,21 @@
 """Overhead benchmark: what the gateway adds to an engine, in latency and CPU, up to saturation.
 
     python -m ops.bench.overhead [--rates 100 200 400 ...] [--seconds 3] [--modes whole stream]
-                                 [--quotas memory redis] [--max-tokens 16] [--guard none] [--out DIR]
-                                 [--overload [--overload-rate R]] [--quick]
+                                 [--quotas memory redis [redis-lease]] [--max-tokens 16] [--guard none]
+                                 [--out DIR] [--overload [--overload-rate R]] [--quick]
 
 Three servers on the same zero-delay simulated engine, each a child process pinned to `--server-core`: the
 mock OpenAI server (`ops.bench._mock_openai`, the engine alone) and `lockgate serve` with the memory and the
-Redis quota store. The load generator runs here, pinned to `--client-core`. At each rate, in each mode
-(whole answers, streams), the same open-loop Poisson load (`ops.bench.load.arrivals`) goes for `--seconds`
-to the mock and then to each gateway, so every gateway figure has a baseline measured moments before it.
-Rates rise until every gateway saturates: it completes less than 90% of the rate it was sent, more than
-1% of its requests fail, or its median latency passes 50 ms (requests queue). Figures: latency p50/p99 (the
-whole answer) and what the gateway adds to the mock's at the lowest rate; server CPU per request and per
-streamed chunk (user + system of its process over the step, idle work included) at the highest unsaturated
-rate, and per chunk beyond a whole answer; the best rate served unsaturated. Written as `overhead.json` and
-`overhead.png` under `--out`. The machine is shared and has two cores: figures are noisy, so compare within
-one run.
+Redis quota store (`redis-lease`: Redis granting from leases, `[quota.lease]`). The load generator runs here,
+pinned to `--client-core`. At each rate, in each mode (whole answers, streams), the same open-loop Poisson
+load (`ops.bench.load.arrivals`) goes for `--seconds` to the mock and then to each gateway, so every gateway
+figure has a baseline measured moments before it. Rates rise until every gateway saturates: it completes less
+than 90% of the rate it was sent, more than 1% of its requests fail, or its median latency passes 50 ms
+(requests queue). Figures: latency p50/p99 (the whole answer) and what the gateway adds to the mock's at the
+lowest rate; server CPU per request and per streamed chunk (user + system of its process over the step, idle
+work included) at the highest unsaturated rate, and per chunk beyond a whole answer; the best rate served
+unsaturated. Written as `overhead.json` and `overhead.png` under `--out`. The machine is shared and has two
+cores: figures are noisy, so compare within one run.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ops.bench._overhead_report import (
     plot,
     summarise,
 )
-from ops.bench._servers import Server, start_gateway, start_mock
+from ops.bench._servers import QUOTAS, Server, start_gateway, start_mock
 from ops.bench.load.arrivals import arrival_times
 from ops.bench.load.plan import synthetic_prompt
 from ops.bench.load.run import quiet_gc
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of arrivals per step (3)")
     parser.add_argument("--modes", nargs="+", choices=["whole", "stream"], default=["whole", "stream"])
-    parser.add_argument("--quotas", nargs="+", choices=["memory", "redis"], default=["memory", "redis"])
+    parser.add_argument("--quotas", nargs="+", choices=QUOTAS, default=["memory", "redis"])
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
     parser.add_argument("--prompt-words", type=int, default=20, help="prompt length, ~tokens (20)")
     parser.add_argument("--guard", choices=["none", "rules"], default="none", help="gateway guard policy")

@@ -11,12 +11,15 @@ from policy.quota.base import (
     Reservation,
     ReservationClosedError,
 )
+from policy.quota.lease import LeasedQuotaStore, LeasePolicy
 from policy.quota.memory import MemoryQuotaStore
 from policy.quota.redis import RedisQuotaStore
 from policy.quota.settle import SettlePolicy, Settler
 
 __all__ = [
     "BucketSpec",
+    "LeasePolicy",
+    "LeasedQuotaStore",
     "MemoryQuotaStore",
     "QuotaBackendError",
     "QuotaBusyError",

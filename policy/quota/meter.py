@@ -3,7 +3,8 @@
 Each request reserves 1 request and `prompt_tokens + max_tokens` tokens on every bucket that applies (tenant
 and key scopes), atomically. When it ends, however it ended, `settle_later` refunds what it did not use, in
 the settler's own tasks (retried, drained at shutdown: see `policy.quota.settle`), or at once on the
-in-process store, which cannot fail or wait. While the store is
+in-process store and for what a leased store granted from a lease (`policy.quota.lease`), which cannot fail
+or wait. While the store is
 unreachable the tenant's `fail_mode` decides: `open` admits unmetered (logged and counted), `closed` refuses
 (QuotaUnavailableError). Our own connection pool staying busy is not the store being unreachable: it is
 counted as `pool_exhausted` and refused as QuotaBusyError whatever the fail mode.
@@ -32,7 +33,7 @@ import logging
 import math
 import secrets
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -44,6 +45,7 @@ from policy.quota.base import (
     QuotaStore,
     Reservation,
 )
+from policy.quota.lease import LeasedQuotaStore
 from policy.quota.memory import MemoryQuotaStore
 from policy.quota.settle import SettlePolicy, Settler, Sleep
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
@@ -149,10 +151,16 @@ class QuotaMeter:
         # Reservations, fail-open / fail-closed decisions and settlements, by name (see the module docstring).
         self.counters: Counter[str] = Counter()
         self.settler = Settler(store, clock, self.counters, policy=settle_policy, sleep=sleep)
-        # The in-process store settles at once and cannot fail for want of a backend: no task to hand it to,
-        # nothing to retry, nothing a cancelled request could cut off. Exactly that class: a subclass or a
-        # wrapper may reconcile otherwise (tests make theirs fail), so it goes through the settler.
-        self._settle_now = store.reconcile_now if type(store) is MemoryQuotaStore else None
+        # The in-process store, and a leased store for what it granted from a lease, settle at once and
+        # cannot fail for want of a backend: no task to hand it to, nothing to retry, nothing a cancelled
+        # request could cut off (None: not this store's to settle in place). Exactly those classes: a
+        # subclass or a wrapper may reconcile otherwise (tests make theirs fail), so it goes through the
+        # settler.
+        self._settle_now: Callable[[Reservation, Sequence[float], float], bool | None] | None = None
+        if type(store) is MemoryQuotaStore:
+            self._settle_now = store.reconcile_now
+        elif type(store) is LeasedQuotaStore:
+            self._settle_now = store.settle_in_place
         # Each key's bucket set, with the tenant's quotas it was made from, by (tenant id, key id): the same
         # for every request until an administrator changes the quotas.
         self._bucket_sets: dict[tuple[str, str], tuple[Quotas, BucketSet]] = {}
@@ -221,12 +229,12 @@ class QuotaMeter:
         if reservation is None:
             return
         actual = self._actual(charge, used_tokens)
-        if self._settle_now is None:
-            self.settler.submit(reservation, actual)
-        else:
-            self.counters[
-                "settled" if self._settle_now(reservation, actual, self._clock()) else "settle_noop"
-            ] += 1
+        if self._settle_now is not None:
+            settled = self._settle_now(reservation, actual, self._clock())
+            if settled is not None:
+                self.counters["settled" if settled else "settle_noop"] += 1
+                return
+        self.settler.submit(reservation, actual)
 
     async def settle(self, charge: Charge, used_tokens: int) -> None:
         """Like `settle_later`, awaited here (retries included)."""

@@ -4,6 +4,7 @@ the nodes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import redis.asyncio
@@ -58,7 +59,7 @@ async def test_the_configured_store_runs_on_a_cluster(tmp_path: Path) -> None:
         config = Config(
             quota=QuotaConfig(backend="redis", redis_url=nodes[1].url, redis_cluster=True, op_timeout=5.0)
         )
-        store = await open_quota_store(config)
+        store = await open_quota_store(config, time.time)
         meter = QuotaMeter(store, FakeClock())
         try:
             for tenant_id in TENANTS:
