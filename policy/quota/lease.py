@@ -8,7 +8,8 @@ from it; a lease is drawn on for `seconds` at most, and once the requests drawn 
 settled on the shared store with what they used (its unused part refunded). A new lease is taken in the
 background when the current one holds less than half of a lease, so a steady stream of requests never waits
 for the shared store; a request that finds no room waits for the lease being taken (one round trip, as
-without leases), or, where no lease may be taken, reserves on its own.
+without leases; if the store fails it, with the same error), or, where no lease may be taken, reserves on
+its own.
 
 What this trades for the round trip, per bucket of capacity C and refill rate R:
 - Never more than the shared store grants: a lease's tokens are debited there before anything is drawn on
@@ -99,7 +100,7 @@ class _Lease:
 class _Key:
     """The leases of one bucket set (one key's buckets) and what is known of its buckets."""
 
-    __slots__ = ("leases", "mean", "quiet_until", "seen", "taking")
+    __slots__ = ("failure", "leases", "mean", "quiet_until", "seen", "taking")
 
     def __init__(self, buckets: Sequence[BucketSpec], amounts: Sequence[float]) -> None:
         self.leases: deque[_Lease] = deque()
@@ -110,6 +111,8 @@ class _Key:
         self.seen = [b.capacity for b in buckets]
         # No lease is asked for before this time (after a refusal or a failure).
         self.quiet_until = -math.inf
+        # Why the last lease could not be taken (the store unreachable or our pool busy), or None.
+        self.failure: QuotaBackendError | QuotaBusyError | None = None
 
     def left(self) -> list[float]:
         totals = [0.0] * len(self.seen)
@@ -172,6 +175,10 @@ class LeasedQuotaStore:
         if granted is None and self._may_lease(key, spec, amounts, now):
             await asyncio.shield(self._take(key, spec, amounts, now))
             granted = self._draw(key, spec, amounts, rid)
+            if granted is None and key.failure is not None:
+                # The store just failed the lease: the request fails alike at once (the meter's fail mode
+                # decides) rather than waiting for the same failure a second time.
+                raise type(key.failure)(str(key.failure)) from key.failure
         if granted is not None:
             self.counters["lease_grants"] += 1
             if self._wants_more(key, spec, now):
@@ -266,11 +273,14 @@ class LeasedQuotaStore:
                 key.seen = list(exc.levels) or key.seen
                 key.quiet_until = now + self.policy.seconds
                 return
-            except (QuotaBackendError, QuotaBusyError):
-                # Requests reserve on their own meanwhile, and meet the failure there (fail-open/closed).
+            except (QuotaBackendError, QuotaBusyError) as exc:
+                # The requests waiting for it fail with it; later ones reserve on their own for a while, and
+                # meet the store's state there.
                 self.counters["lease_failed"] += 1
+                key.failure = exc
                 key.quiet_until = now + self.policy.seconds
                 return
+            key.failure = None
             self.counters["lease_taken"] += 1
             key.seen = list(reservation.levels)
             lease = _Lease(key, reservation, now + self.policy.seconds)
