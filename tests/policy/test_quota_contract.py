@@ -72,6 +72,8 @@ async def quota_store(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStor
 def test_the_package_exports_exactly_its_public_names() -> None:
     assert set(policy.quota.__all__) == {
         "BucketSpec",
+        "LeasePolicy",
+        "LeasedQuotaStore",
         "MemoryQuotaStore",
         "QuotaBackendError",
         "QuotaBusyError",
