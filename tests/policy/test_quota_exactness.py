@@ -16,9 +16,12 @@ import redis.asyncio
 
 from policy.quota import (
     BucketSpec,
+    LeasedQuotaStore,
+    LeasePolicy,
     QuotaBackendError,
     QuotaExceededError,
     QuotaImpossibleError,
+    QuotaStore,
     RedisQuotaStore,
 )
 from policy.quota.memory import RECORD_TTL, TOMBSTONE_TTL
@@ -32,17 +35,21 @@ SPEC = BucketSpec(key="tenant:exact:tok", capacity=1_000.0, rate=2_000.0)
 T0 = 1_700_000_000.0
 
 Grant = tuple[float, int]  # (now, amount)
-Outcome = tuple[list[Grant], int] | str  # (grants, denials), or the worker's error
+# (grants, denials, grants from a lease), or the worker's error
+Outcome = tuple[list[Grant], int, int] | str
 
 
-def replica(prefix: str, seed: int, start: Barrier, results: Queue[Outcome]) -> None:
-    """One stand-in gateway replica (its own process and connection): reserve as fast as it can."""
+def replica(prefix: str, seed: int, start: Barrier, results: Queue[Outcome], leased: bool) -> None:
+    """One stand-in gateway replica (its own process and connection): reserve as fast as it can; `leased`:
+    granting from leases (`LeasedQuotaStore`, taken whenever the store allows: no floor, short leases)."""
 
-    async def hammer() -> tuple[list[Grant], int]:
+    async def hammer() -> tuple[list[Grant], int, int]:
         # Client time: the bound below is computed from the `now` each grant passed.
-        store = RedisQuotaStore(
+        store: QuotaStore = RedisQuotaStore(
             redis.asyncio.Redis.from_url(REDIS_URL), prefix=prefix, op_timeout=5.0, server_time=False
         )
+        if leased:
+            store = LeasedQuotaStore(store, time.time, LeasePolicy(floor=0.0, seconds=0.05))
         rng = random.Random(seed)
         grants: list[Grant] = []
         denials = 0
@@ -58,8 +65,9 @@ def replica(prefix: str, seed: int, start: Barrier, results: Queue[Outcome]) -> 
                 grants.append((now, amount))
             except QuotaExceededError:
                 denials += 1
+        from_leases = store.counters["lease_grants"] if isinstance(store, LeasedQuotaStore) else 0
         await store.close()
-        return grants, denials
+        return grants, denials, from_leases
 
     try:
         results.put(asyncio.run(hammer()))
@@ -77,12 +85,15 @@ async def drop_prefix(prefix: str) -> None:
     await client.aclose()
 
 
-def test_replicas_never_overdraw_one_bucket() -> None:
+@pytest.mark.parametrize("leased", [False, True], ids=["exact", "leased"])
+def test_replicas_never_overdraw_one_bucket(leased: bool) -> None:
     prefix = f"lockgate:test:{uuid.uuid4().hex}:"
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(REPLICAS)
     results: Queue[Outcome] = ctx.Queue()
-    workers = [ctx.Process(target=replica, args=(prefix, seed, start, results)) for seed in range(REPLICAS)]
+    workers = [
+        ctx.Process(target=replica, args=(prefix, seed, start, results, leased)) for seed in range(REPLICAS)
+    ]
     for worker in workers:
         worker.start()
     outcomes = [results.get(timeout=60.0) for _ in workers]
@@ -94,11 +105,15 @@ def test_replicas_never_overdraw_one_bucket() -> None:
     assert not errors, errors
     grants = [grant for outcome in outcomes if not isinstance(outcome, str) for grant in outcome[0]]
     denials = sum(outcome[1] for outcome in outcomes if not isinstance(outcome, str))
+    from_leases = sum(outcome[2] for outcome in outcomes if not isinstance(outcome, str))
+    assert (from_leases > 0) == leased
     assert grants
     assert denials, "the bucket must be contended for the test to mean anything"
     stamps = [now for now, _ in grants]
     # Every grant wrote the bucket's clock; denials write nothing. So the refill the bucket ever credited is
-    # at most rate x (last grant's now - first grant's now), on top of the full bucket it started as.
+    # at most rate x (last grant's now - first grant's now), on top of the full bucket it started as. A
+    # lease is debited at the `now` of the request that asked for it, within the same span, and what is
+    # granted from it is part of what it debited: the bound holds for leases as it stands.
     bound = SPEC.capacity + SPEC.rate * (max(stamps) - min(stamps))
     granted = sum(amount for _, amount in grants)
     assert granted <= bound + 1e-6, f"granted {granted} > {bound}: overdrawn"
