@@ -2,8 +2,8 @@
 
 `POST /v1/chat/completions` and `POST /v1/completions` are nearly all the traffic, and a profile of the event
 loop put about a third of its time in Litestar's request cycle around them: routing, the exception
-middleware, dependency injection and signature parsing, response handling (`ops.bench.overhead`, README
-"Gateway overhead"). `fast_generation` answers these two routes straight from ASGI with the same code the
+middleware, dependency injection and signature parsing, response handling (`ops.bench.overhead`,
+`docs/overhead.md`). `fast_generation` answers these two routes straight from ASGI with the same code the
 Litestar handlers run (`generate`): the principal from `principal_of`, the body read within the route's
 limit (its 413 is the route's), the pipeline's own response objects, and errors rendered by the app's
 exception handlers (`gateway.errors.exception_handlers`) as Litestar would. The request is read through an
