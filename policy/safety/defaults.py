@@ -5,8 +5,8 @@ Every tenant is bound to the `default` policy alias until an administrator binds
 - `default@1`: no guard stages (what tenants had before the guard cascade; kept so old records resolve).
 - `default@rules-1`: the deterministic rules stage alone (`guard.rules.default_rules`).
 - `default@trained-<hash>`: rules, then the embedding guard, then the trained one-token guard that
-  `lockgate models prepare` builds offline; `<hash>` follows the guard versions, so retraining publishes a new
-  policy version instead of changing one.
+  `lockgate models prepare` builds offline; `<hash>` follows the guard versions and the policy's thresholds,
+  so retraining or new thresholds publish a new policy version instead of changing one.
 
 At start-up the alias is created when missing, and moved to the configured choice only while it was last set
 by start-up itself: a policy an administrator chose is never overridden by a restart.
@@ -82,21 +82,25 @@ def rules_policy() -> PolicySpec:
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
     """Rules, then the embedding guard, then the trained one-token guard (the last stage's band escalates).
 
-    Thresholds were chosen by replaying the development set's train split (`python -m ops.eval replay`);
-    figures on the test split it never saw are in README.md ("Safety guard"). The embedding stage settles
-    only confident cases; the one-token guard decides most of the rest; what stays between escalates.
+    Thresholds were chosen by replaying the development set's train split (`python -m ops.eval replay`):
+    the one-token guard's band is the widest recall on that split whose false-positive rate stays at or
+    under a quarter (a score in the band is allowed and flagged for review, never refused); figures on the
+    test split it never saw are in README.md ("Safety guard"). The embedding stage settles only confident
+    cases; the one-token guard decides most of the rest; what stays between escalates.
     """
     return _policy(
         (
             RULES_STAGE,
             CascadeStage(guard=guards.embedding, allow_below=0.2, block_above=0.9, timeout_s=2.0),
-            CascadeStage(guard=guards.one_token, allow_below=0.4, block_above=0.6, timeout_s=5.0),
+            CascadeStage(guard=guards.one_token, allow_below=0.2, block_above=0.6, timeout_s=5.0),
         )
     )
 
 
 def _trained_version(guards: TrainedGuards) -> str:
-    digest = hashlib.sha256(f"{guards.embedding}|{guards.one_token}".encode()).hexdigest()
+    # The guards and the policy's own content (thresholds): a change of either is a new version.
+    content = msgspec.json.encode(trained_policy(guards)).decode()
+    digest = hashlib.sha256(f"{guards.embedding}|{guards.one_token}|{content}".encode()).hexdigest()
     return f"trained-{digest[:12]}"
 
 
