@@ -10,14 +10,19 @@ import pytest
 from ops.bench.asgi_cost import main
 
 
-@pytest.mark.parametrize("mode", ["whole", "stream"])
-def test_a_short_run_prints_the_cpu_per_request(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--mode", mode, "--requests", "150"]) == 0
+@pytest.mark.parametrize(
+    ("mode", "quota"), [("whole", "memory"), ("stream", "memory"), ("whole", "redis-lease")]
+)
+def test_a_short_run_prints_the_cpu_per_request(
+    mode: str, quota: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every request answered 200 (main raises otherwise): with `redis-lease`, granted from quota leases.
+    assert main(["--mode", mode, "--quota", quota, "--requests", "150"]) == 0
     printed = capsys.readouterr().out
     with capsys.disabled():
         print(printed)
     line = re.search(
-        rf"^{mode}, memory quotas, log level warning, 150 requests: (\d+) us CPU per request "
+        rf"^{mode}, {quota} quotas, log level warning, 150 requests: (\d+) us CPU per request "
         r"\(100-request batches: fastest (\d+) us, median (\d+) us\)$",
         printed,
         re.MULTILINE,
