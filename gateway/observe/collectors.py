@@ -42,6 +42,11 @@ QUOTA_COUNTERS = {
         "Quota leases not taken: the shared store was unreachable or busy.",
     ),
 }
+# What a leased store counts and the series carry: its leases, and the settling of a lease, which leaves a
+# tenant over-charged when given up as a request's does (its `pool_exhausted` refused no request).
+LEASE_COUNTERS = frozenset(
+    {*(key for key in QUOTA_COUNTERS if key.startswith("lease_")), "settle_given_up", "settle_retried"}
+)
 
 
 class ServiceCollector:
@@ -63,7 +68,7 @@ class ServiceCollector:
         self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
-        # A leased quota store's counters: its leases, and its own settlements (added to the meter's).
+        # A leased quota store's counters (LEASE_COUNTERS of them, added to the meter's).
         self._lease = lease_counters if lease_counters is not None else {}
         self._guard = guard_counts
         self._stage_failures = stage_failures if stage_failures is not None else Counter()
@@ -78,9 +83,8 @@ class ServiceCollector:
             value=self._queue_depth(),
         )
         for key, (name, doc) in QUOTA_COUNTERS.items():
-            yield CounterMetricFamily(
-                f"{PREFIX}{name}", doc, value=self._quota.get(key, 0) + self._lease.get(key, 0)
-            )
+            value = self._quota.get(key, 0) + (self._lease.get(key, 0) if key in LEASE_COUNTERS else 0)
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
         yield from self._guards()
         if self._overload is not None:
             yield from self._door(self._overload)

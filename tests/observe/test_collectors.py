@@ -129,3 +129,21 @@ def test_the_adaptive_limit_and_the_cpu_signal_are_shown_only_when_on() -> None:
     assert on[("lockgate:concurrency_limit", ())] == 12
     assert on[("lockgate:cpu_utilisation", ())] == 0.9
     assert on[("lockgate:cpu_shed_fraction", ())] == 0.25
+
+
+def test_a_leased_stores_counters_add_its_leases_and_their_settling_but_refuse_no_request() -> None:
+    meter = Counter({"settle_given_up": 2, "pool_exhausted": 1})
+    leases = Counter(
+        {"lease_taken": 4, "lease_grants": 60, "lease_misses": 3, "settle_given_up": 1, "pool_exhausted": 5}
+    )
+    registry = CollectorRegistry()
+    registry.register(ServiceCollector([], lambda: 0, meter, Counter(), lease_counters=leases))
+    got = samples(registry)
+    assert got[("lockgate:quota_leases_total", ())] == 4
+    assert got[("lockgate:quota_lease_grants_total", ())] == 60
+    assert got[("lockgate:quota_lease_misses_total", ())] == 3
+    assert got[("lockgate:quota_lease_denials_total", ())] == 0
+    # A lease given up leaves a tenant over-charged, as a request's settlement does; the lease's own busy
+    # retries refused no request, so `quota_busy` is the meter's alone.
+    assert got[("lockgate:quota_settle_failures_total", ())] == 3
+    assert got[("lockgate:quota_busy_total", ())] == 1
