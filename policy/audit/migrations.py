@@ -5,6 +5,7 @@ Tables (in the same database as the tenants, with their own migrations table)::
     audit_schema_migrations(version)       one row per applied migration
     audit_records(tenant, seq, ...every AuditRecord field..., stages JSON, flagged 0/1)
         PRIMARY KEY (tenant, seq)          append-only: UPDATE may only null `content`; no DELETE
+        UNIQUE (tenant, draft_id) where draft_id <> ''   a draft is recorded once
     audit_heads(tenant PK, seq, hash)      each tenant's last record; the row appends lock per tenant.
                                            seq only grows; no DELETE
     appeals(appeal_id PK, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at)
@@ -52,12 +53,21 @@ RECORD_FIELDS = (
     "actor",
     "prev_hash",
     "hash",
+    "draft_id",
 )
 RECORD_COLUMNS = ", ".join(RECORD_FIELDS)
 
-_NOT_ONLY_CONTENT_NULLED = " OR ".join(
-    ["NEW.content IS NOT NULL", *(f"NEW.{c} IS NOT OLD.{c}" for c in RECORD_FIELDS if c != "content")]
-)
+
+def _not_only_content_nulled(columns: tuple[str, ...]) -> str:
+    """SQLite's test that an UPDATE of audit_records changed more than nulling `content`."""
+    return " OR ".join(
+        ["NEW.content IS NOT NULL", *(f"NEW.{c} IS NOT OLD.{c}" for c in columns if c != "content")]
+    )
+
+
+_ONLY_PURGE_TRIGGER = """CREATE TRIGGER audit_records_only_purge BEFORE UPDATE ON audit_records
+                WHEN {}
+                BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END"""
 
 # The appeal state machine (policy.audit.appeals.TRANSITIONS) as SQL over OLD and NEW.
 _A_TRANSITION = (
@@ -107,9 +117,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
         sqlite=(
-            f"""CREATE TRIGGER audit_records_only_purge BEFORE UPDATE ON audit_records
-                WHEN {_NOT_ONLY_CONTENT_NULLED}
-                BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END""",
+            # The columns of version 1 (released: never edit), not RECORD_FIELDS as it grows.
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:-1])),
             """CREATE TRIGGER audit_records_no_delete BEFORE DELETE ON audit_records
                BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END""",
             """CREATE TRIGGER audit_heads_forward BEFORE UPDATE ON audit_heads
@@ -208,6 +217,20 @@ MIGRATIONS: tuple[Migration, ...] = (
                FOR EACH ROW EXECUTE FUNCTION appeal_events_append_only()""",
             """CREATE TRIGGER appeal_events_no_truncate BEFORE TRUNCATE ON appeal_events
                FOR EACH STATEMENT EXECUTE FUNCTION appeal_events_append_only()""",
+        ),
+    ),
+    Migration(
+        version=3,
+        summary="audit_records.draft_id: a draft appended twice is recorded once",
+        shared=(
+            "ALTER TABLE audit_records ADD COLUMN draft_id TEXT NOT NULL DEFAULT ''",
+            "CREATE UNIQUE INDEX audit_records_by_draft ON audit_records (tenant, draft_id)"
+            " WHERE draft_id <> ''",
+        ),
+        # PostgreSQL's trigger compares whole rows (to_jsonb), so it covers the new column already.
+        sqlite=(
+            "DROP TRIGGER audit_records_only_purge",
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS)),
         ),
     ),
 )

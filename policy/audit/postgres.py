@@ -54,6 +54,7 @@ _LOCK_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1 FOR UPDATE"
 _HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1"
 _SET_HEAD = "UPDATE audit_heads SET seq = $2, hash = $3 WHERE tenant = $1"
 _CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 ORDER BY seq"
+_BY_DRAFTS = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND draft_id = ANY($2::text[])"
 
 
 class PostgresAuditStore:
@@ -103,7 +104,8 @@ class PostgresAuditStore:
             raise AuditUnavailableError(f"the audit database is unreachable: {exc!r}") from exc
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
-        """Record `drafts` atomically and in order, each as its tenant's next seq, chained."""
+        """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose
+        `draft_id` is recorded already: that record)."""
         clean = [normalize(draft) for draft in drafts]
         if not clean:
             return []
@@ -115,17 +117,42 @@ class PostgresAuditStore:
                 await conn.execute(_ENSURE_HEAD, tenant)
                 row = await conn.fetchrow(_LOCK_HEAD, tenant)
                 heads[tenant] = (int(row[0]), row[1] if row[0] else GENESIS_HASH)
+            # Drafts recorded already (by an append that committed but seemed to fail), under their heads'
+            # locks: no other append of these tenants runs meanwhile.
+            known = await self._recorded(conn, clean)
+            moved: set[str] = set()  # tenants whose head moves (a batch of duplicates moves none)
             rows = []
             for draft in clean:
+                if draft.draft_id and (record := known.get((draft.tenant, draft.draft_id))) is not None:
+                    records.append(record)
+                    continue
                 seq, prev_hash = heads[draft.tenant]
                 record = chain(draft, seq + 1, prev_hash)
                 rows.append(record_row(record))
                 heads[draft.tenant] = (record.seq, record.hash)
+                moved.add(draft.tenant)
                 records.append(record)
-            await conn.executemany(_INSERT, rows)
-            for tenant, (seq, head_hash) in heads.items():
-                await conn.execute(_SET_HEAD, tenant, seq, head_hash)
+                if draft.draft_id:
+                    known[(draft.tenant, draft.draft_id)] = record
+            if rows:
+                await conn.executemany(_INSERT, rows)
+            for tenant in moved:
+                await conn.execute(_SET_HEAD, tenant, *heads[tenant])
         return records
+
+    @staticmethod
+    async def _recorded(conn: Any, drafts: Sequence[AuditDraft]) -> dict[tuple[str, str], AuditRecord]:
+        """The records already holding any of `drafts`' draft ids, by (tenant, draft_id)."""
+        ids: dict[str, list[str]] = {}
+        for draft in drafts:
+            if draft.draft_id:
+                ids.setdefault(draft.tenant, []).append(draft.draft_id)
+        found: dict[tuple[str, str], AuditRecord] = {}
+        for tenant, draft_ids in ids.items():
+            for row in await conn.fetch(_BY_DRAFTS, tenant, draft_ids):
+                record = record_from_row(row)
+                found[(record.tenant, record.draft_id)] = record
+        return found
 
     async def get(self, tenant: str, seq: int) -> AuditRecord:
         """One record, or NotFoundError."""

@@ -6,7 +6,8 @@ Each tenant has its own chain: record `seq` n (1, 2, 3, ... with no gaps) carrie
     hash = sha256(DOMAIN + canonical JSON of every field but `hash` and `content`)
 
 The canonical JSON has sorted keys, floats as floats (an int `at` hashes as the float the database returns),
-and includes `seq`, `prev_hash` and `content_hash`. `content_hash` stands for the content, so purging the
+and includes `seq`, `prev_hash` and `content_hash` (and `draft_id` when it is set: records written before it
+existed hash as they did). `content_hash` stands for the content, so purging the
 content (retention) leaves every hash valid, while changing any other field, deleting a record or reordering
 records breaks the chain, and `verify_chain` names the first record where it breaks.
 """
@@ -73,6 +74,10 @@ class AuditDraft(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     reverses: int | None = None  # seq of the record a reversal (or uphold) refers to
     actor: str = ""  # reviewer key id for review records
+    # The writer's id for this draft (`AuditWriter` gives each one it accepts): a draft appended again (a
+    # spool batch replayed after a crash, an append whose reply was lost) is found by it and not recorded
+    # twice. "" (records from before it existed, drafts appended straight to a store): no such check.
+    draft_id: str = ""
 
 
 class AuditRecord(AuditDraft, frozen=True, kw_only=True):
@@ -143,6 +148,8 @@ def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
     # Through `convert`, so an int where a float belongs hashes as that float (what the database returns).
     payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(fields), AuditDraft))
     del payload["content"]
+    if not payload["draft_id"]:
+        del payload["draft_id"]
     payload["seq"] = int(seq)
     payload["prev_hash"] = prev_hash
     return _encode_sorted.encode(payload)

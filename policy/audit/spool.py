@@ -7,7 +7,8 @@ byte offset). Every write is fsync'd, and all file work runs in a worker thread,
 Replay reads from the cursor (`read`), the caller appends those drafts to the store, then `commit` moves the
 cursor past them (written to a temporary file, fsync'd, renamed over `cursor.json`) and deletes files that
 are fully replayed. A crash between the store append and the cursor write replays that one batch again after
-the restart: the spool is at-least-once, and a duplicate is at most one replay batch.
+the restart: the spool is at-least-once (a duplicate is at most one replay batch), and the store records
+each draft id once, so the trail is not.
 
 A process that dies during a write leaves at most a torn last line, never acknowledged as durable: it is
 skipped on replay. After a restart new drafts go to a new file, never after a torn line.
@@ -19,7 +20,7 @@ finds the directory taken (another worker of `lockgate serve --workers N`) claim
 over (and replays) the one a dead worker left. A directory that no process holds and that still has drafts
 (its worker was not started again: `--workers` lowered) is adopted by the next process that opens a spool:
 its drafts are appended to that process's spool, in their order, and its files are then deleted (a crash in
-between replays them twice, as the spool is at-least-once anyway).
+between replays them twice, as the spool is at-least-once anyway; the store records them once).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ _SET_HEAD = (
     " ON CONFLICT (tenant) DO UPDATE SET seq = excluded.seq, hash = excluded.hash"
 )
 _CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? ORDER BY seq"
+_BY_DRAFT = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND draft_id = ?"
 
 
 class SqliteAuditStore:
@@ -72,17 +73,26 @@ class SqliteAuditStore:
             raise AuditUnavailableError(f"the audit database is unavailable: {exc}") from exc
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
-        """Record `drafts` atomically and in order, each as its tenant's next seq, chained."""
+        """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose
+        `draft_id` is recorded already: that record)."""
         # Checked on the loop, before the write lock is taken: an invalid draft writes nothing.
         clean = [normalize(draft) for draft in drafts]
         if not clean:
             return []
 
+        def recorded(conn: Conn, draft: AuditDraft) -> AuditRecord | None:
+            row = conn.execute(_BY_DRAFT, (draft.tenant, draft.draft_id)).fetchone()
+            return None if row is None else record_from_row(row)
+
         def append(conn: Conn) -> list[AuditRecord]:
             heads: dict[str, tuple[int, str]] = {}
+            moved: set[str] = set()  # tenants whose head moves (a batch of duplicates moves none)
             records: list[AuditRecord] = []
             with transaction(conn):
                 for draft in clean:
+                    if draft.draft_id and (known := recorded(conn, draft)) is not None:
+                        records.append(known)
+                        continue
                     if draft.tenant not in heads:
                         row = conn.execute(_HEAD, (draft.tenant,)).fetchone()
                         heads[draft.tenant] = (0, GENESIS_HASH) if row is None else (int(row[0]), row[1])
@@ -90,9 +100,10 @@ class SqliteAuditStore:
                     record = chain(draft, seq + 1, prev_hash)
                     conn.execute(_INSERT, record_row(record))
                     heads[draft.tenant] = (record.seq, record.hash)
+                    moved.add(draft.tenant)
                     records.append(record)
-                for tenant, (seq, head_hash) in heads.items():
-                    conn.execute(_SET_HEAD, (tenant, seq, head_hash))
+                for tenant in moved:
+                    conn.execute(_SET_HEAD, (tenant, *heads[tenant]))
             return records
 
         return await self._run(append)

@@ -15,9 +15,11 @@ never dies of it and the drafts are kept.
 Guarantees: a draft is durable once it is in the store or fsync'd in the spool. `record(draft)` returns only
 then (for decisions that must be durable before the answer is sent); `submit` returns at once, and what a
 crash of the process catches in the buffer (at most `buffer_size` drafts, at most about `flush_interval` old)
-is lost; `close()` flushes the buffer (to the store, else the spool) so a shutdown loses nothing. Delivery is
-at-least-once: a crash between a replayed batch's append and its spool cursor write, or an append reported
-failed that did commit (lost reply), or one cut off by `close`'s timeout, records that batch twice.
+is lost; `close()` flushes the buffer (to the store, else the spool) so a shutdown loses nothing. Each
+accepted draft gets a `draft_id` (this writer's random prefix and a count) unless it has one, and a store
+records a draft id once: a batch appended again (a crash between a replayed batch's append and its spool
+cursor write, an append reported failed that did commit (lost reply), one cut off by `close`'s timeout that
+committed) is not recorded twice, so delivery is exactly once for what is durable.
 
 Contract with the caller (the gateway): `submit` and `record` raise `AuditBackpressureError` instead of ever
 dropping a draft, `AuditSpoolFullError` when the spool holds `spool_max_bytes` (the store is down, or replay
@@ -46,7 +48,9 @@ from the spool), `flush_failures` (failed appends and spool writes).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -141,6 +145,8 @@ class AuditWriter:
         self._retry = retry or RetryPolicy()
         self._sleep = sleep
         self.counters: Counter[str] = Counter()
+        self._id_prefix = secrets.token_hex(8)
+        self._ids = itertools.count(1)
         # Invariant: every draft in _buffer is newer than every draft in the spool, and oldest first.
         self._buffer: deque[AuditDraft] = deque()
         # Drafts ever submitted / durable: durable ones are a prefix, since they leave the buffer in order.
@@ -195,6 +201,8 @@ class AuditWriter:
         if self._task is None or self._closing:
             raise AuditWriterClosedError("the audit writer is not running")
         clean = normalize(draft)
+        if not clean.draft_id:
+            clean = msgspec.structs.replace(clean, draft_id=f"{self._id_prefix}-{next(self._ids)}")
         scale = 1.0 + REFUSAL_RESERVE if clean.decision in REFUSALS else 1.0
         if not self._direct and self._spool.pending_bytes >= self._spool_max_bytes * scale:
             raise AuditSpoolFullError(f"the audit spool is full ({self._spool.pending_bytes} bytes)")

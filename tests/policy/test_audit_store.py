@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,12 @@ from policy.audit import (
     record_hash,
     verify_chain,
 )
-from policy.audit.records import chain
+from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
+from policy.audit.postgres import _open_pool
+from policy.audit.records import canonical_json, chain
+from policy.audit.writer import AuditWriter
 from policy.tenants import PostgresTenantStore, SqliteTenantStore, Tenant
+from registry.db.sqlite import SqliteWorker, transaction
 from tests.backends import PG_DSN, SqlBackend, postgres_schema, sql_backend
 
 Backend = SqlBackend[AuditStore]
@@ -115,6 +119,7 @@ def test_record_hash_covers_every_field_but_content() -> None:
         "detail": "x",
         "reverses": 1,
         "actor": "reviewer",
+        "draft_id": "w-1",
     }
     assert set(changed) == set(AuditDraft.__struct_fields__) - {"content"}
     for name, value in changed.items():
@@ -123,6 +128,9 @@ def test_record_hash_covers_every_field_but_content() -> None:
     assert record_hash(msgspec.structs.replace(d, stages=(RUNS[0], other_run)), 1, "") != base
     assert record_hash(d, 2, GENESIS_HASH) != base
     assert record_hash(d, 1, "a" * 64) != base
+    # A record without a draft id (written before there were any) hashes as it did then: no such key.
+    assert b"draft_id" not in canonical_json(d, 1, GENESIS_HASH)
+    assert b'"draft_id":"w-1"' in canonical_json(msgspec.structs.replace(d, draft_id="w-1"), 1, GENESIS_HASH)
 
 
 def test_verify_chain_finds_the_first_bad_record() -> None:
@@ -254,6 +262,113 @@ async def test_append_assigns_seq_per_tenant(store: AuditStore) -> None:
     assert (await store.verify("nobody")) == ChainReport(ok=True, checked=0)
 
 
+async def test_a_draft_appended_again_is_recorded_once(store: AuditStore) -> None:
+    a, b, c = (draft(n=i, draft_id=f"w-{i}") for i in range(3))
+    first = await store.append([a, b])
+    # Appended again (a replayed batch, a retry after a lost reply) beside a new draft: the records
+    # already made come back, and only the new draft extends the chain.
+    again = await store.append([b, c, a, draft("beta", 0, draft_id="w-0")])
+    assert (again[0], again[2]) == (first[1], first[0])
+    assert (again[1].seq, again[1].prev_hash, again[1].draft_id) == (3, first[1].hash, "w-2")
+    assert (again[3].tenant, again[3].seq) == ("beta", 1)  # the id is the tenant's: another chain's is new
+    # A batch of nothing new moves no head; the same draft twice in one batch is one record.
+    assert await store.append([a, c]) == [first[0], again[1]]
+    d = draft(n=3, draft_id="w-3")
+    twice = await store.append([d, d])
+    assert twice[0] == twice[1]
+    assert twice[0].seq == 4
+    # Drafts without an id are never taken for one another.
+    assert [r.seq for r in await store.append([draft(n=9), draft(n=9)])] == [5, 6]
+    for record in [*first, *again, twice[0]]:
+        assert await store.get(record.tenant, record.seq) == record
+    report = await store.verify("acme")
+    assert (report.ok, report.checked, report.last_seq) == (True, 6, 6)
+    assert (await store.verify("beta")).ok
+
+
+async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: Backend) -> None:
+    """A database at migration 2 (no draft_id column) with records in it: opening the store migrates it,
+    the old records read back and verify, and new ones chain after them."""
+    old = chained([draft(n=i) for i in range(3)])
+    columns = ", ".join(RECORD_FIELDS[:-1])
+    rows = [record_row(record)[:-1] for record in old]
+    head = (old[-1].tenant, old[-1].seq, old[-1].hash)
+    if backend.name == "sqlite":
+        db = await SqliteWorker.open(
+            backend.location, migrations=MIGRATIONS[:2], table=MIGRATIONS_TABLE, foreign_keys=False
+        )
+
+        def write(conn: Any) -> None:
+            with transaction(conn):
+                marks = ", ".join("?" for _ in rows[0])
+                conn.executemany(f"INSERT INTO audit_records ({columns}) VALUES ({marks})", rows)
+                conn.execute("INSERT INTO audit_heads (tenant, seq, hash) VALUES (?, ?, ?)", head)
+
+        await db.run(write)
+        await db.close()
+    else:
+        pool = await _open_pool(
+            PG_DSN, schema=backend.location, migrations=MIGRATIONS[:2], min_size=1, max_size=1
+        )
+        marks = ", ".join(f"${i}" for i in range(1, len(rows[0]) + 1))
+        async with pool.acquire() as conn:
+            await conn.executemany(f"INSERT INTO audit_records ({columns}) VALUES ({marks})", rows)
+            await conn.execute("INSERT INTO audit_heads (tenant, seq, hash) VALUES ($1, $2, $3)", *head)
+        await pool.close()
+    store = await backend.open()
+    versions = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
+    assert [row[0] for row in versions] == [1, 2, 3]
+    assert [await store.get("acme", seq) for seq in (1, 2, 3)] == old
+    [new] = await store.append([draft(n=5, draft_id="w-5")])
+    assert (new.seq, new.prev_hash) == (4, old[-1].hash)
+    assert await store.append([draft(n=5, draft_id="w-5")]) == [new]
+    report = await store.verify("acme")
+    assert (report.ok, report.checked) == (True, 4)
+    # The upgraded triggers cover the new column too.
+    with pytest.raises(APPEND_ONLY, match="append-only"):
+        await backend.raw("UPDATE {schema}.audit_records SET draft_id = 'forged' WHERE seq = 4")
+
+
+async def test_a_writer_whose_appends_lost_their_replies_records_each_draft_once(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """Every other append commits and then reports a failure (its reply lost): the writer spools that batch
+    and replays it, and the store records each draft once, in order."""
+    real = await backend.open()
+
+    class LostReplies:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+            self.calls += 1
+            records = await real.append(drafts)
+            if self.calls % 2:
+                raise AuditUnavailableError("the reply was lost")
+            return records
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    async def no_wait(_: float) -> None:
+        await asyncio.sleep(0)
+
+    writer = AuditWriter(LostReplies(), tmp_path / "spool", clock=lambda: 0.0, batch_size=10, sleep=no_wait)
+    await writer.start()
+    drafts = [draft(n=i) for i in range(45)]
+    for d in drafts:
+        writer.submit(d)
+    await writer.record(draft(n=45))  # durable: in the store, or in the spool (then replayed)
+    async with asyncio.timeout(120):
+        while writer.state().spooled_bytes or writer.state().buffered:  # noqa: ASYNC110 - the spool's threads
+            await asyncio.sleep(0.001)
+    await writer.close()
+    records = await real.query(AuditQuery(tenant="acme", limit=1000))
+    assert [r.request_id for r in records] == [d.request_id for d in drafts] + ["req-acme-45"]
+    assert len({r.draft_id for r in records}) == 46
+    assert (await real.verify("acme")).ok
+
+
 async def test_an_invalid_draft_writes_nothing(store: AuditStore) -> None:
     with pytest.raises(InvalidDraftError):
         await store.append([draft(n=0), draft(n=1, content_hash="0" * 64)])
@@ -312,6 +427,7 @@ async def test_triggers_refuse_updates_and_deletes(backend: Backend, store: Audi
         "UPDATE {schema}.audit_records SET content = 'other'",
         "UPDATE {schema}.audit_records SET content = NULL, detail = 'x'",
         "UPDATE {schema}.audit_records SET seq = seq + 10",
+        "UPDATE {schema}.audit_records SET draft_id = 'forged'",
         "DELETE FROM {schema}.audit_records WHERE seq = 2",
         "DELETE FROM {schema}.audit_heads",
         "UPDATE {schema}.audit_heads SET seq = 1",
@@ -438,7 +554,7 @@ async def test_migrations_are_idempotent_and_share_the_tenant_database(backend: 
     second = await backend.open()
     assert await second.get("acme", 1) == await first.get("acme", 1)
     rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2]
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2, 3]
     # The tenant store lives beside it, in the same file or schema, with its own migrations.
     if backend.name == "sqlite":
         tenants: Any = await SqliteTenantStore.open(backend.location)
