@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 import redis.asyncio
 
-from policy.quota.base import QuotaStore
+from policy.quota.base import BucketSpec, QuotaStore, Reservation
 from policy.quota.memory import MemoryQuotaStore
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.base import TenantStore
@@ -43,6 +43,31 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         """Move time forward."""
         self.now += seconds
+
+
+class WrappedQuotaStore:
+    """A QuotaStore that passes every call to `inner`: tests subclass it to count or fail some calls."""
+
+    def __init__(self, inner: QuotaStore) -> None:
+        self.inner = inner
+
+    async def reserve(
+        self,
+        buckets: Sequence[BucketSpec],
+        amounts: Sequence[float],
+        now: float,
+        reservation_id: str | None = None,
+    ) -> Reservation:
+        return await self.inner.reserve(buckets, amounts, now, reservation_id)
+
+    async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
+        return await self.inner.reconcile(reservation, actual, now)
+
+    async def levels(self, buckets: Sequence[BucketSpec], now: float) -> tuple[float, ...]:
+        return await self.inner.levels(buckets, now)
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 class Backends:

@@ -32,7 +32,7 @@ from policy.quota import (
 )
 from policy.quota.meter import QuotaMeter
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
-from tests.backends import FakeClock, redis_quota
+from tests.backends import FakeClock, WrappedQuotaStore, redis_quota
 from tests.conftest import MODEL, Tenancy, add_key, make_config, serving
 
 # No refill: every level below is exact arithmetic on what was granted and used.
@@ -44,11 +44,11 @@ ASK = (1.0, 100.0)
 POLICY = LeasePolicy(requests=4, fraction=0.1, seconds=1.0, floor=0.25)
 
 
-class Shared:
+class Shared(WrappedQuotaStore):
     """The shared store, counting the reserves that reach it and failing every call while `down`."""
 
     def __init__(self, inner: QuotaStore) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.reserves = 0
         self.down = False
 
@@ -62,15 +62,12 @@ class Shared:
         self.reserves += 1
         if self.down:
             raise QuotaBackendError("down")
-        return await self.inner.reserve(buckets, amounts, now, reservation_id)
+        return await super().reserve(buckets, amounts, now, reservation_id)
 
     async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
         if self.down:
             raise QuotaBackendError("down")
-        return await self.inner.reconcile(reservation, actual, now)
-
-    async def levels(self, buckets: Sequence[BucketSpec], now: float) -> tuple[float, ...]:
-        return await self.inner.levels(buckets, now)
+        return await super().reconcile(reservation, actual, now)
 
     async def close(self) -> None:
         """Left open: the fixture closes the store under it."""

@@ -24,7 +24,7 @@ from policy.quota import (
 )
 from policy.quota.meter import QuotaMeter, QuotaUnavailableError, applicable
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
-from tests.backends import FakeClock, redis_quota
+from tests.backends import FakeClock, WrappedQuotaStore, redis_quota
 
 A = BucketSpec(key="{t}:a", capacity=100.0, rate=10.0)
 LIMITS = Limits(requests_per_second=1, request_burst=10, tokens_per_second=1, token_burst=1_000)
@@ -46,35 +46,20 @@ class Sleeps:
         self.delays.append(seconds)
 
 
-class Flaky:
+class Flaky(WrappedQuotaStore):
     """A store whose reconcile fails `failures` times (backend error, or busy pool) before it works."""
 
     def __init__(self, inner: QuotaStore, failures: int, busy: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.failures = failures
         self.busy = busy
         self.calls = 0
-
-    async def reserve(
-        self,
-        buckets: Sequence[BucketSpec],
-        amounts: Sequence[float],
-        now: float,
-        reservation_id: str | None = None,
-    ) -> Reservation:
-        return await self.inner.reserve(buckets, amounts, now, reservation_id)
 
     async def reconcile(self, reservation: Reservation, actual: Sequence[float], now: float) -> bool:
         self.calls += 1
         if self.calls <= self.failures:
             raise QuotaBusyError("busy") if self.busy else QuotaBackendError("down")
-        return await self.inner.reconcile(reservation, actual, now)
-
-    async def levels(self, buckets: Sequence[BucketSpec], now: float) -> tuple[float, ...]:
-        return await self.inner.levels(buckets, now)
-
-    async def close(self) -> None:
-        await self.inner.close()
+        return await super().reconcile(reservation, actual, now)
 
 
 class LostReply(Flaky):
