@@ -4,8 +4,9 @@ grants that key's requests from it in process, without a round trip.
 `LeasedQuotaStore` wraps a shared store (Redis). A lease is an ordinary reservation on the shared store, of
 `requests` requests' worth (at the key's recent mean ask), at most `fraction` of any bucket's capacity, under
 an id of its own. Requests draw on it in this process; their settlements refund into it or take their overrun
-from it; a lease is drawn on for `seconds` at most, and once the requests drawn on it have all settled it is
-settled on the shared store with what they used (its unused part refunded). A new lease is taken in the
+from it; a lease is drawn on for `seconds` at most (less once it cannot fit a typical ask: spent), and once
+the requests drawn on it have all settled it is settled on the shared store with what they used (its unused
+part refunded). A new lease is taken in the
 background when the current one holds less than half of a lease, so a steady stream of requests never waits
 for the shared store; a request that finds no room waits for the lease being taken (one round trip, as
 without leases; if the store fails it, with the same error), or, where no lease may be taken, reserves on
@@ -88,6 +89,14 @@ class _Lease:
 
     def fits(self, amounts: Sequence[float]) -> bool:
         return all(left >= amount for left, amount in zip(self.left, amounts, strict=True))
+
+    def spent(self, mean: Sequence[float]) -> bool:
+        """Whether it cannot fit a typical ask: the key's mean ask, or all it was leased where that is
+        less."""
+        return any(
+            left < min(typical, leased)
+            for left, typical, leased in zip(self.left, mean, self.reservation.amounts, strict=True)
+        )
 
     def used(self) -> list[float]:
         """What the shared store is to keep: the lease less what is left (more than leased after an
@@ -196,7 +205,10 @@ class LeasedQuotaStore:
     def _draw(
         self, key: _Key, spec: tuple[BucketSpec, ...], amounts: Sequence[float], rid: str
     ) -> Reservation | None:
-        """Debit the oldest open lease with room, or None."""
+        """Debit the oldest open lease with room, or None. Spent leases are retired on the way: at a high
+        rate a second's leases would otherwise pile up, each scanned by every request."""
+        while key.leases and key.leases[0].spent(key.mean):
+            self._retire(key.leases[0])
         for lease in key.leases:
             if lease.fits(amounts):
                 break
@@ -329,6 +341,9 @@ class LeasedQuotaStore:
             self._retire(self._open.popleft())
 
     def _retire(self, lease: _Lease) -> None:
+        """Stop drawing on `lease` (spent, expired or returned); settle it once no request draws on it."""
+        if not lease.open:  # spent before it expired: still in `_open` until then
+            return
         lease.open = False
         lease.owner.leases.remove(lease)
         if lease.draws == 0:

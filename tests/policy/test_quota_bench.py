@@ -8,7 +8,12 @@ import pytest
 
 from ops.bench import quota
 
-NAMES = ("redis INCR (baseline)", "memory reserve+reconcile", "redis reserve+reconcile")
+NAMES = (
+    "redis INCR (baseline)",
+    "memory reserve+reconcile",
+    "redis reserve+reconcile",
+    "leased reserve+reconcile",
+)
 
 
 def test_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:

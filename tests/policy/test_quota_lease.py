@@ -123,6 +123,29 @@ async def test_settlement_is_once_and_ids_are_the_callers(shared: Shared) -> Non
     assert await shared.levels(BUCKETS, clock()) == (99.0, 10_000.0)
 
 
+async def test_spent_leases_are_settled_before_their_time(shared: Shared) -> None:
+    """At a high rate (here no time passes at all) a lease runs out of requests long before `seconds`: it
+    is retired then, and settled on the shared store once its requests are, not kept to its time."""
+    clock = FakeClock()
+    store = leased(shared, clock)
+    for _ in range(40):
+        granted = await store.reserve(BUCKETS, ASK, clock())
+        assert await store.reconcile(granted, (1.0, 30.0), clock())
+        await store.taken()
+    taken = store.counters["lease_taken"]
+    assert taken >= 10
+    async with asyncio.timeout(60):  # the settlements run in tasks (Redis: real round trips)
+        while store.counters["settled"] < taken - 2:  # noqa: ASYNC110 - polling the settler's tasks
+            await asyncio.sleep(0.001)
+    # Every lease but the one drawn on now (and the next, maybe taken already) is settled: the shared
+    # store keeps what the requests used (30 tokens each), not the 400 tokens of each lease.
+    [requests, tokens] = await shared.levels(BUCKETS, clock())
+    assert tokens >= 10_000 - 40 * 30 - 2 * 400
+    assert requests >= 100 - 40 - 2 * 4
+    assert await store.levels(BUCKETS, clock()) == (60.0, 10_000.0 - 40 * 30)
+    await store.close()
+
+
 async def test_a_lease_is_returned_once_its_time_is_up_and_its_requests_settled(shared: Shared) -> None:
     clock = FakeClock()
     store = leased(shared, clock)
