@@ -6,11 +6,10 @@ grants that key's requests from it in process, without a round trip.
 an id of its own. Requests draw on it in this process; their settlements refund into it or take their overrun
 from it; a lease is drawn on for `seconds` at most (less once it cannot fit a typical ask: spent), and once
 the requests drawn on it have all settled it is settled on the shared store with what they used (its unused
-part refunded). A new lease is taken in the
-background when the current one holds less than half of a lease, so a steady stream of requests never waits
-for the shared store; a request that finds no room waits for the lease being taken (one round trip, as
-without leases; if the store fails it, with the same error), or, where no lease may be taken, reserves on
-its own.
+part refunded). A new lease is taken in the background when the current one holds less than half of a lease,
+so a steady stream of requests never waits for the shared store; a request that finds no room waits for the
+lease being taken (one round trip, as without leases; if the store fails it, with the same error), or, where
+no lease may be taken, reserves on its own.
 
 What this trades for the round trip, per bucket of capacity C and refill rate R:
 - Never more than the shared store grants: a lease's tokens are debited there before anything is drawn on
