@@ -179,18 +179,16 @@ class LeasedQuotaStore:
             key = self._keys[spec] = _Key(spec, amounts)
         else:
             key.mean = [0.9 * mean + 0.1 * amount for mean, amount in zip(key.mean, amounts, strict=True)]
-        granted = self._draw(key, spec, amounts, rid)
+        granted = self._draw(key, spec, amounts, rid, now)
         if granted is None and self._may_lease(key, spec, amounts, now):
             await asyncio.shield(self._take(key, spec, amounts, now))
-            granted = self._draw(key, spec, amounts, rid)
+            granted = self._draw(key, spec, amounts, rid, now)
             if granted is None and key.failure is not None:
                 # The store just failed the lease: the request fails alike at once (the meter's fail mode
                 # decides) rather than waiting for the same failure a second time.
                 raise type(key.failure)(str(key.failure)) from key.failure
         if granted is not None:
             self.counters["lease_grants"] += 1
-            if self._wants_more(key, spec, now):
-                self._take(key, spec, amounts, now)
             return granted
         self.counters["lease_misses"] += 1
         try:
@@ -202,10 +200,11 @@ class LeasedQuotaStore:
         return reservation
 
     def _draw(
-        self, key: _Key, spec: tuple[BucketSpec, ...], amounts: Sequence[float], rid: str
+        self, key: _Key, spec: tuple[BucketSpec, ...], amounts: Sequence[float], rid: str, now: float
     ) -> Reservation | None:
-        """Debit the oldest open lease with room, or None. Spent leases are retired on the way: at a high
-        rate a second's leases would otherwise pile up, each scanned by every request."""
+        """Debit the oldest open lease with room, or None; take the next lease in the background when what
+        is left falls below half a lease. Spent leases are retired on the way: at a high rate a second's
+        leases would otherwise pile up, each scanned by every request."""
         while key.leases and key.leases[0].spent(key.mean):
             self._retire(key.leases[0])
         for lease in key.leases:
@@ -224,6 +223,8 @@ class LeasedQuotaStore:
             levels=tuple(seen + mine for seen, mine in zip(key.seen, left, strict=True)),
         )
         self._granted[rid] = (lease, reservation)
+        if self._wants_more(key, spec, now, left):
+            self._take(key, spec, amounts, now)
         return reservation
 
     def _size(self, key: _Key, spec: Sequence[BucketSpec], amounts: Sequence[float]) -> list[float] | None:
@@ -252,14 +253,14 @@ class LeasedQuotaStore:
         floor = self.policy.floor
         return all(seen >= bucket.capacity * floor for seen, bucket in zip(key.seen, spec, strict=True))
 
-    def _wants_more(self, key: _Key, spec: Sequence[BucketSpec], now: float) -> bool:
-        """Whether what the key's leases hold fell below half a lease (and another may be taken)."""
+    def _wants_more(self, key: _Key, spec: Sequence[BucketSpec], now: float, left: Sequence[float]) -> bool:
+        """Whether what the key's leases hold (`left`) fell below half a lease (and another may be taken)."""
         if key.taking is not None or now < key.quiet_until:
             return False
         size = self._size(key, spec, key.mean)
         if size is None:
             return False
-        low = any(left < want / 2 for left, want in zip(key.left(), size, strict=True))
+        low = any(held < want / 2 for held, want in zip(left, size, strict=True))
         return low and self._above_floor(key, spec)
 
     def _take(
