@@ -22,6 +22,7 @@ API included): 503 `store_unavailable`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,18 @@ from gateway.observe.timeline import note_error
 from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
 
 log = logging.getLogger("lockgate.errors")
+
+
+def retry_after_headers(seconds: float, *, exact: bool = False) -> dict[str, str]:
+    """The headers of a refusal that may succeed in `seconds`: `Retry-After` in whole seconds (HTTP's unit),
+    rounded up, at least 1. `exact`: the wait is known to the millisecond (a quota bucket's refill), so
+    `retry-after-ms` says it too; the openai SDKs prefer it, so their automatic retry of a request that fits
+    again in 0.12 s waits 0.12 s, not a whole second. Estimates (a queue's wait, an engine's restart) stay in
+    whole seconds: clients told the same millisecond would come back together."""
+    headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
+    if exact:
+        headers["retry-after-ms"] = str(max(1, math.ceil(seconds * 1000)))
+    return headers
 
 
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,7 +153,7 @@ class StoreUnavailableError(APIError):
     error_type = "service_unavailable"
 
     def __init__(self, message: str, *, retry_after: int, code: str = "store_unavailable") -> None:
-        super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
+        super().__init__(message, code=code, headers=retry_after_headers(retry_after))
 
 
 class EngineFailedError(APIError):

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from engines.base import EngineDelta, EngineRequest
-from gateway.errors import APIError, InvalidRequestError
+from gateway.errors import APIError, InvalidRequestError, retry_after_headers
 from gateway.generation.flow import ClientWatch
 from gateway.generation.planning import Plan
 from gateway.inbound import Inbound
@@ -45,7 +45,7 @@ class AdmissionAPIError(APIError):
     error_type = "service_unavailable"
 
     def __init__(self, status: int, message: str, *, code: str, retry_after: float | None) -> None:
-        headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        headers = {} if retry_after is None else retry_after_headers(retry_after)
         super().__init__(message, code=code, headers=headers)
         self.status_code = status
         if status == 429:

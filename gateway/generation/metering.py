@@ -6,9 +6,7 @@ connection of our own pool stayed busy past `quota.pool_timeout` (gateway overlo
 
 from __future__ import annotations
 
-import math
-
-from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimitedError
+from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimitedError, retry_after_headers
 from gateway.generation.planning import Plan
 from policy.auth import Principal
 from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
@@ -33,7 +31,7 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
         spec = meter.buckets_for(principal.tenant, principal.key)
         # A bucket that never refills (rate 0) waits forever; say a day rather than overflow.
         wait = min(exc.retry_after, 86_400.0)
-        headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+        headers = retry_after_headers(wait, exact=True)
         headers.update(rate_limit_headers(spec, exc.levels))
         name = _bucket_name(spec, exc.bucket)
         raise RateLimitedError(
@@ -52,13 +50,13 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
         ) from exc
     except QuotaUnavailableError as exc:
         raise EngineUnavailableError(
-            str(exc), code="quota_unavailable", headers={"Retry-After": "1"}
+            str(exc), code="quota_unavailable", headers=retry_after_headers(1)
         ) from exc
     except QuotaBusyError as exc:
         raise EngineUnavailableError(
             "the gateway is overloaded (quota checks are queued); retry shortly",
             code="quota_busy",
-            headers={"Retry-After": "1"},
+            headers=retry_after_headers(1),
         ) from exc
 
 

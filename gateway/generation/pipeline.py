@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -41,6 +40,7 @@ from gateway.errors import (
     EngineFailedError,
     EngineUnavailableError,
     InvalidRequestError,
+    retry_after_headers,
 )
 from gateway.generation.admission import (
     QUEUE_WAIT_HEADER,
@@ -116,13 +116,13 @@ def engine_api_error(exc: EngineError) -> APIError:
         return EngineUnavailableError(
             f"the engine is at capacity: {exc}",
             code="engine_overloaded",
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+            headers=retry_after_headers(exc.retry_after or 1),
         )
     if isinstance(exc, EngineDeadError):
         return EngineUnavailableError(
             f"the engine is not available: {exc}",
             code="engine_unavailable",
-            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after or 1)))},
+            headers=retry_after_headers(exc.retry_after or 1),
         )
     if isinstance(exc, EngineRequestError):
         return EngineFailedError(f"the engine failed this request: {exc}", code="engine_error")
@@ -137,7 +137,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
             f"the safety guard for {decision.category or 'this policy'} is unavailable and the policy "
             "fails closed; retry later",
             code="guard_unavailable",
-            headers={**headers, "Retry-After": _retry_after(decision)},
+            headers={**headers, **_retry_after(decision)},
         )
     category = f" (category {decision.category})" if decision.category else ""
     return InvalidRequestError(
@@ -148,11 +148,11 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
     )
 
 
-def _retry_after(decision: GuardDecision) -> str:
-    """Retry-After (whole seconds, at least 1) of a refusal: until its failed stages may go ahead again
-    (`StageRun.retry_after`: an overloaded guard's queued work short enough, an open breaker's next probe)."""
+def _retry_after(decision: GuardDecision) -> dict[str, str]:
+    """Retry-After of a refusal: until its failed stages may go ahead again (`StageRun.retry_after`: an
+    overloaded guard's queued work short enough, an open breaker's next probe)."""
     runs = decision.result.runs if decision.result is not None else ()
-    return str(max(1, math.ceil(max((run.retry_after for run in runs), default=0.0))))
+    return retry_after_headers(max((run.retry_after for run in runs), default=0.0))
 
 
 def _output_error(decision: GuardDecision) -> APIError:
@@ -160,7 +160,7 @@ def _output_error(decision: GuardDecision) -> APIError:
         return EngineUnavailableError(
             "the output guard is unavailable and the policy fails closed",
             code="guard_unavailable",
-            headers={"Retry-After": _retry_after(decision)},
+            headers=_retry_after(decision),
         )
     category = f" (category {decision.category})" if decision.category else ""
     return InvalidRequestError(

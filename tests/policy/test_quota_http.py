@@ -1,11 +1,13 @@
 """Quotas through the HTTP API, on both deployments (memory + SQLite, Redis + PostgreSQL), clock injected.
 
 Requests reserve `prompt + max_tokens` tokens and one request before they run and settle what they used when
-they end; denials are 429 with a Retry-After that is honoured; what can never fit is a 400.
+they end; denials are 429 with a Retry-After that is honoured (and `retry-after-ms`, which the openai SDK's
+automatic retry waits exactly); what can never fit is a 400.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import openai
 import pytest
 import redis.asyncio
 
@@ -141,6 +144,54 @@ async def test_denial_is_429_with_a_retry_after_that_is_honoured(gateway: Gatewa
     assert (await gateway.post(chat())).status_code == 429
     clock.advance(1)
     assert (await gateway.post(chat())).status_code == 200
+
+
+async def denied(gateway: Gateway) -> httpx.Response:
+    """The first 429 of requests sent until the tenant's token bucket runs dry."""
+    for _ in range(10):
+        if (response := await gateway.post(chat())).status_code == 429:
+            return response
+        assert response.status_code == 200
+    raise AssertionError("the token bucket never ran dry")
+
+
+class SleepOnTheClock:
+    """What the openai SDK's retry sleeps with (`anyio` in its client module): the test's clock moves by what
+    it would sleep, at once."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.slept: list[float] = []
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.clock.advance(seconds)
+
+
+async def test_a_denial_says_its_wait_to_the_millisecond_and_the_openai_sdk_retries_after_it(
+    gateway: Gateway, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    response = await denied(gateway)
+    wait_ms = int(response.headers["retry-after-ms"])
+    assert int(response.headers["Retry-After"]) == math.ceil(wait_ms / 1000)
+    # The wait rounded up to the millisecond: a millisecond less is still too early, the wait is enough.
+    clock.advance((wait_ms - 1) / 1000)
+    assert (await gateway.post(chat())).status_code == 429
+    clock.advance(0.0011)
+    assert (await gateway.post(chat())).status_code == 200
+
+    # The SDK's own retry (max_retries=1) waits what the header says, not Retry-After's whole seconds.
+    wait_ms = int((await denied(gateway)).headers["retry-after-ms"])
+    sleeps = SleepOnTheClock(clock)
+    monkeypatch.setattr("openai._base_client.anyio", sleeps)
+    async with openai.AsyncOpenAI(
+        base_url=f"{gateway.http.base_url}/v1", api_key=gateway.key, max_retries=1
+    ) as sdk:
+        completion = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION[0]["content"]}], max_tokens=20
+        )
+    assert completion.choices[0].message.content
+    assert sleeps.slept == [wait_ms / 1000]
 
 
 async def test_a_request_that_can_never_fit_is_a_400_not_an_endless_429(gateway: Gateway) -> None:
