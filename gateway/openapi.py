@@ -111,8 +111,9 @@ _ERRORS: Final[Mapping[int, tuple[str, ErrorBody]]] = MappingProxyType(
             ),
         ),
         429: (
-            "A quota bucket is short; `Retry-After` says in how many seconds the request fits, rounded up, and "
-            "`retry-after-ms` in milliseconds (a tenant's own backlog, `queue_full`: `Retry-After` only).",
+            "A quota bucket is short; `Retry-After` says in how many seconds the request fits, rounded "
+            "up, and `retry-after-ms` in milliseconds (a tenant's own backlog, `queue_full`: `Retry-After` "
+            "only).",
             ErrorBody(
                 message="rate limit reached on `tenant.tokens`; this request fits again in 1.50 s",
                 type="rate_limit_exceeded",

@@ -53,6 +53,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Unfreeze for the interpreter's exit (frozen objects outlive its finalization, and triton's extension
+    module would report them as leaked: a screenful of lines after the summary)."""
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The prepared default model (built once if missing; offline)."""

@@ -140,6 +140,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
             batches.append((time.process_time() - cpu) / len(batch))
         if args.callgrind:
             _callgrind("off")
+        gc.unfreeze()  # for the interpreter's exit (frozen objects outlive it: triton then reports leaks)
         if failed:  # the cost of failing requests is not the hot path's
             raise RuntimeError(f"{failed} of {len(measured)} requests were not answered 200")
         return batches
