@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -10,7 +9,7 @@ import msgspec
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, HTTPResponseStartEvent, Message, Receive, Scope, Send
 
-from gateway.errors import ErrorBody, ErrorResponse
+from gateway.errors import ErrorBody, ErrorResponse, retry_after_headers
 from gateway.overload.config import OverloadConfig
 from gateway.overload.cpu import CpuShedder
 from gateway.overload.lag import LoopLagMonitor
@@ -50,7 +49,7 @@ class OverloadGate:
             self.use_cpu_signal(cpu)
         self.in_flight = 0
         self.shed: dict[ShedReason, int] = {"concurrency": 0, "cpu": 0, "in_flight": 0, "loop_lag": 0}
-        retry = str(max(1, math.ceil(config.retry_after))).encode()
+        retry = retry_after_headers(config.retry_after)["Retry-After"].encode()
         # Each reason's answer, built once: a refusal is two sends.
         self._refusals = {reason: _refusal(why, retry) for reason, why in _REFUSALS.items()}
 
