@@ -69,6 +69,9 @@ class BucketSet(msgspec.Struct, frozen=True, kw_only=True):
     counts_tokens: tuple[bool, ...]
     # The `RateLimit-Policy` header's value ("" without buckets).
     policy: str
+    # OpenAI's headers, per kind of bucket present: the three header names (`x-ratelimit-limit-requests`,
+    # `...-remaining-...`, `...-reset-...`) and the indices of that kind's buckets (`rate_limit_headers`).
+    openai_kinds: tuple[tuple[tuple[str, str, str], tuple[int, ...]], ...] = ()
 
 
 class Charge(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,8 +124,17 @@ def bucket_set(tenant: Tenant, key: ApiKey) -> BucketSet:
         f'"{name}";q={math.floor(bucket.capacity)};w={_refill_window(bucket)}'
         for name, bucket in zip(names, buckets, strict=True)
     )
+    counts_tokens = tuple(flag for _, _, flag in spec)
+    openai_kinds = tuple(
+        (
+            (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}"),
+            indices,
+        )
+        for kind, tokens in (("requests", False), ("tokens", True))
+        if (indices := tuple(i for i, flag in enumerate(counts_tokens) if flag is tokens))
+    )
     return BucketSet(
-        names=names, buckets=buckets, counts_tokens=tuple(flag for _, _, flag in spec), policy=policy
+        names=names, buckets=buckets, counts_tokens=counts_tokens, policy=policy, openai_kinds=openai_kinds
     )
 
 
@@ -248,15 +260,45 @@ class QuotaMeter:
 
 
 def rate_limit_headers(spec: BucketSet, levels: tuple[float, ...]) -> dict[str, str]:
-    """`RateLimit-Policy` and `RateLimit` (IETF httpapi ratelimit-headers draft) for token buckets.
+    """`RateLimit-Policy` and `RateLimit` (IETF httpapi ratelimit-headers draft) for token buckets, and
+    OpenAI's `x-ratelimit-*` headers, which clients written against OpenAI read (LiteLLM's router, the
+    cookbook's throttlers).
 
     Policy: `q` = burst capacity, `w` = seconds to refill from empty. Current: `r` = what is left now, `t` =
-    seconds until the bucket is full again."""
+    seconds until the bucket is full again. OpenAI's, per kind (requests, tokens), from the bucket of that
+    kind with the least left (the tenant's or the key's): `limit` its capacity, `remaining` what is left,
+    `reset` the time until it is full again (Go's duration format, as OpenAI sends it: `20ms`, `1s`,
+    `6m0s`)."""
     if not spec.names:
         return {}
     current = []
+    until_full = []
     for name, bucket, level in zip(spec.names, spec.buckets, levels, strict=True):
-        left = max(0.0, level)
-        reset = math.ceil((bucket.capacity - level) / bucket.rate) if bucket.rate > 0 else 0
-        current.append(f'"{name}";r={math.floor(left)};t={max(0, reset)}')
-    return {"RateLimit-Policy": spec.policy, "RateLimit": ", ".join(current)}
+        full_in = (bucket.capacity - level) / bucket.rate if bucket.rate > 0 else 0.0
+        until_full.append(full_in)
+        current.append(f'"{name}";r={math.floor(max(0.0, level))};t={max(0, math.ceil(full_in))}')
+    headers = {"RateLimit-Policy": spec.policy, "RateLimit": ", ".join(current)}
+    for (limit, remaining, reset), indices in spec.openai_kinds:
+        i = indices[0] if len(indices) == 1 else min(indices, key=levels.__getitem__)
+        headers[limit] = str(math.floor(spec.buckets[i].capacity))
+        headers[remaining] = str(math.floor(max(0.0, levels[i])))
+        headers[reset] = go_duration(until_full[i])
+    return headers
+
+
+def go_duration(seconds: float) -> str:
+    """`seconds`, rounded up to the millisecond, as Go prints a duration: `0s`, `20ms`, `1.5s`, `6m0s`."""
+    ms = max(0, math.ceil(seconds * 1000))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    whole, fraction = divmod(ms, 1000)
+    text = f"{whole}.{fraction:03d}".rstrip("0").rstrip(".") + "s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return text

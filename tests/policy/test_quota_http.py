@@ -116,6 +116,12 @@ async def test_successful_answers_carry_ratelimit_headers_that_go_down(gateway: 
     assert remaining(first, "tenant-tokens") == int(TOKEN_BURST - used)
     assert remaining(second, "tenant-tokens") == int(TOKEN_BURST - 2 * used)
     assert remaining(second, "tenant-requests") == remaining(first, "tenant-requests") - 1
+    # OpenAI's headers say the same (the tenant's buckets are the only ones here).
+    assert first.headers["x-ratelimit-limit-tokens"] == str(int(TOKEN_BURST))
+    assert first.headers["x-ratelimit-limit-requests"] == "10"
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) == remaining(second, "tenant-tokens")
+    assert int(second.headers["x-ratelimit-remaining-requests"]) == remaining(second, "tenant-requests")
+    assert second.headers["x-ratelimit-reset-tokens"] == f"{2 * used / TOKENS_PER_S:g}s"
 
 
 async def test_denial_is_429_with_a_retry_after_that_is_honoured(gateway: Gateway, clock: FakeClock) -> None:
