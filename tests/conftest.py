@@ -53,15 +53,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Unfreeze for the interpreter's exit (frozen objects outlive its finalization, and triton's extension
-    module would report them as leaked: a screenful of lines after the summary), and collect what is garbage
-    now, while the modules are whole (an engine client collected during finalization fails in its
-    `__del__`)."""
-    gc.unfreeze()
-    gc.collect()
-
-
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The prepared default model (built once if missing; offline)."""
