@@ -52,6 +52,8 @@ class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Omitted or null leaves it as it is (as for every field here).
     content_retention_days: float | None = None
     max_priority: PriorityClass | None = None
+    # A registry prompt alias or `name@version`; "" removes the tenant's system prompt.
+    system_prompt: str | None = None
 
 
 class KeyCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +63,10 @@ class KeyCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     label: str = ""
     # Lifetime in seconds from now; None = no expiry.
     expires_in: float | None = None
+    # Operator administrators only: the registry prompt this key's chat requests get instead of the tenant's,
+    # and whether the key's own system and developer messages are trusted instructions.
+    system_prompt: str | None = None
+    trusted_instructions: bool = False
 
 
 class KeyCreated(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +79,8 @@ class KeyCreated(msgspec.Struct, frozen=True, kw_only=True):
     label: str
     created_at: float
     expires_at: float | None
+    system_prompt: str | None = None
+    trusted_instructions: bool = False
 
 
 # The store sets created_at; a value sent for it is ignored.
@@ -117,6 +125,18 @@ def _check_policy(services: Services, policy: str) -> None:
     except RegistryError as exc:
         raise InvalidRequestError(
             f"policy `{policy}` does not resolve: {exc}", param="policy", code="unknown_policy"
+        ) from exc
+
+
+def _check_prompt(services: Services, prompt: str | None) -> None:
+    """A system prompt binding is a registry prompt alias or a pinned `name@version` that resolves."""
+    if prompt is None:
+        return
+    try:
+        services.registry.view.resolve_prompt(prompt, request_id="")
+    except RegistryError as exc:
+        raise InvalidRequestError(
+            f"system_prompt `{prompt}` does not resolve: {exc}", param="system_prompt", code="unknown_prompt"
         ) from exc
 
 
@@ -167,6 +187,7 @@ async def create_tenant(
     tenant = _tenant_create.decode(await read_body(request))
     _check_tenant(tenant)
     _check_policy(services, tenant.policy)
+    _check_prompt(services, tenant.system_prompt)
     return await _store(
         services.tenants.create_tenant(tenant, actor=principal.key.key_id, now=services.clock())
     )
@@ -200,6 +221,7 @@ async def _update(
     updated = msgspec.structs.replace(current, **changes)
     _check_tenant(updated)
     _check_policy(services, updated.policy)
+    _check_prompt(services, updated.system_prompt)
     result = await _store(
         services.tenants.update_tenant(updated, actor=principal.key.key_id, now=services.clock())
     )
@@ -222,6 +244,8 @@ async def update_tenant(
     """Change any of a tenant's fields but its id and created_at (operator administrators only)."""
     body = _tenant_update.decode(await read_body(request))
     changes = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
+    if body.system_prompt == "":
+        changes["system_prompt"] = None
     return await _update(services, principal, tenant_id, changes)
 
 
@@ -279,6 +303,13 @@ async def create_key(
         raise PermissionDeniedError("a key may not be given roles its creator lacks", code="role_escalation")
     if body.expires_in is not None and body.expires_in <= 0:
         raise InvalidRequestError("expires_in must be > 0 seconds", param="expires_in", code="invalid_value")
+    if (body.trusted_instructions or body.system_prompt is not None) and not principal.is_operator_admin:
+        # What the guard trusts is the operator's to decide, never a tenant's own.
+        field = "trusted_instructions" if body.trusted_instructions else "system_prompt"
+        raise PermissionDeniedError(
+            f"only an operator administrator may set {field} on a key", param=field, code="operator_only"
+        )
+    _check_prompt(services, body.system_prompt)
     now = services.clock()
     plaintext, key_id, secret_hash = keys.new_key()
     key = ApiKey(
@@ -288,6 +319,8 @@ async def create_key(
         label=body.label,
         created_at=now,
         expires_at=None if body.expires_in is None else now + body.expires_in,
+        system_prompt=body.system_prompt,
+        trusted_instructions=body.trusted_instructions,
     )
     stored = await _store(services.tenants.add_key(key, secret_hash, actor=principal.key.key_id, now=now))
     return KeyCreated(
@@ -298,6 +331,8 @@ async def create_key(
         label=stored.label,
         created_at=stored.created_at,
         expires_at=stored.expires_at,
+        system_prompt=stored.system_prompt,
+        trusted_instructions=stored.trusted_instructions,
     )
 
 

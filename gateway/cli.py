@@ -193,7 +193,9 @@ async def _register_guards(config: Config, guards_dir: Path, model_dir: Path) ->
         await store.close()
 
 
-async def _create_key(config: Config, tenant_id: str, roles: tuple[Role, ...], label: str) -> str:
+async def _create_key(
+    config: Config, tenant_id: str, roles: tuple[Role, ...], label: str, trusted_instructions: bool = False
+) -> str:
     from gateway.app import open_tenant_store
     from policy.tenants import keys
     from policy.tenants.base import NotFoundError
@@ -209,7 +211,14 @@ async def _create_key(config: Config, tenant_id: str, roles: tuple[Role, ...], l
                 Tenant(tenant_id=tenant_id, display_name=tenant_id), actor="bootstrap", now=now
             )
         plaintext, key_id, secret_hash = keys.new_key()
-        key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles, label=label, created_at=now)
+        key = ApiKey(
+            key_id=key_id,
+            tenant_id=tenant_id,
+            roles=roles,
+            label=label,
+            created_at=now,
+            trusted_instructions=trusted_instructions,
+        )
         await store.add_key(key, secret_hash, actor="bootstrap", now=now)
         return plaintext
     finally:
@@ -218,7 +227,7 @@ async def _create_key(config: Config, tenant_id: str, roles: tuple[Role, ...], l
 
 def _admin_create_key(config: Config, args: argparse.Namespace) -> int:
     roles = tuple(dict.fromkeys(args.role or ["policy_admin"]))
-    plaintext = asyncio.run(_create_key(config, args.tenant, roles, args.label))
+    plaintext = asyncio.run(_create_key(config, args.tenant, roles, args.label, args.trusted_instructions))
     print(
         f"created a key for tenant {args.tenant} with roles {', '.join(roles)}; it is shown only now:",
         file=sys.stderr,
@@ -281,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a role of the key; repeat for several (default policy_admin)",
     )
     create_key.add_argument("--label", default="", help="a label to recognise the key by")
+    create_key.add_argument(
+        "--trusted-instructions",
+        action="store_true",
+        help="the key's own system and developer messages are trusted by the guard (not scored as user text)",
+    )
     from ops.bench.load.cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(

@@ -31,7 +31,7 @@ from policy.tenants.base import TenantStore
 from registry.base import InvalidError as RegistryInvalidError
 from registry.base import NotFoundError as RegistryNotFoundError
 from registry.service import Registry
-from registry.view import ResolvedModel, ResolvedPolicy
+from registry.view import ResolvedModel, ResolvedPolicy, ResolvedPrompt
 from routing.scheduler import Scheduler
 
 DEFAULT_POOL = "default"
@@ -174,6 +174,20 @@ class Services:
             raise EngineUnavailableError(
                 f"the safety policy `{principal.tenant.policy}` of this tenant cannot be resolved: {exc}",
                 code="policy_unavailable",
+            ) from exc
+
+    def prompt_for(self, principal: Principal, request_id: str) -> ResolvedPrompt | None:
+        """The system prompt the caller's key, or else its tenant, is bound to (None: none)."""
+        binding = principal.key.system_prompt or principal.tenant.system_prompt
+        if binding is None:
+            return None
+        try:
+            return self.registry.view.resolve_prompt(binding, request_id)
+        except (RegistryNotFoundError, RegistryInvalidError) as exc:
+            # Serving without the tenant's instructions would change what the model is told: refuse instead.
+            raise EngineUnavailableError(
+                f"the system prompt `{binding}` of this key or tenant cannot be resolved: {exc}",
+                code="prompt_unavailable",
             ) from exc
 
     def settle_on_outcome(self, charge: Charge, release: Callable[[], None] | None = None) -> OutcomeSink:

@@ -1,7 +1,7 @@
 """A TOML manifest of versions and aliases, applied at start-up through the `Registry` (so validated).
 
-Each `[[tokenizer]]`, `[[chat_template]]`, `[[model]]`, `[[guard_model]]` and `[[policy]]` entry holds
-`name`, `version` and the fields of that kind's spec; `[[alias]]` holds `kind`, `name` and either
+Each `[[tokenizer]]`, `[[chat_template]]`, `[[model]]`, `[[guard_model]]`, `[[policy]]` and `[[prompt]]`
+entry holds `name`, `version` and the fields of that kind's spec; `[[alias]]` holds `kind`, `name` and either
 `version` (one target) or `targets` (a canary: `[{version, weight}, ...]`). Applying is idempotent:
 identical versions and unchanged aliases are left as they are, while changed content under an existing
 version is a ConflictError naming it. The manifest states the aliases wanted at start-up, so a restart
@@ -24,6 +24,7 @@ from registry.models import (
     Kind,
     ModelSpec,
     PolicySpec,
+    PromptSpec,
     Spec,
     TokenizerSpec,
 )
@@ -66,6 +67,13 @@ class PolicyEntry(PolicySpec, frozen=True, kw_only=True):
     version: str
 
 
+class PromptEntry(PromptSpec, frozen=True, kw_only=True):
+    """`[[prompt]]`."""
+
+    name: str
+    version: str
+
+
 class AliasEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[[alias]]`: exactly one of `version` and `targets`."""
 
@@ -91,6 +99,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     model: tuple[ModelEntry, ...] = ()
     guard_model: tuple[GuardModelEntry, ...] = ()
     policy: tuple[PolicyEntry, ...] = ()
+    prompt: tuple[PromptEntry, ...] = ()
     alias: tuple[AliasEntry, ...] = ()
 
 
@@ -129,6 +138,7 @@ async def apply_manifest(registry: Registry, manifest: Manifest, *, actor: str) 
         *(("model", e, ModelSpec) for e in manifest.model),
         *(("guard_model", e, GuardModelSpec) for e in manifest.guard_model),
         *(("policy", e, PolicySpec) for e in manifest.policy),
+        *(("prompt", e, PromptSpec) for e in manifest.prompt),
     ]
     published: list[str] = []
     unchanged: list[str] = []

@@ -19,8 +19,8 @@ from registry.base import InvalidError
 
 # What a guard failure does in a category: allow (audited as fail_open) or refuse.
 FailMode = Literal["open", "closed"]
-Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy"]
-KINDS: tuple[Kind, ...] = ("model", "tokenizer", "chat_template", "guard_model", "policy")
+Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy", "prompt"]
+KINDS: tuple[Kind, ...] = ("model", "tokenizer", "chat_template", "guard_model", "policy", "prompt")
 Severity = Literal["low", "medium", "high", "critical"]
 
 Sha256 = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
@@ -165,14 +165,23 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     guard_output: bool = True
 
 
-Spec = ModelSpec | TokenizerSpec | ChatTemplateSpec | GuardModelSpec | PolicySpec
-S = TypeVar("S", ModelSpec, TokenizerSpec, ChatTemplateSpec, GuardModelSpec, PolicySpec)
+class PromptSpec(_Input, frozen=True, kw_only=True):
+    """A system prompt the operator publishes for a tenant or a key: the gateway prepends it to their chat
+    requests as the first system message, and it is the only instruction text the guard trusts by default
+    (what a client sends, whatever its role, is scored like user text)."""
+
+    text: Annotated[str, Meta(min_length=1, max_length=32_768)]
+
+
+Spec = ModelSpec | TokenizerSpec | ChatTemplateSpec | GuardModelSpec | PolicySpec | PromptSpec
+S = TypeVar("S", ModelSpec, TokenizerSpec, ChatTemplateSpec, GuardModelSpec, PolicySpec, PromptSpec)
 SPEC_TYPES: dict[Kind, type[Spec]] = {
     "model": ModelSpec,
     "tokenizer": TokenizerSpec,
     "chat_template": ChatTemplateSpec,
     "guard_model": GuardModelSpec,
     "policy": PolicySpec,
+    "prompt": PromptSpec,
 }
 # Built once: decoders validate every bound declared above.
 _DECODERS = {kind: msgspec.json.Decoder(spec_type) for kind, spec_type in SPEC_TYPES.items()}

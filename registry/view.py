@@ -25,6 +25,7 @@ from registry.models import (
     Kind,
     ModelSpec,
     PolicySpec,
+    PromptSpec,
     Published,
     RegistrySnapshot,
     S,
@@ -73,6 +74,13 @@ class ResolvedPolicy(msgspec.Struct, frozen=True, kw_only=True):
     spec: PolicySpec
     guards: tuple[ResolvedGuard, ...]
     generation: int
+
+
+class ResolvedPrompt(msgspec.Struct, frozen=True, kw_only=True):
+    """A system prompt version and its text."""
+
+    ref: str
+    text: str
 
 
 class RegistryView:
@@ -187,6 +195,12 @@ class RegistryView:
         return ResolvedPolicy(
             ref=policy.ref, policy=policy, spec=spec, guards=guards, generation=self.generation
         )
+
+    def resolve_prompt(self, name_or_ref: str, request_id: str) -> ResolvedPrompt:
+        """A system prompt version (a tenant's or key's binding: an alias, or a pinned `name@version`)."""
+        prompt = self.pick("prompt", name_or_ref, request_id)
+        spec = self.spec("prompt", prompt.name, prompt.version, PromptSpec)
+        return ResolvedPrompt(ref=prompt.ref, text=spec.text)
 
     def kv_bytes_per_token(self, model_ref: str) -> int:
         """KV cache bytes per token of a pinned model version `name@version`."""

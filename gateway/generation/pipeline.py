@@ -91,7 +91,15 @@ async def run_chat(
     start = timeline.now()
     model, limits = services.target(req.model, request_id)
     renderer = await services.renderer_for(model)
-    plan = await plan_chat(req, request_id, model, renderer, limits)
+    plan = await plan_chat(
+        req,
+        request_id,
+        model,
+        renderer,
+        limits,
+        instructions=services.prompt_for(principal, request_id),
+        trusted_instructions=principal.key.trusted_instructions,
+    )
     timeline.phase("render", start)
     return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
 

@@ -18,9 +18,9 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.structured import SchemaError, prepare_schema, tool_call_schema
 from gateway.generation.tools import ToolUse, template_messages, tool_use
 from gateway.requestid import engine_request_id
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from guard.base import Source, Span
-from registry.view import ResolvedModel
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from guard.base import Span
+from registry.view import ResolvedModel, ResolvedPrompt
 
 # OpenAI's default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -30,15 +30,9 @@ MAX_LOGIT_BIAS = 300
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-# Roles whose messages the tenant itself configures: the guard treats them as trusted.
-TRUSTED_ROLES = frozenset({"system", "developer"})
-_SOURCES: dict[str, Source] = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-}
+# Roles whose messages hold instructions: trusted by the guard only from a key an operator granted
+# `trusted_instructions` (a client's own role choice never makes text trusted).
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,8 +59,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     # Whether the client asked for logprobs (chat: logprobs=true; completions: logprobs=N).
     logprobs: bool
-    # The input as the guard sees it: system and developer messages are the tenant's own (trusted); what
-    # users, earlier turns and tools supplied is not.
+    # The input as the guard sees it: every client-supplied text that reaches the prompt. Only the system
+    # prompt the gateway prepends from the registry is trusted (and, for a key granted trusted instructions,
+    # its own system and developer messages); whatever else a client sends, in any role, is not.
     spans: tuple[Span, ...]
     # Chat: the tools offered and how calls come out of the output (None: no tools).
     tools: ToolUse | None = None
@@ -293,10 +288,24 @@ async def plan_chat(
     model: ResolvedModel,
     renderer: PromptRenderer,
     limits: Limits,
+    *,
+    instructions: ResolvedPrompt | None = None,
+    trusted_instructions: bool = False,
 ) -> Plan:
-    """Validate a chat request and render its messages (and tools) with the model's chat template."""
+    """Validate a chat request and render its messages (and tools) with the model's chat template.
+
+    `instructions`: the key's or tenant's system prompt, prepended as the first system message (trusted).
+    `trusted_instructions`: the key's own system and developer messages are trusted too.
+    """
     _check_common(req, limits)
-    texts = message_texts(req.messages)
+    client = req.messages
+    texts = message_texts(client)
+    trusted = [trusted_instructions and m.role in INSTRUCTION_ROLES for m in client]
+    messages: list[ChatMessage] = list(client)
+    if instructions is not None:
+        messages.insert(0, ChatMessage(role="system", content=instructions.text))
+        texts.insert(0, instructions.text)
+        trusted.insert(0, True)
     if req.modalities is not None and req.modalities != ["text"]:
         raise InvalidRequestError(
             'this model answers in text only: modalities must be ["text"]',
@@ -321,8 +330,8 @@ async def plan_chat(
     use = tool_use(req)
     metadata = _metadata(req.metadata)
     constraint = await _constraint(req, use, renderer, limits)
-    messages, tools = template_messages(req.messages, texts, use, renderer.supports_tools)
-    prompt = await renderer.chat(messages, tools)
+    rendered = template_messages(messages, texts, use, renderer.supports_tools, trusted)
+    prompt = await renderer.chat(rendered.messages, rendered.tools)
     max_tokens = _max_tokens(asked, field, len(prompt), limits.default_max_tokens, limits, "messages")
     return Plan(
         kind="chat",
@@ -338,10 +347,7 @@ async def plan_chat(
         stream=bool(req.stream),
         include_usage=_include_usage(req),
         logprobs=bool(req.logprobs),
-        spans=tuple(
-            Span(text=text, source=_SOURCES[m.role], trusted=m.role in TRUSTED_ROLES)
-            for m, text in zip(req.messages, texts, strict=True)
-        ),
+        spans=rendered.spans,
         tools=use,
         metadata=metadata,
         user=req.user,

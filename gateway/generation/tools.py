@@ -22,7 +22,7 @@ import json
 import re
 import secrets
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -35,6 +35,7 @@ from gateway.schemas import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
+from guard.base import Source, Span
 
 ToolMode = Literal["none", "auto", "required", "named"]
 # OpenAI's rule for function names.
@@ -137,26 +138,66 @@ def _arguments(raw: str, where: str) -> Any:
         raise InvalidRequestError(f"tool call arguments are not valid JSON: {exc}", param=where) from exc
 
 
-def _call_text(name: str, arguments: Any) -> str:
-    return (
-        "<tool_call>\n"
-        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        + "\n</tool_call>"
-    )
+def _call_json(name: str, arguments: Any) -> str:
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def _call_tag(call_json: str) -> str:
+    return f"<tool_call>\n{call_json}\n</tool_call>"
+
+
+class Rendered(NamedTuple):
+    """What the chat template gets, and the same text as the guard sees it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    # Every client-supplied text that reaches the prompt, in prompt order (see `_entry_span`).
+    spans: tuple[Span, ...]
+
+
+# Where each role's text comes from, for the guard (a tool result stays a tool result when it is rendered in
+# a user turn).
+_SOURCES: dict[str, Source] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+
+
+def _entry_span(entry: dict[str, Any], source: Source, trusted: bool) -> Span | None:
+    """Every field of a template entry but its role, as one span: content, name, tool calls with their
+    arguments, ids, and any field added later. Built from the entry itself, so no field can reach the prompt
+    without reaching the guard."""
+    parts = [
+        value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        for key, value in entry.items()
+        if key != "role"
+    ]
+    text = "\n".join(part for part in parts if part)
+    return Span(text=text, source=source, trusted=trusted) if text else None
 
 
 def template_messages(
-    messages: Sequence[ChatMessage], texts: Sequence[str], use: ToolUse | None, native: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Messages (with their content as `texts`) and tools as the chat template gets them.
+    messages: Sequence[ChatMessage],
+    texts: Sequence[str],
+    use: ToolUse | None,
+    native: bool,
+    trusted: Sequence[bool] | None = None,
+) -> Rendered:
+    """Messages (with their content as `texts`) and tools as the chat template gets them, and their guard
+    spans (message i trusted where `trusted[i]`; tool definitions never are).
 
     `native`: the template renders tools and tool calls itself; otherwise they are written in
     `TOOLS_PROMPT`'s format.
     """
     offered = use is not None and use.mode != "none"
     out: list[dict[str, Any]] = []
+    spans: list[Span | None] = []  # one per entry
     for i, (message, text) in enumerate(zip(messages, texts, strict=True)):
         calls = message.tool_calls or []
+        source, trust = _SOURCES[message.role], trusted is not None and trusted[i]
         if native:
             entry: dict[str, Any] = {"role": message.role, "content": text}
             if calls:
@@ -177,37 +218,49 @@ def template_messages(
                 entry["tool_call_id"] = message.tool_call_id
             if message.name is not None:
                 entry["name"] = message.name
-            out.append(entry)
+            spans.append(_entry_span(entry, source, trust))
         elif message.role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
+            entry = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+            spans.append(Span(text=text, source=source, trusted=trust) if text else None)
         else:
-            parts = [text] if text else []
-            parts += [
-                _call_text(
+            calls_json = [
+                _call_json(
                     call.function.name,
                     _arguments(call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"),
                 )
                 for j, call in enumerate(calls)
             ]
-            out.append({"role": message.role, "content": "\n".join(parts)})
+            parts = [text] if text else []
+            entry = {"role": message.role, "content": "\n".join(parts + [_call_tag(c) for c in calls_json])}
+            # The guard reads what the client wrote, without the tags this format wraps it in.
+            guarded = "\n".join(parts + calls_json)
+            spans.append(Span(text=guarded, source=source, trusted=trust) if guarded else None)
+        out.append(entry)
     if not offered or use is None:
-        return out, None
+        return Rendered(out, None, _present(spans))
     if native:
-        return out, [t.as_openai() for t in use.tools]
-    prompt = TOOLS_PROMPT.format(
-        tools="\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in use.tools)
-    )
+        tools = [t.as_openai() for t in use.tools]
+        # The tools' names, descriptions and schemas are the client's text like any other.
+        definitions = Span(text=json.dumps(tools, ensure_ascii=False), source="document")
+        return Rendered(out, tools, _present([definitions, *spans]))
+    lines = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in use.tools)
+    prompt = TOOLS_PROMPT.format(tools=lines)
     if use.mode == "named":
         prompt += f"\nCall the function {use.named} now: answer with its arguments as one JSON object."
     elif use.mode == "required":
         prompt += (
             '\nCall functions now: answer with a JSON array of {"name": ..., "parameters": {...}} objects.'
         )
+    definitions = Span(text=lines, source="document")
     if out and out[0]["role"] in ("system", "developer"):
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
-    return out, None
+        return Rendered(out, None, _present([spans[0], definitions, *spans[1:]]))
+    out.insert(0, {"role": "system", "content": prompt})
+    return Rendered(out, None, _present([definitions, *spans]))
+
+
+def _present(spans: Sequence[Span | None]) -> tuple[Span, ...]:
+    return tuple(span for span in spans if span is not None)
 
 
 def _call_id() -> str:

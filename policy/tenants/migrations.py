@@ -4,8 +4,10 @@ Tables::
 
     schema_migrations(version)                 one row per applied migration
     tenants(tenant_id PK, display_name, weight, quotas JSON, policy, retain_prompts 0/1, created_at,
-            max_priority 'interactive'/'batch', content_retention_days NULL = the default)
-    api_keys(key_id PK, tenant_id FK, roles JSON, label, created_at, expires_at, revoked_at, secret_hash)
+            max_priority 'interactive'/'batch', content_retention_days NULL = the default,
+            system_prompt NULL = none)
+    api_keys(key_id PK, tenant_id FK, roles JSON, label, created_at, expires_at, revoked_at, secret_hash,
+             system_prompt NULL = the tenant's, trusted_instructions 0/1)
     admin_changes(id PK, at, actor, action, target, before JSON, after JSON)    append-only
 
 The SQL is shared wherever one statement serves both dialects; `Migration.statements` adds the few
@@ -97,6 +99,16 @@ MIGRATIONS: tuple[Migration, ...] = (
         # NULL: the tenant keeps content for the configured default, as every tenant did before.
         shared=("ALTER TABLE tenants ADD COLUMN content_retention_days DOUBLE PRECISION",),
     ),
+    Migration(
+        version=5,
+        summary="system prompts of tenants and keys; keys granted trusted instructions",
+        # Existing keys keep no grant: what their clients send as system messages is scored like user text.
+        shared=(
+            "ALTER TABLE tenants ADD COLUMN system_prompt TEXT",
+            "ALTER TABLE api_keys ADD COLUMN system_prompt TEXT",
+            "ALTER TABLE api_keys ADD COLUMN trusted_instructions INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 
@@ -117,11 +129,24 @@ TENANT_FIELDS = (
     "created_at",
     "max_priority",
     "content_retention_days",
+    "system_prompt",
 )
 TENANT_COLUMNS = ", ".join(TENANT_FIELDS)
 # What an update sets: every column but the id and created_at, which never change (`tenant_update_row`).
 TENANT_UPDATE_COLUMNS = tuple(c for c in TENANT_FIELDS if c not in ("tenant_id", "created_at"))
-KEY_COLUMNS = "key_id, tenant_id, roles, label, created_at, expires_at, revoked_at, secret_hash"
+KEY_FIELDS = (
+    "key_id",
+    "tenant_id",
+    "roles",
+    "label",
+    "created_at",
+    "expires_at",
+    "revoked_at",
+    "secret_hash",
+    "system_prompt",
+    "trusted_instructions",
+)
+KEY_COLUMNS = ", ".join(KEY_FIELDS)
 CHANGE_COLUMNS = "id, at, actor, action, target, before, after"
 RECORD_COLUMNS = "at, actor, action, target, before, after"
 
@@ -144,6 +169,7 @@ def tenant_row(tenant: Tenant) -> tuple[object, ...]:
         float(tenant.created_at),
         tenant.max_priority,
         _opt_float(tenant.content_retention_days),
+        tenant.system_prompt,
     )
 
 
@@ -165,6 +191,7 @@ def tenant_from_row(row: Row) -> Tenant:
         created_at=float(row[6]),
         max_priority=msgspec.convert(row[7], PriorityClass),
         content_retention_days=_opt_float(row[8]),
+        system_prompt=row[9],
     )
 
 
@@ -179,6 +206,8 @@ def key_row(key: ApiKey, secret_hash: str) -> tuple[object, ...]:
         _opt_float(key.expires_at),
         _opt_float(key.revoked_at),
         secret_hash,
+        key.system_prompt,
+        int(key.trusted_instructions),
     )
 
 
@@ -192,6 +221,8 @@ def stored_key_from_row(row: Row) -> StoredKey:
         created_at=float(row[4]),
         expires_at=_opt_float(row[5]),
         revoked_at=_opt_float(row[6]),
+        system_prompt=row[8],
+        trusted_instructions=bool(row[9]),
     )
     return StoredKey(key=key, secret_hash=row[7])
 

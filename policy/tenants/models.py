@@ -50,6 +50,10 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # header, never a higher one, so a `batch` tenant only ever runs as batch.
     max_priority: PriorityClass = "interactive"
     created_at: float = 0.0
+    # A registry `prompt` (an alias, or a pinned `name@version`) the gateway prepends to this tenant's chat
+    # requests as their first system message: the tenant's own instructions, which the guard trusts. None: no
+    # prompt. Operator administrators set it; a client's own system messages are never trusted by default.
+    system_prompt: str | None = None
 
 
 class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +66,11 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float = 0.0
     expires_at: float | None = None
     revoked_at: float | None = None
+    # The registry `prompt` this key's chat requests get instead of its tenant's (None: the tenant's).
+    system_prompt: str | None = None
+    # Granted by an operator administrator only: this key's own system and developer messages are trusted
+    # instructions (the guard's injection rules and model stages do not score them as user text).
+    trusted_instructions: bool = False
 
     def active(self, now: float) -> bool:
         """Not revoked and not expired at `now`."""

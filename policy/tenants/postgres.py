@@ -19,6 +19,7 @@ from policy.tenants.base import ConflictError, NotFoundError, UnavailableError
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
     KEY_COLUMNS,
+    KEY_FIELDS,
     MIGRATIONS,
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
@@ -49,6 +50,11 @@ _INSERT_TENANT = (
     f"INSERT INTO tenants ({TENANT_COLUMNS})"
     f" VALUES ({', '.join(f'${i}' for i in range(1, len(TENANT_FIELDS) + 1))})"
     " ON CONFLICT (tenant_id) DO NOTHING RETURNING 1"
+)
+_INSERT_KEY = (
+    f"INSERT INTO api_keys ({KEY_COLUMNS})"
+    f" VALUES ({', '.join(f'${i}' for i in range(1, len(KEY_FIELDS) + 1))})"
+    " ON CONFLICT (key_id) DO NOTHING RETURNING 1"
 )
 _SET = ", ".join(f"{column} = ${i}" for i, column in enumerate(TENANT_UPDATE_COLUMNS, start=1))
 _UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ${len(TENANT_UPDATE_COLUMNS) + 1}"
@@ -134,8 +140,7 @@ class PostgresTenantStore:
             # Tenants are never deleted, so the tenant cannot vanish between this check and the insert.
             await _tenant(conn, key.tenant_id)
             inserted = await conn.fetchval(
-                f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
-                " ON CONFLICT (key_id) DO NOTHING RETURNING 1",
+                _INSERT_KEY,
                 *key_row(stored, secret_hash),
             )
             if inserted is None:

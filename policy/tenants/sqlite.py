@@ -19,6 +19,7 @@ from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError, 
 from policy.tenants.migrations import (
     CHANGE_COLUMNS,
     KEY_COLUMNS,
+    KEY_FIELDS,
     MIGRATIONS,
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
@@ -43,6 +44,10 @@ _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, 
 _INSERT_TENANT = (
     f"INSERT INTO tenants ({TENANT_COLUMNS}) VALUES ({', '.join('?' for _ in TENANT_FIELDS)})"
     " ON CONFLICT (tenant_id) DO NOTHING"
+)
+_INSERT_KEY = (
+    f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({', '.join('?' for _ in KEY_FIELDS)})"
+    " ON CONFLICT (key_id) DO NOTHING"
 )
 _SET = ", ".join(f"{column} = ?" for column in TENANT_UPDATE_COLUMNS)
 _UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ?"
@@ -117,8 +122,7 @@ class SqliteTenantStore:
             with transaction(conn):
                 _tenant(conn, key.tenant_id)
                 inserted = conn.execute(
-                    f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT (key_id) DO NOTHING",
+                    _INSERT_KEY,
                     key_row(stored, secret_hash),
                 ).rowcount
                 if inserted == 0:

@@ -62,7 +62,7 @@ TEXTS = ["Be brief.", "Weather in Paris?", "", '{"sky": "clear"}']
 
 
 def test_without_template_support_tools_go_into_the_system_message_in_one_format() -> None:
-    messages, tools = template_messages(HISTORY, TEXTS, AUTO, native=False)
+    messages, tools, _ = template_messages(HISTORY, TEXTS, AUTO, native=False)
     assert tools is None
     system = messages[0]["content"]
     assert system.startswith("Be brief.\n\n")
@@ -77,7 +77,7 @@ def test_without_template_support_tools_go_into_the_system_message_in_one_format
 
 
 def test_tool_choice_none_leaves_the_tools_out_but_keeps_the_history() -> None:
-    messages, tools = template_messages(
+    messages, tools, _ = template_messages(
         HISTORY, TEXTS, msgspec.structs.replace(AUTO, mode="none"), native=False
     )
     assert tools is None
@@ -86,7 +86,7 @@ def test_tool_choice_none_leaves_the_tools_out_but_keeps_the_history() -> None:
 
 
 def test_a_forced_call_is_announced_in_the_prompt() -> None:
-    named, _ = template_messages(
+    named, _, _ = template_messages(
         HISTORY[1:2], TEXTS[1:2], ToolUse(tools=(WEATHER,), mode="named", named="get_weather"), native=False
     )
     assert named[0]["role"] == "system"
@@ -108,7 +108,7 @@ async def test_a_template_that_renders_tools_gets_them_natively(renderer: Prompt
         native = PromptRenderer(renderer.tokenizer, executor, template=NATIVE_TEMPLATE)
         assert native.supports_tools
         assert not renderer.supports_tools
-        messages, tools = template_messages(HISTORY, TEXTS, AUTO, native=True)
+        messages, tools, _ = template_messages(HISTORY, TEXTS, AUTO, native=True)
         assert tools == [WEATHER.as_openai(), ADD.as_openai()]
         text = renderer.tokenizer.decode(await native.chat(messages, tools))
     assert text.startswith("TOOLS:get_weather;add;<system>Be brief.")

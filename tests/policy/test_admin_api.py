@@ -32,6 +32,7 @@ ACME: dict[str, Any] = {
     "retain_prompts": True,
     "content_retention_days": None,
     "max_priority": "interactive",
+    "system_prompt": None,
 }
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -160,6 +161,7 @@ async def test_create_tenant_defaults(admin: Admin) -> None:
         "content_retention_days": None,
         "max_priority": "interactive",
         "created_at": admin.clock(),
+        "system_prompt": None,
     }
 
 

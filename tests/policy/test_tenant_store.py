@@ -49,6 +49,7 @@ ACME = Tenant(
     retain_prompts=True,
     content_retention_days=1 / 3,
     max_priority="batch",
+    system_prompt="acme-prompt@2",
 )
 
 
@@ -156,6 +157,18 @@ async def test_keys(tenant_store: TenantStore) -> None:
         await tenant_store.set_key_roles("missing", ("consumer",), actor="a", now=15.0)
 
 
+async def test_a_key_keeps_its_system_prompt_and_trust_grant(tenant_store: TenantStore) -> None:
+    await tenant_store.create_tenant(ACME, actor="bootstrap", now=1.0)
+    granted = msgspec.structs.replace(_key("kt"), system_prompt="agent@1", trusted_instructions=True)
+    added = await tenant_store.add_key(granted, "hash-t", actor="a", now=2.0)
+    assert (added.system_prompt, added.trusted_instructions) == ("agent@1", True)
+    assert (await tenant_store.get_key("kt")).key == added
+    plain = await tenant_store.add_key(_key("kp"), "hash-p", actor="a", now=3.0)
+    assert (plain.system_prompt, plain.trusted_instructions) == (None, False)
+    assert [k for k in await tenant_store.list_keys("acme")] == [added, plain]
+    assert (await tenant_store.get_tenant("acme")).system_prompt == "acme-prompt@2"
+
+
 async def test_revoke_is_idempotent(tenant_store: TenantStore) -> None:
     await tenant_store.create_tenant(ACME, actor="bootstrap", now=1.0)
     await tenant_store.add_key(_key("k1"), "h1", actor="a", now=2.0)
@@ -252,7 +265,7 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get_tenant("acme") == await first.get_tenant("acme")
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3, 4]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3, 4, 5]
 
 
 async def _open_at_migration_2(backend: Backend) -> None:
@@ -300,10 +313,11 @@ async def test_a_database_at_migration_2_migrates_to_interactive(backend: Backen
         created_at=7.5,
         max_priority="interactive",
         content_retention_days=None,
+        system_prompt=None,
     )
     assert await store.get_tenant("old") == expected
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [1, 2, 3, 4]
+    assert [row[0] for row in rows] == [1, 2, 3, 4, 5]
     # The migrated table takes the new columns like a fresh one.
     batch = await store.update_tenant(
         msgspec.structs.replace(expected, max_priority="batch", content_retention_days=90.0),

@@ -222,7 +222,7 @@ def test_public_names() -> None:
         *("RegistryError", "NotFoundError", "ConflictError", "InvalidError", "UnavailableError"),
         *("Kind", "KINDS", "Severity", "Spec", "SPEC_TYPES", "ModelArch", "ModelSpec", "TokenizerSpec"),
         *("ChatTemplateSpec", "GuardModelSpec", "PolicySpec", "PolicyCategory", "CascadeStage"),
-        *("RulePattern", "RulesSpec"),
+        *("RulePattern", "RulesSpec", "PromptSpec"),
         *("Published", "Alias", "AliasTarget", "AliasChange", "RegistrySnapshot", "parse_ref", "decode_spec"),
         *("canonical_json", "content_hash", "spec_hash", "canary_pick", "check_tokenizer"),
         *("register_default_model", "check_model_dir", "arch_from_config"),
