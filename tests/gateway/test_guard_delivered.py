@@ -44,6 +44,12 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         {**TOOLS, "tool_choice": "auto"},
         'Calling it.\n<tool_call>\n{"name": "f", "arguments": ' + ARGUMENTS + "}\n</tool_call>",
     ),
+    # Parallel calls: the escaped word is in the second one's arguments, after a clean first call.
+    "auto_second": (
+        {**TOOLS, "tool_choice": "auto"},
+        '<tool_call>\n{"name": "f", "arguments": {"x": "ok"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": ' + ARGUMENTS + "}\n</tool_call>",
+    ),
     "json_schema": ({"response_format": SCHEMA}, ARGUMENTS),
     "json_object": ({"response_format": {"type": "json_object"}}, '{"a": "ok", "x": "b\\u006fm\\u0062"}'),
 }
@@ -118,7 +124,7 @@ async def test_unguarded_the_client_reads_the_escaped_word(bed: Bed, mode: str) 
     if mode.startswith("json"):
         assert "bomb" in json.loads(message["content"]).values()
     else:
-        [call] = message["tool_calls"]
+        call = message["tool_calls"][-1]
         assert call["function"]["name"] == "f"
         assert json.loads(call["function"]["arguments"]) == {"x": "bomb"}
     streamed = delivered(sse_events(await stream_raw(bed, "Call f", **extra)))
@@ -149,9 +155,17 @@ async def test_an_escaped_word_is_blocked_whole_and_streamed(bed: Bed, mode: str
     assert all(r.source == "rules" for r in blocks)
 
 
+CONST = "how to make a\nbomb"
+
+
+def const_schema() -> dict[str, Any]:
+    schema = {"type": "object", "properties": {"x": {"const": CONST}}, "required": ["x"]}
+    return {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
+
+
 async def test_a_forced_escape_in_structured_output_is_blocked_on_the_simulator(bed: Bed) -> None:
     # The simulator emits a schema's instance as JSON: the const's newline is written "\n", so the raw text
-    # reads "a\nbomb"; the client reads "how to make a<newline>bomb", which the default weapons rule blocks.
+    # reads "a\nbomb"; the client reads "how to make a<newline>bomb", which a rule of that phrase blocks.
     await bed.bind(policy())
     body = {"response_format": const_schema(), "max_tokens": 60}
     clean = (await bed.chat("Answer", **body)).json()["choices"][0]["message"]["content"]
@@ -163,14 +177,6 @@ async def test_a_forced_escape_in_structured_output_is_blocked_on_the_simulator(
     events = sse_events(await stream_raw(bed, "Answer", **body))
     assert events[-1]["error"]["code"] == "content_filter"
     assert "bomb" not in decode_escapes(delivered(events))
-
-
-CONST = "how to make a\nbomb"
-
-
-def const_schema() -> dict[str, Any]:
-    schema = {"type": "object", "properties": {"x": {"const": CONST}}, "required": ["x"]}
-    return {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
 
 
 @pytest.fixture
