@@ -10,9 +10,10 @@ shapes). The stream's plumbing (bounded buffer, disconnect races, outcome tracki
 stage is timed on the request's `RequestTimeline` (`gateway.observe`), which metrics, logs and traces read.
 
 A request the input guard blocks or cannot check costs no engine time and gets its quota reservation back.
-Output is released to the client only after the output guard checked it; a block ends the stream with
-`finish_reason: content_filter` and an error event, and aborts the engine request. `x-lockgate-guard` says
-which path decided (`input=rules`, `input=model`, `input=fail_open`, ...).
+Output is released to the client only after the output guard checked it, as generated and with its JSON
+escapes resolved (as the client's decoder reads tool-call arguments and structured output); a block ends the
+stream with `finish_reason: content_filter` and an error event, and aborts the engine request.
+`x-lockgate-guard` says which path decided (`input=rules`, `input=model`, `input=fail_open`, ...).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
 from guard.base import GuardInput, Span
 from guard.moderator import OutputBlocked, moderate
+from guard.readable import readable
 from policy.auth import Principal
 from policy.quota.meter import Charge
 from policy.safety.decision import GuardDecision
@@ -196,9 +198,14 @@ class _OutputGuard:
         self.decision: GuardDecision | None = None
 
     async def check(self, text: str, final: bool) -> GuardDecision | None:
+        spans: tuple[Span, ...] = (Span(text=text, source="output"),)
+        # What the client reads once it decodes JSON (tool-call arguments, structured output): "\u0062omb"
+        # is "bomb". A second span, so no rule matches across the joint of the two readings.
+        if decoded := readable(text):
+            spans += (Span(text=decoded, source="output"),)
         item = GuardInput(
             direction="output",
-            spans=(Span(text=text, source="output"),),
+            spans=spans,
             categories=self._categories,
             policy=self._policy.ref,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +185,17 @@ async def publish_judge(registry: Registry) -> None:
 
 @pytest.fixture
 async def bed(tmp_path: Path, renderer: PromptRenderer, outcomes: OutcomeLog) -> AsyncIterator[Bed]:
+    async with guarded(tmp_path, renderer, outcomes, CountingEngine()) as test_bed:
+        yield test_bed
+
+
+@asynccontextmanager
+async def guarded(
+    tmp_path: Path, renderer: PromptRenderer, outcomes: OutcomeLog, engine: CountingEngine
+) -> AsyncIterator[Bed]:
+    """A test bed serving `engine` (started and shut down here)."""
     clock = FakeClock()
-    engine, judge = CountingEngine(), SimulatedEngine(SimulatorConfig(), model_name="judge@1")
+    judge = SimulatedEngine(SimulatorConfig(), model_name="judge@1")
     await engine.start()
     await judge.start()
     records = Records()
