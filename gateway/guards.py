@@ -18,7 +18,7 @@ from engines.base import Scorer
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
 from guard.backlog import Backlog
-from guard.base import Classifier, GuardError, GuardInput, GuardScore
+from guard.base import Classifier, GuardError, GuardInput, GuardScore, ItemSized
 from guard.embedding import load_embedding_guard
 from guard.one_token import OneTokenClassifier
 from registry.view import ResolvedGuard
@@ -55,6 +55,15 @@ class LoadingGuard:
     async def classify(self, item: GuardInput) -> GuardScore:
         """The loaded guard's score."""
         return await (await self._loaded()).classify(item)
+
+    def oversized(self, item: GuardInput) -> bool:
+        """Whether the loaded guard finds `item` more than one call's work (`ItemSized`); False until it is
+        loaded: a timeout while loading is the guard's own, and counts on its breaker."""
+        task = self._task
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return False
+        guard = task.result()
+        return isinstance(guard, ItemSized) and guard.oversized(item)
 
     def cancel(self) -> None:
         """Stop a load still running (shutdown)."""

@@ -6,9 +6,17 @@ never decides what a failure means; it raises `GuardError` and the policy's fail
 Exceptions::
 
     GuardError                   a guard could not score the item (engine error, malformed output, timeout)
+    ├── GuardInputError          the item itself cannot be scored (its text, its policy's categories)
     ├── GuardTimeoutError        the guard did not answer within its stage's timeout
     ├── GuardUnavailableError    the guard is not called at all (its circuit breaker is open)
     └── GuardOverloadedError     the guard is not called: its engine is too busy to answer in time
+
+Whose failure it is decides what counts on a guard's circuit breaker, which every tenant of the guard
+shares (`guard.cascade.Stage.score`). A `GuardInputError` is the item's own: the guard works, this item
+cannot be scored (a text past the windows a guard checks, an answer that is not a label because the text
+talks the guard model out of answering). Any caller can produce one at will, so it never counts: it is
+answered, for that request only, by the policy's fail mode. Every other GuardError is the guard's (its
+engine dead or failing, malformed answers, timeouts) and counts.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ class GuardError(Exception):
     ahead again, where that is known (0: unknown)."""
 
     retry_after: float = 0.0
+
+
+class GuardInputError(GuardError):
+    """The item cannot be scored because of what it holds, not because the guard is failing: a text longer
+    than the guard checks, a label mass too small on this text, a template that leaves this policy's item
+    no room. Decided for its request by the policy's fail mode; never counted on the guard's breaker."""
 
 
 class GuardUnavailableError(GuardError):
@@ -107,4 +121,14 @@ class Queued(Protocol):
 
     def expected_wait(self) -> float:
         """Seconds until a call made now would be answered, from the work queued ahead of it (0: unknown)."""
+        ...
+
+
+@runtime_checkable
+class ItemSized(Protocol):
+    """A classifier that can tell, cheaply and before scoring, whether an item is more than one unit of its
+    work (one engine prompt, one encoder batch): such an item's timeout may be its own size's doing."""
+
+    def oversized(self, item: GuardInput) -> bool:
+        """Whether `item` may take more than one unit of this guard's work (an estimate, no tokenizer)."""
         ...

@@ -4,6 +4,11 @@ A guard that times out costs every request its timeout; once it has failed `thre
 breaker opens and calls fail at once (`GuardUnavailableError`), so the policy's fail mode applies without the
 wait. After `cooldown` seconds one call is let through as a probe: success closes the breaker, failure opens
 it again. Time comes from an injected clock.
+
+Only the guard's own failures are counted (`guard.cascade.Stage.score` decides which): a call that ends
+saying nothing about the guard (the item could not be scored for what it holds, the caller went away)
+neither counts nor closes, but gives back the probe's slot if it held it (`release`): otherwise a probe
+that never reports would keep the breaker half-open and refusing for good.
 """
 
 from __future__ import annotations
@@ -47,14 +52,14 @@ class CircuitBreaker:
             return "half_open"
         return "open"
 
-    def before_call(self) -> None:
-        """Raise GuardUnavailableError unless a call may go ahead now."""
+    def before_call(self) -> bool:
+        """Raise GuardUnavailableError unless a call may go ahead now; True when this call is the probe."""
         state = self.state
         if state == "closed":
-            return
+            return False
         if state == "half_open" and not self._probing:
             self._probing = True
-            return
+            return True
         probe_in = 0.0
         if state == "open" and self._opened_at is not None:
             probe_in = self._policy.cooldown - (self._clock() - self._opened_at)
@@ -75,4 +80,9 @@ class CircuitBreaker:
         self._failures += 1
         if self._probing or self._failures >= self._policy.threshold:
             self._opened_at = self._clock()
+        self._probing = False
+
+    def release(self) -> None:
+        """The probe's call ended without a verdict on the guard: count nothing, free the probe's slot so
+        the next call probes. Only the call that `before_call` made the probe may call this."""
         self._probing = False

@@ -4,7 +4,8 @@ A stage with score p allows when p < allow_below, blocks when p > block_above, a
 next stage in between. Past the last stage the policy's band action applies (`escalate`: allow and flag for
 review; `block`). A stage that fails (guard error, timeout, open breaker, an engine too busy to answer in
 time) settles nothing: later stages still run, and a later block still blocks, but without a block the
-result is `error` with the categories the failed stage was responsible for. What an error means (fail open
+result is `error` with the categories the failed stage was responsible for. Only the guard's own failures
+count on its breaker, never an item's (`Stage.score`). What an error means (fail open
 or closed) is the policy's decision, not the cascade's (see `policy/safety.py`). Every stage run is recorded,
 with its score, thresholds, latency and the versions it ran, for the audit trail.
 
@@ -24,17 +25,20 @@ from guard.base import (
     Classifier,
     GuardError,
     GuardInput,
+    GuardInputError,
     GuardOverloadedError,
     GuardScore,
     GuardTimeoutError,
     GuardUnavailableError,
+    ItemSized,
     Queued,
 )
 from guard.breaker import CircuitBreaker
 
 StageVerdict = Literal["allow", "block", "next", "error"]
 Verdict = Literal["allow", "block", "escalate", "error"]
-StageFailure = Literal["timeout", "overloaded", "unavailable", "error"]
+# `input`: the item could not be scored for what it holds (`GuardInputError`): never counted on the breaker.
+StageFailure = Literal["input", "timeout", "overloaded", "unavailable", "error"]
 # Share of a stage's timeout that an input check may wait behind the work queued on its guard's engine (an
 # output check may wait all of it): under overload new requests are refused before running streams are cut.
 INPUT_SHARE = 0.5
@@ -57,7 +61,8 @@ class StageRun(msgspec.Struct, frozen=True, kw_only=True):
     verdict: StageVerdict
     latency_s: float
     error: str = ""
-    # Why it failed: timeout, overloaded (not called: `Stage.score`), unavailable (breaker open), error.
+    # Why it failed: input (the item's own: not counted on the breaker), timeout, overloaded (not called:
+    # `Stage.score`), unavailable (breaker open), error.
     failure: StageFailure | None = None
     # Seconds until a call may go ahead (0: unknown): overloaded, until the work queued on the guard's engine
     # is short enough for this check; unavailable, until its breaker lets a probe through.
@@ -109,6 +114,10 @@ class Stage:
         (GuardOverloadedError, `guard.backlog`); that is not the guard's failure: the breaker is left alone.
         Too long is past the timeout for an output check, past `INPUT_SHARE` of it for an input check: new
         requests are refused first, so the checks of streams already served still find room.
+
+        The breaker counts the guard's own failures only (engine errors, malformed answers, timeouts on items
+        of at most one call's work), never an item's (`GuardInputError`, `guard.base`): the breaker is shared
+        by every tenant of the guard, and any caller can craft items that fail.
         """
         if isinstance(self.classifier, Queued):
             wait = self.classifier.expected_wait()
@@ -120,38 +129,61 @@ class Stage:
                     f"check may wait (stage timeout {self.timeout_s:g} s)",
                     retry_after=wait - limit,
                 )
-        if self.breaker is not None:
-            self.breaker.before_call()
+        probe = self.breaker.before_call() if self.breaker is not None else False
         try:
-            async with asyncio.timeout(self.timeout_s):
-                score = await self.classifier.classify(item)
-        except TimeoutError as exc:
-            self._failed()
-            raise GuardTimeoutError(
-                f"guard {self.classifier.name} timed out after {self.timeout_s:g} s"
-            ) from exc
-        except GuardError:
-            self._failed()
+            score = await self._classify(item)
+        except GuardInputError:
+            # The item's own failure says nothing of the guard, which every tenant of it shares: counting it
+            # would let one caller's crafted inputs open the breaker for all (`guard.base`).
+            self._released(probe)
             raise
-        except Exception as exc:
-            # A guard that breaks in an unforeseen way is still a failed guard: the policy's fail mode
-            # decides, and the record names the exception.
-            self._failed()
-            raise GuardError(f"guard {self.classifier.name} failed: {type(exc).__name__}: {exc}") from exc
-        if not 0.0 <= score.p_unsafe <= 1.0:  # also catches NaN
-            self._failed()
-            raise GuardError(f"guard {self.classifier.name} returned p_unsafe={score.p_unsafe!r}")
+        except GuardError:
+            if self.breaker is not None:
+                self.breaker.failure()
+            raise
+        except asyncio.CancelledError:
+            # The caller went away mid-call: no verdict on the guard, but a probe's slot must come back.
+            self._released(probe)
+            raise
         if self.breaker is not None:
             self.breaker.success()
         return score
 
-    def _failed(self) -> None:
-        if self.breaker is not None:
-            self.breaker.failure()
+    async def _classify(self, item: GuardInput) -> GuardScore:
+        """The classifier's score within the timeout; any failure as a GuardError."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                score = await self.classifier.classify(item)
+        except TimeoutError as exc:
+            if isinstance(self.classifier, ItemSized) and self.classifier.oversized(item):
+                # More than one call's work: the item's size may be what took the time, and anyone can send
+                # large items. A guard that hangs still times out on ordinary items, and those count.
+                raise GuardInputError(
+                    f"guard {self.classifier.name} timed out after {self.timeout_s:g} s on an item larger "
+                    "than one call of it (not counted on its breaker)"
+                ) from exc
+            raise GuardTimeoutError(
+                f"guard {self.classifier.name} timed out after {self.timeout_s:g} s"
+            ) from exc
+        except GuardError:
+            raise
+        except Exception as exc:
+            # A guard that breaks in an unforeseen way is still a failed guard: the policy's fail mode
+            # decides, and the record names the exception.
+            raise GuardError(f"guard {self.classifier.name} failed: {type(exc).__name__}: {exc}") from exc
+        if not 0.0 <= score.p_unsafe <= 1.0:  # also catches NaN
+            raise GuardError(f"guard {self.classifier.name} returned p_unsafe={score.p_unsafe!r}")
+        return score
+
+    def _released(self, probe: bool) -> None:
+        if probe and self.breaker is not None:
+            self.breaker.release()
 
 
 def failure_of(exc: GuardError) -> StageFailure:
     """What kind of failure a stage's GuardError is."""
+    if isinstance(exc, GuardInputError):
+        return "input"
     if isinstance(exc, GuardOverloadedError):
         return "overloaded"
     if isinstance(exc, GuardTimeoutError):

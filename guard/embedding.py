@@ -14,8 +14,8 @@ of the same encoder weights.
 
 Model work (tokenising, the forward pass, hashing weights) runs in the executor passed in, never in the
 event loop. Any failure while scoring is a GuardError, never a score. A text of more than MAX_WINDOWS
-windows is a GuardError too: cancelling a classify (a stage timeout) does not stop work already in the
-executor, so that work is bounded instead.
+windows is a GuardInputError (the item's failure, never counted on the guard's shared breaker): cancelling a
+classify (a stage timeout) does not stop work already in the executor, so that work is bounded instead.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from numpy.typing import NDArray
 from transformers import AutoModel, AutoTokenizer
 
-from guard.base import GuardError, GuardInput, GuardScore
+from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
 from registry.models import GuardModelSpec
 
 __all__ = [
@@ -211,7 +211,9 @@ class Encoder:
         """`embed_windows` in the caller's thread; GuardError past `max_windows` windows."""
         windows = self._windows(text, self._width, self._stride)
         if len(windows) > self._max_windows:
-            raise GuardError(f"text too long for {self.name}: {len(windows)} windows > {self._max_windows}")
+            raise GuardInputError(
+                f"text too long for {self.name}: {len(windows)} windows > {self._max_windows}"
+            )
         return self._forward(windows)
 
     def _windows(self, text: str, width: int, stride: int) -> list[list[int]]:
@@ -436,6 +438,12 @@ class EmbeddingClassifier:
         self.spec = spec
         self._encoder = encoder
         self._head = head
+
+    def oversized(self, item: GuardInput) -> bool:
+        """Whether the judged text may be more than one forward batch of windows: more UTF-8 bytes than
+        its tokens (a WordPiece token is at least one byte). An estimate, for the breaker."""
+        text = item.text(untrusted_only=item.direction == "input")
+        return len(text.encode()) > MAX_TOKENS - 2 + (BATCH - 1) * STRIDE
 
     async def classify(self, item: GuardInput) -> GuardScore:
         """Score `item`; GuardError if the encoder fails or yields no finite score."""

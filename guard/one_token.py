@@ -21,11 +21,14 @@ for the model.
 A text longer than the guard model's context leaves room for beside the template is never cut silently: it
 is checked in overlapping windows of its tokens, each window scored on its own, and the highest P(unsafe)
 of them is the score (one unsafe passage makes the whole text unsafe). Past `max_windows` windows the guard
-raises GuardError rather than score part of the text.
+raises GuardInputError rather than score part of the text.
 
 Whatever stops a score from being one, the guard raises GuardError and never returns a score that reads as
-safe: an engine error (of any kind), a label mass too small to mean the model answered the question
-(below `min_label_mass`), a NaN or a positive log-probability, or a text too long to check.
+safe. The item's own failures are GuardInputError, which the guard's shared circuit breaker never counts (any
+caller can produce them): a label mass too small to mean the model answered the question (below
+`min_label_mass`: a text can talk the model out of answering with a label), a text too long to check, a
+template that leaves this policy's item no room. The guard's are plain GuardError: an engine error (of any
+kind), a label token missing from the engine's answer, a NaN or a positive log-probability.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from jinja2.sandbox import SandboxedEnvironment
 
 from engines.base import Scorer
 from guard.backlog import Backlog
-from guard.base import GuardError, GuardInput, GuardScore
+from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
 from registry.models import GuardModelSpec
 
 # Without an explicit system message SmolLM2's chat template injects its own ("You are a helpful AI
@@ -148,6 +151,12 @@ class OneTokenClassifier:
         without a backlog, or before the pool's speed is measured)."""
         return 0.0 if self._backlog is None else self._backlog.expected_wait()
 
+    def oversized(self, item: GuardInput) -> bool:
+        """Whether the judged text may be more than one prompt's work: more UTF-8 bytes than the engine's
+        context has tokens (a byte-level BPE token is at least one byte). An estimate, for the breaker."""
+        text = item.text(untrusted_only=item.direction == "input")
+        return len(text.encode()) > self._engine.max_model_len
+
     async def classify(self, item: GuardInput) -> GuardScore:
         """P(unsafe) of the item's text (untrusted spans of an input, the text of an output); the highest of
         its windows when it is longer than one prompt holds. GuardError when the guard cannot say."""
@@ -162,8 +171,11 @@ class OneTokenClassifier:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._score_window(w)) for w in windows]
         except* GuardError as failed:
-            first = failed.exceptions[0]
-            raise GuardError(f"guard {self.name}: {first}") from first
+            # The guard's own failure on any window outweighs the item's on another: that one must count.
+            errors = failed.exceptions
+            first = next((e for e in errors if not isinstance(e, GuardInputError)), errors[0])
+            kind = GuardInputError if isinstance(first, GuardInputError) else GuardError
+            raise kind(f"guard {self.name}: {first}") from first
         scores = [t.result() for t in tasks]
         worst = max(range(len(scores)), key=lambda i: scores[i].p_unsafe)
         top = scores[worst]
@@ -198,12 +210,13 @@ class OneTokenClassifier:
         if len(content) <= room:
             return [prefix + content + suffix]
         if room < _MIN_WINDOW_TOKENS:
-            raise GuardError(f"guard {self.name}: the prompt template leaves {room} tokens for the text")
+            # The template as rendered with this item's categories and policy name: the item's failure.
+            raise GuardInputError(f"guard {self.name}: the prompt template leaves {room} tokens for the text")
         overlap = min(self._overlap, room // 4)
         step = room - overlap
         starts = range(0, len(content) - overlap, step)
         if len(starts) > self._max_windows:
-            raise GuardError(
+            raise GuardInputError(
                 f"guard {self.name}: a text of {len(content)} tokens needs {len(starts)} windows of {room}, "
                 f"more than the {self._max_windows} allowed; it is not checked in part"
             )
@@ -256,7 +269,8 @@ class OneTokenClassifier:
         unsafe = math.fsum(math.exp(logprobs[t]) for t in self.unsafe_ids)
         total = safe + unsafe
         if not total >= self.min_label_mass or total <= 0.0:
-            raise GuardError(
+            # The engine answered, off the labels: the text steered the model away (the item's failure).
+            raise GuardInputError(
                 f"label mass {total:.3g} (safe {safe:.3g}, unsafe {unsafe:.3g}) is below "
                 f"{self.min_label_mass:.3g}: the model is not answering the question"
             )

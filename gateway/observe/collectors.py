@@ -207,9 +207,9 @@ class ServiceCollector:
         yield opened
         failures = CounterMetricFamily(
             f"{PREFIX}guard_stage_failures",
-            "Guard stage runs that failed, by direction, stage (name@version) and reason: timeout, "
-            "overloaded (not called: its engine too busy to answer in time), unavailable (breaker open), "
-            "error.",
+            "Guard stage runs that failed, by direction, stage (name@version) and reason: input (the item "
+            "itself could not be scored: not counted on the breaker), timeout, overloaded (not called: its "
+            "engine too busy to answer in time), unavailable (breaker open), error.",
             labels=("direction", "stage", "reason"),
         )
         for key, count in sorted(self._stage_failures.items()):

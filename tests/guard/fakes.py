@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from guard.base import GuardError, GuardInput, GuardScore
+from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
 
 
 class Scripted:
@@ -36,6 +36,36 @@ class Hanging:
         """Wait for `release`, then answer safe."""
         await self.release.wait()
         return GuardScore(p_unsafe=0.0, guard=self.name)
+
+
+class Sized(Hanging):
+    """A guard that stalls and knows its one-call size: an item of more than `limit` bytes is oversized."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        super().__init__(name)
+        self.limit = limit
+
+    def oversized(self, item: GuardInput) -> bool:
+        """More than `limit` bytes of text."""
+        return len(item.text().encode()) > self.limit
+
+
+class Crafted:
+    """Fails on an item whose text holds `needle` as the item's own failure (GuardInputError, as a text
+    that talks a guard model off its labels), scores any other `p_unsafe`; counts calls."""
+
+    def __init__(self, name: str, needle: str, p_unsafe: float = 0.0) -> None:
+        self.name = name
+        self.needle = needle
+        self.p_unsafe = p_unsafe
+        self.calls = 0
+
+    async def classify(self, item: GuardInput) -> GuardScore:
+        """GuardInputError on the needle, else the score."""
+        self.calls += 1
+        if self.needle in item.text():
+            raise GuardInputError(f"{self.name}: label mass 0.001 is below 0.02: the model is not answering")
+        return GuardScore(p_unsafe=self.p_unsafe, guard=self.name, model="fake@1")
 
 
 class ByText:

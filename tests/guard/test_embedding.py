@@ -15,8 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from guard.base import Classifier, GuardError, GuardInput, Span
+from guard.base import Classifier, GuardError, GuardInput, GuardInputError, ItemSized, Span
 from guard.embedding import (
+    BATCH,
+    MAX_TOKENS,
+    STRIDE,
     EmbeddingClassifier,
     Encoder,
     LogisticHead,
@@ -279,8 +282,10 @@ async def test_the_most_unsafe_window_decides() -> None:
 )
 async def test_an_encoder_failure_is_a_guard_error_never_a_score(encoder_fake: RecordingEncoder) -> None:
     guard = EmbeddingClassifier("g", spec(), encoder_fake, fake_head())
-    with pytest.raises(GuardError):
+    with pytest.raises(GuardError) as raised:
         await guard.classify(user("anything"))
+    # The guard's failure, not the item's: it counts on the guard's breaker.
+    assert not isinstance(raised.value, GuardInputError)
 
 
 def test_a_head_of_another_dimension_is_refused() -> None:
@@ -288,12 +293,23 @@ def test_a_head_of_another_dimension_is_refused() -> None:
         EmbeddingClassifier("g", spec(), RecordingEncoder(), LogisticHead(np.zeros(4), 0.0, l2=1.0))
 
 
-async def test_a_text_past_the_window_cap_is_a_guard_error(executor: ThreadPoolExecutor) -> None:
+async def test_a_text_past_the_window_cap_is_the_items_guard_error(executor: ThreadPoolExecutor) -> None:
     small = Encoder.load_sync(packaged_encoder_path(), executor, max_windows=2)
     guard = EmbeddingClassifier("g", spec(), small, LogisticHead(np.zeros(384), 0.0, l2=1.0))
     assert (await guard.classify(user(FILLER))).raw == {"windows": 1}
-    with pytest.raises(GuardError, match="too long"):
+    # Anyone can send a long text: the item's failure, never counted on the guard's shared breaker.
+    with pytest.raises(GuardInputError, match="too long"):
         await guard.classify(user(" ".join([FILLER] * 3)))
+
+
+def test_an_item_of_more_than_one_forward_batch_is_oversized() -> None:
+    guard = EmbeddingClassifier("g", spec(), RecordingEncoder(), fake_head())
+    assert isinstance(guard, ItemSized)
+    batch = MAX_TOKENS - 2 + (BATCH - 1) * STRIDE  # bytes that are surely at most one batch of windows
+    assert not guard.oversized(user("x" * batch))
+    assert guard.oversized(user("x" * (batch + 1)))
+    trusted = Span(text="y" * 2 * batch, source="system", trusted=True)
+    assert not guard.oversized(GuardInput(direction="input", spans=(trusted, Span(text="hi", source="user"))))
 
 
 async def test_a_bad_encoder_path_is_a_guard_error(executor: ThreadPoolExecutor, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from engines.base import (
 )
 from engines.vllm_local import VllmLocalEngine
 from guard.backlog import Backlog
-from guard.base import Classifier, Direction, GuardError, GuardInput, Queued, Span
+from guard.base import Classifier, Direction, GuardError, GuardInput, GuardInputError, ItemSized, Queued, Span
 from guard.default_guard import DEFAULT_JUDGE_SPEC, DEFAULT_MIN_LABEL_MASS, DEFAULT_MODEL_REF, JUDGE_PROMPT
 from guard.one_token import OneTokenClassifier
 from registry.models import GuardModelSpec
@@ -232,13 +232,16 @@ async def test_an_engine_error_is_a_guard_error(make: Make, error: Exception) ->
     with pytest.raises(GuardError, match="engine failed") as raised:
         await make(FakeEngine(fail)).classify(user("anything"))
     assert raised.value.__cause__ is not None
+    # The guard's failure, not the item's: it counts on the guard's breaker.
+    assert not isinstance(raised.value, GuardInputError)
 
 
-async def test_negligible_label_mass_is_a_guard_error(make: Make) -> None:
+async def test_negligible_label_mass_is_the_items_guard_error(make: Make) -> None:
+    # A text can talk the model out of answering with a label: the item's failure, never the breaker's.
     guard = make(FakeEngine(lambda _: masses(0.004, 0.006)), min_label_mass=0.02)
-    with pytest.raises(GuardError, match="not answering"):
+    with pytest.raises(GuardInputError, match="not answering"):
         await guard.classify(user("anything"))
-    with pytest.raises(GuardError, match="not answering"):
+    with pytest.raises(GuardInputError, match="not answering"):
         await make(FakeEngine(lambda _: masses(0.0, 0.0)), min_label_mass=0.0).classify(user("anything"))
 
 
@@ -246,15 +249,17 @@ async def test_negligible_label_mass_is_a_guard_error(make: Make) -> None:
 async def test_malformed_logprobs_are_a_guard_error(make: Make, bad: float) -> None:
     lp = masses(0.5, 0.3)
     lp[UNSAFE_IDS[1]] = bad
-    with pytest.raises(GuardError, match="malformed"):
+    with pytest.raises(GuardError, match="malformed") as raised:
         await make(FakeEngine(lambda _: lp)).classify(user("anything"))
+    assert not isinstance(raised.value, GuardInputError)  # an engine that breaks its contract
 
 
 async def test_a_missing_label_is_a_guard_error(make: Make) -> None:
     lp = masses(0.5, 0.3)
     del lp[SAFE_IDS[2]]
-    with pytest.raises(GuardError, match=str(SAFE_IDS[2])):
+    with pytest.raises(GuardError, match=str(SAFE_IDS[2])) as raised:
         await make(FakeEngine(lambda _: lp)).classify(user("anything"))
+    assert not isinstance(raised.value, GuardInputError)
 
 
 # --- the pool's backlog ------------------------------------------------------------------------------------
@@ -357,13 +362,13 @@ async def test_a_long_text_is_checked_in_windows_and_the_worst_counts(make: Make
 
 async def test_a_text_needing_too_many_windows_is_not_checked_in_part(make: Make) -> None:
     guard = make(FakeEngine(lambda _: masses(0.5, 0.5), max_model_len=256), max_windows=3)
-    with pytest.raises(GuardError, match="not checked in part"):
+    with pytest.raises(GuardInputError, match="not checked in part"):
         await guard.classify(user(" ".join(f"word{i}" for i in range(2000))))
 
 
 async def test_a_template_leaving_no_room_is_a_guard_error(make: Make) -> None:
     guard = make(FakeEngine(lambda _: masses(0.5, 0.5), max_model_len=80))
-    with pytest.raises(GuardError, match="leaves"):
+    with pytest.raises(GuardInputError, match="leaves"):
         await guard.classify(user(" ".join(f"word{i}" for i in range(200))))
 
 
@@ -379,6 +384,44 @@ async def test_one_failing_window_fails_the_item(make: Make, tokenizer: Any) -> 
     guard = make(FakeEngine(scorer, max_model_len=256))
     with pytest.raises(GuardError, match="this window failed"):
         await guard.classify(user(f"{filler} zebra {filler}"))
+
+
+async def test_an_engine_failure_on_one_window_outweighs_an_off_label_answer_on_another(
+    make: Make, tokenizer: Any
+) -> None:
+    marker = tokenizer.encode(" zebra", add_special_tokens=False)[0]
+
+    def scorer(prompt: list[int]) -> dict[int, float]:
+        if marker in prompt:
+            raise EngineRequestError("this window failed")
+        return masses(0.001, 0.001)  # off the labels
+
+    filler = " ".join(f"word{i}" for i in range(300))
+    guard = make(FakeEngine(scorer, max_model_len=256), min_label_mass=0.02)
+    with pytest.raises(GuardError, match="this window failed") as raised:
+        await guard.classify(user(f"{filler} zebra {filler}"))
+    # The engine failed on this item too: that must still count on the breaker.
+    assert not isinstance(raised.value, GuardInputError)
+    # Off the labels on one window, answered on the others: the item's failure.
+
+    def one_off(prompt: list[int]) -> dict[int, float]:
+        return masses(0.001, 0.001) if marker in prompt else masses(0.9, 0.1)
+
+    guard = make(FakeEngine(one_off, max_model_len=256), min_label_mass=0.02)
+    with pytest.raises(GuardInputError, match="not answering"):
+        await guard.classify(user(f"{filler} zebra {filler}"))
+
+
+def test_an_item_of_more_than_one_prompt_is_oversized(make: Make) -> None:
+    guard = make(FakeEngine(lambda _: masses(0.5, 0.5), max_model_len=256))
+    assert isinstance(guard, ItemSized)
+    assert not guard.oversized(user("x" * 256))
+    assert guard.oversized(user("x" * 257))
+    assert guard.oversized(user("\u00e9" * 129))  # 258 UTF-8 bytes: may be more tokens than characters
+    # An input is judged on its untrusted spans: the tenant's own system prompt does not make it large.
+    trusted = Span(text="y" * 10_000, source="system", trusted=True)
+    assert not guard.oversized(item(trusted, Span(text="hi", source="user")))
+    assert guard.oversized(item(Span(text="y" * 300, source="output"), direction="output"))
 
 
 # --- the real default model -----------------------------------------------------------------------------
