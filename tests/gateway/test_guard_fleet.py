@@ -64,7 +64,7 @@ async def test_guard_calls_on_the_served_pool_reach_every_replica(
                 return await _score(prompt, ids, priority=priority)
 
             replica.engine.score_next_token = counted
-        served = services.registry.view.resolve_model(MODEL, request_id="")
+        served = services.registry.view.resolve_model(MODEL, key="")
         await services.registry.publish(
             "policy", "judged", "1", judged(f"{ZERO_SHOT_JUDGE}@{served.model.version}"), actor="test"
         )
