@@ -10,6 +10,7 @@ server secret, so B cannot compute A's salt either (it was a hash of the public 
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import httpx
 import msgspec
 import pytest
 
-from engines.base import EngineDelta, EngineRequest
+from engines.base import EngineDelta, EngineRequest, SamplingSpec
 from engines.simulated import SimulatedEngine, SimulatorConfig
+from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.config import GuardConfig, RegistryConfig
 from gateway.generation.prompts import PromptRenderer
@@ -189,3 +191,28 @@ def test_a_salt_cannot_be_computed_from_the_tenant_id() -> None:
     # Stable: every replica with the same secret salts a tenant the same (their prefix caches agree).
     assert salts_of(SECRET) == salts
     assert all(len(s) == 32 for s in salts.values())
+
+
+async def test_a_real_engine_caches_a_guard_calls_prompt_under_its_salt_only(
+    vllm_engine: VllmLocalEngine,
+) -> None:
+    """vLLM itself: the prefix a salted scoring call leaves in the cache is found by a request with the same
+    salt (it reached the engine), and by none with another salt or none."""
+    prompt = tuple(1000 + (i * 37) % 20000 for i in range(min(400, vllm_engine.max_model_len - 64)))
+    mine, other = uuid.uuid4().hex, uuid.uuid4().hex
+    await vllm_engine.score_next_token(prompt, [5, 9], priority=-10, cache_salt=mine)
+
+    async def cached(salt: str | None) -> int:
+        req = EngineRequest(
+            request_id=f"probe-{uuid.uuid4().hex}",
+            prompt_token_ids=(*prompt, 7),
+            sampling=SamplingSpec(max_tokens=1, temperature=0.0),
+            cache_salt=salt,
+        )
+        usage = [d.usage async for d in vllm_engine.generate(req) if d.usage is not None]
+        return usage[-1].cached_tokens
+
+    # Another tenant's salt, or none, finds nothing of it (asked first: each probe caches under its own).
+    assert await cached(other) == 0
+    assert await cached(None) == 0
+    assert await cached(mine) > 0
