@@ -184,9 +184,7 @@ class RegistryView:
         picked with `key` (the same key gives the same versions on every call of one view)."""
         policy = self.pick("policy", alias_or_ref, key)
         spec = self.spec("policy", policy.name, policy.version, PolicySpec)
-        guards = tuple(
-            self.resolve_guard(stage.guard, key) for stage in spec.stages if stage.kind == "model"
-        )
+        guards = tuple(self.resolve_guard(stage.guard, key) for stage in spec.stages if stage.kind == "model")
         return ResolvedPolicy(
             ref=policy.ref, policy=policy, spec=spec, guards=guards, generation=self.generation
         )
