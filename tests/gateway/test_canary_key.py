@@ -1,8 +1,8 @@
 """No client picks its gate: while a policy alias splits between versions, which version checks a request is
 keyed by the tenant under the server secret, never by anything the client sends per request.
 
-(Guard model versions are named pinned, `name@version`, in a policy's stages, so they follow the policy
-version; a model alias in canary is picked per API key, tests/registry/test_registry_http.py.)
+(A policy's stages name guard model versions pinned, `name@version`, so those follow the policy version; a
+model alias in canary is picked per API key: tests/registry/test_registry_http.py.)
 
 The attack kept here: a consumer whose prompt the strict version blocks retries it under many `x-request-id`s
 (and with another of its tenant's keys), hoping one lands on the lenient version. Before, the pick hashed a
@@ -26,6 +26,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.secret import ServerSecret
 from policy.safety.defaults import rules_policy
 from policy.tenants.models import Tenant
+from registry.hashing import canary_pick
 from registry.models import AliasTarget, PolicySpec, RulePattern, RulesSpec
 from registry.service import Registry
 from tests.backends import FakeClock, deployment
@@ -170,8 +171,6 @@ async def test_the_split_across_tenants_follows_the_weights(gateway: Gateway) ->
 
 
 def test_picks_follow_the_weights_and_differ_by_secret() -> None:
-    from registry.hashing import canary_pick
-
     targets = [AliasTarget(version="stable", weight=0.9), AliasTarget(version="canary", weight=0.1)]
     tenants = [f"tenant-{i}" for i in range(4000)]
     ours, theirs = ServerSecret(SECRET), ServerSecret("another-deployment-secret")
