@@ -165,7 +165,12 @@ class Scorer(Protocol):
         ...
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """As `Engine.score_next_token`."""
         ...
@@ -184,7 +189,12 @@ class Engine(Protocol):
         ...
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """The log-probability of exactly each of `token_ids` as the first token generated after the prompt
         (greedy, one token): the one-token classifier's primitive.
@@ -192,6 +202,8 @@ class Engine(Protocol):
         Every named id is a key of the result (duplicates once); an engine that cannot report one raises
         EngineRequestError rather than leave it out. `priority` orders the request against others waiting
         in the engine (lower runs earlier): guard calls pass a negative one to go ahead of batch generation.
+        `cache_salt`, as on `EngineRequest`: the prompt shares cached prefixes only with requests carrying
+        the same salt (guard calls pass the tenant's, as its generation requests do).
         """
         ...
 

@@ -263,14 +263,20 @@ class SimulatedEngine:
             self._discard(seq)
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """Fake first-token log-probabilities of exactly `token_ids`, after a simulated prefill.
 
         Each id's value depends only on the prompt and the id (never on which other ids are asked about), and
         the values over the whole vocabulary sum to at most 1: a few favourite ids per prompt take halving
         shares, every other id an equal sliver. The call bypasses the scheduler queue, as if it always had
-        the best priority; `priority` is accepted for the protocol's sake.
+        the best priority; `priority` and `cache_salt` (there is no prefix cache) are accepted for the
+        protocol's sake.
         """
         self._check_alive()
         vocab = self._cfg.vocab_size

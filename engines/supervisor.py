@@ -147,12 +147,19 @@ class SupervisedEngine:
             raise EngineDeadError(str(exc), retry_after=self.retry_after) from exc
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """The current engine's first-token logprobs of exactly `token_ids`; a death starts a restart."""
         engine = self._check_ready()
         try:
-            return await engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
+            return await engine.score_next_token(
+                prompt_token_ids, token_ids, priority=priority, cache_salt=cache_salt
+            )
         except EngineDeadError as exc:
             self._report_death(engine, exc)
             raise EngineDeadError(str(exc), retry_after=self.retry_after) from exc

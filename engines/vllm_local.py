@@ -424,7 +424,12 @@ class VllmLocalEngine:
             await outputs.aclose()
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """Log-probabilities of exactly `token_ids` as the first generated token: one greedy step with
         vLLM's `logprob_token_ids` (raw log-softmax of the logits, gathered at those ids)."""
@@ -438,6 +443,7 @@ class VllmLocalEngine:
             prompt_token_ids=tuple(prompt_token_ids),
             sampling=SamplingSpec(max_tokens=1, temperature=0.0),
             priority=priority,
+            cache_salt=cache_salt,
         )
         params = SamplingParams(
             max_tokens=1,

@@ -339,7 +339,12 @@ class VllmRemoteEngine:
         )
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """Log-probabilities of exactly `token_ids` as the first generated token: one greedy step with the
         server's `logprob_token_ids` (vLLM gathers the raw log-softmax at exactly those ids, as
@@ -348,7 +353,7 @@ class VllmRemoteEngine:
         if not wanted:
             raise EngineRequestError("no token ids to score")
         self._check_room(len(prompt_token_ids), 1)
-        body = score_body(prompt_token_ids, wanted, priority, self.config)
+        body = score_body(prompt_token_ids, wanted, priority, self.config, cache_salt=cache_salt)
         async with self._errors_mapped():
             c = self.config
             timeout = httpx.Timeout(

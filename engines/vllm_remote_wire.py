@@ -204,7 +204,12 @@ def completion_body(req: EngineRequest, config: RemoteEngineConfig) -> dict[str,
 
 
 def score_body(
-    prompt_token_ids: Sequence[int], token_ids: list[int], priority: int, config: RemoteEngineConfig
+    prompt_token_ids: Sequence[int],
+    token_ids: list[int],
+    priority: int,
+    config: RemoteEngineConfig,
+    *,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The /v1/completions body that scores exactly `token_ids` as the first token: one greedy step with
     `logprob_token_ids` (vLLM gathers the raw log-softmax at those ids)."""
@@ -219,4 +224,6 @@ def score_body(
     }
     if config.priority_scheduling:
         body["priority"] = priority
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     return body

@@ -121,7 +121,7 @@ def _check_tenant(tenant: Tenant, prefix: str = "") -> None:
 def _check_policy(services: Services, policy: str) -> None:
     """A tenant binds to a policy alias (follows it) or a pinned `name@version`; either must resolve."""
     try:
-        services.registry.view.resolve_policy(policy, request_id="")
+        services.registry.view.resolve_policy(policy, key="")
     except RegistryError as exc:
         raise InvalidRequestError(
             f"policy `{policy}` does not resolve: {exc}", param="policy", code="unknown_policy"

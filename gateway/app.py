@@ -39,6 +39,7 @@ from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
 from gateway.overload import LoopLagMonitor, OverloadGate
 from gateway.routes import ROUTES
+from gateway.secret import load_secret
 from gateway.security import provide_principal
 from gateway.service import Services
 from gateway.sessions import open_session_store
@@ -411,8 +412,9 @@ def create_app(
                 versions = await open_registry_store(config)
                 owned.push_async_callback(versions.close)
             live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
+            secret = await load_secret(config.registry.secret, versions)
             owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
-            served = live_registry.view.resolve_model(config.model.name, request_id="")
+            served = live_registry.view.resolve_model(config.model.name, key="")
             tokenizer = prompts.tokenizer
             replicas = await start_fleet(
                 config,
@@ -438,7 +440,7 @@ def create_app(
             # The first replica of each pool answers for it where one engine is needed (limits, readiness).
             pools: dict[str, Engine] = {r.pool: r.engine for r in reversed(replicas)}
             pools.update(guard_pools or {})
-            default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, request_id="")
+            default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, key="")
             guard_engines = await _guard_pools(config, default_policy, pools, owned) + len(guard_pools or {})
             if config.overload.cpu_shedding == "auto" and _only_remote_engines(config, guard_engines):
                 overload.use_cpu_signal()  # the process's CPU is the gateway's own
@@ -505,6 +507,7 @@ def create_app(
                 ),
                 meter=meter,
                 registry=live_registry,
+                secret=secret,
                 gate=gate,
                 guards=factory,
                 clock=clock,

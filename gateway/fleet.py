@@ -163,7 +163,7 @@ async def start_fleet(
         return [replica(engine, "default", served, kv_bytes)]
     replicas = []
     for index, spec in enumerate(config.engines):
-        model = view.resolve_model(spec.model, request_id="") if spec.model else served
+        model = view.resolve_model(spec.model, key="") if spec.model else served
         built = await _replica_engine(config, spec, model, index, token_text)
         await built.start()
         owned.push_async_callback(built.shutdown)

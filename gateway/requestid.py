@@ -1,8 +1,9 @@
 """Every response carries `x-request-id`; handlers read the same id.
 
 A client may send its own `x-request-id` (1-64 letters, digits, `.`, `_`, `:` or `-`): the gateway then uses
-and echoes it, so that a retry with the same id lands on the same canary version. Engine request ids add a
-random suffix to it, so two requests reusing one id never collide inside an engine.
+and echoes it (logs, audit records and appeals name it). It picks nothing: canary versions are keyed by the
+tenant and API key (`gateway.secret`), so no choice of id steers a request. Engine request ids add a random
+suffix to it, so two requests reusing one id never collide inside an engine.
 """
 
 from __future__ import annotations

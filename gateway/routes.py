@@ -143,7 +143,7 @@ async def list_models(
     ]
     for alias in aliases:
         for version in view.versions("model", alias.name):
-            model = view.resolve_model(version.ref, request_id="")
+            model = view.resolve_model(version.ref, key="")
             cards.append(
                 ModelCard(
                     id=model.ref,

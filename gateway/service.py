@@ -20,6 +20,7 @@ from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
@@ -52,6 +53,7 @@ class Services:
         auth: Authenticator,
         meter: QuotaMeter,
         registry: Registry,
+        secret: ServerSecret,
         gate: SafetyGate,
         clock: Clock,
         guards: GuardFactory | None = None,
@@ -91,6 +93,8 @@ class Services:
         self.auth = auth
         self.meter = meter
         self.registry = registry
+        # Keys canary picks and tenants' cache salts (`gateway.secret`): nothing a client chooses does.
+        self.secret = secret
         self.gate = gate
         # Builds each guard version's classifier (the gate uses it; tools wait for a policy's guards with it).
         self.guards = guards
@@ -117,10 +121,12 @@ class Services:
         }
         return "; ".join(dead.values())
 
-    def target(self, model_name: str, request_id: str) -> tuple[ResolvedModel, Limits]:
-        """The model version `model_name` means for this request (one registry view), and its limits."""
+    def target(self, model_name: str, principal: Principal) -> tuple[ResolvedModel, Limits]:
+        """The model version `model_name` means for the caller's API key (one registry view: an alias in
+        canary serves one key from one version), and its limits."""
+        key = self.secret.model_key(principal.tenant.tenant_id, principal.key.key_id)
         try:
-            model = self.registry.view.resolve_model(model_name, request_id)
+            model = self.registry.view.resolve_model(model_name, key)
         except RegistryNotFoundError as exc:
             raise NotFoundError(
                 f"model `{model_name}` does not exist: {exc}", param="model", code="model_not_found"
@@ -165,10 +171,13 @@ class Services:
                 code="renderer_unavailable",
             ) from exc
 
-    def policy_for(self, principal: Principal, request_id: str) -> ResolvedPolicy:
-        """The safety policy version the caller's tenant is bound to, from the current registry view."""
+    def policy_for(self, principal: Principal) -> ResolvedPolicy:
+        """The safety policy version the caller's tenant is bound to, from the current registry view: while
+        its alias splits, one version for all of the tenant's requests, whatever their id or API key (a
+        blocked request retried is decided under the same version)."""
+        key = self.secret.policy_key(principal.tenant.tenant_id)
         try:
-            return self.registry.view.resolve_policy(principal.tenant.policy, request_id)
+            return self.registry.view.resolve_policy(principal.tenant.policy, key)
         except (RegistryNotFoundError, RegistryInvalidError) as exc:
             # A binding that does not resolve is an operator error; no request goes unguarded because of it.
             raise EngineUnavailableError(

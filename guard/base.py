@@ -82,6 +82,10 @@ class GuardInput(msgspec.Struct, frozen=True, kw_only=True):
     # The policy's category names the classifier is asked about (a prompt may list them).
     categories: tuple[str, ...] = ()
     policy: str = ""  # name@version of the policy, for prompts that name it
+    # The prefix-cache salt of the tenant the item is checked for ("" = none): a guard's engine calls carry
+    # it, as the tenant's generation requests do, so no tenant can time a guard check to learn which
+    # prefixes another tenant's checks left in the engine's cache.
+    cache_salt: str = ""
 
     def text(self, *, untrusted_only: bool = False) -> str:
         """The spans' text joined by blank lines (only the untrusted ones when asked)."""

@@ -4,7 +4,8 @@ The guard renders its version's prompt template (Jinja, sandboxed; variables `co
 `policy`) as the user message after an explicit system message, through the guard model's own chat template
 with the generation prompt, and asks the engine for the log-probability of exactly each label token as the
 first answer token (`Engine.score_next_token`, greedy, one token, at a priority that puts it ahead of batch
-generation). Then
+generation, with the item's `cache_salt`: the tenant's, so prefixes are cached per tenant as in generation).
+Then
 
     P(unsafe) = mass(unsafe variants) / (mass(unsafe variants) + mass(safe variants)),
 
@@ -169,7 +170,7 @@ class OneTokenClassifier:
         windows = await self._windows(text, categories, item.policy)
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._score_window(w)) for w in windows]
+                tasks = [group.create_task(self._score_window(w, item.cache_salt)) for w in windows]
         except* GuardError as failed:
             # The guard's own failure on any window outweighs the item's on another: that one must count.
             errors = failed.exceptions
@@ -239,14 +240,14 @@ class OneTokenClassifier:
             list(content),
         )
 
-    async def _score_window(self, prompt_ids: list[int]) -> WindowScore:
+    async def _score_window(self, prompt_ids: list[int], cache_salt: str) -> WindowScore:
         """Label masses of one prompt from the engine; GuardError for any failure or a non-answer."""
         backlog, completed = self._backlog, False
         if backlog is not None:
             backlog.begin(len(prompt_ids))
         try:
             logprobs = await self._engine.score_next_token(
-                prompt_ids, self._label_token_ids, priority=self.priority
+                prompt_ids, self._label_token_ids, priority=self.priority, cache_salt=cache_salt or None
             )
             completed = True
         # Whatever the engine raises, the item was not scored: a guard error, which the policy's fail mode

@@ -120,6 +120,11 @@ class RegistryStore(Protocol):
         """All versions, all aliases and the generation, read in one consistent transaction."""
         ...
 
+    async def server_secret(self, candidate: str) -> str:
+        """The deployment's server secret: the stored one, or `candidate`, stored now when there is none.
+        The first caller's candidate wins and is never replaced, so replicas sharing the store agree."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...

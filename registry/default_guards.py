@@ -84,7 +84,7 @@ async def register_guards(
         return None
     model_dir = guards_dir / manifest.one_token.name
     files = await asyncio.to_thread(read_model_dir, model_dir)
-    base = registry.view.resolve_model(base_model_ref, request_id="")
+    base = registry.view.resolve_model(base_model_ref, key="")
     name = manifest.one_token.name
 
     tokenizer_ref = base.spec.tokenizer

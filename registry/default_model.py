@@ -161,13 +161,13 @@ async def register_default_model(
         t.version != version for t in view.alias("model", public_name).targets
     ):
         await registry.set_alias("model", public_name, version, actor=actor)
-    return registry.view.resolve_model(f"{public_name}@{version}", request_id="")
+    return registry.view.resolve_model(f"{public_name}@{version}", key="")
 
 
 async def check_model_dir(view: RegistryView, model_ref: str, model_dir: Path) -> None:
     """InvalidError unless `model_dir`'s tokenizer.json and chat template are the versions `model_ref`
     requires: a tokenizer that does not match the model is refused before it serves a request."""
-    model = view.resolve_model(model_ref, request_id="")
+    model = view.resolve_model(model_ref, key="")
     file_sha256 = await asyncio.to_thread(sha256_file, model_dir / "tokenizer.json")
     tokenizer = view.spec("tokenizer", model.tokenizer.name, model.tokenizer.version, TokenizerSpec)
     check_tokenizer(model.ref, model.spec, tokenizer=tokenizer, file_sha256=file_sha256)

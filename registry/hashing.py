@@ -47,17 +47,19 @@ def unit_interval(key: str) -> float:
     return (int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 11) / float(1 << 53)
 
 
-def canary_pick(request_id: str, targets: Sequence[AliasTarget], salt: str = "") -> str:
-    """The version `request_id` goes to: the same one on every call (so a retry lands on it again).
+def canary_pick(key: str, targets: Sequence[AliasTarget], salt: str = "") -> str:
+    """The version pick key `key` goes to: the same one on every call (so a retry lands on it again).
 
+    `key` must be one the client cannot choose or predict (the gateway's are HMACs of the tenant and key id
+    under its server secret, `gateway.secret`): whoever can compute the point below picks the version.
     `salt` (the registry passes "kind:name") makes different aliases split independently. With the stable
-    version listed first, raising the canary's weight only moves requests to the canary, never back.
+    version listed first, raising the canary's weight only moves keys to the canary, never back.
     """
     if not targets:
         raise ValueError("an alias needs at least one target")
     if len(targets) == 1:  # no split to make (and no hash to pay for on every request)
         return targets[0].version
-    point = unit_interval(f"{salt}\x00{request_id}")
+    point = unit_interval(f"{salt}\x00{key}")
     cumulative = 0.0
     for target in targets:
         cumulative += target.weight

@@ -9,6 +9,8 @@ Tables::
     registry_alias_history(id PK, kind, name, action, targets JSON, previous JSON, parent_id, at, actor)
                                              append-only; `revision` of an alias is the id of its entry here
     registry_generation(id = 1 PK, value)    one row: bumped in the same transaction as every change
+    registry_secret(id = 1 PK, value)        one row, written once: the deployment's server secret (keys
+                                             canary picks and tenants' cache salts; `gateway.secret`)
 
 `Migration` (and its `{id_pk}` expansion) and the runners, given this list and table, are the shared ones
 of `registry.db`. The statements that use these tables are in `registry.sql`. Never edit a released
@@ -86,6 +88,16 @@ MIGRATIONS: tuple[Migration, ...] = (
                 f"""CREATE TRIGGER {table}_refuse BEFORE UPDATE OR DELETE ON {table}
                     FOR EACH ROW EXECUTE FUNCTION {table}_refuse()""",
             )
+        ),
+    ),
+    Migration(
+        version=2,
+        summary="registry_secret",
+        shared=(
+            """CREATE TABLE registry_secret (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                value TEXT NOT NULL
+            )""",
         ),
     ),
 )

@@ -37,6 +37,7 @@ _SELECT_HISTORY = sql.numbered(sql.SELECT_HISTORY)
 _SELECT_HISTORY_ENTRY = sql.numbered(sql.SELECT_HISTORY_ENTRY)
 _INSERT_HISTORY = sql.numbered(sql.INSERT_HISTORY)
 _UPSERT_ALIAS = sql.numbered(sql.UPSERT_ALIAS)
+_INSERT_SECRET = sql.numbered(sql.INSERT_SECRET)
 
 
 class PostgresRegistryStore:
@@ -158,6 +159,13 @@ class PostgresRegistryStore:
         """The change counter."""
         async with self._tx(write=False) as conn:
             return int(await conn.fetchval(sql.SELECT_GENERATION))
+
+    async def server_secret(self, candidate: str) -> str:
+        """The stored server secret, or `candidate` stored now (the first caller's wins: replicas starting
+        together race on the insert, and each reads back the one row that won)."""
+        async with self._tx(write=True) as conn:
+            await conn.execute(_INSERT_SECRET, candidate)
+            return str(await conn.fetchval(sql.SELECT_SECRET))
 
     async def snapshot(self) -> RegistrySnapshot:
         """All versions, all aliases and the generation, from one REPEATABLE READ transaction."""

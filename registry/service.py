@@ -271,10 +271,10 @@ class Registry:
         await self.refresh()
         return alias
 
-    def resolve_model(self, name_or_ref: str, request_id: str) -> ResolvedModel:
+    def resolve_model(self, name_or_ref: str, key: str) -> ResolvedModel:
         """`self.view.resolve_model`: for one lookup; take `view` once when resolving several things."""
-        return self._view.resolve_model(name_or_ref, request_id)
+        return self._view.resolve_model(name_or_ref, key)
 
-    def resolve_policy(self, alias_or_ref: str, request_id: str) -> ResolvedPolicy:
+    def resolve_policy(self, alias_or_ref: str, key: str) -> ResolvedPolicy:
         """`self.view.resolve_policy`: for one lookup; take `view` once when resolving several things."""
-        return self._view.resolve_policy(alias_or_ref, request_id)
+        return self._view.resolve_policy(alias_or_ref, key)

@@ -47,6 +47,9 @@ SELECT_HISTORY = (
 )
 SELECT_GENERATION = "SELECT value FROM registry_generation WHERE id = 1"
 BUMP_GENERATION = "UPDATE registry_generation SET value = value + 1 WHERE id = 1"
+# The first writer's secret stays: every later one (another replica starting) reads it back.
+INSERT_SECRET = "INSERT INTO registry_secret (id, value) VALUES (1, ?) ON CONFLICT (id) DO NOTHING"
+SELECT_SECRET = "SELECT value FROM registry_secret WHERE id = 1"
 
 _targets = msgspec.json.Decoder(tuple[AliasTarget, ...])
 _encode = msgspec.json.Encoder()

@@ -146,6 +146,16 @@ class SqliteRegistryStore:
 
         return await self._run(snapshot)
 
+    async def server_secret(self, candidate: str) -> str:
+        """The stored server secret, or `candidate` stored now (the first caller's wins)."""
+
+        def secret(conn: Conn) -> str:
+            with transaction(conn):
+                conn.execute(sql.INSERT_SECRET, (candidate,))
+                return str(conn.execute(sql.SELECT_SECRET).fetchone()[0])
+
+        return await self._run(secret)
+
     async def close(self) -> None:
         """Close the connection and let the worker thread end. Safe to call twice."""
         await self._db.close()

@@ -5,7 +5,9 @@ model's tokenizer and template, its tenant's policy and that policy's guard mode
 view and swaps the reference, so a request never sees versions from before and after a change together.
 
 A name is either pinned, `name@version` (aliases are bypassed), or an alias: one version, or two with
-canary weights, chosen by `canary_pick` from the request id, so a retry lands on the same version.
+canary weights, chosen by `canary_pick` from a pick key the caller derives. The gateway derives it from
+who is asking (tenant, API key) under its server secret (`gateway.secret`), never from anything the client
+chooses per request, so a client cannot steer a request to a version and a retry lands on the same one.
 """
 
 from __future__ import annotations
@@ -154,17 +156,17 @@ class RegistryView:
         """The aliases (of one kind, or all), ordered by kind and name."""
         return [a for key, a in sorted(self._aliases.items()) if kind is None or a.kind == kind]
 
-    def pick(self, kind: Kind, name_or_ref: str, request_id: str) -> Published:
-        """The version `name_or_ref` means for `request_id`: pinned as written, or by alias and canary."""
+    def pick(self, kind: Kind, name_or_ref: str, key: str) -> Published:
+        """The version `name_or_ref` means for pick key `key`: pinned as written, or by alias and canary."""
         if "@" in name_or_ref:
             return self.get(kind, *parse_ref(name_or_ref))
         name = check_name("name", name_or_ref)
         alias = self.alias(kind, name)
-        return self.get(kind, name, canary_pick(request_id, alias.targets, salt=f"{kind}:{name}"))
+        return self.get(kind, name, canary_pick(key, alias.targets, salt=f"{kind}:{name}"))
 
-    def resolve_model(self, name_or_ref: str, request_id: str) -> ResolvedModel:
+    def resolve_model(self, name_or_ref: str, key: str) -> ResolvedModel:
         """A model version with its tokenizer and chat template, all from this view."""
-        model = self.pick("model", name_or_ref, request_id)
+        model = self.pick("model", name_or_ref, key)
         spec = self.spec("model", model.name, model.version, ModelSpec)
         tokenizer = self.get("tokenizer", *parse_ref(spec.tokenizer))
         template_name, template_version = parse_ref(spec.chat_template)
@@ -178,20 +180,19 @@ class RegistryView:
             generation=self.generation,
         )
 
-    def resolve_guard(self, ref: str, request_id: str) -> ResolvedGuard:
-        """A guard model version (pinned or by alias) with its model version."""
-        guard = self.pick("guard_model", ref, request_id)
+    def resolve_guard(self, ref: str, key: str) -> ResolvedGuard:
+        """A guard model version (pinned or by alias) with its model version, both picked with `key`."""
+        guard = self.pick("guard_model", ref, key)
         spec = self.spec("guard_model", guard.name, guard.version, GuardModelSpec)
-        model = self.resolve_model(spec.model, request_id) if spec.kind == "one_token" else None
+        model = self.resolve_model(spec.model, key) if spec.kind == "one_token" else None
         return ResolvedGuard(ref=guard.ref, guard=guard, spec=spec, model=model)
 
-    def resolve_policy(self, alias_or_ref: str, request_id: str) -> ResolvedPolicy:
-        """A policy version (a tenant's binding: an alias, or a pinned `name@version`) and its guards."""
-        policy = self.pick("policy", alias_or_ref, request_id)
+    def resolve_policy(self, alias_or_ref: str, key: str) -> ResolvedPolicy:
+        """A policy version (a tenant's binding: an alias, or a pinned `name@version`) and its guards, all
+        picked with `key` (the same key gives the same versions on every call of one view)."""
+        policy = self.pick("policy", alias_or_ref, key)
         spec = self.spec("policy", policy.name, policy.version, PolicySpec)
-        guards = tuple(
-            self.resolve_guard(stage.guard, request_id) for stage in spec.stages if stage.kind == "model"
-        )
+        guards = tuple(self.resolve_guard(stage.guard, key) for stage in spec.stages if stage.kind == "model")
         return ResolvedPolicy(
             ref=policy.ref, policy=policy, spec=spec, guards=guards, generation=self.generation
         )

@@ -29,13 +29,20 @@ class ReplicaScorer:
         return min(r.engine.max_model_len for r in self.replicas)
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         """The chosen replica's first-token log-probabilities of exactly `token_ids`."""
         replica = self._pick()
         self._calls[replica.replica_id] += 1
         try:
-            scores = await replica.engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
+            scores = await replica.engine.score_next_token(
+                prompt_token_ids, token_ids, priority=priority, cache_salt=cache_salt
+            )
         except Exception as exc:
             if is_replica_failure(exc):  # as a generation request's failure before its first token
                 await replica.judge_failure()

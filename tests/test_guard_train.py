@@ -178,7 +178,7 @@ async def test_register_guards_publishes_trained_versions_idempotently(
         view = registry.view
         sha = _sha256(data_file)
 
-        model = view.resolve_model(refs.model, request_id="")
+        model = view.resolve_model(refs.model, key="")
         assert model.spec.engine_pool == "guard"
         assert model.spec.weights_sha256 == prepared.manifest.one_token.weights_sha256
         assert model.spec.artifact == f"guards/{ONE_TOKEN_NAME}/model.safetensors"

@@ -9,13 +9,12 @@ Request headers:
 Response header `x-lockgate-queue-wait`: seconds the request waited for a replica.
 
 Every engine request carries the class's engine priority (vLLM: lower runs earlier) and the tenant's
-`cache_salt`, so tenants never share vLLM's prefix cache (a timing side channel).
+`cache_salt` (`ServerSecret.cache_salt`: keyed, so no tenant can compute another's), so tenants never share
+vLLM's prefix cache (a timing side channel). Guard calls made for the tenant carry the same salt.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 from collections.abc import AsyncGenerator
 
@@ -99,16 +98,10 @@ def queue_deadline(request: Inbound, services: Services, klass: Klass) -> float:
     return min(asked, default)
 
 
-@functools.lru_cache(maxsize=4096)  # a hash per request otherwise; tenants are few and their salts fixed
-def cache_salt(tenant_id: str) -> str:
-    """The tenant's prefix-cache salt: requests share vLLM's prefix cache only within one tenant."""
-    return hashlib.sha256(f"lockgate-cache-salt:{tenant_id}".encode()).hexdigest()[:32]
-
-
-def for_engine(plan: Plan, klass: Klass, tenant_id: str) -> EngineRequest:
+def for_engine(plan: Plan, klass: Klass, cache_salt: str) -> EngineRequest:
     """The plan's engine request with the class's engine priority and the tenant's cache salt."""
     return msgspec.structs.replace(
-        plan.engine_request, priority=ENGINE_PRIORITY[klass], cache_salt=cache_salt(tenant_id)
+        plan.engine_request, priority=ENGINE_PRIORITY[klass], cache_salt=cache_salt
     )
 
 

@@ -91,7 +91,7 @@ async def run_chat(
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, services.clock)
     start = timeline.now()
-    model, limits = services.target(req.model, request_id)
+    model, limits = services.target(req.model, principal)
     renderer = await services.renderer_for(model)
     plan = await plan_chat(
         req,
@@ -113,7 +113,7 @@ async def run_completion(
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, services.clock)
     start = timeline.now()
-    model, limits = services.target(req.model, request_id)
+    model, limits = services.target(req.model, principal)
     renderer = await services.renderer_for(model)
     plan = await plan_completion(req, request_id, model, renderer, limits)
     timeline.phase("render", start)
@@ -188,8 +188,10 @@ class _OutputGuard:
         context: RecordContext,
         tracker: RequestTracker,
         timeline: RequestTimeline,
+        cache_salt: str,
     ) -> None:
         self._services = services
+        self._cache_salt = cache_salt
         self._policy = policy
         self._context = context
         self._tracker = tracker
@@ -208,6 +210,7 @@ class _OutputGuard:
             spans=spans,
             categories=self._categories,
             policy=self._policy.ref,
+            cache_salt=self._cache_salt,
         )
         start = self._timeline.now()
         decision = await self._services.gate.check(self._policy, item, self._context)
@@ -238,11 +241,22 @@ def _categories(policy: ResolvedPolicy) -> tuple[str, ...]:
 
 
 async def _input_guard(
-    services: Services, plan: Plan, policy: ResolvedPolicy, context: RecordContext, timeline: RequestTimeline
+    services: Services,
+    plan: Plan,
+    policy: ResolvedPolicy,
+    context: RecordContext,
+    timeline: RequestTimeline,
+    cache_salt: str,
 ) -> GuardDecision | None:
     if not services.gate.guards(policy, "input"):
         return None
-    item = GuardInput(direction="input", spans=plan.spans, categories=_categories(policy), policy=policy.ref)
+    item = GuardInput(
+        direction="input",
+        spans=plan.spans,
+        categories=_categories(policy),
+        policy=policy.ref,
+        cache_salt=cache_salt,
+    )
     start = timeline.now()
     decision = await services.gate.check(policy, item, context)
     timeline.guard_check("input", start, decision)
@@ -291,10 +305,11 @@ async def _run(
     klass = priority_class(request, principal)
     timeline.klass = klass
     wait = queue_deadline(request, services, klass)
-    req = for_engine(plan, klass, principal.tenant.tenant_id)
+    salt = services.secret.cache_salt(principal.tenant.tenant_id)
+    req = for_engine(plan, klass, salt)
     if services.observer.tracer is not None:
         req = replace(req, traceparent=traceparent_of(timeline))
-    policy = services.policy_for(principal, plan.request_id)
+    policy = services.policy_for(principal)
     timeline.policy = policy.ref
     start = timeline.now()
     try:
@@ -310,7 +325,7 @@ async def _run(
         tenant=principal.tenant.tenant_id, key_id=principal.key.key_id, request_id=plan.request_id
     )
     try:
-        decision = await _input_guard(services, plan, policy, context, timeline)
+        decision = await _input_guard(services, plan, policy, context, timeline, salt)
     except BaseException:
         _refund(services, charge)
         raise
@@ -353,7 +368,7 @@ async def _run(
         timeline=timeline,
     )
     output = (
-        _OutputGuard(services, policy, context, tracker, timeline)
+        _OutputGuard(services, policy, context, tracker, timeline, salt)
         if services.gate.guards(policy, "output")
         else None
     )

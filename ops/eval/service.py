@@ -20,7 +20,7 @@ async def service_cascade(config: Config, policy: str) -> AsyncIterator[tuple[st
     """The cascade of `policy` (an alias or name@version) as the service built it, with its guards loaded;
     yields the policy's name@version and the cascade."""
     async with running(create_app(config)) as services:
-        resolved = services.registry.view.resolve_policy(policy, request_id="")
+        resolved = services.registry.view.resolve_policy(policy, key="")
         if services.guards is not None:
             await services.guards.ready(resolved.guards)
         yield resolved.ref, services.gate.cascade(resolved)

@@ -435,11 +435,13 @@ async def test_score_next_token_asks_for_exactly_the_named_ids() -> None:
     }
     fake = FakeVllm(events=[json.dumps(answer).encode()])
     async with _engine(fake) as engine:
-        scores = await engine.score_next_token([1, 2, 3], [5, 17, 17], priority=-10)
+        scores = await engine.score_next_token([1, 2, 3], [5, 17, 17], priority=-10, cache_salt="tenant-a")
         assert scores == {5: -2.0, 17: -4.0}
         body = fake.bodies[0]
         assert body["logprob_token_ids"] == [5, 17]
         assert (body["max_tokens"], body["temperature"], body["priority"]) == (1, 0.0, -10)
+        # A guard call is salted like the tenant's generation requests: no cached prefix across tenants.
+        assert body["cache_salt"] == "tenant-a"
         with pytest.raises(EngineRequestError, match=r"\[400\]"):
             await engine.score_next_token([1, 2, 3], [5, 400])
         with pytest.raises(EngineRequestError):

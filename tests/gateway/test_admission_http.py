@@ -259,7 +259,7 @@ async def test_weights_no_replica_serves_are_a_503(
 ) -> None:
     async with gateway_for(config(), renderer, outcomes, tenancy) as gw:
         registry = gw.services.registry
-        served = registry.view.resolve_model(MODEL, request_id="")
+        served = registry.view.resolve_model(MODEL, key="")
         other = msgspec.structs.replace(served.spec, weights_sha256="0" * 64)
         await registry.publish("model", MODEL, "unserved", other, actor="test")
         refused = await gw.chat(gw.acme, model=f"{MODEL}@unserved")

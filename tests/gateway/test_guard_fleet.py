@@ -57,14 +57,15 @@ async def test_guard_calls_on_the_served_pool_reach_every_replica(
                 ids: Sequence[int],
                 *,
                 priority: int = 0,
+                cache_salt: str | None = None,
                 _id: str = replica.replica_id,
                 _score: Callable[..., Awaitable[dict[int, float]]] = score,
             ) -> dict[int, float]:
                 calls[_id] += 1
-                return await _score(prompt, ids, priority=priority)
+                return await _score(prompt, ids, priority=priority, cache_salt=cache_salt)
 
             replica.engine.score_next_token = counted
-        served = services.registry.view.resolve_model(MODEL, request_id="")
+        served = services.registry.view.resolve_model(MODEL, key="")
         await services.registry.publish(
             "policy", "judged", "1", judged(f"{ZERO_SHOT_JUDGE}@{served.model.version}"), actor="test"
         )

@@ -181,7 +181,7 @@ class Bed:
 
 async def publish_judge(registry: Registry) -> None:
     """A one-token guard on a model version in pool `guard` (the served model's tokenizer and template)."""
-    served = registry.view.resolve_model(MODEL, request_id="")
+    served = registry.view.resolve_model(MODEL, key="")
     await registry.publish(
         "model",
         "judge",

@@ -174,7 +174,7 @@ async def test_an_alias_to_a_version_that_cannot_render_is_refused(
 ) -> None:
     # Published without the check (a registry without the hook, e.g. before this check existed).
     unchecked = await Registry.load(registry_store, FakeClock())
-    served = unchecked.view.resolve_model(MODEL, request_id="")
+    served = unchecked.view.resolve_model(MODEL, key="")
     spec = msgspec.structs.replace(served.spec, artifact=str(tmp_path / "nowhere" / "model.safetensors"))
     await unchecked.publish("model", MODEL, "gone", spec, actor="test")
     refused = await gateway.admin("PUT", f"/model/{MODEL}/alias", {"targets": [{"version": "gone"}]})
@@ -225,19 +225,19 @@ async def executor() -> AsyncIterator[ThreadPoolExecutor]:
 async def with_template(registry: Registry, version: str, text: str, artifact: str = "") -> ResolvedModel:
     """Publish chat template `version` and a model version `version` on it."""
     await registry.publish("chat_template", MODEL, version, ChatTemplateSpec(text=text), actor="t")
-    served = registry.view.resolve_model(MODEL, request_id="")
+    served = registry.view.resolve_model(MODEL, key="")
     spec = msgspec.structs.replace(
         served.spec, chat_template=f"{MODEL}@{version}", artifact=artifact or served.spec.artifact
     )
     await registry.publish("model", MODEL, version, spec, actor="t")
-    return registry.view.resolve_model(f"{MODEL}@{version}", request_id="")
+    return registry.view.resolve_model(f"{MODEL}@{version}", key="")
 
 
 async def test_concurrent_gets_share_one_load(
     registry: Registry, executor: ThreadPoolExecutor, model_dir: Path
 ) -> None:
     cache = RendererCache(model_dir.parent, executor, size=4)
-    model = registry.view.resolve_model(MODEL, request_id="")
+    model = registry.view.resolve_model(MODEL, key="")
     renderers = await asyncio.gather(*(cache.get(model) for _ in range(16)))
     assert all(r is renderers[0] for r in renderers)
     assert cache.loads == {renderer_key(model): 1}
@@ -249,7 +249,7 @@ async def test_the_cache_is_bounded_least_recently_used_out(
     registry: Registry, executor: ThreadPoolExecutor, model_dir: Path
 ) -> None:
     cache = RendererCache(model_dir.parent, executor, size=1)
-    first = registry.view.resolve_model(MODEL, request_id="")
+    first = registry.view.resolve_model(MODEL, key="")
     second = await with_template(registry, "second", extra_template(first.template.text))
     one = await cache.get(first)
     two = await cache.get(second)
@@ -287,7 +287,7 @@ async def test_the_registry_calls_its_model_check_on_publish_and_alias(registry:
         if "bad" in ref:
             raise InvalidError(f"model {ref}: refused")
 
-    served = registry.view.resolve_model(MODEL, request_id="")
+    served = registry.view.resolve_model(MODEL, key="")
     registry.model_check = check
     await registry.publish("tokenizer", MODEL, "t2", TokenizerSpec(content_hash="cd" * 32), actor="t")
     assert calls == []  # only model versions are checked

@@ -53,7 +53,12 @@ class FakeEngine:
         self.calls: list[tuple[list[int], list[int], int]] = []
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         assert len(prompt_token_ids) + 1 <= self.max_model_len
         self.calls.append((list(prompt_token_ids), list(token_ids), priority))
@@ -281,7 +286,12 @@ class Held(FakeEngine):
             await self._arrived.wait_for(lambda: self.held >= calls)
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         async with self._arrived:
             self.held += 1
@@ -438,7 +448,12 @@ class Recording:
         self.calls: list[tuple[list[int], list[int], int, dict[int, float]]] = []
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         result = await self.engine.score_next_token(prompt_token_ids, token_ids, priority=priority)
         self.calls.append((list(prompt_token_ids), list(token_ids), priority, result))

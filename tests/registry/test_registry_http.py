@@ -28,22 +28,28 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class Replica:
-    """One gateway app on a deployment, with an operator admin key and a consumer key."""
+    """One gateway app on a deployment, with an operator admin key and a consumer key (and, where a test
+    needs keys to split over, more consumer keys of the same tenant)."""
 
-    def __init__(self, http: httpx.AsyncClient, admin: str, consumer: str) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, admin: str, consumer: str, others: tuple[str, ...] = ()
+    ) -> None:
         self.http = http
         self.admin = {"authorization": f"Bearer {admin}"}
         self.consumer = {"authorization": f"Bearer {consumer}"}
+        self.consumers = (consumer, *others)
 
-    async def ask(self, request_id: str | None = None, model: str = MODEL) -> httpx.Response:
-        headers = dict(self.consumer)
+    async def ask(
+        self, request_id: str | None = None, model: str = MODEL, key: str | None = None
+    ) -> httpx.Response:
+        headers = dict(self.consumer) if key is None else {"authorization": f"Bearer {key}"}
         if request_id is not None:
             headers["x-request-id"] = request_id
         body = {"model": model, "messages": QUESTION, "max_tokens": 3}
         return await self.http.post(CHAT, json=body, headers=headers)
 
-    async def served(self, request_id: str | None = None) -> str:
-        response = await self.ask(request_id)
+    async def served(self, request_id: str | None = None, key: str | None = None) -> str:
+        response = await self.ask(request_id, key=key)
         assert response.status_code == 200, response.text
         return response.headers["x-lockgate-model"]
 
@@ -67,6 +73,11 @@ async def keys(backends: Backends, clock: FakeClock) -> tuple[str, str]:
     return admin, consumer
 
 
+async def more_consumers(backends: Backends, clock: FakeClock, count: int) -> tuple[str, ...]:
+    """`count` more consumer keys of `acme` (a model canary splits API keys, not requests)."""
+    return tuple([await add_key(backends.tenants, "acme", ("consumer",), now=clock()) for _ in range(count)])
+
+
 @pytest.fixture(params=DEPLOYMENTS)
 async def backends(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backends]:
     async with deployment(request.param, tmp_path) as stores:
@@ -79,6 +90,7 @@ async def replica(
 ) -> AsyncIterator[Replica]:
     clock = FakeClock()
     admin, consumer = await keys(backends, clock)
+    others = await more_consumers(backends, clock, 29)
     app = create_app(
         config(),
         engine=sim_engine,
@@ -90,7 +102,7 @@ async def replica(
         sink=outcomes,
     )
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
-        yield Replica(http, admin, consumer)
+        yield Replica(http, admin, consumer, others)
 
 
 async def publish_v2(replica: Replica) -> tuple[str, str]:
@@ -125,12 +137,12 @@ async def test_versions_on_the_wire_canary_and_one_call_rollback(
         {"targets": [{"version": v1.split("@")[1], "weight": 0.5}, {"version": "v2", "weight": 0.5}]},
     )
     assert canary.status_code == 200, canary.text
-    # Deterministic per request id: a retry with the same id lands on the same version.
-    for request_id in ("retry-a", "retry-b", "retry-c"):
-        first = await replica.served(request_id)
-        assert [await replica.served(request_id) for _ in range(3)] == [first] * 3
-    seen = {await replica.served(f"spread-{i}") for i in range(30)}
-    assert seen == {v1, v2}
+    # Deterministic per API key: whatever request id a key sends, a retry included, one version serves it
+    # (tests/gateway/test_canary_key.py); the keys split between the versions.
+    for key in replica.consumers[:3]:
+        first = await replica.served(key=key)
+        assert {await replica.served(f"retry-{i}", key=key) for i in range(3)} == {first}
+    assert {await replica.served(key=key) for key in replica.consumers} == {v1, v2}
     listed = (await replica.http.get("/v1/models", headers=replica.consumer)).json()["data"]
     [alias] = [m for m in listed if m["id"] == MODEL]
     assert {t["model"] for t in alias["targets"]} == {v1, v2}
@@ -139,7 +151,7 @@ async def test_versions_on_the_wire_canary_and_one_call_rollback(
     assert {await replica.served(f"all-{i}") for i in range(5)} == {v2}
     # One call undoes the bad rollout: back to the canary; another, back to v1 alone.
     assert (await replica.admin_call("POST", "/rollback")).status_code == 200
-    assert {await replica.served(f"spread-{i}") for i in range(30)} == {v1, v2}
+    assert {await replica.served(key=key) for key in replica.consumers} == {v1, v2}
     assert (await replica.admin_call("POST", "/rollback")).status_code == 200
     assert {await replica.served(f"spread-{i}") for i in range(10)} == {v1}
     history = (await replica.admin_call("GET", "/history")).json()
@@ -213,6 +225,7 @@ async def _two_replicas(
 ) -> None:
     clock = FakeClock()
     admin, consumer = await keys(backends, clock)
+    others = await more_consumers(backends, clock, 15)
     interval = 0.05
     # Replica B opens a registry store of its own on the same schema, as another process would.
     other_store = await PostgresRegistryStore.open(PG_DSN, schema=backends.schema)
@@ -235,7 +248,7 @@ async def _two_replicas(
         httpx.AsyncClient(base_url=url_a, timeout=30) as http_a,
         httpx.AsyncClient(base_url=url_b, timeout=30) as http_b,
     ):
-        a, b = Replica(http_a, admin, consumer), Replica(http_b, admin, consumer)
+        a, b = Replica(http_a, admin, consumer, others), Replica(http_b, admin, consumer, others)
         v1, v2 = await publish_v2(a)
         assert await b.served() == v1
         assert (await a.admin_call("PUT", "/alias", {"targets": [{"version": "v2"}]})).status_code == 200
@@ -246,6 +259,22 @@ async def _two_replicas(
 
         # Within the refresh interval (plus one snapshot read) on the other; a generous limit for a busy CI.
         await eventually(b_serves_v2, within=interval * 100)
+
+        # In a canary the replicas agree on every key's version: the secret that keys the pick was generated
+        # by the first to start and stored in the shared database, and the other read it from there.
+        assert apps[0].state.services.secret.model_key("acme", "k") == apps[
+            1
+        ].state.services.secret.model_key("acme", "k")
+        canary = [{"version": v1.split("@")[1], "weight": 0.5}, {"version": "v2", "weight": 0.5}]
+        assert (await a.admin_call("PUT", "/alias", {"targets": canary})).status_code == 200
+
+        async def b_splits() -> bool:
+            return {await b.served(key=key) for key in b.consumers} == {v1, v2}
+
+        await eventually(b_splits, within=interval * 100)
+        assert [await a.served(key=key) for key in a.consumers] == [
+            await b.served(key=key) for key in b.consumers
+        ]
     await other_store.close()
 
 

@@ -26,7 +26,7 @@ from tests.registry import specs
 
 async def test_resolve_model_by_alias_and_pin(registry: Registry, clock: FakeClock) -> None:
     await specs.seed(registry, "1", "2")
-    resolved = registry.resolve_model("chat", request_id="r1")
+    resolved = registry.resolve_model("chat", key="r1")
     assert (resolved.ref, resolved.tokenizer.ref, resolved.chat_template.ref) == ("chat@1", "tok@1", "tpl@1")
     assert resolved.spec == specs.model("w1", tok="tok@1", tpl="tpl@1")
     assert resolved.template.text == "template 1"
@@ -34,14 +34,14 @@ async def test_resolve_model_by_alias_and_pin(registry: Registry, clock: FakeClo
     assert resolved.kv_bytes_per_token == 131072
     assert resolved.generation == registry.view.generation
     # A pinned name@version bypasses the alias.
-    pinned = registry.resolve_model("chat@2", request_id="r1")
+    pinned = registry.resolve_model("chat@2", key="r1")
     assert (pinned.ref, pinned.tokenizer.ref, pinned.chat_template.ref) == ("chat@2", "tok@2", "tpl@2")
     with pytest.raises(NotFoundError, match="chat@7"):
-        registry.resolve_model("chat@7", request_id="r1")
+        registry.resolve_model("chat@7", key="r1")
     with pytest.raises(NotFoundError, match="alias 'other'"):
-        registry.resolve_model("other", request_id="r1")
+        registry.resolve_model("other", key="r1")
     with pytest.raises(InvalidError):
-        registry.resolve_model("chat@", request_id="r1")
+        registry.resolve_model("chat@", key="r1")
     assert registry.view.kv_bytes_per_token("chat@2") == 131072
 
 

@@ -22,8 +22,18 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get("tokenizer", "tok", "1") == await first.get("tokenizer", "tok", "1")
     rows = await backend.raw("SELECT version FROM {schema}.registry_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2]
     assert await second.generation() == 1
+
+
+async def test_the_first_server_secret_stored_is_the_one_every_replica_reads(backend: Backend) -> None:
+    first, second = await backend.open(), await backend.open()
+    # Two replicas starting together, each with a random candidate: both end up with the same one.
+    found = await asyncio.gather(first.server_secret("a" * 64), second.server_secret("b" * 64))
+    assert found[0] == found[1] in ("a" * 64, "b" * 64)
+    # Never replaced later, and no registry change: a replica's view is not reloaded for it.
+    assert await (await backend.open()).server_secret("c" * 64) == found[0]
+    assert await first.generation() == 0
 
 
 async def test_shares_a_sqlite_file_with_the_tenant_store(tmp_path: Path) -> None:

@@ -23,7 +23,12 @@ class HeldEngine(FakeEngine):
         self.calls = 0
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         self.calls += 1
         await self.release.wait()
@@ -94,7 +99,12 @@ class FailingEngine(HeldEngine):
         self.error = error
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
         self.calls += 1
         raise self.error
