@@ -133,7 +133,7 @@ def _check_prompt(services: Services, prompt: str | None) -> None:
     if prompt is None:
         return
     try:
-        services.registry.view.resolve_prompt(prompt, request_id="")
+        services.registry.view.resolve_prompt(prompt, key="")
     except RegistryError as exc:
         raise InvalidRequestError(
             f"system_prompt `{prompt}` does not resolve: {exc}", param="system_prompt", code="unknown_prompt"

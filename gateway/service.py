@@ -185,13 +185,15 @@ class Services:
                 code="policy_unavailable",
             ) from exc
 
-    def prompt_for(self, principal: Principal, request_id: str) -> ResolvedPrompt | None:
-        """The system prompt the caller's key, or else its tenant, is bound to (None: none)."""
+    def prompt_for(self, principal: Principal) -> ResolvedPrompt | None:
+        """The system prompt the caller's key, or else its tenant, is bound to (None: none); while its alias
+        splits, one version per API key, as for models."""
         binding = principal.key.system_prompt or principal.tenant.system_prompt
         if binding is None:
             return None
+        key = self.secret.model_key(principal.tenant.tenant_id, principal.key.key_id)
         try:
-            return self.registry.view.resolve_prompt(binding, request_id)
+            return self.registry.view.resolve_prompt(binding, key)
         except (RegistryNotFoundError, RegistryInvalidError) as exc:
             # Serving without the tenant's instructions would change what the model is told: refuse instead.
             raise EngineUnavailableError(

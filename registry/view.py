@@ -197,9 +197,9 @@ class RegistryView:
             ref=policy.ref, policy=policy, spec=spec, guards=guards, generation=self.generation
         )
 
-    def resolve_prompt(self, name_or_ref: str, request_id: str) -> ResolvedPrompt:
+    def resolve_prompt(self, name_or_ref: str, key: str) -> ResolvedPrompt:
         """A system prompt version (a tenant's or key's binding: an alias, or a pinned `name@version`)."""
-        prompt = self.pick("prompt", name_or_ref, request_id)
+        prompt = self.pick("prompt", name_or_ref, key)
         spec = self.spec("prompt", prompt.name, prompt.version, PromptSpec)
         return ResolvedPrompt(ref=prompt.ref, text=spec.text)
 

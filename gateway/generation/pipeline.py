@@ -99,7 +99,7 @@ async def run_chat(
         model,
         renderer,
         limits,
-        instructions=services.prompt_for(principal, request_id),
+        instructions=services.prompt_for(principal),
         trusted_instructions=principal.key.trusted_instructions,
     )
     timeline.phase("render", start)

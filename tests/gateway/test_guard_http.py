@@ -73,9 +73,16 @@ class OffLabelJudge(SimulatedEngine):
         self.marker = marker
 
     async def score_next_token(
-        self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], *, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> dict[int, float]:
-        scores = await super().score_next_token(prompt_token_ids, token_ids, priority=priority)
+        scores = await super().score_next_token(
+            prompt_token_ids, token_ids, priority=priority, cache_salt=cache_salt
+        )
         n, prompt = len(self.marker), list(prompt_token_ids)
         if any(prompt[i : i + n] == self.marker for i in range(len(prompt) - n + 1)):
             return dict.fromkeys(scores, -math.inf)
