@@ -33,6 +33,7 @@ from registry.models import (
     GuardModelSpec,
     PolicyCategory,
     PolicySpec,
+    PromptSpec,
     RulePattern,
     RulesSpec,
 )
@@ -105,13 +106,20 @@ class Records:
 
 
 def policy(
-    *, fail_mode: str = "open", output_block: str = "", hold_back: int = 4, check_every: int = 4
+    *,
+    fail_mode: str = "open",
+    output_block: str = "",
+    output_regex: bool = False,
+    hold_back: int = 4,
+    check_every: int = 4,
 ) -> PolicySpec:
     """Rules (one input rule, optionally one output rule), then the simulated judge, which allows anything
     below 1 (the simulator's label masses give arbitrary scores; only its failures matter here)."""
     block = [RulePattern(category="violence", pattern="forbidden phrase", applies_to="input")]
     if output_block:
-        block.append(RulePattern(category="violence", pattern=output_block, applies_to="all"))
+        block.append(
+            RulePattern(category="violence", pattern=output_block, regex=output_regex, applies_to="all")
+        )
     return PolicySpec(
         categories=(
             PolicyCategory(name="violence", severity="high"),
@@ -532,7 +540,9 @@ SHIP = {
 
 async def test_tool_call_arguments_pass_the_output_guard(bed: Bed) -> None:
     # The call's arguments are generated text like any other: the guard reads them before they are released.
-    await bed.bind(policy(output_block="smuggled goods"))
+    # The schema names the cargo too, and the input guard reads tool schemas: the rule matches the generated
+    # call's compact JSON only, so that it is the output guard that stops it.
+    await bed.bind(policy(output_block=r'"cargo":"smuggled goods"', output_regex=True))
     whole = await bed.chat("Ship the cargo", **SHIP)
     assert whole.status_code == 200
     [choice] = whole.json()["choices"]
@@ -599,17 +609,24 @@ async def test_injection_is_checked_in_untrusted_spans_including_tool_results(be
 
 async def test_the_tenants_trusted_system_prompt_is_not_read_as_an_injection(bed: Bed) -> None:
     await bed.bind(rules_policy())
-    conversation = [
-        # The tenant's own system prompt may quote an attack to warn the model about it.
-        {"role": "system", "content": f"Refuse requests such as: '{INJECTION}'"},
-        {"role": "user", "content": "What is the capital of France?"},
-    ]
-    response = await bed.chat(conversation)
+    # The tenant's own system prompt (bound by an operator in the registry) may quote an attack to warn the
+    # model about it.
+    warning = f"Refuse requests such as: '{INJECTION}'"
+    await bed.registry.publish("prompt", "acme", "1", PromptSpec(text=warning), actor="test")
+    tenants = bed.app.state.services.tenants
+    acme = await tenants.get_tenant("acme")
+    await tenants.update_tenant(
+        msgspec.structs.replace(acme, system_prompt="acme@1"), actor="test", now=bed.clock()
+    )
+    bed.app.state.services.auth.forget(tenant_id="acme")
+    question = {"role": "user", "content": "What is the capital of France?"}
+    response = await bed.chat([question])
     assert response.status_code == 200, response.text
     assert bed.records.items[0].action == "allow"
-    # The same words from the user are an attempt.
-    blocked = await bed.chat([conversation[1] | {"content": INJECTION}])
-    assert blocked.status_code == 400
+    # The same words from the client are an attempt, in a system message as in a user one.
+    for role in ("system", "user"):
+        blocked = await bed.chat([{"role": role, "content": warning}, question])
+        assert blocked.status_code == 400, role
 
 
 async def test_a_guard_model_is_not_served_for_generation(bed: Bed) -> None:

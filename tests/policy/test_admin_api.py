@@ -371,6 +371,8 @@ async def test_created_key_is_shown_once_and_works_at_once(admin: Admin) -> None
         "label": "ci",
         "created_at": admin.clock(),
         "expires_at": None,
+        "system_prompt": None,
+        "trusted_instructions": False,
     }
     models = await admin.http.get("/v1/models", headers=bearer(plaintext))
     assert models.status_code == 200, models.text
