@@ -1,7 +1,10 @@
 """One generation request from top to bottom: read this module first.
 
-    decode -> resolve -> render (plan) -> reserve quota -> input guard -> admit (fair queue, replica)
-           -> generate -> output guard -> respond
+    decode -> resolve -> render (plan) -> reserve quota -> compile schema -> input guard
+           -> admit (fair queue, replica) -> generate -> output guard -> respond
+
+Before the reservation a request costs only work linear in it (`bounds`: field and schema size limits)
+and its rendering and tokenization (bounded by the body limit); a JSON schema is compiled after it.
 
 The route handlers decode the body and call `run_chat` / `run_completion`; every later stage is one call into
 the package that owns it: `planning` (validate, render, count tokens), `metering` (quota), the safety gate
@@ -52,9 +55,11 @@ from gateway.generation.admission import (
     session_of,
 )
 from gateway.generation.audit import record_refusal
+from gateway.generation.constraints import compile_pending
 from gateway.generation.flow import ClientDisconnectedError, Transform, client_watch, collect, pump
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, plan_chat, plan_completion
+from gateway.generation.prompts import PromptRenderer
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
@@ -93,7 +98,7 @@ async def run_chat(
     renderer = await services.renderer_for(model)
     plan = await plan_chat(req, request_id, model, renderer, limits)
     timeline.phase("render", start)
-    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
+    return await _run(services, plan, request, principal, renderer, timeline)
 
 
 async def run_completion(
@@ -107,7 +112,7 @@ async def run_completion(
     renderer = await services.renderer_for(model)
     plan = await plan_completion(req, request_id, model, renderer, limits)
     timeline.phase("render", start)
-    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
+    return await _run(services, plan, request, principal, renderer, timeline)
 
 
 def engine_api_error(exc: EngineError) -> APIError:
@@ -263,7 +268,7 @@ async def _run(
     plan: Plan,
     request: Inbound,
     principal: Principal,
-    tokenizer: Any,
+    renderer: PromptRenderer,
     timeline: RequestTimeline,
 ) -> Response[Any]:
     timeline.model = plan.model.ref
@@ -276,9 +281,6 @@ async def _run(
     klass = priority_class(request, principal)
     timeline.klass = klass
     wait = queue_deadline(request, services, klass)
-    req = for_engine(plan, klass, principal.tenant.tenant_id)
-    if services.observer.tracer is not None:
-        req = replace(req, traceparent=traceparent_of(timeline))
     policy = services.policy_for(principal, plan.request_id)
     timeline.policy = policy.ref
     start = timeline.now()
@@ -289,6 +291,15 @@ async def _run(
         raise
     finally:
         timeline.phase("quota", start)
+    try:
+        # Compiling a schema is the costliest CPU work a request can ask for: only once it is paid for.
+        plan = await compile_pending(plan, renderer.executor)
+    except BaseException:
+        _refund(services, charge)
+        raise
+    req = for_engine(plan, klass, principal.tenant.tenant_id)
+    if services.observer.tracer is not None:
+        req = replace(req, traceparent=traceparent_of(timeline))
     headers = charge_headers(charge)
     headers[MODEL_HEADER] = plan.model.ref
     context = RecordContext(
@@ -343,7 +354,9 @@ async def _run(
         else None
     )
     prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
-    formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()), tokenizer)
+    formatter = Formatter(
+        plan, prefix + plan.request_id, plan.model_name, int(time.time()), renderer.tokenizer
+    )
     # One engine request per choice (engines generate one sequence each), all on the lease's replica; the
     # flow merges them by index. A single choice fails over to another replica before its first token.
     choices = split_choices(req)

@@ -281,7 +281,7 @@ def test_bounds_name_the_limit_and_where_it_was_passed(
 def test_bounds_count_branches_over_the_whole_schema() -> None:
     per_field = MAX_SCHEMA_BRANCHES
     fields = MAX_SCHEMA_BRANCHES_TOTAL // per_field
-    within = {
+    within: dict[str, Any] = {
         "type": "object",
         "properties": {f"p{j}": {"anyOf": [{"const": i} for i in range(per_field)]} for j in range(fields)},
     }
@@ -312,9 +312,9 @@ def test_a_huge_schema_is_refused_in_constant_time_without_validating_it(
     def never(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("an expensive step ran on a schema over the limits")
 
-    monkeypatch.setattr(structured.jsonschema.validators, "validator_for", never)
+    monkeypatch.setattr(jsonschema.validators, "validator_for", never)
     monkeypatch.setattr(structured._Marks, "of", never)
-    monkeypatch.setattr(structured.xgr.Grammar, "from_json_schema", never)
+    monkeypatch.setattr(xgr.Grammar, "from_json_schema", never)
     for schema in (
         {"oneOf": branches(1600)},
         {"enum": list(range(1_000_000))},
