@@ -240,6 +240,23 @@ async def _input_guard(
     return decision
 
 
+def _check_alternatives(services: Services, plan: Plan, policy: ResolvedPolicy) -> None:
+    """400 for a request asking for alternatives to the chosen tokens (chat `top_logprobs`, completions
+    `logprobs: N`) under an output guard, unless its policy allows them: the guard reads the chosen tokens
+    only, so the alternatives would reach the client unchecked. Chosen-token logprobs stay allowed."""
+    if (plan.engine_request.sampling.logprobs or 0) <= 0 or policy.spec.allows_top_logprobs:
+        return
+    if not services.gate.guards(policy, "output"):
+        return
+    field = "top_logprobs" if plan.kind == "chat" else "logprobs"
+    raise InvalidRequestError(
+        f"{field} above 0 is not allowed under this tenant's safety policy ({policy.ref}): the output guard "
+        "checks the chosen tokens, never their alternatives; ask for logprobs of the chosen tokens only",
+        param=field,
+        code="unsupported_value",
+    )
+
+
 def _unserved(services: Services, plan: Plan, status: Status, timeline: RequestTimeline) -> None:
     """The outcome of a request that never reached an engine (refunded whole: no usage)."""
     services.report(
@@ -283,6 +300,7 @@ async def _run(
     wait = queue_deadline(request, services, klass)
     policy = services.policy_for(principal, plan.request_id)
     timeline.policy = policy.ref
+    _check_alternatives(services, plan, policy)
     start = timeline.now()
     try:
         charge = await reserve(services.meter, principal, plan)

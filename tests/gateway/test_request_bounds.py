@@ -30,9 +30,11 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import Services
 from policy.quota.meter import applicable
-from policy.safety.defaults import rules_policy
+from policy.safety.defaults import NO_GUARDS, rules_policy
 from policy.tenants.models import Limits, Quotas, Tenant
-from registry.models import PolicySpec
+from registry.base import InvalidError
+from registry.hashing import canonical_json
+from registry.models import PolicySpec, decode_spec
 from registry.service import Registry
 from tests.backends import FakeClock, deployment
 from tests.conftest import MODEL, add_key, make_config, serving
@@ -260,3 +262,81 @@ def test_fields_at_their_limits_pass() -> None:
             messages=[{"role": "user", "content": "hi", "name": "A_b-9" + "n" * 59}],
         )
     )
+
+
+# ---- item 7: top logprobs under an output guard ----------------------------------------------------------
+
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+async def test_top_logprobs_under_an_output_guard_are_refused_before_anything_is_reserved(bed: Bed) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await bed.sdk.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=3
+        )
+    assert caught.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    assert "output guard" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as legacy:
+        await bed.sdk.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=2
+        )
+    assert legacy.value.body["param"] == "logprobs"  # type: ignore[index]
+    assert bed.engine.requests == []
+    assert await bed.levels() == FULL
+
+
+async def test_chosen_token_logprobs_stay_allowed_under_an_output_guard(bed: Bed) -> None:
+    for top in (None, 0):
+        answer = await bed.sdk.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=top
+        )
+        content = answer.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content
+        text = answer.choices[0].message.content or ""
+        assert "".join(entry.token for entry in content) == text
+        # Nothing the guard did not read: at most the chosen token itself.
+        assert all(alt.token == entry.token for entry in content for alt in entry.top_logprobs)
+    legacy = await bed.sdk.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=0
+    )
+    assert legacy.choices[0].logprobs is not None
+    assert len(legacy.choices[0].logprobs.tokens or []) == 4
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        msgspec.structs.replace(rules_policy(), top_logprobs="allow"),
+        msgspec.structs.replace(rules_policy(), guard_output=False),
+        NO_GUARDS,
+    ],
+    ids=["policy-allows", "output-unguarded", "no-stages"],
+)
+async def test_top_logprobs_where_the_policy_allows_them_or_guards_no_output(
+    bed: Bed, spec: PolicySpec
+) -> None:
+    await bed.bind(spec)
+    answer = await bed.sdk.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    content = answer.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+    legacy = await bed.sdk.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=2
+    )
+    assert all(len(alts) == 2 for alts in legacy.choices[0].logprobs.top_logprobs or [])  # type: ignore[union-attr]
+
+
+def test_the_policy_field_keeps_published_hashes_and_takes_only_its_values() -> None:
+    # Unset, the field stays out of the canonical JSON: every policy published before it keeps its hash,
+    # and republishing a built-in policy at start-up stays idempotent.
+    assert "top_logprobs" not in canonical_json(rules_policy())
+    allowing = canonical_json(msgspec.structs.replace(rules_policy(), top_logprobs="allow"))
+    assert '"top_logprobs":"allow"' in allowing
+    decoded = decode_spec("policy", allowing)
+    assert isinstance(decoded, PolicySpec)
+    assert decoded.allows_top_logprobs
+    assert not rules_policy().allows_top_logprobs
+    with pytest.raises(InvalidError, match="top_logprobs"):
+        decode_spec("policy", allowing.replace('"top_logprobs":"allow"', '"top_logprobs":"maybe"'))
