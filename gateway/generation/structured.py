@@ -118,8 +118,10 @@ def prepare_schema(schema: object, *, strict: bool) -> str:
     except jsonschema.SchemaError as exc:
         where = _pointer(exc.path)
         raise SchemaError(f"invalid JSON schema at '{where}': {exc.message}", where) from exc
+    # Each schema object is read once for `oneOf`, however many branches `$ref` it.
+    seen = _Seen()
     for pointer, node in _subschemas(schema, ""):
-        _check(node, pointer, schema)
+        _check(node, pointer, schema, seen)
     if strict:
         schema = copy.deepcopy(schema)
         for _, node in _subschemas(schema, ""):
@@ -256,7 +258,7 @@ def tool_call_schema(
     return result
 
 
-def _check(node: dict[str, Any], at: str, root: dict[str, Any]) -> None:
+def _check(node: dict[str, Any], at: str, root: dict[str, Any], seen: _Seen) -> None:
     types = _types(node)
 
     def refuse(keyword: str, why: str) -> SchemaError:
@@ -307,11 +309,26 @@ def _check(node: dict[str, Any], at: str, root: dict[str, Any]) -> None:
     branches = node.get("oneOf")
     if isinstance(branches, list):
         # Each branch is read once; the pairs (at most MAX_SCHEMA_BRANCHES, so about 8,000) compare sets.
-        marks = [_Marks.of(branch, root) for branch in branches]
+        marks = [_Marks.of(branch, root, seen) for branch in branches]
         for i, a in enumerate(marks):
             for j in range(i + 1, len(marks)):
                 if not a.disjoint(marks[j]):
                     raise refuse("oneOf", f"branches {i} and {j} may overlap and would be enforced as anyOf")
+
+
+class _Seen:
+    """What one schema's `oneOf` checks have read, by schema object: `$ref`s make many branches or keys
+    point at one object, which is read once however often it is referenced."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, _Marks] = {}
+        self._values: dict[int, frozenset[str] | None] = {}
+
+    def values_of(self, node: dict[str, Any]) -> frozenset[str] | None:
+        """`_values(node)`, computed once per object."""
+        if id(node) not in self._values:
+            self._values[id(node)] = _values(node)
+        return self._values[id(node)]
 
 
 class _Marks(msgspec.Struct, frozen=True):
@@ -322,8 +339,16 @@ class _Marks(msgspec.Struct, frozen=True):
     keyed: dict[str, frozenset[str]]
 
     @classmethod
-    def of(cls, branch: object, root: dict[str, Any]) -> _Marks:
+    def of(cls, branch: object, root: dict[str, Any], seen: _Seen) -> _Marks:
+        """The marks of `branch` (`$ref`s followed), from `seen` if its schema object was read before."""
         node = _resolve(branch, root)
+        known = seen.marks.get(id(node))
+        if known is None:
+            known = seen.marks[id(node)] = cls._read(node, root, seen)
+        return known
+
+    @classmethod
+    def _read(cls, node: dict[str, Any], root: dict[str, Any], seen: _Seen) -> _Marks:
         types = frozenset("number" if t == "integer" else t for t in _types(node))
         required = node.get("required", [])
         properties = node.get("properties", {})
@@ -331,7 +356,7 @@ class _Marks(msgspec.Struct, frozen=True):
         if isinstance(required, list) and isinstance(properties, dict):
             for key in required:
                 if isinstance(key, str) and key in properties:
-                    values = _values(_resolve(properties[key], root))
+                    values = seen.values_of(_resolve(properties[key], root))
                     if values is not None:
                         keyed[key] = values
         return cls(types, _values(node), keyed)
@@ -342,7 +367,11 @@ class _Marks(msgspec.Struct, frozen=True):
             return True
         if self.values is not None and other.values is not None and not self.values & other.values:
             return True
-        return any(not values & other.keyed[key] for key, values in self.keyed.items() if key in other.keyed)
+        # Over the smaller of the two: a pair costs at most the fewer required const keys.
+        few, many = (
+            (self.keyed, other.keyed) if len(self.keyed) <= len(other.keyed) else (other.keyed, self.keyed)
+        )
+        return any(not values & many[key] for key, values in few.items() if key in many)
 
 
 def _resolve(node: object, root: dict[str, Any]) -> dict[str, Any]:

@@ -341,6 +341,36 @@ def test_oneof_disjointness_reads_each_branch_once(monkeypatch: pytest.MonkeyPat
     assert reads == 2 * MAX_SCHEMA_BRANCHES
 
 
+def test_oneof_reads_a_referenced_schema_once_however_often_it_is_referenced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`$ref`s would otherwise multiply the work: 128 branches naming one 2,000-value enum."""
+    reads: list[int] = []
+    values = structured._values
+
+    def counted(node: dict[str, Any]) -> frozenset[str] | None:
+        reads.append(len(node.get("enum", ())))
+        return values(node)
+
+    monkeypatch.setattr(structured, "_values", counted)
+    refs = [
+        {
+            "type": "object",
+            "properties": {"k": {"const": i}, "e": {"$ref": "#/$defs/E"}},
+            "required": ["k", "e"],
+        }
+        for i in range(MAX_SCHEMA_BRANCHES)
+    ]
+    prepare_schema({"oneOf": refs, "$defs": {"E": {"enum": list(range(2000))}}}, strict=False)
+    assert reads.count(2000) == 1
+    same = [{"$ref": "#/$defs/B"}] * 3
+    defs = {"B": {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}}
+    reads.clear()
+    with pytest.raises(SchemaError, match="branches 0 and 1 may overlap"):
+        prepare_schema({"oneOf": same, "$defs": defs}, strict=False)
+    assert len(reads) == 2  # B itself and its key, once
+
+
 def test_oneof_branches_apart_by_type_value_or_key_and_overlaps_named() -> None:
     apart = [
         {"type": "string"},
