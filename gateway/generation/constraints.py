@@ -3,7 +3,7 @@
 Planning (`constraint_of`) reads the request and runs only what is linear in it: the schema size limits
 (`structured.check_bounds`) and, for tool_choice "required", the combined schema. Compiling a schema
 (`structured.prepare_schema`: the JSON Schema validator, the `oneOf` disjointness check, xgrammar) costs up
-to a second or two of CPU on the tokenizer threads every tenant shares, so the pipeline runs it
+to about 2 s of CPU on the tokenizer threads every tenant shares, so the pipeline runs it
 (`compile_pending`) only after the request's quota is reserved: a client pays for its schemas in requests.
 Nothing in the prompt depends on the compiled schema, so the token count that the reservation is made for
 is exact before it.
