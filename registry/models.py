@@ -163,6 +163,15 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     # Which directions the cascade guards.
     guard_input: bool = True
     guard_output: bool = True
+    # Under an output guard: whether a request may ask for the alternatives to each chosen token (chat
+    # `top_logprobs`, completions `logprobs: N`), tokens the guard never reads. Unset means "refuse", and
+    # stays out of the canonical JSON so that every policy published before the field keeps its hash.
+    top_logprobs: Literal["refuse", "allow"] | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def allows_top_logprobs(self) -> bool:
+        """Whether requests under this policy may ask for alternatives to the chosen tokens."""
+        return self.top_logprobs == "allow"
 
 
 class PromptSpec(_Input, frozen=True, kw_only=True):

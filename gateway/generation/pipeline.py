@@ -1,7 +1,10 @@
 """One generation request from top to bottom: read this module first.
 
-    decode -> resolve -> render (plan) -> reserve quota -> input guard -> admit (fair queue, replica)
-           -> generate -> output guard -> respond
+    decode -> resolve -> render (plan) -> reserve quota -> compile schema -> input guard
+           -> admit (fair queue, replica) -> generate -> output guard -> respond
+
+Before the reservation a request costs only work linear in it (`bounds`: field and schema size limits)
+and its rendering and tokenization (bounded by the body limit); a JSON schema is compiled after it.
 
 The route handlers decode the body and call `run_chat` / `run_completion`; every later stage is one call into
 the package that owns it: `planning` (validate, render, count tokens), `metering` (quota), the safety gate
@@ -53,9 +56,11 @@ from gateway.generation.admission import (
     session_of,
 )
 from gateway.generation.audit import record_refusal
+from gateway.generation.constraints import compile_pending
 from gateway.generation.flow import ClientDisconnectedError, Transform, client_watch, collect, pump
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, plan_chat, plan_completion
+from gateway.generation.prompts import PromptRenderer
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
@@ -103,7 +108,7 @@ async def run_chat(
         trusted_instructions=principal.key.trusted_instructions,
     )
     timeline.phase("render", start)
-    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
+    return await _run(services, plan, request, principal, renderer, timeline)
 
 
 async def run_completion(
@@ -117,7 +122,7 @@ async def run_completion(
     renderer = await services.renderer_for(model)
     plan = await plan_completion(req, request_id, model, renderer, limits)
     timeline.phase("render", start)
-    return await _run(services, plan, request, principal, renderer.tokenizer, timeline)
+    return await _run(services, plan, request, principal, renderer, timeline)
 
 
 def engine_api_error(exc: EngineError) -> APIError:
@@ -264,6 +269,23 @@ async def _input_guard(
     return decision
 
 
+def _check_alternatives(services: Services, plan: Plan, policy: ResolvedPolicy) -> None:
+    """400 for a request asking for alternatives to the chosen tokens (chat `top_logprobs`, completions
+    `logprobs: N`) under an output guard, unless its policy allows them: the guard reads the chosen tokens
+    only, so the alternatives would reach the client unchecked. Chosen-token logprobs stay allowed."""
+    if (plan.engine_request.sampling.logprobs or 0) <= 0 or policy.spec.allows_top_logprobs:
+        return
+    if not services.gate.guards(policy, "output"):
+        return
+    field = "top_logprobs" if plan.kind == "chat" else "logprobs"
+    raise InvalidRequestError(
+        f"{field} above 0 is not allowed under this tenant's safety policy ({policy.ref}): the output guard "
+        "checks the chosen tokens, never their alternatives; ask for logprobs of the chosen tokens only",
+        param=field,
+        code="unsupported_value",
+    )
+
+
 def _unserved(services: Services, plan: Plan, status: Status, timeline: RequestTimeline) -> None:
     """The outcome of a request that never reached an engine (refunded whole: no usage)."""
     services.report(
@@ -292,7 +314,7 @@ async def _run(
     plan: Plan,
     request: Inbound,
     principal: Principal,
-    tokenizer: Any,
+    renderer: PromptRenderer,
     timeline: RequestTimeline,
 ) -> Response[Any]:
     timeline.model = plan.model.ref
@@ -306,11 +328,9 @@ async def _run(
     timeline.klass = klass
     wait = queue_deadline(request, services, klass)
     salt = services.secret.cache_salt(principal.tenant.tenant_id)
-    req = for_engine(plan, klass, salt)
-    if services.observer.tracer is not None:
-        req = replace(req, traceparent=traceparent_of(timeline))
     policy = services.policy_for(principal)
     timeline.policy = policy.ref
+    _check_alternatives(services, plan, policy)
     start = timeline.now()
     try:
         charge = await reserve(services.meter, principal, plan)
@@ -319,6 +339,15 @@ async def _run(
         raise
     finally:
         timeline.phase("quota", start)
+    try:
+        # Compiling a schema is the costliest CPU work a request can ask for: only once it is paid for.
+        plan = await compile_pending(plan, renderer.executor)
+    except BaseException:
+        _refund(services, charge)
+        raise
+    req = for_engine(plan, klass, salt)
+    if services.observer.tracer is not None:
+        req = replace(req, traceparent=traceparent_of(timeline))
     headers = charge_headers(charge)
     headers[MODEL_HEADER] = plan.model.ref
     context = RecordContext(
@@ -373,7 +402,9 @@ async def _run(
         else None
     )
     prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
-    formatter = Formatter(plan, prefix + plan.request_id, plan.model_name, int(time.time()), tokenizer)
+    formatter = Formatter(
+        plan, prefix + plan.request_id, plan.model_name, int(time.time()), renderer.tokenizer
+    )
     # One engine request per choice (engines generate one sequence each), all on the lease's replica; the
     # flow merges them by index. A single choice fails over to another replica before its first token.
     choices = split_choices(req)

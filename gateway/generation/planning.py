@@ -6,16 +6,16 @@ not fit the context, or a `max_tokens` that would overflow it, is refused with `
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 import msgspec
 
 from engines.base import EngineRequest, OutputConstraint, SamplingSpec
 from gateway.errors import InvalidRequestError
+from gateway.generation.bounds import check_request
+from gateway.generation.constraints import PendingSchema, constraint_of
 from gateway.generation.messages import message_texts
 from gateway.generation.prompts import PromptRenderer
-from gateway.generation.structured import SchemaError, prepare_schema, tool_call_schema
 from gateway.generation.tools import ToolUse, template_messages, tool_use
 from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -69,6 +69,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     metadata: dict[str, str] | None = None
     # The client's `user` (session affinity when it sends no x-session-id).
     user: str | None = None
+    # Chat: a schema the output is constrained to, compiled into `engine_request` only after the quota is
+    # reserved (`constraints.compile_pending`); None once compiled, or when there is none.
+    pending_schema: PendingSchema | None = None
 
     @property
     def choices(self) -> int:
@@ -229,59 +232,6 @@ def _metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
     return metadata
 
 
-async def _schema(schema: object, strict: bool, param: str, renderer: PromptRenderer) -> str:
-    """The schema as the engine gets it, checked off the event loop (compiling it is CPU work)."""
-    loop = asyncio.get_running_loop()
-    try:
-        return await loop.run_in_executor(renderer.executor, lambda: prepare_schema(schema, strict=strict))
-    except SchemaError as exc:
-        raise InvalidRequestError(f"{param}: {exc}", param=param, code="invalid_schema") from exc
-
-
-async def _constraint(
-    req: ChatCompletionRequest, use: ToolUse | None, renderer: PromptRenderer, limits: Limits
-) -> OutputConstraint | None:
-    """What decoding is constrained to: a required or named tool call, or the response format."""
-    fmt = req.response_format
-    wants_json = fmt is not None and fmt.type != "text"
-    if use is not None and use.mode in ("required", "named"):
-        if wants_json:
-            raise InvalidRequestError(
-                f"response_format {fmt.type if fmt else ''} cannot be combined with "
-                f"tool_choice {use.mode!r}: "
-                "both constrain the whole output",
-                param="response_format",
-                code="unsupported_value",
-            )
-        if use.mode == "named":
-            index = next(i for i, t in enumerate(use.tools) if t.name == use.named)
-            tool = use.tools[index]
-            param = f"tools[{index}].function.parameters"
-            return OutputConstraint(
-                kind="json_schema", schema=await _schema(tool.parameters, tool.strict, param, renderer)
-            )
-        max_calls = limits.max_tool_calls if use.parallel else 1
-        schema = tool_call_schema([(t.name, t.parameters) for t in use.tools], max_calls=max_calls)
-        strict = all(t.strict for t in use.tools)
-        return OutputConstraint(kind="json_schema", schema=await _schema(schema, strict, "tools", renderer))
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return OutputConstraint(kind="json_object")
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise InvalidRequestError(
-            "response_format json_schema needs json_schema.schema",
-            param="response_format.json_schema.schema",
-        )
-    schema_text = await _schema(
-        fmt.json_schema.schema_,
-        bool(fmt.json_schema.strict),
-        "response_format.json_schema.schema",
-        renderer,
-    )
-    return OutputConstraint(kind="json_schema", schema=schema_text)
-
-
 async def plan_chat(
     req: ChatCompletionRequest,
     request_id: str,
@@ -297,6 +247,7 @@ async def plan_chat(
     `instructions`: the key's or tenant's system prompt, prepended as the first system message (trusted).
     `trusted_instructions`: the key's own system and developer messages are trusted too.
     """
+    check_request(req)
     _check_common(req, limits)
     client = req.messages
     texts = message_texts(client)
@@ -329,7 +280,10 @@ async def plan_chat(
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     use = tool_use(req)
     metadata = _metadata(req.metadata)
-    constraint = await _constraint(req, use, renderer, limits)
+    # A schema is only checked for size here; it is compiled once the quota is reserved.
+    constraint = constraint_of(req, use, limits.max_tool_calls)
+    pending = constraint if isinstance(constraint, PendingSchema) else None
+    ready = None if isinstance(constraint, PendingSchema) else constraint
     rendered = template_messages(messages, texts, use, renderer.supports_tools, trusted)
     prompt = await renderer.chat(rendered.messages, rendered.tools)
     max_tokens = _max_tokens(asked, field, len(prompt), limits.default_max_tokens, limits, "messages")
@@ -341,7 +295,7 @@ async def plan_chat(
         engine_request=EngineRequest(
             request_id=engine_request_id(request_id),
             prompt_token_ids=tuple(prompt),
-            sampling=_sampling(req, max_tokens, top, renderer.vocab_size, constraint),
+            sampling=_sampling(req, max_tokens, top, renderer.vocab_size, ready),
             n=req.n or 1,
         ),
         stream=bool(req.stream),
@@ -351,6 +305,7 @@ async def plan_chat(
         tools=use,
         metadata=metadata,
         user=req.user,
+        pending_schema=pending,
     )
 
 
@@ -383,6 +338,7 @@ async def plan_completion(
     req: CompletionRequest, request_id: str, model: ResolvedModel, renderer: PromptRenderer, limits: Limits
 ) -> Plan:
     """Validate a legacy completion request and tokenize its prompt."""
+    check_request(req)
     _check_common(req, limits)
     if req.echo:
         raise InvalidRequestError("echo is not supported", param="echo", code="unsupported_value")

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jsonschema
+import msgspec
 import xgrammar as xgr
 
 
@@ -45,7 +46,13 @@ def _words(text: str) -> tuple[str, ...]:
 
 
 MAX_SCHEMA_BYTES = 64 * 1024
+# Limits `check_bounds` applies in one linear pass before anything costlier (see there).
 MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_NODES = 5_000
+MAX_SCHEMA_BRANCHES = 128
+MAX_SCHEMA_BRANCHES_TOTAL = 1_024
+MAX_SCHEMA_PATTERN_CHARS = 1_000
+MAX_SCHEMA_STRING_CHARS = 8_192
 # vLLM's STRING_SUPPORTED_FORMATS: the formats xgrammar turns into a grammar.
 STRING_FORMATS = frozenset(
     _words(
@@ -99,8 +106,7 @@ def prepare_schema(schema: object, *, strict: bool) -> str:
     """
     if not isinstance(schema, dict):
         raise SchemaError("the JSON schema must be a JSON object")
-    if _depth_exceeds(schema, MAX_SCHEMA_DEPTH):
-        raise SchemaError(f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
+    check_bounds(schema)
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -112,8 +118,10 @@ def prepare_schema(schema: object, *, strict: bool) -> str:
     except jsonschema.SchemaError as exc:
         where = _pointer(exc.path)
         raise SchemaError(f"invalid JSON schema at '{where}': {exc.message}", where) from exc
+    # Each schema object is read once for `oneOf`, however many branches `$ref` it.
+    seen = _Seen()
     for pointer, node in _subschemas(schema, ""):
-        _check(node, pointer, schema)
+        _check(node, pointer, schema, seen)
     if strict:
         schema = copy.deepcopy(schema)
         for _, node in _subschemas(schema, ""):
@@ -126,6 +134,84 @@ def prepare_schema(schema: object, *, strict: bool) -> str:
         reason = _XGR_LOG_PREFIX.sub("", str(exc).strip())
         raise SchemaError(f"the JSON schema cannot be compiled to a grammar: {reason}") from exc
     return text
+
+
+def check_bounds(schema: object) -> None:
+    """Refuse a schema over the size limits, reading at most `MAX_SCHEMA_NODES` of its values.
+
+    Time linear in that: run it before anything whose cost grows faster with the schema (the validator, the
+    `oneOf` disjointness check, the grammar compiler), and before the quota is reserved. The limits: at most
+    `MAX_SCHEMA_NODES` JSON values (objects, arrays and scalars alike), containers nested less than
+    `MAX_SCHEMA_DEPTH` deep, at most `MAX_SCHEMA_BRANCHES` branches in one `anyOf`/`oneOf` and
+    `MAX_SCHEMA_BRANCHES_TOTAL` in all, regular expressions (`pattern`, `patternProperties` keys) of at most
+    `MAX_SCHEMA_PATTERN_CHARS` characters and other strings (keys too) of at most `MAX_SCHEMA_STRING_CHARS`.
+    Raises `SchemaError` naming the limit and where it was passed.
+    """
+    if not isinstance(schema, dict):
+        raise SchemaError("the JSON schema must be a JSON object")
+    # Paths are linked (parent, key) pairs, so that only a refusal pays for spelling its pointer.
+    stack: list[tuple[object, int, _Path]] = [(schema, 0, None)]
+    nodes = 1
+    branches = 0
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            _check_string(value, path, pattern=path is not None and path[1] == "pattern")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_SCHEMA_DEPTH:
+            raise SchemaError(
+                f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels "
+                f"(at '{_spell(path)}')",
+                _spell(path),
+            )
+        # Counted before the children are read: a huge object or array costs no more than the limit.
+        nodes += len(value)
+        if nodes > MAX_SCHEMA_NODES:
+            raise SchemaError(
+                f"the JSON schema has more than {MAX_SCHEMA_NODES} values (objects, arrays, strings, "
+                "numbers, ...)"
+            )
+        if isinstance(value, list):
+            stack.extend((item, depth + 1, (path, i)) for i, item in enumerate(value))
+            continue
+        patterns = path is not None and path[1] == "patternProperties"
+        for key, item in value.items():
+            _check_string(str(key), (path, key), pattern=patterns, key=True)
+            if key in ("anyOf", "oneOf") and isinstance(item, list):
+                branches += len(item)
+                if len(item) > MAX_SCHEMA_BRANCHES or branches > MAX_SCHEMA_BRANCHES_TOTAL:
+                    where = _spell((path, key))
+                    raise SchemaError(
+                        f"'{key}' at '{where}' has {len(item)} branches; at most {MAX_SCHEMA_BRANCHES} "
+                        f"in one '{key}' and {MAX_SCHEMA_BRANCHES_TOTAL} in all anyOf/oneOf of a schema "
+                        "are allowed",
+                        where,
+                    )
+            stack.append((item, depth + 1, (path, key)))
+
+
+# A JSON pointer as a linked list: None is the root, (parent, key) one step below the parent.
+_Path = tuple[Any, object] | None
+
+
+def _spell(path: _Path) -> str:
+    parts: list[object] = []
+    while path is not None:
+        path, key = path
+        parts.append(key)
+    return _pointer(parts[::-1])
+
+
+def _check_string(text: str, path: _Path, *, pattern: bool, key: bool = False) -> None:
+    limit = MAX_SCHEMA_PATTERN_CHARS if pattern else MAX_SCHEMA_STRING_CHARS
+    if len(text) > limit:
+        what = "regular expression" if pattern else "key" if key else "string"
+        where = _spell(path)
+        raise SchemaError(
+            f"the {what} at '{where}' has {len(text)} characters; at most {limit} are allowed", where
+        )
 
 
 def tool_call_schema(
@@ -172,7 +258,7 @@ def tool_call_schema(
     return result
 
 
-def _check(node: dict[str, Any], at: str, root: dict[str, Any]) -> None:
+def _check(node: dict[str, Any], at: str, root: dict[str, Any], seen: _Seen) -> None:
     types = _types(node)
 
     def refuse(keyword: str, why: str) -> SchemaError:
@@ -222,29 +308,70 @@ def _check(node: dict[str, Any], at: str, root: dict[str, Any]) -> None:
         raise refuse("allOf", "only a single-branch allOf is enforced")
     branches = node.get("oneOf")
     if isinstance(branches, list):
-        for i, a in enumerate(branches):
-            for j in range(i + 1, len(branches)):
-                if not _disjoint(a, branches[j], root):
+        # Each branch is read once; the pairs (at most MAX_SCHEMA_BRANCHES, so about 8,000) compare sets.
+        marks = [_Marks.of(branch, root, seen) for branch in branches]
+        for i, a in enumerate(marks):
+            for j in range(i + 1, len(marks)):
+                if not a.disjoint(marks[j]):
                     raise refuse("oneOf", f"branches {i} and {j} may overlap and would be enforced as anyOf")
 
 
-def _disjoint(a: object, b: object, root: dict[str, Any]) -> bool:
-    """Whether no value can match both schemas, judged from types, const/enum, or a required const key."""
-    a, b = _resolve(a, root), _resolve(b, root)
-    ta, tb = ({"number" if t == "integer" else t for t in _types(s)} for s in (a, b))
-    if ta and tb and not ta & tb:
-        return True
-    va, vb = _values(a), _values(b)
-    if va is not None and vb is not None and not va & vb:
-        return True
-    shared = set(a.get("required", [])) & set(b.get("required", []))
-    for key in shared:
-        pa = _resolve(a.get("properties", {}).get(key), root)
-        pb = _resolve(b.get("properties", {}).get(key), root)
-        va, vb = _values(pa), _values(pb)
-        if va is not None and vb is not None and not va & vb:
+class _Seen:
+    """What one schema's `oneOf` checks have read, by schema object: `$ref`s make many branches or keys
+    point at one object, which is read once however often it is referenced."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, _Marks] = {}
+        self._values: dict[int, frozenset[str] | None] = {}
+
+    def values_of(self, node: dict[str, Any]) -> frozenset[str] | None:
+        """`_values(node)`, computed once per object."""
+        if id(node) not in self._values:
+            self._values[id(node)] = _values(node)
+        return self._values[id(node)]
+
+
+class _Marks(msgspec.Struct, frozen=True):
+    """What tells a `oneOf` branch apart: its types, its const/enum values, its required keys' values."""
+
+    types: frozenset[str]
+    values: frozenset[str] | None
+    keyed: dict[str, frozenset[str]]
+
+    @classmethod
+    def of(cls, branch: object, root: dict[str, Any], seen: _Seen) -> _Marks:
+        """The marks of `branch` (`$ref`s followed), from `seen` if its schema object was read before."""
+        node = _resolve(branch, root)
+        known = seen.marks.get(id(node))
+        if known is None:
+            known = seen.marks[id(node)] = cls._read(node, root, seen)
+        return known
+
+    @classmethod
+    def _read(cls, node: dict[str, Any], root: dict[str, Any], seen: _Seen) -> _Marks:
+        types = frozenset("number" if t == "integer" else t for t in _types(node))
+        required = node.get("required", [])
+        properties = node.get("properties", {})
+        keyed: dict[str, frozenset[str]] = {}
+        if isinstance(required, list) and isinstance(properties, dict):
+            for key in required:
+                if isinstance(key, str) and key in properties:
+                    values = seen.values_of(_resolve(properties[key], root))
+                    if values is not None:
+                        keyed[key] = values
+        return cls(types, _values(node), keyed)
+
+    def disjoint(self, other: _Marks) -> bool:
+        """Whether no value matches both branches, judged from types, const/enum, or a required const key."""
+        if self.types and other.types and not self.types & other.types:
             return True
-    return False
+        if self.values is not None and other.values is not None and not self.values & other.values:
+            return True
+        # Over the smaller of the two: a pair costs at most the fewer required const keys.
+        few, many = (
+            (self.keyed, other.keyed) if len(self.keyed) <= len(other.keyed) else (other.keyed, self.keyed)
+        )
+        return any(not values & many[key] for key, values in few.items() if key in many)
 
 
 def _resolve(node: object, root: dict[str, Any]) -> dict[str, Any]:
@@ -259,11 +386,11 @@ def _resolve(node: object, root: dict[str, Any]) -> dict[str, Any]:
     return node if isinstance(node, dict) else {}
 
 
-def _values(node: dict[str, Any]) -> set[str] | None:
+def _values(node: dict[str, Any]) -> frozenset[str] | None:
     if "const" in node:
-        return {json.dumps(node["const"], sort_keys=True)}
+        return frozenset((json.dumps(node["const"], sort_keys=True),))
     if isinstance(node.get("enum"), list):
-        return {json.dumps(v, sort_keys=True) for v in node["enum"]}
+        return frozenset(json.dumps(v, sort_keys=True) for v in node["enum"])
     return None
 
 
@@ -296,16 +423,6 @@ def _subschemas(node: object, at: str) -> Iterator[tuple[str, dict[str, Any]]]:
         if isinstance(node.get(key), list):
             for i, sub in enumerate(node[key]):
                 yield from _subschemas(sub, f"{at}/{key}/{i}")
-
-
-def _depth_exceeds(node: object, limit: int) -> bool:
-    level: list[Any] = [node]
-    for _ in range(limit):
-        children = [c for n in level for c in (n.values() if isinstance(n, dict) else n)]
-        level = [c for c in children if isinstance(c, (dict, list))]
-        if not level:
-            return False
-    return True
 
 
 def _escape(part: object) -> str:

@@ -23,6 +23,17 @@ LONG_TEXT = "word " * 3000  # well over the 2048-token context
 MAX_BODY = 4096  # max_body_bytes of the app in the 413 test
 
 
+def _nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# Within the depth limit alone, past it inside the schema that tool_choice "required" builds around it.
+NEARLY_TOO_DEEP = _nested(14)
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad request and the error it must get."""
@@ -139,6 +150,69 @@ CASES = [
             *bad("response_format.json_schema.schema", "invalid_schema"),
         ),
         id="json_schema-unsupported-feature",
+    ),
+    # Size limits, checked before anything costlier than decoding (gateway/generation/bounds.py).
+    pytest.param(
+        Case(
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"oneOf": [{"const": i} for i in range(1600)]}},
+                }
+            ),
+            *bad("response_format.json_schema.schema", "invalid_schema"),
+        ),
+        id="json_schema-too-many-branches",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                tools=[
+                    {"type": "function", "function": {"name": "f"}},
+                    {
+                        "type": "function",
+                        "function": {"name": "g", "parameters": {"enum": list(range(6000))}},
+                    },
+                ]
+            ),
+            *bad("tools[1].function.parameters", "invalid_schema"),
+        ),
+        id="tool-parameters-too-large",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": NEARLY_TOO_DEEP}}],
+                tool_choice="required",
+            ),
+            *bad("tools", "invalid_schema"),
+        ),
+        id="required-tools-schema-too-deep",
+    ),
+    pytest.param(
+        Case(
+            chat(
+                tools=[
+                    {"type": "function", "function": {"name": "a", "parameters": {"$defs": {"P": {}}}}},
+                    {
+                        "type": "function",
+                        "function": {"name": "b", "parameters": {"$defs": {"P": {"type": "x"}}}},
+                    },
+                ],
+                tool_choice="required",
+            ),
+            *bad("tools", "invalid_schema"),
+        ),
+        id="required-tools-conflicting-defs",
+    ),
+    pytest.param(Case(chat(stop="x" * 257), *bad("stop", "invalid_value")), id="stop-too-long"),
+    pytest.param(Case(chat(user="u" * 257), *bad("user", "invalid_value")), id="user-too-long"),
+    pytest.param(
+        Case(
+            chat(messages=[{"role": "user", "content": "hi", "name": "a b"}]),
+            *bad("messages[0].name", "invalid_value"),
+        ),
+        id="message-name-pattern",
     ),
     pytest.param(
         Case(

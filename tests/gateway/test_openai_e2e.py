@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
+from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
@@ -23,6 +25,21 @@ async def client(
     app = create_app(
         make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
     )
+    async with (
+        serving(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
+    ):
+        yield sdk
+
+
+@pytest.fixture
+async def unguarded_client(
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    """A client under a policy without guard stages: alternatives to the chosen tokens (`top_logprobs`) are
+    served only where no output guard would have to read them (tests/gateway/test_request_bounds.py)."""
+    config = msgspec.structs.replace(make_config(), guard=GuardConfig(default_policy="none"))
+    app = create_app(config, engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with (
         serving(app) as url,
         openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
@@ -142,8 +159,8 @@ async def test_max_tokens_limits_the_answer(client: openai.AsyncOpenAI) -> None:
     assert r.usage.completion_tokens == 7
 
 
-async def test_top_logprobs_are_returned(client: openai.AsyncOpenAI) -> None:
-    r = await client.chat.completions.create(
+async def test_top_logprobs_are_returned(unguarded_client: openai.AsyncOpenAI) -> None:
+    r = await unguarded_client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
     )
     logprobs = r.choices[0].logprobs
@@ -168,7 +185,7 @@ async def test_stop_sequence_ends_the_answer(client: openai.AsyncOpenAI) -> None
 
 async def test_legacy_completions_whole_and_streamed(client: openai.AsyncOpenAI) -> None:
     whole = await client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=0
     )
     text = whole.choices[0].text
     assert text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,10 +14,17 @@ import xgrammar as xgr
 from pydantic import BaseModel, Field
 from xgrammar.testing import _is_grammar_accept_string
 
+from gateway.generation import structured
 from gateway.generation.structured import (
+    MAX_SCHEMA_BRANCHES,
+    MAX_SCHEMA_BRANCHES_TOTAL,
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    MAX_SCHEMA_PATTERN_CHARS,
+    MAX_SCHEMA_STRING_CHARS,
     SchemaError,
+    check_bounds,
     prepare_schema,
     tool_call_schema,
 )
@@ -221,10 +230,159 @@ def test_size_and_depth_limits() -> None:
     for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):
         shallow = {"type": "object", "properties": {"a": shallow}}
     prepare_schema(shallow, strict=False)
-    wide = {"type": "object", "properties": {f"p{i:05}": {"type": "integer"} for i in range(3000)}}
+    described = {"type": "integer", "description": "a field described at some length " * 2}
+    wide = {"type": "object", "properties": {f"p{i:05}": described for i in range(1000)}}
     assert len(json.dumps(wide)) > MAX_SCHEMA_BYTES
     with pytest.raises(SchemaError, match="larger than"):
         prepare_schema(wide, strict=False)
+
+
+def branches(count: int) -> list[dict[str, Any]]:
+    """`count` pairwise disjoint object branches (a required const key tells them apart)."""
+    return [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]} for i in range(count)]
+
+
+LONG_PATTERN = "a" * (MAX_SCHEMA_PATTERN_CHARS + 1)
+LONG_STRING = "x" * (MAX_SCHEMA_STRING_CHARS + 1)
+
+
+@pytest.mark.parametrize(
+    ("schema", "pointer", "says"),
+    [
+        ({"oneOf": branches(MAX_SCHEMA_BRANCHES + 1)}, "/oneOf", "has 129 branches; at most 128"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"const": i} for i in range(129)]}}},
+         "/properties/a/anyOf", "at most 128 in one 'anyOf'"),
+        ({"type": "object", "properties": {"code": {"type": "string", "pattern": LONG_PATTERN}}},
+         "/properties/code/pattern", "regular expression at '/properties/code/pattern' has 1001 characters"),
+        ({"type": "object", "patternProperties": {LONG_PATTERN: {"type": "integer"}}},
+         f"/patternProperties/{LONG_PATTERN}", "regular expression"),
+        ({"type": "string", "description": LONG_STRING}, "/description",
+         f"string at '/description' has {MAX_SCHEMA_STRING_CHARS + 1} characters; at most "
+         f"{MAX_SCHEMA_STRING_CHARS}"),
+        ({"type": "object", "properties": {LONG_STRING: {"type": "integer"}}}, f"/properties/{LONG_STRING}",
+         "key at"),
+        ({"enum": list(range(MAX_SCHEMA_NODES))}, None, f"more than {MAX_SCHEMA_NODES} values"),
+        ({"type": "array", "items": {"enum": [{"a": [i]} for i in range(MAX_SCHEMA_NODES // 3)]}}, None,
+         f"more than {MAX_SCHEMA_NODES} values"),
+    ],
+    ids=["oneOf", "anyOf-nested", "pattern", "patternProperties-key", "string", "key", "nodes-flat",
+         "nodes-nested"],
+)  # fmt: skip
+def test_bounds_name_the_limit_and_where_it_was_passed(
+    schema: dict[str, Any], pointer: str | None, says: str
+) -> None:
+    for check in (check_bounds, lambda s: prepare_schema(s, strict=False)):
+        with pytest.raises(SchemaError) as caught:
+            check(schema)
+        assert caught.value.pointer == pointer
+        assert says in caught.value.message
+
+
+def test_bounds_count_branches_over_the_whole_schema() -> None:
+    per_field = MAX_SCHEMA_BRANCHES
+    fields = MAX_SCHEMA_BRANCHES_TOTAL // per_field
+    within: dict[str, Any] = {
+        "type": "object",
+        "properties": {f"p{j}": {"anyOf": [{"const": i} for i in range(per_field)]} for j in range(fields)},
+    }
+    check_bounds(within)
+    over = copy.deepcopy(within)
+    over["properties"]["extra"] = {"anyOf": [{"const": 0}, {"const": 1}]}
+    with pytest.raises(SchemaError, match=f"{MAX_SCHEMA_BRANCHES_TOTAL} in all anyOf/oneOf") as caught:
+        check_bounds(over)
+    assert caught.value.pointer is not None
+    assert caught.value.pointer.endswith("/anyOf")
+
+
+def test_schemas_at_the_limits_pass() -> None:
+    check_bounds({"oneOf": branches(MAX_SCHEMA_BRANCHES)})
+    check_bounds({"type": "string", "pattern": "a" * MAX_SCHEMA_PATTERN_CHARS})
+    check_bounds({"type": "string", "description": "x" * MAX_SCHEMA_STRING_CHARS})
+    check_bounds({"enum": list(range(MAX_SCHEMA_NODES - 2))})  # the object, its list, the values
+    prepare_schema({"oneOf": branches(MAX_SCHEMA_BRANCHES)}, strict=True)
+
+
+def test_a_huge_schema_is_refused_in_constant_time_without_validating_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The attack of issue 40: a oneOf of 1,600 object branches took 12.8 s of CPU (pairwise disjointness
+    in pure Python) before the quota was reserved. Refused now before the validator or the disjointness
+    check reads it; an array of a million values costs no more, since sizes are counted before reading."""
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("an expensive step ran on a schema over the limits")
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", never)
+    monkeypatch.setattr(structured._Marks, "of", never)
+    monkeypatch.setattr(xgr.Grammar, "from_json_schema", never)
+    for schema in (
+        {"oneOf": branches(1600)},
+        {"enum": list(range(1_000_000))},
+        {"type": "object", "properties": {f"p{i}": {} for i in range(200_000)}},
+    ):
+        start = time.process_time()
+        with pytest.raises(SchemaError):
+            prepare_schema(schema, strict=True)
+        assert time.process_time() - start < 0.01
+
+
+def test_oneof_disjointness_reads_each_branch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = 0
+    values = structured._values
+
+    def counted(node: dict[str, Any]) -> frozenset[str] | None:
+        nonlocal reads
+        reads += 1
+        return values(node)
+
+    monkeypatch.setattr(structured, "_values", counted)
+    prepare_schema({"oneOf": branches(MAX_SCHEMA_BRANCHES)}, strict=False)
+    # Once per branch and once per required key; pairwise, it was 4 per pair (32,512 here).
+    assert reads == 2 * MAX_SCHEMA_BRANCHES
+
+
+def test_oneof_reads_a_referenced_schema_once_however_often_it_is_referenced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`$ref`s would otherwise multiply the work: 128 branches naming one 2,000-value enum."""
+    reads: list[int] = []
+    values = structured._values
+
+    def counted(node: dict[str, Any]) -> frozenset[str] | None:
+        reads.append(len(node.get("enum", ())))
+        return values(node)
+
+    monkeypatch.setattr(structured, "_values", counted)
+    refs = [
+        {
+            "type": "object",
+            "properties": {"k": {"const": i}, "e": {"$ref": "#/$defs/E"}},
+            "required": ["k", "e"],
+        }
+        for i in range(MAX_SCHEMA_BRANCHES)
+    ]
+    prepare_schema({"oneOf": refs, "$defs": {"E": {"enum": list(range(2000))}}}, strict=False)
+    assert reads.count(2000) == 1
+    same = [{"$ref": "#/$defs/B"}] * 3
+    defs = {"B": {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}}
+    reads.clear()
+    with pytest.raises(SchemaError, match="branches 0 and 1 may overlap"):
+        prepare_schema({"oneOf": same, "$defs": defs}, strict=False)
+    assert len(reads) == 2  # B itself and its key, once
+
+
+def test_oneof_branches_apart_by_type_value_or_key_and_overlaps_named() -> None:
+    apart = [
+        {"type": "string"},
+        {"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+        {"$ref": "#/$defs/B"},
+        {"type": "integer", "const": 3},
+    ]
+    defs = {"B": {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}}, "required": ["kind"]}}
+    prepare_schema({"oneOf": apart, "$defs": defs}, strict=False)
+    overlap = {"type": "object", "properties": {"kind": {"enum": ["c", "d"]}}, "required": ["kind"]}
+    with pytest.raises(SchemaError, match="branches 2 and 4 may overlap"):
+        prepare_schema({"oneOf": [*apart, overlap], "$defs": defs}, strict=False)
 
 
 def test_strict_adds_additional_properties_false_recursively_but_keeps_explicit_values() -> None:
