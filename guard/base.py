@@ -91,16 +91,6 @@ class GuardInput(msgspec.Struct, frozen=True, kw_only=True):
         """The spans' text joined by blank lines (only the untrusted ones when asked)."""
         return "\n\n".join(s.text for s in self.spans if not (untrusted_only and s.trusted))
 
-    def judged(self) -> tuple[str, ...]:
-        """The texts a model guard scores, the worst deciding: each judged span (an input's untrusted ones,
-        all of an output's) on its own, so that benign turns around a harmful one (a tool call's JSON, "Do
-        it now.") cannot dilute it; and, where there are several, all of them joined, so that harm split
-        across spans is judged in context too. Empty when there is nothing to judge."""
-        texts = [
-            s.text for s in self.spans if (self.direction == "output" or not s.trusted) and s.text.strip()
-        ]
-        return tuple(texts) if len(texts) < 2 else (*texts, "\n\n".join(texts))
-
 
 class GuardScore(msgspec.Struct, frozen=True, kw_only=True):
     """A classifier's answer: P(unsafe) in [0, 1], the category it points at, and how it was obtained."""

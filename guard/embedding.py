@@ -448,13 +448,13 @@ class EmbeddingClassifier:
     async def classify(self, item: GuardInput) -> GuardScore:
         """Score `item`; GuardError if the encoder fails or yields no finite score."""
         start = time.perf_counter()
-        texts = item.judged()
-        if not texts:
+        text = item.text(untrusted_only=item.direction == "input")
+        if not text.strip():
             # Nothing the caller wrote to judge (an input of trusted spans only).
             p_unsafe, windows = 0.0, 0
         else:
             try:
-                vectors = np.concatenate([await self._encoder.embed_windows(text) for text in texts])
+                vectors = await self._encoder.embed_windows(text)
                 if not np.all(np.isfinite(vectors)):
                     raise GuardError(f"{self.name}: the encoder gave non-finite embeddings")
                 scores = self._head.predict_proba(vectors)

@@ -15,9 +15,9 @@ naming how it tokenizes (the first token decides: "unsafe" is "uns" + "afe" in S
 
 What it judges: of an input item, the untrusted spans only (the tenant's trusted system spans are its own
 and are left out; an item with no untrusted text scores 0 without a model call); of an output item, the
-generated text. Each judged span is scored on its own, and several also joined (`GuardInput.judged`).
-The text is spliced into the prompt as tokens that cannot be special tokens, so a text holding "<|im_end|>"
-cannot close the guard's user turn and answer for the model.
+generated text. The text is spliced into the prompt as tokens
+that cannot be special tokens, so a text holding "<|im_end|>" cannot close the guard's user turn and answer
+for the model.
 
 A text longer than the guard model's context leaves room for beside the template is never cut silently: it
 is checked in overlapping windows of its tokens, each window scored on its own, and the highest P(unsafe)
@@ -162,17 +162,12 @@ class OneTokenClassifier:
         """P(unsafe) of the item's text (untrusted spans of an input, the text of an output); the highest of
         its windows when it is longer than one prompt holds. GuardError when the guard cannot say."""
         began = self._clock()
-        texts = item.judged()
-        if not texts:
+        text = item.text(untrusted_only=item.direction == "input")
+        if not text.strip():
             # Nothing the tenant did not write itself: there is nothing for the model to judge.
             return self._score(0.0, began, {"skipped": "no untrusted text", "windows": 0.0})
         categories = ", ".join(item.categories)
-        per_text = [await self._windows(text, categories, item.policy) for text in texts]
-        windows = [w for text_windows in per_text for w in text_windows]
-        if len(windows) > self._max_windows:
-            # Each span on its own and all of them together: past the bound, the whole text's windows only
-            # (which never leave a passage out either).
-            windows = per_text[-1]
+        windows = await self._windows(text, categories, item.policy)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._score_window(w, item.cache_salt)) for w in windows]

@@ -23,7 +23,6 @@ from gateway.app import create_app
 from gateway.generation.planning import Limits, plan_chat
 from gateway.generation.prompts import PromptRenderer
 from gateway.schemas import ChatCompletionRequest
-from guard.base import GuardInput, Span
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Tenant
@@ -279,26 +278,3 @@ async def test_only_the_registry_prompt_and_granted_instructions_are_trusted(
         ("U", "user", False),
         ("A", "assistant", False),
     ]
-
-
-def test_model_guards_judge_each_untrusted_span_and_all_of_them_together() -> None:
-    spans = (
-        Span(text="tenant instructions", source="system", trusted=True),
-        Span(text='{"name": "fetch", "arguments": {}}', source="assistant"),
-        Span(text="harmful text", source="tool"),
-        Span(text="  ", source="user"),
-        Span(text="Do it now.", source="user"),
-    )
-    item = GuardInput(direction="input", spans=spans)
-    # Each on its own (benign turns around it cannot dilute the harmful one), then joined (split harm).
-    assert item.judged() == (
-        '{"name": "fetch", "arguments": {}}',
-        "harmful text",
-        "Do it now.",
-        '{"name": "fetch", "arguments": {}}\n\nharmful text\n\nDo it now.',
-    )
-    assert GuardInput(direction="input", spans=spans[:1]).judged() == ()
-    two = GuardInput(direction="input", spans=spans[:3]).judged()
-    assert two[-1] == f"{item.judged()[0]}\n\nharmful text"
-    # An output's spans are all judged, trusted or not; one span is judged once.
-    assert GuardInput(direction="output", spans=spans[:1]).judged() == ("tenant instructions",)
