@@ -216,6 +216,9 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_label_mass: float = 0.02
     # When a failing guard stops being called for a while.
     breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
+    # Most generated tokens one output check scores at once when it has more to check than a streaming check
+    # holds (a whole answer, checked at the end): it is scored in overlapping windows of this many tokens.
+    output_window_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
 
 
 class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

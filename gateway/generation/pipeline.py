@@ -78,7 +78,7 @@ MODEL_HEADER = "x-lockgate-model"
 GUARD_HEADER = "x-lockgate-guard"
 # nginx's code for "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED = 499
-# Non-streaming output is checked once, whole.
+# Non-streaming output is checked once, at the end (in bounded windows: `guard.moderator`).
 _WHOLE = 1 << 30
 
 
@@ -206,13 +206,18 @@ class _OutputGuard:
 
     def transform(self, *, whole: bool) -> Transform:
         spec = self._policy.spec
+        hold_back, every = spec.hold_back_tokens, spec.check_every_tokens
+        # A streaming check scores about every + hold_back tokens; what is longer (a whole answer, checked
+        # once at the end) is scored in windows of the configured size overlapping by hold_back.
+        window = max(self._services.config.guard.output_window_tokens, every + hold_back)
 
         def apply(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
             return moderate(
                 deltas,
                 self.check,
-                hold_back=0 if whole else spec.hold_back_tokens,
-                check_every=_WHOLE if whole else spec.check_every_tokens,
+                hold_back=hold_back,
+                check_every=_WHOLE if whole else every,
+                window=window,
             )
 
         return apply
