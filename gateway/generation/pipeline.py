@@ -234,8 +234,10 @@ class _OutputChecks:
         self._recorded = False
 
     def scored(self, tokens: int) -> None:
-        """A window of `tokens` generated tokens is about to be checked."""
+        """A window of `tokens` generated tokens is about to be checked: charged with the request's usage
+        (before the check: a block finishes the request in it)."""
         self._tokens += tokens
+        self._guard.tracker.guard_scored(tokens)
 
     async def check(self, text: str, final: bool) -> GuardDecision | None:
         """The moderator's check of one window: None to go on, else the decision that stops the output."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
+import msgspec
 import pytest
+from msgspec.structs import replace
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engines.base import EngineDelta
 from gateway.generation.pipeline import _OutputChecks, _OutputGuard
@@ -62,6 +65,50 @@ async def test_a_whole_answer_leaves_one_output_record(bed: Bed) -> None:
     [record] = output_records(bed, response.headers["x-request-id"])
     assert record.checks == 1  # 40 tokens fit one window of [guard] output_window_tokens
     assert record.guard_tokens == 40
+
+
+async def test_the_guard_tokens_are_reported_in_usage_and_charged_as_a_line_of_their_own(bed: Bed) -> None:
+    await bed.bind(policy(hold_back=4, check_every=4))
+    before = await bed.tokens_level()
+    events = sse_events(await stream_raw(bed, "Tell me a story", stream_options={"include_usage": True}))
+    [last] = [e for e in events if isinstance(e, dict) and e.get("usage")]
+    usage = last["usage"]
+    assert usage["guard_tokens"] == 116
+    chunk_usage = ChatCompletionChunk.model_validate(last).usage
+    assert chunk_usage is not None
+    assert chunk_usage.model_extra == {"guard_tokens": 116}
+    # OpenAI's total stays prompt + completion; the guard's line is beside it.
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    charged = before - await bed.tokens_level()
+    assert charged == pytest.approx(usage["prompt_tokens"] + usage["completion_tokens"] + 116, abs=0.01)
+    # In the request's outcome (the log line, the metrics) too.
+    assert bed.outcomes.items[-1].usage.guard_tokens == 116
+    metrics = await bed.http.get("/metrics")
+    [line] = [x for x in metrics.text.splitlines() if x.startswith("lockgate:guard_tokens_total{")]
+    assert 'tenant="acme"' in line
+    assert float(line.rsplit(" ", 1)[1]) >= 116
+
+
+async def test_a_whole_answer_reports_its_guard_tokens_and_the_price_factor_applies(bed: Bed) -> None:
+    await bed.bind(policy(hold_back=4, check_every=4))
+    services = bed.app.state.services
+    services.config = replace(services.config, quota=replace(services.config.quota, guard_token_price=0.5))
+    before = await bed.tokens_level()
+    response = await bed.chat("Tell me a story", max_tokens=40)
+    usage = response.json()["usage"]
+    assert usage["guard_tokens"] == 40
+    # The OpenAI SDK takes the extra field and keeps it.
+    parsed = ChatCompletion.model_validate(response.json()).usage
+    assert parsed is not None
+    assert parsed.model_extra == {"guard_tokens": 40}
+    charged = before - await bed.tokens_level()
+    assert charged == pytest.approx(usage["prompt_tokens"] + usage["completion_tokens"] + 20, abs=0.01)
+
+
+async def test_an_unguarded_answer_has_openais_usage_exactly(bed: Bed) -> None:
+    await bed.bind(msgspec.structs.replace(policy(), guard_output=False))
+    usage = (await bed.chat("Tell me a story")).json()["usage"]
+    assert "guard_tokens" not in usage
 
 
 class FakeGate:
@@ -122,6 +169,9 @@ class FakeGuard:
 
     def finish(self, status: str) -> None:
         self.finished.append(status)
+
+    def guard_scored(self, tokens: int) -> None:
+        pass
 
 
 async def words(texts: list[str]) -> AsyncGenerator[EngineDelta, None]:
