@@ -17,6 +17,7 @@ from guard.base import GuardInput
 from guard.moderator import OutputBlocked, moderate
 from policy.safety.decision import Action, GuardDecision, GuardRecord, Source
 from policy.safety.gate import Evaluation
+from policy.safety.records import audit_draft
 from tests.gateway import test_guard_http
 from tests.gateway.test_guard_http import Bed, content_of, policy, sse_events, stream_raw
 
@@ -224,3 +225,10 @@ async def test_a_stream_cut_short_still_leaves_its_one_record() -> None:
     [(record, count, _)] = gate.committed
     assert record.flagged
     assert count == 1
+
+
+async def test_the_audit_draft_of_an_output_record_says_how_many_checks_it_stands_for() -> None:
+    evaluation = await FakeGate().evaluate(None, GuardInput(direction="output", spans=()), None)
+    record = msgspec.structs.replace(evaluation.record, checks=15, guard_tokens=116)
+    assert audit_draft(record).detail == "checks=15 guard_tokens=116"
+    assert audit_draft(msgspec.structs.replace(record, direction="input")).detail == ""
