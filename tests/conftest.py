@@ -8,7 +8,7 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from litestar import Litestar
 
+from engines.base import EngineDelta, EngineRequest
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.app import running
@@ -96,6 +97,18 @@ async def sim_engine() -> AsyncIterator[SimulatedEngine]:
     await engine.start()
     yield engine
     await engine.shutdown()
+
+
+class CountingEngine(SimulatedEngine):
+    """The simulator (fast steps), keeping the requests that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL)
+        self.requests: list[EngineRequest] = []
+
+    def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
+        self.requests.append(req)
+        return super().generate(req)
 
 
 class Tenancy:

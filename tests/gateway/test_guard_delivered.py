@@ -25,8 +25,8 @@ from gateway.app import create_app
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
 from guard.readable import decode_escapes
-from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
-from tests.gateway.test_guard_http import Bed, CountingEngine, guarded, policy, sse_events, stream_raw
+from tests.conftest import MODEL, CountingEngine, OutcomeLog, Tenancy, make_config, serving
+from tests.gateway.test_guard_http import Bed, guarded, policy, sse_events, stream_raw
 
 ESCAPED = r"\u0062\u006f\u006d\u0062"  # "bomb"
 ARGUMENTS = '{"x": "' + ESCAPED + '"}'

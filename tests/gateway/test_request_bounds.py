@@ -9,7 +9,7 @@ reads, are refused unless the policy allows them. Through the real `openai` SDK 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,6 @@ import msgspec
 import openai
 import pytest
 
-from engines.base import EngineDelta, EngineRequest
-from engines.simulated import SimulatedEngine, SimulatorConfig
 from gateway.app import create_app
 from gateway.errors import InvalidRequestError
 from gateway.generation import constraints, structured
@@ -38,7 +36,7 @@ from registry.hashing import canonical_json
 from registry.models import PolicySpec, decode_spec
 from registry.service import Registry
 from tests.backends import FakeClock, deployment
-from tests.conftest import MODEL, add_key, make_config, serving
+from tests.conftest import MODEL, CountingEngine, add_key, make_config, serving
 
 REQUEST_BURST = 4.0
 TOKEN_BURST = 100_000.0
@@ -64,18 +62,6 @@ def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 # The attack: a oneOf of 1,600 object branches took 12.8 s of CPU (pairwise disjointness) before the quota.
 ATTACK = schema_format({"oneOf": disjoint_branches(1600)})
-
-
-class CountingEngine(SimulatedEngine):
-    """The served simulator, counting the requests that reach it."""
-
-    def __init__(self) -> None:
-        super().__init__(SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0), model_name=MODEL)
-        self.requests: list[EngineRequest] = []
-
-    def generate(self, req: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
-        self.requests.append(req)
-        return super().generate(req)
 
 
 class Bed:
