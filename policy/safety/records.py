@@ -17,8 +17,7 @@ def log_record(record: GuardRecord) -> None:
         for run in record.runs
     )
     log.info(
-        "guard %s %s tenant=%s policy=%s action=%s source=%s category=%s flagged=%s content=%s checks=%d "
-        "stages=[%s]",
+        "guard %s %s tenant=%s policy=%s action=%s source=%s category=%s flagged=%s content=%s stages=[%s]",
         record.request_id,
         record.direction,
         record.tenant,
@@ -28,7 +27,6 @@ def log_record(record: GuardRecord) -> None:
         record.category or "-",
         record.flagged,
         record.content_sha256[:16],
-        record.checks,
         stages,
     )
 
@@ -64,8 +62,4 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
         flagged=record.flagged,
         content_hash=record.content_sha256,
         content=record.content,
-        # One record stands for all of a response's output checks: how many, and what they scored.
-        detail=f"checks={record.checks} guard_tokens={record.guard_tokens}"
-        if record.direction == "output"
-        else "",
     )
