@@ -121,7 +121,8 @@ def test_every_client_character_in_the_prompt_is_in_a_guard_span(
     prompt = renderer._render(rendered.messages, rendered.tools)
     guarded = "\n".join(span.text for span in rendered.spans)
     runs = RUN.findall(prompt)
-    assert runs, prompt  # every request puts client text into the prompt
+    # (A request can render no client letters: ids are not rendered by the default template, and tools are
+    # left out under tool_choice "none".)
     missing = [run for run in runs if run not in guarded]
     assert not missing, (missing, prompt, rendered.spans)
     # Function names are ASCII (OpenAI's rule): each one rendered is in a span too.
