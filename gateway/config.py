@@ -168,6 +168,9 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Seconds shutdown waits for settlements still in flight (after requests are aborted, before the
     # store is closed).
     settle_drain_timeout: float = 10.0
+    # What one generated token the output guard scores costs in the token buckets, against one token
+    # generated (the guard's work is charged as a usage line of its own: `usage.guard_tokens`); 0: free.
+    guard_token_price: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # Leases (`[quota.lease]`, `redis` backend): each process reserves a small block of a key's buckets
     # ahead of need and grants that key's requests from it without a round trip to Redis, for a bounded
     # loss of exactness (README "Quota leases"). Off (every request reserves on Redis) unless set.
@@ -222,6 +225,9 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_label_mass: float = 0.02
     # When a failing guard stops being called for a while.
     breaker: BreakerPolicy = msgspec.field(default_factory=BreakerPolicy)
+    # Most generated tokens one output check scores at once when it has more to check than a streaming check
+    # holds (a whole answer, checked at the end): it is scored in overlapping windows of this many tokens.
+    output_window_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
 
 
 class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

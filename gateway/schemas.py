@@ -192,13 +192,17 @@ class PromptTokensDetails(_Response, frozen=True, kw_only=True):
     cached_tokens: int = 0
 
 
-class UsageInfo(_Response, frozen=True, kw_only=True):
+class UsageInfo(_Response, frozen=True, kw_only=True, omit_defaults=True):
     """`usage`."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Ours: generated tokens the output guard scored, charged as a line of their own (not in total_tokens,
+    # which is OpenAI's prompt + completion). OpenAI's SDKs keep unknown usage fields (`model_extra`). Left
+    # out (omit_defaults) when the output was not guarded, so unguarded usage is exactly OpenAI's.
+    guard_tokens: int | None = None
 
 
 class TopLogprobEntry(_Response, frozen=True, kw_only=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 
@@ -208,11 +209,17 @@ class Services:
         the bookkeeping. Nothing else can run before it: a request that arrives meanwhile is read in a later
         pass, after it."""
 
+        price = self.config.quota.guard_token_price
+
         def settle(outcome: Outcome) -> None:
             if release is not None:
                 release()
             self.sink(outcome)
-            used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+            usage = outcome.usage
+            # The output guard's tokens are the tenant's line too: a long answer costs guard work. Charged
+            # past the reservation if need be (it covers prompt and max_tokens only): the bucket may go into
+            # debt, which later requests wait out, rather than the work going unbilled.
+            used = usage.prompt_tokens + usage.completion_tokens + math.ceil(usage.guard_tokens * price)
             # The meter's own task, not the request TaskSet: shutdown cancels those, and drains these.
             self.meter.settle_later(charge, used)
 

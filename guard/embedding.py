@@ -41,6 +41,7 @@ from numpy.typing import NDArray
 from transformers import AutoModel, AutoTokenizer
 
 from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
+from guard.windows import window_starts
 from registry.models import GuardModelSpec
 
 __all__ = [
@@ -221,10 +222,9 @@ class Encoder:
         with self._tokenizer_lock:
             # verbose=False: a long text is expected here, not a mistake to warn about.
             ids: list[int] = self._tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        starts = [0]
-        # Invariant: the windows together cover every token, and consecutive ones overlap by width - stride.
-        while starts[-1] + width < len(ids):
-            starts.append(starts[-1] + stride)
+        # The windows cover every token, consecutive ones overlapping by width - stride; a stride past the
+        # width (`embed_sync`: the first window alone) would leave gaps, so only the first is laid out.
+        starts = window_starts(len(ids), width, width - stride) if stride <= width else [0]
         return [[self._cls, *ids[s : s + width], self._sep] for s in starts]
 
     def _forward(self, windows: list[list[int]]) -> Vectors:

@@ -49,6 +49,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from engines.base import Scorer
 from guard.backlog import Backlog
 from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
+from guard.windows import window_starts
 from registry.models import GuardModelSpec
 
 # Without an explicit system message SmolLM2's chat template injects its own ("You are a helpful AI
@@ -213,9 +214,7 @@ class OneTokenClassifier:
         if room < _MIN_WINDOW_TOKENS:
             # The template as rendered with this item's categories and policy name: the item's failure.
             raise GuardInputError(f"guard {self.name}: the prompt template leaves {room} tokens for the text")
-        overlap = min(self._overlap, room // 4)
-        step = room - overlap
-        starts = range(0, len(content) - overlap, step)
+        starts = window_starts(len(content), room, min(self._overlap, room // 4))
         if len(starts) > self._max_windows:
             raise GuardInputError(
                 f"guard {self.name}: a text of {len(content)} tokens needs {len(starts)} windows of {room}, "

@@ -76,7 +76,7 @@ from guard.readable import readable
 from policy.auth import Principal
 from policy.quota.meter import Charge
 from policy.safety.decision import GuardDecision
-from policy.safety.gate import RecordContext
+from policy.safety.gate import Evaluation, RecordContext
 from registry.view import ResolvedPolicy
 
 # Names the exact model version (name@version) that served a response.
@@ -85,7 +85,7 @@ MODEL_HEADER = "x-lockgate-model"
 GUARD_HEADER = "x-lockgate-guard"
 # nginx's code for "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED = 499
-# Non-streaming output is checked once, whole.
+# Non-streaming output is checked once, at the end (in bounded windows: `guard.moderator`).
 _WHOLE = 1 << 30
 
 
@@ -184,7 +184,7 @@ def _output_error(decision: GuardDecision) -> APIError:
 
 
 class _OutputGuard:
-    """The output side of one request: the check the moderator calls, and what it decided."""
+    """The output side of one request: a check session per choice for the moderator, and what was decided."""
 
     def __init__(
         self,
@@ -195,16 +195,70 @@ class _OutputGuard:
         timeline: RequestTimeline,
         cache_salt: str,
     ) -> None:
-        self._services = services
-        self._cache_salt = cache_salt
-        self._policy = policy
-        self._context = context
-        self._tracker = tracker
-        self._categories = _categories(policy)
-        self._timeline = timeline
+        self.services = services
+        self.cache_salt = cache_salt
+        self.policy = policy
+        self.context = context
+        self.tracker = tracker
+        self.categories = _categories(policy)
+        self.timeline = timeline
+        # The latest decision acted on (any choice's), for the `x-lockgate-guard` header.
         self.decision: GuardDecision | None = None
 
+    def transform(self, *, whole: bool) -> Transform:
+        spec = self.policy.spec
+        hold_back, every = spec.hold_back_tokens, spec.check_every_tokens
+        # A streaming check scores about every + hold_back tokens; what is longer (a whole answer, checked
+        # once at the end) is scored in windows of the configured size overlapping by hold_back.
+        window = max(self.services.config.guard.output_window_tokens, every + hold_back)
+
+        def apply(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
+            checks = _OutputChecks(self)
+            return moderate(
+                deltas,
+                checks.check,
+                hold_back=hold_back,
+                check_every=_WHOLE if whole else every,
+                window=window,
+                scored=checks.scored,
+                done=checks.done,
+            )
+
+        return apply
+
+
+def _rank(decision: GuardDecision) -> int:
+    """How much a decision matters to the audit trail: a block or refusal, then a flagged allow, then an
+    allow."""
+    return 2 if decision.action != "allow" else 1 if decision.flagged else 0
+
+
+class _OutputChecks:
+    """The output checks of one choice, which leave one audit record between them.
+
+    Each check is evaluated by the gate without being recorded; the one that matters is kept: a block or
+    refusal (it ends the output, and is recorded before it is acted on), else the first flagged allow (an
+    escalation or a fail-open, which a reviewer must see even when later windows were clean), else the last
+    allow. It is recorded once, with the number of checks and the tokens they scored: at a block, at the
+    final check (before the last held text is released, so a full audit trail can still refuse it), or
+    when the moderation ends otherwise (client gone, engine error)."""
+
+    def __init__(self, guard: _OutputGuard) -> None:
+        self._guard = guard
+        self._checks = 0
+        self._tokens = 0
+        self._kept: Evaluation | None = None
+        self._recorded = False
+
+    def scored(self, tokens: int) -> None:
+        """A window of `tokens` generated tokens is about to be checked: charged with the request's usage
+        (before the check: a block finishes the request in it)."""
+        self._tokens += tokens
+        self._guard.tracker.guard_scored(tokens)
+
     async def check(self, text: str, final: bool) -> GuardDecision | None:
+        """The moderator's check of one window: None to go on, else the decision that stops the output."""
+        guard = self._guard
         spans: tuple[Span, ...] = (Span(text=text, source="output"),)
         # What the client reads once it decodes JSON (tool-call arguments, structured output): "\u0062omb"
         # is "bomb". A second span, so no rule matches across the joint of the two readings.
@@ -213,32 +267,42 @@ class _OutputGuard:
         item = GuardInput(
             direction="output",
             spans=spans,
-            categories=self._categories,
-            policy=self._policy.ref,
-            cache_salt=self._cache_salt,
+            categories=guard.categories,
+            policy=guard.policy.ref,
+            cache_salt=guard.cache_salt,
         )
-        start = self._timeline.now()
-        decision = await self._services.gate.check(self._policy, item, self._context)
-        self._timeline.guard_check("output", start, decision)
-        self.decision = decision
+        start = guard.timeline.now()
+        evaluation = await guard.services.gate.evaluate(guard.policy, item, guard.context)
+        self._checks += 1
+        decision = evaluation.decision
+        guard.timeline.guard_check("output", start, decision)
+        kept = self._kept
+        if (
+            kept is None
+            or _rank(decision) > _rank(kept.decision)
+            or _rank(decision) == _rank(kept.decision) == 0
+        ):
+            self._kept = kept = evaluation
+        if decision.action != "allow" or final:
+            decision = self._record(kept)
+        guard.decision = decision
         if decision.action == "allow":
             return None
         # Charged as far as it got; the engine request is aborted when the moderator closes its stream.
-        self._tracker.finish("blocked")
+        guard.tracker.finish("blocked")
         return decision
 
-    def transform(self, *, whole: bool) -> Transform:
-        spec = self._policy.spec
+    def done(self) -> None:
+        """The moderation ended: record the kept check if no block or final check did."""
+        if self._kept is not None and not self._recorded:
+            self._record(self._kept)
 
-        def apply(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
-            return moderate(
-                deltas,
-                self.check,
-                hold_back=0 if whole else spec.hold_back_tokens,
-                check_every=_WHOLE if whole else spec.check_every_tokens,
-            )
-
-        return apply
+    def _record(self, evaluation: Evaluation) -> GuardDecision:
+        self._recorded = True
+        guard = self._guard
+        return guard.services.gate.commit(
+            guard.policy, evaluation, checks=self._checks, guard_tokens=self._tokens
+        )
 
 
 def _categories(policy: ResolvedPolicy) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ def usage_info(usage: Usage) -> UsageInfo:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        guard_tokens=usage.guard_tokens or None,
     )
 
 

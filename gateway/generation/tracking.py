@@ -78,6 +78,7 @@ class RequestTracker:
         self._stream = stream
         self._sink = sink
         self._completion_tokens = 0
+        self._guard_tokens = 0
         # Each choice's final usage, by choice index.
         self._finals: dict[int, Usage] = {}
         self._finish: FinishReason | None = None
@@ -97,6 +98,10 @@ class RequestTracker:
             if delta.usage is not None:
                 self._finals[delta.index] = delta.usage
 
+    def guard_scored(self, tokens: int) -> None:
+        """The output guard is scoring a window of `tokens` generated tokens (charged with the usage)."""
+        self._guard_tokens += tokens
+
     def mark_stalled(self) -> None:
         """The client stopped reading; the coming cancellation is a stall, not a disconnect."""
         self._stalled = True
@@ -110,8 +115,13 @@ class RequestTracker:
                 prompt_tokens=finals[0].prompt_tokens,
                 completion_tokens=sum(u.completion_tokens for u in finals),
                 cached_tokens=finals[0].cached_tokens,
+                guard_tokens=self._guard_tokens,
             )
-        return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens)
+        return Usage(
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=self._completion_tokens,
+            guard_tokens=self._guard_tokens,
+        )
 
     def finish(self, status: Status) -> Outcome:
         """Record how the request ended (the first call wins) and hand the outcome to the sink."""

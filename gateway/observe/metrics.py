@@ -200,6 +200,12 @@ class RequestMetrics:
         self.generation_tokens = Counter(
             f"{p}generation_tokens", "Tokens generated.", ("tenant", "model"), registry=registry
         )
+        self.guard_tokens = Counter(
+            f"{p}guard_tokens",
+            "Generated tokens the output guard scored (charged to the tenant as usage.guard_tokens).",
+            ("tenant", "model"),
+            registry=registry,
+        )
         self.finished = Counter(
             f"{p}requests_finished",
             "Generation requests that count toward SLO attainment, by priority class.",
@@ -229,6 +235,7 @@ class RequestMetrics:
         self._outcomes = _Children(self.outcomes)
         self._prompt_tokens = _Children(self.prompt_tokens)
         self._generation_tokens = _Children(self.generation_tokens)
+        self._guard_tokens = _Children(self.guard_tokens)
         self._finished = _Children(self.finished)
         self._attained = _Children(self.attained)
         self._cancellations = value_of(self.cancellations)
@@ -267,6 +274,8 @@ class RequestMetrics:
             add(self._prompt_tokens(t.tenant, t.model), usage.prompt_tokens)
         if usage.completion_tokens:
             add(self._generation_tokens(t.tenant, t.model), usage.completion_tokens)
+        if usage.guard_tokens:
+            add(self._guard_tokens(t.tenant, t.model), usage.guard_tokens)
         klass = t.klass
         if not klass:
             return

@@ -59,6 +59,7 @@ class RequestLogLine(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    guard_tokens: int = 0
     durations: PhaseDurations
     prompt: str | None = None
 
@@ -107,6 +108,7 @@ def log_line(t: RequestTimeline) -> RequestLogLine:
         prompt_tokens=usage.prompt_tokens if usage is not None else 0,
         completion_tokens=usage.completion_tokens if usage is not None else 0,
         cached_tokens=usage.cached_tokens if usage is not None else 0,
+        guard_tokens=usage.guard_tokens if usage is not None else 0,
         durations=durations,
         prompt=t.prompt,
     )

@@ -98,6 +98,10 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     content: str | None = None  # only under retention = "full"
     at: float
     severity: str | None = None  # the decided category's severity in the policy
+    # Output: the checks of the request's output this one record stands for (the decisive one or the last,
+    # `gateway.generation.pipeline`), and the generated tokens they scored together.
+    checks: int = 1
+    guard_tokens: int = 0
 
 
 RecordSink = Callable[[GuardRecord], None]

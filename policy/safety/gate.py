@@ -37,6 +37,13 @@ class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
 
 
+class Evaluation(msgspec.Struct, frozen=True, kw_only=True):
+    """A decision and the record it would leave, not yet recorded (`SafetyGate.evaluate`)."""
+
+    decision: GuardDecision
+    record: GuardRecord
+
+
 class SafetyGate:
     """Runs policies' cascades and records their decisions."""
 
@@ -113,6 +120,12 @@ class SafetyGate:
 
     async def check(self, policy: ResolvedPolicy, item: GuardInput, context: RecordContext) -> GuardDecision:
         """Run the policy's cascade on `item`, decide, record and count the decision."""
+        return self.commit(policy, await self.evaluate(policy, item, context))
+
+    async def evaluate(self, policy: ResolvedPolicy, item: GuardInput, context: RecordContext) -> Evaluation:
+        """Run the policy's cascade on `item` and decide, without recording: a caller that checks one
+        output many times (`guard.moderator`) records one of the checks (`commit`), not each. Failed stage
+        runs are counted here, every time."""
         result = await self.cascade(policy).run(item)
         decision = decide(result, policy.spec, item.direction)
         text = item.text()
@@ -134,24 +147,36 @@ class SafetyGate:
             at=self._clock(),
             severity=severities.get(decision.category),
         )
+        for run in result.runs:
+            if run.failure is not None:
+                self.stage_failures[(item.direction, run.guard, run.failure)] += 1
+        return Evaluation(decision=decision, record=record)
+
+    def commit(
+        self, policy: ResolvedPolicy, evaluation: Evaluation, *, checks: int = 1, guard_tokens: int = 0
+    ) -> GuardDecision:
+        """Record and count an evaluated decision (made of `checks` checks that scored `guard_tokens`
+        generated tokens, for output); the decision to act on, which a full audit trail may turn into a
+        refusal."""
+        decision, record = evaluation.decision, evaluation.record
+        if checks != 1 or guard_tokens:
+            record = msgspec.structs.replace(record, checks=checks, guard_tokens=guard_tokens)
+        direction = record.direction
         if not self._recorded(record):
             # The audit trail cannot take the record now (its spool is full). A block is enforced anyway; an
             # allow follows the policy: any category failing closed refuses the request (503), a refusal
             # recorded from the trail's reserve for refusals; else it is served unaudited (logged, counted).
-            self.counts[(item.direction, "audit_backpressure", decision.action)] += 1
+            self.counts[(direction, "audit_backpressure", decision.action)] += 1
             if decision.action == "allow" and "closed" in policy.spec.fail_modes.values():
                 decision = GuardDecision(
-                    direction=item.direction, action="refuse", source="fail_closed", category="audit"
+                    direction=direction, action="refuse", source="fail_closed", category="audit"
                 )
                 self._recorded(
                     msgspec.structs.replace(
                         record, action="refuse", source="fail_closed", category="audit", severity=None
                     )
                 )
-        self.counts[(item.direction, decision.source, decision.action)] += 1
-        for run in result.runs:
-            if run.failure is not None:
-                self.stage_failures[(item.direction, run.guard, run.failure)] += 1
+        self.counts[(direction, decision.source, decision.action)] += 1
         return decision
 
     def _recorded(self, record: GuardRecord) -> bool:

@@ -17,7 +17,8 @@ def log_record(record: GuardRecord) -> None:
         for run in record.runs
     )
     log.info(
-        "guard %s %s tenant=%s policy=%s action=%s source=%s category=%s flagged=%s content=%s stages=[%s]",
+        "guard %s %s tenant=%s policy=%s action=%s source=%s category=%s flagged=%s content=%s checks=%d "
+        "stages=[%s]",
         record.request_id,
         record.direction,
         record.tenant,
@@ -27,6 +28,7 @@ def log_record(record: GuardRecord) -> None:
         record.category or "-",
         record.flagged,
         record.content_sha256[:16],
+        record.checks,
         stages,
     )
 
@@ -62,4 +64,8 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
         flagged=record.flagged,
         content_hash=record.content_sha256,
         content=record.content,
+        # One record stands for all of a response's output checks: how many, and what they scored.
+        detail=f"checks={record.checks} guard_tokens={record.guard_tokens}"
+        if record.direction == "output"
+        else "",
     )
