@@ -91,6 +91,21 @@ class GuardInput(msgspec.Struct, frozen=True, kw_only=True):
         """The spans' text joined by blank lines (only the untrusted ones when asked)."""
         return "\n\n".join(s.text for s in self.spans if not (untrusted_only and s.trusted))
 
+    def readings(self) -> tuple[str, ...]:
+        """The texts a model guard scores, the worst deciding: the judged text (an input's untrusted spans,
+        an output's text) joined, and, for an input of several untrusted spans, the longest of them alone.
+
+        A model judges a joined text as a whole, so turns around a passage dilute it: a request pasted as a
+        tool result, after the assistant's call and before "Do it now.", scores lower than the same request
+        as a user message. The longest span alone is read as it would be on its own, at the cost of one more
+        reading (not one per span: a long conversation is still two)."""
+        judged = [s.text for s in self.spans if not (self.direction == "input" and s.trusted)]
+        joined = "\n\n".join(judged)
+        if self.direction != "input" or len(judged) < 2:
+            return (joined,)
+        longest = max(judged, key=len)
+        return (joined, longest) if longest.strip() else (joined,)
+
 
 class GuardScore(msgspec.Struct, frozen=True, kw_only=True):
     """A classifier's answer: P(unsafe) in [0, 1], the category it points at, and how it was obtained."""

@@ -423,10 +423,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class EmbeddingClassifier:
-    """An embedding guard as a Classifier: P(unsafe) of the most unsafe window of the judged text.
+    """An embedding guard as a Classifier: P(unsafe) of the most unsafe window of the judged readings.
 
     Inputs are judged on their untrusted spans (the tenant's trusted system prompt is not the caller's
-    text); outputs on the output text.
+    text), joined and the longest alone (`GuardInput.readings`); outputs on the output text.
     """
 
     def __init__(self, name: str, spec: GuardModelSpec, encoder: TextEncoder, head: LogisticHead) -> None:
@@ -448,13 +448,13 @@ class EmbeddingClassifier:
     async def classify(self, item: GuardInput) -> GuardScore:
         """Score `item`; GuardError if the encoder fails or yields no finite score."""
         start = time.perf_counter()
-        text = item.text(untrusted_only=item.direction == "input")
-        if not text.strip():
+        readings = item.readings()
+        if not readings[0].strip():
             # Nothing the caller wrote to judge (an input of trusted spans only).
             p_unsafe, windows = 0.0, 0
         else:
             try:
-                vectors = await self._encoder.embed_windows(text)
+                vectors = np.concatenate([await self._encoder.embed_windows(text) for text in readings])
                 if not np.all(np.isfinite(vectors)):
                     raise GuardError(f"{self.name}: the encoder gave non-finite embeddings")
                 scores = self._head.predict_proba(vectors)

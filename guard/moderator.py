@@ -16,6 +16,12 @@ held the same way, split into overlapping windows of at most `window` tokens whe
 Earlier windows are not scored again: a passing check already saw them, and the overlap keeps every phrase
 of up to `hold_back + 1` tokens whole in one window (the invariant is stated in `moderate`).
 
+Each check also reads the output as the client reads it once it decodes JSON (`guard.readable`): the decoded
+text since the last check, after an overlap of `CHARS_PER_TOKEN * (hold_back + 1) - 1` characters, when an
+escape was resolved in it; the final check's in windows of `CHARS_PER_TOKEN * window` characters. So an
+escaped phrase that reads as up to `CHARS_PER_TOKEN * (hold_back + 1)` characters is read whole however
+many tokens its escapes take as written.
+
 A check that blocks raises `OutputBlocked`; the moderator then closes the engine stream, which aborts the
 engine request. The caller turns that into the client's `content_filter` ending.
 """
@@ -28,6 +34,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 from engines.base import EngineDelta
+from guard.readable import CHARS_PER_TOKEN, Reading
 from guard.windows import window_starts
 
 D = TypeVar("D")
@@ -41,8 +48,8 @@ class OutputBlocked(Exception, Generic[D]):
         self.decision = decision
 
 
-# A check returns None when the text may be released, or the blocking decision.
-Check = Callable[[str, bool], Awaitable[D | None]]
+# A check of (text, decoded, final) returns None when the text may be released, or the blocking decision.
+Check = Callable[[str, str, bool], Awaitable[D | None]]
 
 
 def merge(deltas: list[EngineDelta]) -> EngineDelta:
@@ -103,14 +110,17 @@ async def moderate(
 ) -> AsyncGenerator[EngineDelta, None]:
     """Yield `source`'s deltas once checked (merged per release); raise OutputBlocked when a check blocks.
 
-    `check(text, final)` sees one window of the output (see the module docstring); `final` is true for the
-    last window of the check at the end. `window`: the most tokens the final check scores at once (default
+    `check(text, decoded, final)` sees one window of the output and one of its decoded reading ("" when
+    decoding changes nothing there; see the module docstring); `final` is true for the last window of the
+    check at the end. `window`: the most tokens the final check scores at once (default
     `check_every + hold_back`; more than `hold_back`). `scored(tokens)` is told each window's size just
-    before it is checked (the guard work to meter); `done()` is called once, however the moderation ends.
+    before it is checked (the guard work to meter; a decoded window counts one token per `CHARS_PER_TOKEN`
+    characters); `done()` is called once, however the moderation ends.
     """
     width = check_every + hold_back if window is None else window
     if width <= hold_back:
         raise ValueError(f"window ({width}) must be longer than hold_back ({hold_back})")
+    reading = Reading(overlap=CHARS_PER_TOKEN * (hold_back + 1) - 1, width=CHARS_PER_TOKEN * width)
     held: deque[EngineDelta] = deque()
     held_tokens = 0  # tokens in `held`
     unchecked = 0  # tokens received since the last check
@@ -118,6 +128,7 @@ async def moderate(
         async with contextlib.aclosing(source):
             async for delta in source:
                 held.append(delta)
+                reading.feed(delta.text)
                 held_tokens += len(delta.token_ids)
                 unchecked += len(delta.token_ids)
                 # The last delta is checked with everything else at the end (the source ends right after it;
@@ -129,9 +140,10 @@ async def moderate(
                 # of whole deltas (all of them, if fewer) of the covered output that holds `hold_back` tokens.
                 # So a check of `held` sees every phrase of up to `hold_back + 1` tokens that ends in what is
                 # new whole, in one window: the covered part of such a phrase is at most `hold_back` tokens.
+                decoded = reading.window()
                 if scored is not None:
-                    scored(held_tokens)
-                blocked = await check("".join(d.text for d in held), False)
+                    scored(held_tokens + _tokens(decoded))
+                blocked = await check("".join(d.text for d in held), decoded, False)
                 if blocked is not None:
                     raise OutputBlocked(blocked)
                 # Release the oldest held deltas while what stays held still covers `hold_back` tokens.
@@ -152,13 +164,23 @@ async def moderate(
                 if held_tokens > width
                 else [("".join(d.text for d in rest), held_tokens)]
             )
-            for i, (text, tokens) in enumerate(parts):
+            readings = reading.final_windows()
+            # Raw and decoded windows are checked in pairs; the longer list's rest goes with "" beside it.
+            count = max(len(parts), len(readings))
+            for i in range(count):
+                text, tokens = parts[i] if i < len(parts) else ("", 0)
+                decoded = readings[i] if i < len(readings) else ""
                 if scored is not None:
-                    scored(tokens)
-                blocked = await check(text, i == len(parts) - 1)
+                    scored(tokens + _tokens(decoded))
+                blocked = await check(text, decoded, i == count - 1)
                 if blocked is not None:
                     raise OutputBlocked(blocked)
             yield merge(rest)
     finally:
         if done is not None:
             done()
+
+
+def _tokens(decoded: str) -> int:
+    """The guard tokens a decoded window is metered as (it was never tokenized here)."""
+    return -(-len(decoded) // CHARS_PER_TOKEN)

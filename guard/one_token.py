@@ -160,15 +160,16 @@ class OneTokenClassifier:
         return len(text.encode()) > self._engine.max_model_len
 
     async def classify(self, item: GuardInput) -> GuardScore:
-        """P(unsafe) of the item's text (untrusted spans of an input, the text of an output); the highest of
-        its windows when it is longer than one prompt holds. GuardError when the guard cannot say."""
+        """P(unsafe) of the item's readings (`GuardInput.readings`: the untrusted spans of an input, the
+        text of an output); the highest of their windows (one per reading unless it is longer than one
+        prompt holds). GuardError when the guard cannot say."""
         began = self._clock()
-        text = item.text(untrusted_only=item.direction == "input")
-        if not text.strip():
+        readings = item.readings()
+        if not readings[0].strip():
             # Nothing the tenant did not write itself: there is nothing for the model to judge.
             return self._score(0.0, began, {"skipped": "no untrusted text", "windows": 0.0})
         categories = ", ".join(item.categories)
-        windows = await self._windows(text, categories, item.policy)
+        windows = [w for text in readings for w in await self._windows(text, categories, item.policy)]
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._score_window(w, item.cache_salt)) for w in windows]

@@ -72,7 +72,6 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
 from guard.base import GuardInput, Span
 from guard.moderator import OutputBlocked, moderate
-from guard.readable import readable
 from policy.auth import Principal
 from policy.quota.meter import Charge
 from policy.safety.decision import GuardDecision
@@ -256,13 +255,13 @@ class _OutputChecks:
         self._tokens += tokens
         self._guard.tracker.guard_scored(tokens)
 
-    async def check(self, text: str, final: bool) -> GuardDecision | None:
+    async def check(self, text: str, decoded: str, final: bool) -> GuardDecision | None:
         """The moderator's check of one window: None to go on, else the decision that stops the output."""
         guard = self._guard
-        spans: tuple[Span, ...] = (Span(text=text, source="output"),)
         # What the client reads once it decodes JSON (tool-call arguments, structured output): "\u0062omb"
         # is "bomb". A second span, so no rule matches across the joint of the two readings.
-        if decoded := readable(text):
+        spans: tuple[Span, ...] = (Span(text=text, source="output"),)
+        if decoded:
             spans += (Span(text=decoded, source="output"),)
         item = GuardInput(
             direction="output",

@@ -100,7 +100,7 @@ async def moderated(
         nonlocal window
         window = tokens
 
-    async def check(text: str, final: bool) -> None:
+    async def check(text: str, decoded: str, final: bool) -> None:
         nonlocal checks, scored
         checks += 1
         if re_read:

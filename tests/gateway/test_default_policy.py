@@ -129,10 +129,6 @@ async def test_harmful_requests_are_blocked_in_every_role(gateway: tuple[httpx.A
             code = response.json()["error"]["code"] if response.status_code != 200 else ""
             outcomes[(i, role)] = (response.status_code, code)
     served = {k: v for k, v in outcomes.items() if v != (400, "content_policy_violation")}
-    # Known gap (the guard's quality, not the trust model): in the tool role the text is judged after the
-    # assistant turn's call JSON and before "Do it now.", and the trained one-token guard, which decides these
-    # in its band, scores the joined text below its block threshold (served as `input=band`). Every other
-    # role must block.
-    assert not {k: v for k, v in served.items() if k[1] != "tool"}, served
-    if served:
-        pytest.xfail(f"diluted in the tool role: {sorted(served)}")
+    # The tool role once slipped: judged joined with the assistant's call and "Do it now.", the request
+    # scored in the one-token guard's band; the longest untrusted span is now also read alone.
+    assert not served, served

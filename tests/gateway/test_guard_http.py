@@ -528,8 +528,9 @@ SHIP = {
 async def test_tool_call_arguments_pass_the_output_guard(bed: Bed) -> None:
     # The call's arguments are generated text like any other: the guard reads them before they are released.
     # The schema names the cargo too, and the input guard reads tool schemas: the rule matches the generated
-    # call's compact JSON only, so that it is the output guard that stops it.
-    await bed.bind(policy(output_block=r'"cargo":"smuggled goods"', output_regex=True))
+    # call's compact JSON only, so that it is the output guard that stops it. The phrase is about a dozen
+    # tokens: a check window holds it whole once `hold_back` is at least that (the moderator's guarantee).
+    await bed.bind(policy(output_block=r'"cargo":"smuggled goods"', output_regex=True, hold_back=16))
     whole = await bed.chat("Ship the cargo", **SHIP)
     assert whole.status_code == 200
     [choice] = whole.json()["choices"]

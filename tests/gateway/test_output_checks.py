@@ -7,17 +7,23 @@ from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 import msgspec
+import openai
 import pytest
 from msgspec.structs import replace
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engines.base import EngineDelta
+from engines.vllm_local import VllmLocalEngine
+from gateway.app import create_app
+from gateway.config import GuardConfig
 from gateway.generation.pipeline import _OutputChecks, _OutputGuard
+from gateway.generation.prompts import PromptRenderer
 from guard.base import GuardInput
 from guard.moderator import OutputBlocked, moderate
 from policy.safety.decision import Action, GuardDecision, GuardRecord, Source
 from policy.safety.gate import Evaluation
 from policy.safety.records import audit_draft
+from tests.conftest import MODEL, Tenancy, make_config, serving
 from tests.gateway import test_guard_http
 from tests.gateway.test_guard_http import Bed, content_of, policy, sse_events, stream_raw
 
@@ -157,6 +163,7 @@ class FakeGuard:
         self.policy = self
         self.context = None
         self.categories = ()
+        self.cache_salt = "salt"
         self.timeline = self
         self.tracker = self
         self.decision: GuardDecision | None = None
@@ -232,3 +239,38 @@ async def test_the_audit_draft_of_an_output_record_says_how_many_checks_it_stand
     record = msgspec.structs.replace(evaluation.record, checks=15, guard_tokens=116)
     assert audit_draft(record).detail == "checks=15 guard_tokens=116"
     assert audit_draft(msgspec.structs.replace(record, direction="input")).detail == ""
+
+
+async def test_on_the_real_engine_a_long_stream_is_checked_in_bounded_windows_and_metered(
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    # The built-in rules policy (hold back 8, check every 16) over SmolLM2, through the openai SDK: the
+    # guard tokens it reports grow with the answer, not with its square (re-reading the whole output at
+    # each check scored 64 tokens per generated token at 2,048 tokens).
+    config = replace(make_config(), guard=GuardConfig(default_policy="rules"))
+    app = create_app(config, engine=vllm_engine, renderer=renderer, tenants=tenancy.store)
+    async with (
+        serving(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
+    ):
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a story about a lighthouse keeper."}],
+            max_tokens=160,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"min_tokens": 160},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+            usage = chunk.usage or usage
+        assert usage is not None
+        assert usage.completion_tokens == 160
+        assert text
+        guard_tokens = (usage.model_extra or {})["guard_tokens"]
+        # Every generated token is read, and each of the 10 checks reads at most its 16 new tokens, the 8
+        # held back before them and the deltas that straddle the window's edge (a delta holds a few tokens
+        # at most when the engine steps while the gateway is busy).
+        assert 160 <= guard_tokens <= 160 + 10 * (8 + 8)

@@ -255,12 +255,13 @@ async def test_inputs_are_judged_on_untrusted_spans_and_outputs_on_their_text() 
     )
     await guard.classify(item)
     await guard.classify(GuardInput(direction="output", spans=(Span(text="answer", source="output"),)))
-    assert enc.seen == ["question\n\ntool result", "answer"]
+    # The untrusted spans joined, and the longest alone (turns around it cannot dilute it).
+    assert enc.seen == ["question\n\ntool result", "tool result", "answer"]
     # Nothing untrusted: nothing to judge, and the encoder is not called.
     only_trusted = GuardInput(direction="input", spans=(Span(text="x", source="system", trusted=True),))
     score = await guard.classify(only_trusted)
     assert (score.p_unsafe, score.raw) == (0.0, {"windows": 0})
-    assert len(enc.seen) == 2
+    assert len(enc.seen) == 3
 
 
 async def test_the_most_unsafe_window_decides() -> None:

@@ -43,7 +43,7 @@ class Checks:
         self.needle = needle
         self.calls: list[tuple[str, bool]] = []
 
-    async def __call__(self, text: str, final: bool) -> str | None:
+    async def __call__(self, text: str, decoded: str, final: bool) -> str | None:
         self.calls.append((text, final))
         return "blocked" if self.needle and self.needle in text else None
 

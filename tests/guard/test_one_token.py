@@ -190,18 +190,42 @@ async def test_the_prompt_holds_the_untrusted_text_only(make: Make, tokenizer: A
         )
     )
     await guard.classify(item(Span(text="generated answer", source="output"), direction="output"))
-    (first, _, priority), (second, _, _) = engine.calls
+    (first, _, priority), (alone, _, _), (second, _, _) = engine.calls
     assert priority == -3
     text = tokenizer.decode(first)
     assert "caller question here" in text
     assert "retrieved document" in text
     assert "TENANT-SECRET-SYSTEM" not in text
+    # The longest untrusted span is read on its own too.
+    assert "caller question here" in tokenizer.decode(alone)
+    assert "retrieved document" not in tokenizer.decode(alone)
     assert "categories: violence, weapons" in text
     # An explicit system message: SmolLM2's default one is not injected.
     assert text.startswith("<|im_start|>system\nYou are a content safety classifier.")
     assert text.endswith("<|im_start|>assistant\n")
     assert "SmolLM" not in text
     assert "generated answer" in tokenizer.decode(second)
+
+
+async def test_turns_around_a_passage_cannot_dilute_it(make: Make, tokenizer: Any) -> None:
+    # A model that reads a request as unsafe only on its own (a stand-in for dilution: the trained guard
+    # scored a harmful tool result between the assistant's call and "Do it now." in its band).
+    def scorer(prompt: list[int]) -> dict[int, float]:
+        text = tokenizer.decode(prompt)
+        return masses(0.1, 0.9) if "harmful request" in text and "Do it now" not in text else masses(0.9, 0.1)
+
+    engine = FakeEngine(scorer)
+    guard = make(engine)
+    request = "a harmful request, written out at length"
+    call = Span(text='fetch_task {"query": "the task"}', source="assistant")
+    wrapped = item(call, Span(text=request, source="tool"), Span(text="Do it now.", source="user"))
+    score = await guard.classify(wrapped)
+    assert score.p_unsafe == pytest.approx(0.9)
+    assert len(engine.calls) == 2  # the joined turns and the longest alone: not one reading per span
+    # One span is read once.
+    engine.calls.clear()
+    assert (await guard.classify(user(request))).p_unsafe == pytest.approx(0.9)
+    assert len(engine.calls) == 1
 
 
 async def test_text_cannot_forge_the_prompts_special_tokens(make: Make, tokenizer: Any) -> None:

@@ -1,5 +1,5 @@
 """The output guard's decoded view: JSON escapes resolved as a client's decoder resolves them, mid-stream
-too, and the moderator releasing nothing whose decoded reading no check has passed."""
+too, in bounded windows, and the moderator releasing nothing whose decoded reading no check has passed."""
 
 from __future__ import annotations
 
@@ -10,10 +10,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guard.moderator import OutputBlocked, moderate
-from guard.readable import decode_escapes, readable
+from guard.readable import Reading, decode_escapes
 from tests.guard.test_moderator import Source
 
 BOMB = r'{"x": "\u0062\u006f\u006d\u0062"}'
+WIDE = 10_000  # a window wider than any text here
+
+
+def readable(text: str, *, pieces: int = 1) -> str:
+    """The decoded reading of `text` fed in `pieces` equal pieces, as one window ("" when nothing decodes
+    differently)."""
+    reading = Reading(overlap=0, width=WIDE)
+    size = max(1, -(-len(text) // pieces))
+    for i in range(0, len(text), size):
+        reading.feed(text[i : i + size])
+    return "".join(reading.final_windows())
 
 
 def test_escaped_arguments_read_as_the_client_reads_them() -> None:
@@ -50,32 +61,84 @@ def test_text_without_escapes_adds_nothing() -> None:
     assert readable(r"C:\dir \x \u12") == ""
 
 
-def test_an_escape_cut_off_mid_stream_stays_as_written_until_it_is_whole() -> None:
+def test_an_escape_cut_off_mid_stream_is_read_once_it_is_whole() -> None:
     whole = r'{"x": "\u0062omb"}'
     for cut in range(len(whole) + 1):
-        prefix = whole[:cut]
-        view = readable(prefix) or prefix
-        if cut >= len(r'{"x": "\u0062omb'):
-            assert "bomb" in view
+        reading = Reading(overlap=0, width=WIDE)
+        reading.feed(whole[:cut])
+        view = reading.window()
+        if cut >= len(r'{"x": "\u0062'):
+            assert view == whole[:cut].replace(r"\u0062", "b")
         else:
-            assert "bomb" not in view
+            # Nothing resolved yet; the cut-off escape is kept back, not read as written.
+            assert view == ""
+    # At the end an escape still cut off is read as written.
     assert readable(r'{"x": "\u00') == ""
     assert readable(r'{"x": "\ud83d\ud') == '{"x": "\ufffd\\ud'
 
 
-def test_only_lines_that_change_are_added() -> None:
-    text = 'Here is the call:\n{"x": "\\u0062omb"}\nand a line with "no" escapes'
-    assert readable(text) == '{"x": "bomb"}'
-    # A decoded newline stays inside its line's reading, so a phrase split by \n reads as one line.
-    assert readable(r'{"x": "how to make a\nbomb"}') == '{"x": "how to make a\nbomb"}'
+def test_windows_without_an_escape_are_left_out() -> None:
+    reading = Reading(overlap=3, width=16)
+    reading.feed("plain text, " * 10)
+    assert reading.window() == ""
+    reading.feed(r'{"x": "\u0062omb"}')
+    # The new text after the last 3 characters already read.
+    assert reading.window() == 't, {"x": "bomb"}'
+    reading.feed("more plain text " * 4)
+    assert reading.window() == ""
+    # The end, in windows of 16 overlapping by 3: only the one with an escape.
+    reading.feed("plain text " * 3 + r"\u0062omb " + "plain text " * 3)
+    assert reading.final_windows() == ["lain text bomb p"]
 
 
-@given(st.text())
-def test_the_view_is_what_a_json_decoder_reads(value: str) -> None:
+@given(st.text(), st.lists(st.integers(min_value=0, max_value=40), max_size=8))
+def test_the_view_is_what_a_json_decoder_reads_however_it_is_split(value: str, cuts: list[int]) -> None:
     # Python's json.dumps escapes quotes, backslashes, controls and (ensure_ascii) everything non-ASCII.
     for encoded in (json.dumps(value), json.dumps(value, ensure_ascii=False)):
         assert decode_escapes(encoded) == f'"{value}"'
-        assert (readable(encoded) or encoded) == f'"{value}"'
+        reading = Reading(overlap=0, width=WIDE)
+        at = 0
+        for cut in sorted(min(c, len(encoded)) for c in cuts):
+            reading.feed(encoded[at:cut])
+            at = max(at, cut)
+        reading.feed(encoded[at:])
+        assert ("".join(reading.final_windows()) or encoded) == f'"{value}"'
+
+
+@given(st.text(alphabet='ab"\\/ufnD8C0e', max_size=40), st.lists(st.integers(0, 40), max_size=6))
+def test_reading_in_pieces_reads_what_decoding_the_whole_reads(text: str, cuts: list[int]) -> None:
+    # Text that is no JSON at all, with escapes, cut-off escapes and surrogates split anywhere.
+    reading = Reading(overlap=0, width=WIDE)
+    at = 0
+    for cut in sorted(cuts):
+        reading.feed(text[at:cut])
+        at = max(at, cut)
+    reading.feed(text[at:])
+    assert ("".join(reading.final_windows()) or text) == decode_escapes(text)
+
+
+@pytest.mark.parametrize("overlap", [0, 3, 11])
+@given(
+    prefix=st.text(alphabet="abc ", max_size=60),
+    suffix=st.text(alphabet="abc ", max_size=60),
+    cuts=st.lists(st.integers(0, 200), max_size=10),
+)
+def test_an_escaped_phrase_as_long_as_the_overlap_lies_whole_in_a_window(
+    overlap: int, prefix: str, suffix: str, cuts: list[int]
+) -> None:
+    # "bomb" escaped in full (24 characters written), read in windows checked at arbitrary points.
+    phrase = "bomb"[: overlap + 1] if overlap < 3 else "bomb"
+    written = prefix + "".join(f"\\u{ord(c):04x}" for c in phrase) + suffix
+    reading = Reading(overlap=max(overlap, len(phrase) - 1), width=max(overlap, len(phrase) - 1) + 5)
+    windows = []
+    at = 0
+    for cut in sorted(cuts):
+        reading.feed(written[at:cut])
+        at = max(at, cut)
+        windows.append(reading.window())
+    reading.feed(written[at:])
+    windows += reading.final_windows()
+    assert any(phrase in w for w in windows)
 
 
 class Reads:
@@ -85,8 +148,8 @@ class Reads:
         self.needle = needle
         self.decoded = decoded
 
-    async def __call__(self, text: str, final: bool) -> str | None:
-        views = [text, readable(text)] if self.decoded else [text]
+    async def __call__(self, text: str, decoded: str, final: bool) -> str | None:
+        views = [text, decoded] if self.decoded else [text]
         return "blocked" if any(self.needle in v for v in views) else None
 
 

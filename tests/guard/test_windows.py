@@ -53,7 +53,7 @@ class Recorder:
         self.sizes: list[int] = []
         self.done = 0
 
-    async def check(self, text: str, final: bool) -> str | None:
+    async def check(self, text: str, decoded: str, final: bool) -> str | None:
         self.windows.append(text)
         return "blocked" if self.needle is not None and self.needle in text else None
 
