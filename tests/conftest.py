@@ -8,16 +8,17 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
 from litestar import Litestar
 
-from engines.base import EngineDelta, EngineRequest
+from engines.base import EngineDelta, EngineRequest, Usage
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
 from gateway.app import running
@@ -206,6 +207,14 @@ def make_config(**server: float | int) -> Config:
         # about something else (tests/gateway/test_overload.py sheds on purpose).
         overload=OverloadConfig(max_loop_lag=0.0, cpu_shedding=False),
     )
+
+
+def billed(usage: Mapping[str, Any] | Usage) -> int:
+    """The tokens a request is charged for at the default price: its prompt and completion tokens and the
+    guard tokens its output checks scored (`usage.guard_tokens`, absent when the output was not guarded)."""
+    if isinstance(usage, Usage):
+        return usage.prompt_tokens + usage.completion_tokens + usage.guard_tokens
+    return int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) + int(usage.get("guard_tokens") or 0)
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ from policy.quota.memory import MemoryQuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.tenants.models import Limits, Quotas, Tenant
 from policy.tenants.sqlite import SqliteTenantStore
-from tests.conftest import MODEL, OutcomeLog, add_key, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, add_key, billed, make_config, serving
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 BURST = 100_000.0
@@ -77,7 +77,7 @@ class Deployment:
             await meter.drain(30)
         assert meter.counters["reserved"] == len(outcomes.items)
         assert meter.counters["settled"] == meter.counters["reserved"]
-        used = sum(o.usage.prompt_tokens + o.usage.completion_tokens for o in outcomes.items)
+        used = sum(billed(o.usage) for o in outcomes.items)
         [level] = await meter.store.levels([TOKENS], 0.0)
         assert level == BURST - used
 

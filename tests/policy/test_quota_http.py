@@ -28,7 +28,7 @@ from policy.quota.meter import applicable
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.models import Limits, Quotas, Tenant
 from tests.backends import DEPLOYMENTS, Backends, FakeClock, deployment
-from tests.conftest import MODEL, OutcomeLog, add_key, eventually, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, add_key, billed, eventually, make_config, serving
 
 TOKEN_BURST = 200.0
 TOKENS_PER_S = 10.0
@@ -121,16 +121,19 @@ async def test_successful_answers_carry_ratelimit_headers_that_go_down(gateway: 
     policy = first.headers["RateLimit-Policy"]
     assert f'"tenant-tokens";q={int(TOKEN_BURST)};w={int(TOKEN_BURST / TOKENS_PER_S)}' in policy
     assert '"tenant-requests";q=10;w=1' in policy
-    used = first.json()["usage"]["total_tokens"]
+    # The headers show the levels after the request's reservation (prompt + max_tokens: what the simulator
+    # writes); its output guard's tokens are charged at settlement, so they show in the next request's.
+    usage = first.json()["usage"]
+    used = usage["total_tokens"]
     assert remaining(first, "tenant-tokens") == int(TOKEN_BURST - used)
-    assert remaining(second, "tenant-tokens") == int(TOKEN_BURST - 2 * used)
+    assert remaining(second, "tenant-tokens") == int(TOKEN_BURST - billed(usage) - used)
     assert remaining(second, "tenant-requests") == remaining(first, "tenant-requests") - 1
     # OpenAI's headers say the same (the tenant's buckets are the only ones here).
     assert first.headers["x-ratelimit-limit-tokens"] == str(int(TOKEN_BURST))
     assert first.headers["x-ratelimit-limit-requests"] == "10"
     assert int(second.headers["x-ratelimit-remaining-tokens"]) == remaining(second, "tenant-tokens")
     assert int(second.headers["x-ratelimit-remaining-requests"]) == remaining(second, "tenant-requests")
-    assert second.headers["x-ratelimit-reset-tokens"] == f"{2 * used / TOKENS_PER_S:g}s"
+    assert second.headers["x-ratelimit-reset-tokens"] == f"{(billed(usage) + used) / TOKENS_PER_S:g}s"
 
 
 async def test_denial_is_429_with_a_retry_after_that_is_honoured(gateway: Gateway, clock: FakeClock) -> None:
@@ -224,7 +227,7 @@ async def test_cancelled_stream_refunds_its_unused_reservation(
                 break
     outcome = await outcomes.wait_for(request_id)
     assert outcome.status == "cancelled"
-    used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+    used = billed(outcome.usage)
     assert outcome.usage.completion_tokens < max_tokens
     expected = TOKEN_BURST - used  # the clock stood still: no refill, only the refund of the unused part
 
@@ -238,7 +241,7 @@ async def test_cancelled_stream_refunds_its_unused_reservation(
 async def test_completed_request_is_charged_exactly_its_usage(gateway: Gateway, clock: FakeClock) -> None:
     response = await gateway.post(chat(max_tokens=30))
     assert response.status_code == 200
-    used: int = response.json()["usage"]["total_tokens"]
+    used = billed(response.json()["usage"])
 
     async def charged() -> bool:
         return abs(await gateway.tenant_tokens_level(clock) - (TOKEN_BURST - used)) < 1e-6
@@ -259,8 +262,8 @@ async def test_n_choices_reserve_n_times_max_tokens_and_are_charged_for_all(
     assert response.status_code == 200
     body = response.json()
     assert len(body["choices"]) == 3
-    used: int = body["usage"]["total_tokens"]
-    assert used == body["usage"]["prompt_tokens"] + 3 * 20  # the simulator writes max_tokens per choice
+    assert body["usage"]["completion_tokens"] == 3 * 20  # the simulator writes max_tokens per choice
+    used = billed(body["usage"])
 
     async def charged() -> bool:
         return abs(await gateway.tenant_tokens_level(clock) - (TOKEN_BURST - used)) < 1e-6
@@ -288,9 +291,9 @@ async def test_per_key_buckets_are_separate_and_the_tenant_bucket_is_shared(
     third = await add_key(gateway.backends.tenants, "acme", ("consumer",), now=clock())
     granted = await gateway.post(chat(), key=third)
     assert granted.status_code == 200
-    # Both keys drew from the one tenant token bucket.
-    used = granted.json()["usage"]["total_tokens"]
-    assert remaining(granted, "tenant-tokens") == int(TOKEN_BURST - 2 * used)
+    # Both keys drew from the one tenant token bucket (the first one's answer settled, guard tokens too).
+    usage = granted.json()["usage"]
+    assert remaining(granted, "tenant-tokens") == int(TOKEN_BURST - billed(usage) - usage["total_tokens"])
 
 
 @pytest.mark.parametrize(("fail_mode", "status"), [("open", 200), ("closed", 503)])

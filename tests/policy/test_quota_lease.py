@@ -33,7 +33,7 @@ from policy.quota import (
 from policy.quota.meter import QuotaMeter
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 from tests.backends import FakeClock, WrappedQuotaStore, redis_quota
-from tests.conftest import MODEL, Tenancy, add_key, make_config, serving
+from tests.conftest import MODEL, Tenancy, add_key, billed, make_config, serving
 
 # No refill: every level below is exact arithmetic on what was granted and used.
 REQ = BucketSpec(key="tenant:{t}:req", capacity=100.0, rate=0.0)
@@ -305,7 +305,7 @@ async def test_the_configured_gateway_grants_from_leases_and_returns_them_at_shu
                 headers={"authorization": f"Bearer {key}"},
             )
             assert response.status_code == 200, response.text
-            used += response.json()["usage"]["total_tokens"]
+            used += billed(response.json()["usage"])
         scrape = (await http.get("/metrics")).text
     samples = {s.name: s.value for family in text_string_to_metric_families(scrape) for s in family.samples}
     assert samples["lockgate:quota_lease_grants_total"] == 6

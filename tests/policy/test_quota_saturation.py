@@ -39,7 +39,7 @@ from policy.quota.meter import applicable
 from policy.tenants.models import Limits, Quotas, Tenant
 from policy.tenants.sqlite import SqliteTenantStore
 from tests.backends import REDIS_URL, FakeClock
-from tests.conftest import MODEL, OutcomeLog, add_key, make_config, serving
+from tests.conftest import MODEL, OutcomeLog, add_key, billed, make_config, serving
 
 REQUESTS = 300
 CLIENTS = 64
@@ -179,10 +179,10 @@ async def one(http: httpx.AsyncClient, key: str, i: int) -> Answer:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     usage = json.loads(line[len("data: ") :]).get("usage")
                     if usage:
-                        used = usage["prompt_tokens"] + usage["completion_tokens"]
+                        used = billed(usage)
         else:
             usage = json.loads(await response.aread())["usage"]
-            used = usage["prompt_tokens"] + usage["completion_tokens"]
+            used = billed(usage)
         return Answer(i, response.status_code, rid, metered, used)
 
 
@@ -278,7 +278,7 @@ async def test_saturating_the_gateway_on_a_small_redis_pool_meters_every_request
     assert len(by_id) == REQUESTS
     for answer in answers:
         usage = by_id[answer.request_id].usage
-        assert answer.used == usage.prompt_tokens + usage.completion_tokens, answer
+        assert answer.used == billed(usage), answer
 
     # The meter granted every reservation and never took our own pool for an unreachable Redis ...
     assert counters["reserved"] == REQUESTS
