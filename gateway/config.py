@@ -58,6 +58,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Most calls one answer may hold when tool_choice is "required" (a small model may otherwise repeat
     # calls until max_tokens); 1 when the request sets parallel_tool_calls false.
     max_tool_calls: int = 4
+    # Most inputs one `POST /v1/moderations` may hold (each is one check of the tenant's policy); their total
+    # size is bounded by `max_body_bytes`.
+    max_moderation_inputs: int = 32
     # Gateway processes serving the port (`lockgate serve --workers N` overrides it). More than 1 needs shared
     # state: the Redis quota store and console sessions, PostgreSQL storage, and no in-process vLLM engine.
     workers: int = 1
@@ -457,6 +460,7 @@ def _check(config: Config) -> None:
         "server.drain_timeout": config.server.drain_timeout,
         "server.stream_stall_timeout": config.server.stream_stall_timeout,
         "server.workers": config.server.workers,
+        "server.max_moderation_inputs": config.server.max_moderation_inputs,
         "model.max_model_len": config.model.max_model_len,
         "model.default_max_tokens": config.model.default_max_tokens,
         "model.tokenizer_threads": config.model.tokenizer_threads,

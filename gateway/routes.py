@@ -10,8 +10,9 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Example
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from gateway.decoding import body_limit
+from gateway.decoding import body_limit, read_body
 from gateway.fastpath import generate
+from gateway.moderations import run_moderation
 from gateway.openapi import (
     ChatStreamingOperation,
     CompletionStreamingOperation,
@@ -28,6 +29,8 @@ from gateway.schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    ModerationRequest,
+    ModerationResponse,
 )
 from gateway.security import allow
 from gateway.service import Services
@@ -114,6 +117,40 @@ async def completions(
 ) -> Response[Any]:
     """OpenAI legacy completions, whole or streamed (served by `gateway.fastpath`, as chat is)."""
     return await generate("completion", services, request, principal, body_limit(request.route_handler))
+
+
+@post(
+    "/v1/moderations",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        ModerationRequest,
+        {"input": "I want to hurt them."},
+        {"model": "omni-moderation-latest", "input": ["first text", "second text"]},
+    ),
+    responses={
+        HTTP_200_OK: ResponseSpec(
+            ModerationResponse,
+            generate_examples=False,
+            description=(
+                "One result per input, in order, in OpenAI's `ModerationCreateResponse` shape: every OpenAI "
+                "category key (false and 0.0 where the policy has no such category), the policy's other "
+                "categories under their own names, and `lockgate` (what the policy decided, and how)."
+            ),
+        ),
+        # Invalid input, a quota that can never fit, body over the limit, quota short.
+        **errors(400, 413, 429),
+    },
+)
+async def moderations(
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Response[ModerationResponse]:
+    """OpenAI moderations, answered by the tenant's own safety policy: each input is checked as a request's
+    input is (recorded in the audit trail, metered), and nothing is generated."""
+    allow(principal, "consumer")
+    body = await read_body(request)
+    return await run_moderation(services, services.moderation_decoder.decode(body), request, principal)
 
 
 @get("/v1/models", responses=errors())
@@ -224,6 +261,6 @@ async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]
 
 
 ROUTES = [
-    secured("openai", [chat_completions, completions, list_models]),
+    secured("openai", [chat_completions, completions, moderations, list_models]),
     public("health", [healthz, readyz]),
 ]

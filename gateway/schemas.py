@@ -179,6 +179,23 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     best_of: int | None = None
 
 
+class ModerationInputPart(_Request, frozen=True, kw_only=True):
+    """One part of a multi-modal moderation input: `{"type": "text", "text": ...}`. Image parts
+    (`image_url`) are decoded so that they can be refused by name (the policies read text only)."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+
+
+class ModerationRequest(_Request, frozen=True, kw_only=True):
+    """`POST /v1/moderations`: one text, or a list of texts (or of text parts), each checked on its own by the
+    tenant's safety policy. `model` is accepted and ignored: the tenant's policy answers."""
+
+    input: str | list[str | ModerationInputPart]
+    model: str | None = None
+
+
 # ---- responses -------------------------------------------------------------------------------------------
 
 
@@ -374,3 +391,34 @@ class ModelList(_Response, frozen=True, kw_only=True):
 
     data: list[ModelCard]
     object: Literal["list"] = "list"
+
+
+class ModerationVerdict(_Response, frozen=True, kw_only=True):
+    """Lockgate's extension of a moderation result: what the policy decided and which path decided it
+    (`source`: rules, model, band, fail_open, none; `off` when the policy does not check inputs), and
+    whether the decision was escalated for human review."""
+
+    action: Literal["allow", "block"]
+    source: str
+    category: str | None = None
+    review: bool = False
+
+
+class ModerationResult(_Response, frozen=True, kw_only=True):
+    """One input's result, as OpenAI's `Moderation` (keys like `self-harm` and `sexual/minors`), plus the
+    policy's other categories under their own names and `lockgate` (the decision)."""
+
+    flagged: bool
+    categories: dict[str, bool]
+    category_scores: dict[str, float]
+    category_applied_input_types: dict[str, list[str]]
+    lockgate: ModerationVerdict
+
+
+class ModerationResponse(_Response, frozen=True, kw_only=True):
+    """`POST /v1/moderations`: one result per input, in order; `model` names the policy version that
+    answered (`lockgate-policy:<name>@<version>`)."""
+
+    id: str
+    model: str
+    results: list[ModerationResult]

@@ -20,7 +20,7 @@ from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
 from policy.audit.appeals import AppealStore
@@ -102,6 +102,7 @@ class Services:
         self.clock = clock
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
+        self.moderation_decoder = Decoder(ModerationRequest)
         self.started = int(time.time())
 
     def report(self, outcome: Outcome, timeline: RequestTimeline) -> None:

@@ -1,4 +1,5 @@
-"""Quota at the HTTP edge: reserve for a planned request; denials become 429, 400 or 503 with headers.
+"""Quota at the HTTP edge: reserve for a planned request, or for a number of tokens (moderations); denials
+become 429, 400 or 503 with headers.
 
 503 `quota_unavailable`: the store is unreachable and the tenant fails closed. 503 `quota_busy`: every
 connection of our own pool stayed busy past `quota.pool_timeout` (gateway overload; whatever the fail mode).
@@ -24,7 +25,21 @@ def charge_headers(charge: Charge) -> dict[str, str]:
 async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge:
     """Reserve `prompt + n x max_tokens` tokens and one request for `plan`, or raise the HTTP error."""
     req = plan.engine_request
-    tokens = len(req.prompt_token_ids) + req.n * req.sampling.max_tokens
+    return await reserve_tokens(
+        meter,
+        principal,
+        len(req.prompt_token_ids) + req.n * req.sampling.max_tokens,
+        need=f"prompt {len(req.prompt_token_ids)} + n {req.n} x max_tokens {req.sampling.max_tokens}",
+        param="max_tokens",
+        advice="lower max_tokens or n, or ask for a larger quota",
+    )
+
+
+async def reserve_tokens(
+    meter: QuotaMeter, principal: Principal, tokens: int, *, need: str, param: str, advice: str
+) -> Charge:
+    """Reserve `tokens` tokens and one request, or raise the HTTP error. A request that can never fit is a 400
+    naming `param`, saying what it needs (`need`) and what to do (`advice`)."""
     try:
         return await meter.reserve(principal.tenant, principal.key, tokens)
     except QuotaExceededError as exc:
@@ -42,10 +57,9 @@ async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge
     except QuotaImpossibleError as exc:
         name = _bucket_name(meter.buckets_for(principal.tenant, principal.key), exc.bucket)
         raise InvalidRequestError(
-            f"this request needs {exc.amount:g} tokens (prompt {len(req.prompt_token_ids)} + n {req.n} x "
-            f"max_tokens {req.sampling.max_tokens}) but `{name}` holds at most {exc.capacity:g}: it can "
-            "never fit; lower max_tokens or n, or ask for a larger quota",
-            param="max_tokens",
+            f"this request needs {exc.amount:g} tokens ({need}) but `{name}` holds at most "
+            f"{exc.capacity:g}: it can never fit; {advice}",
+            param=param,
             code="quota_exceeds_capacity",
         ) from exc
     except QuotaUnavailableError as exc:

@@ -22,6 +22,9 @@ from guard.cascade import CascadeResult, StageRun
 from registry.models import PolicySpec
 
 Action = Literal["allow", "block", "refuse"]
+# What a check was for: a generation request's input or output, or a `POST /v1/moderations` input (checked and
+# answered, never generated from).
+Purpose = Literal["request", "moderation"]
 Source = Literal["none", "rules", "model", "band", "fail_open", "fail_closed"]
 
 
@@ -102,6 +105,7 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     # `gateway.generation.pipeline`), and the generated tokens they scored together.
     checks: int = 1
     guard_tokens: int = 0
+    purpose: Purpose = "request"
 
 
 RecordSink = Callable[[GuardRecord], None]

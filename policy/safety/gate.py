@@ -21,7 +21,14 @@ from guard.breaker import BreakerPolicy, CircuitBreaker
 from guard.cascade import Cascade, Stage
 from guard.rules import RulesClassifier
 from policy.audit.writer import AuditBackpressureError
-from policy.safety.decision import GuardDecision, GuardRecord, RecordSink, content_digest, decide
+from policy.safety.decision import (
+    GuardDecision,
+    GuardRecord,
+    Purpose,
+    RecordSink,
+    content_digest,
+    decide,
+)
 from registry.view import ResolvedGuard, ResolvedPolicy
 
 log = logging.getLogger("lockgate.guard")
@@ -35,6 +42,8 @@ class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     key_id: str
     request_id: str
+    # A moderation check's record says so (`policy.safety.records.audit_draft`).
+    purpose: Purpose = "request"
 
 
 class Evaluation(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,6 +155,7 @@ class SafetyGate:
             content=text if policy.spec.retention == "full" else None,
             at=self._clock(),
             severity=severities.get(decision.category),
+            purpose=context.purpose,
         )
         for run in result.runs:
             if run.failure is not None:

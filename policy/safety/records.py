@@ -64,8 +64,13 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
         flagged=record.flagged,
         content_hash=record.content_sha256,
         content=record.content,
-        # One record stands for all of a response's output checks: how many, and what they scored.
-        detail=f"checks={record.checks} guard_tokens={record.guard_tokens}"
-        if record.direction == "output"
-        else "",
+        detail=_detail(record),
     )
+
+
+def _detail(record: GuardRecord) -> str:
+    """One record stands for all of a response's output checks: how many, and what they scored. A
+    moderation's input check says it was one (`purpose=moderation`): a reviewer tells it from a request's."""
+    if record.direction == "output":
+        return f"checks={record.checks} guard_tokens={record.guard_tokens}"
+    return "purpose=moderation" if record.purpose == "moderation" else ""

@@ -203,7 +203,14 @@ async def test_the_document_lists_every_route_with_its_key_and_errors(gateway: G
     }
     assert ("get", "/console") in excluded
     assert not any(p.startswith(("/console", "/schema")) for _, p in documented)
-    for must in ("/v1/chat/completions", "/admin/tenants", "/audit/decisions", "/v1/appeals", "/healthz"):
+    for must in (
+        "/v1/chat/completions",
+        "/v1/moderations",
+        "/admin/tenants",
+        "/audit/decisions",
+        "/v1/appeals",
+        "/healthz",
+    ):
         assert any(path == must for _, path in documented), must
 
     for method, path, op in _operations(document):
@@ -303,6 +310,19 @@ async def test_generation_answers_match_the_document(gateway: Gateway) -> None:
 
     await gw.call(None, "GET", "/healthz", status=200)
     await gw.call(None, "GET", "/readyz", status=200)
+
+
+async def test_moderation_answers_match_the_document(gateway: Gateway) -> None:
+    gw = gateway
+    moderations = "/v1/moderations"
+    answer = await gw.call("acme", "POST", moderations, {"input": ["hello", INJECTION]}, status=200)
+    assert [r["flagged"] for r in answer.json()["results"]] == [False, True]
+    invalid = await gw.call("acme", "POST", moderations, {"input": []}, status=400)
+    assert invalid.json()["error"]["param"] == "input"
+    await gw.call("lg-not-a-key", "POST", moderations, {"input": "hi"}, status=401)
+    await gw.call("acme", "POST", moderations, b"{" + b" " * MAX_BODY + b"}", status=413)
+    await gw.call("tight", "POST", moderations, {"input": "hi"}, status=200)
+    await gw.call("tight", "POST", moderations, {"input": "hi"}, status=429)
 
 
 async def test_admin_audit_and_appeal_answers_match_the_document(gateway: Gateway) -> None:
