@@ -32,6 +32,7 @@ import msgspec
 
 from guard.base import GuardInput, Span
 from guard.cascade import BandAction, Cascade, CascadeResult, StageRun, route, stage_verdict
+from guard.dataset import HAZARD_CATEGORY, dataset_dir_sha256, family_splits, load_data_dir
 
 __all__ = [
     "CalibrationBin",
@@ -61,10 +62,17 @@ __all__ = [
 ]
 
 Label = Literal["safe", "unsafe"]
-Category = Literal["violence", "self_harm", "weapons", "malware", "prompt_injection", "hate", "benign"]
-Language = Literal["en", "de", "fr", "es", "it"]
+# The development set's categories, then those of the hazard taxonomy of the guard data set
+# (`guard.dataset.HAZARD_CATEGORY`).
+Category = Literal[
+    "violence", "self_harm", "weapons", "malware", "prompt_injection", "hate", "benign",
+    "violent_crimes", "nonviolent_crimes", "sex_crimes", "child_exploitation", "defamation",
+    "specialized_advice", "privacy", "intellectual_property", "indiscriminate_weapons", "sexual_content",
+    "elections", "code_interpreter_abuse", "jailbreak",
+]  # fmt: skip
+Language = Literal["en", "de", "fr", "es", "it", "pt", "ar", "hi", "ja", "ru", "zh"]
 Severity = Literal["none", "low", "medium", "high", "critical"]
-Split = Literal["train", "test"]
+Split = Literal["train", "calibration", "test"]
 # (allow_below, block_above) of one stage.
 Thresholds = tuple[float, float]
 
@@ -86,6 +94,11 @@ class LabelledItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     language: Language
     severity: Severity
     split: Split
+    # Where the item comes from a guard data directory (`guard.dataset`): whether it is model input or
+    # output, what kind of text it is, and the scenario it renders ("" in a single labelled file).
+    shape: Literal["prompt", "output"] = "prompt"
+    kind: str = ""
+    family: str = ""
 
 
 class ItemScores(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -191,7 +204,10 @@ def _read_jsonl(path: Path, decoder: msgspec.json.Decoder[T]) -> list[T]:
 
 
 def load_items(path: str | Path) -> list[LabelledItem]:
-    """The labelled items of a JSONL file; ValueError naming an invalid line or a repeated id."""
+    """The labelled items of a JSONL file, or of a guard data directory (`guard.dataset`, splits by family);
+    ValueError naming an invalid line or a repeated id."""
+    if Path(path).is_dir():
+        return _from_data_dir(Path(path))
     items = _read_jsonl(Path(path), _ITEM_DECODER)
     seen: set[str] = set()
     for item in items:
@@ -216,13 +232,44 @@ def save_scores(path: str | Path, scores: Iterable[ItemScores]) -> None:
     Path(path).write_bytes(b"".join(_ENCODER.encode(s) + b"\n" for s in scores))
 
 
+def _from_data_dir(directory: Path) -> list[LabelledItem]:
+    data = load_data_dir(directory)
+    splits = family_splits(data)
+    return [
+        msgspec.convert(
+            {
+                "id": d.id,
+                "text": d.text,
+                "label": d.label,
+                "category": HAZARD_CATEGORY[d.hazard],
+                "language": d.language,
+                "severity": d.severity,
+                "split": splits[d.family],
+                "shape": d.shape,
+                "kind": d.kind,
+                "family": d.family,
+            },
+            LabelledItem,
+        )
+        for d in data
+    ]
+
+
 def dataset_sha256(path: str | Path) -> str:
-    """sha256 of the file's bytes: which version of a labelled set a figure came from."""
+    """sha256 of the file's bytes (of a data directory's files: `guard.dataset.dataset_dir_sha256`): which
+    version of a labelled set a figure came from."""
+    if Path(path).is_dir():
+        return dataset_dir_sha256(path)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def guard_input(item: LabelledItem, categories: Sequence[str] = ()) -> GuardInput:
-    """The item as the input guard sees it: its text as one untrusted user span."""
+    """The item as a guard sees it: a prompt as one untrusted user span of an input, an output as the
+    generated text of an output."""
+    if item.shape == "output":
+        return GuardInput(
+            direction="output", spans=(Span(text=item.text, source="output"),), categories=tuple(categories)
+        )
     return GuardInput(
         direction="input",
         spans=(Span(text=item.text, source="user", trusted=False),),
