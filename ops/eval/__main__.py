@@ -7,14 +7,18 @@
                               --thresholds '0.2,0.8;0.3,0.7' [--band escalate|block] [--split test] [--json]
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
+    python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
+                              [--lookalike-fpr 0.05] [--band-share 0.10] [--step 0.05] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
 With `--policy` it scores a registry policy with the guards and engines the service builds from its
 configuration; with `--policy-file` a policy of rules stages; with neither, the starter rules
 (`guard.rules.default_rules`) as one stage. `report` decides
 items at the thresholds stored with their scores; `replay` at the given ones (`allow_below,block_above` per
-stage, stages separated by `;`). Both evaluate the items of the data file (of `--split`, when given) that
-have scores, and print markdown (or the report's JSON with `--json`).
+stage, stages separated by `;`). `calibrate` chooses the model stages' thresholds on the calibration split
+under a declared budget (`ops/eval/calibrate.py`) and prints them with the budget met; replay them on
+`--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
+`--split`, when given) that have scores, and print markdown (or the report's JSON with `--json`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from guard.evaluation import (
     save_scores,
     score_with_cascade,
 )
+from ops.eval.calibrate import Budget, calibrate
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.report import render
 from registry.base import InvalidError
@@ -124,6 +129,33 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.split != "calibration":
+        print("note: thresholds are meant to be chosen on --split calibration", file=sys.stderr)
+    items = load_items(args.data)
+    chosen = _evaluated(items, args.split, load_scores(args.scores))
+    budget = Budget(lookalike_fpr=args.lookalike_fpr, band=args.band_share)
+    try:
+        result = calibrate(
+            chosen, load_scores(args.scores), budget, step=args.step, dataset_sha256=dataset_sha256(args.data)
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(result)).decode() + "\n")
+        return 0
+    shown = ";".join(f"{a:g},{b:g}" for a, b in result.thresholds)
+    verdict = "met" if result.met else "NOT met (the least over it)"
+    sys.stdout.write(
+        f"thresholds {shown} (--thresholds '{shown}'), on {len(chosen)} items of split {args.split}\n"
+        f"budget: look-alikes blocked <= {budget.lookalike_fpr:.0%}, "
+        f"escalated <= {budget.band:.0%}: {verdict}\n"
+        f"unsafe blocked {result.blocked_recall:.1%}, look-alikes blocked {result.lookalike_fpr:.1%}, "
+        f"escalated {result.band_share:.1%}\n"
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ops.eval", description="Evaluate guard cascades.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -149,15 +181,27 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="report stored scores at their stored thresholds")
     report.set_defaults(run=_cmd_report)
 
-    for sub in (replay, report):
+    calibration = commands.add_parser(
+        "calibrate", help="choose the model stages' thresholds on a calibration split under a budget"
+    )
+    calibration.add_argument("--lookalike-fpr", type=float, default=0.05, help="look-alikes blocked, at most")
+    calibration.add_argument("--band-share", type=float, default=0.10, help="items escalated, at most")
+    calibration.add_argument("--step", type=float, default=0.05, help="threshold grid step")
+    calibration.set_defaults(run=_cmd_calibrate)
+
+    for sub in (replay, report, calibration):
         sub.add_argument("--scores", type=Path, required=True, help="scores written by `score` (JSONL)")
         sub.add_argument(
             "--band", choices=("escalate", "block"), default="escalate", help="past the last stage"
         )
         sub.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
-    for sub in (score, replay, report):
-        sub.add_argument("--data", type=Path, required=True, help="labelled items (JSONL)")
-        sub.add_argument("--split", choices=("train", "test"), help="only this split (default: every item)")
+    for sub in (score, replay, report, calibration):
+        sub.add_argument(
+            "--data", type=Path, required=True, help="labelled items (a JSONL file or a guard data directory)"
+        )
+        sub.add_argument(
+            "--split", choices=("train", "calibration", "test"), help="only this split (default: every item)"
+        )
     return parser
 
 

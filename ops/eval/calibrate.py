@@ -1,0 +1,136 @@
+"""Thresholds from a calibration split, under a declared budget.
+
+Given every stage's stored score of every item of the calibration split (`python -m ops.eval score`, which
+runs every stage on every item), search the model stages' (allow_below, block_above) on a grid for the
+thresholds that block the most unsafe items while
+
+- at most `lookalike_fpr` of the look-alikes (safe items of kind `lookalike`; every safe item in a set
+  without kinds) are blocked, and
+- at most `band` of all items end in the band (allowed and flagged for review: escalation must stay the
+  exception).
+
+Ties go to fewer escalations, then to fewer look-alikes blocked. Rules stages keep their thresholds (a rule
+scores 0, 0.5 or 1). The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes
+it on, as a failure would leave its categories unjudged); the figures it returns are then computed exactly
+by `guard.evaluation.evaluate` at the chosen thresholds, which is what `replay` prints. Thresholds are never
+chosen on the items a guard was trained on or on the test split: pass `--split calibration`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from guard.evaluation import ItemScores, LabelledItem, Report, Thresholds, evaluate, replay_item
+
+Bools = npt.NDArray[np.bool_]
+
+
+class Budget(msgspec.Struct, frozen=True, kw_only=True):
+    """What a policy declares it may cost: look-alikes blocked, and items escalated to the band."""
+
+    lookalike_fpr: float = 0.05
+    band: float = 0.10
+
+
+class Calibration(msgspec.Struct, frozen=True, kw_only=True):
+    """The thresholds chosen, whether they meet the budget, and the exact figures at them."""
+
+    thresholds: tuple[Thresholds, ...]
+    budget: Budget
+    met: bool  # False: no grid point met the budget; the thresholds are the least over it
+    blocked_recall: float  # unsafe items blocked
+    lookalike_fpr: float  # look-alikes blocked
+    band_share: float  # items escalated
+    report: Report
+
+
+def _grid(step: float) -> list[Thresholds]:
+    points = [round(i * step, 6) for i in range(round(1 / step) + 1)]
+    return [(a, b) for a, b in itertools.product(points, points) if a <= b]
+
+
+def calibrate(
+    items: Sequence[LabelledItem],
+    scores: Sequence[ItemScores],
+    budget: Budget,
+    *,
+    step: float = 0.05,
+    dataset_sha256: str = "",
+) -> Calibration:
+    """The best thresholds for `items` (each needs its stored scores; see the module docstring)."""
+    by_id = {s.id: s for s in scores}
+    missing = [i.id for i in items if i.id not in by_id]
+    if missing:
+        raise ValueError(f"no scores for {len(missing)} item(s), e.g. {missing[:3]}")
+    stages = {by_id[i.id].stages for i in items}
+    if len(stages) != 1:
+        raise ValueError(f"the items were scored by cascades of different lengths: {sorted(stages)}")
+    count = stages.pop()
+    runs = [{r.index: r for r in by_id[i.id].runs} for i in items]
+    if any(len(r) != count for r in runs):
+        raise ValueError("a stored trace stops early (scored with --early-exit): score every stage")
+    first = runs[0]
+    fixed = [first[k].guard == "rules" for k in range(count)]
+    stored: list[Thresholds] = [(first[k].allow_below, first[k].block_above) for k in range(count)]
+    nan = float("nan")
+    p = np.array([[r[k].p_unsafe if r[k].p_unsafe is not None else nan for k in range(count)] for r in runs])
+    unsafe = np.array([i.label == "unsafe" for i in items])
+    kinds = {i.kind for i in items}
+    lookalike = np.array(
+        [i.label == "safe" and (i.kind == "lookalike" if "lookalike" in kinds else True) for i in items]
+    )
+    choices = [[stored[k]] if fixed[k] else _grid(step) for k in range(count)]
+    best: tuple[tuple[float, ...], tuple[Thresholds, ...]] | None = None
+    for combo in itertools.product(*choices):
+        blocked, band = _route(p, combo)
+        fpr = float(blocked[lookalike].mean()) if lookalike.any() else 0.0
+        share = float(band.mean())
+        recall = float(blocked[unsafe].mean()) if unsafe.any() else 0.0
+        over = max(fpr - budget.lookalike_fpr, 0.0) + max(share - budget.band, 0.0)
+        # Within budget first (over 0), then recall, then fewer escalations and look-alikes blocked.
+        key = (-over, recall, -share, -fpr)
+        if best is None or key > best[0]:
+            best = (key, tuple(combo))
+    assert best is not None
+    thresholds = best[1]
+    report = evaluate(items, scores, thresholds, "escalate", dataset_sha256=dataset_sha256)
+    blocked, band = _exact(items, by_id, thresholds)
+    return Calibration(
+        thresholds=thresholds,
+        budget=budget,
+        met=best[0][0] == 0.0,
+        blocked_recall=float(blocked[unsafe].mean()) if unsafe.any() else 0.0,
+        lookalike_fpr=float(blocked[lookalike].mean()) if lookalike.any() else 0.0,
+        band_share=float(band.mean()),
+        report=report,
+    )
+
+
+def _route(p: npt.NDArray[np.float64], combo: Sequence[Thresholds]) -> tuple[Bools, Bools]:
+    """(blocked, band) of every item at `combo`: the first stage whose score is under its allow threshold
+    allows, over its block threshold blocks; a failed stage (NaN) passes the item on."""
+    undecided = np.ones(p.shape[0], dtype=bool)
+    blocked = np.zeros(p.shape[0], dtype=bool)
+    for k, (allow_below, block_above) in enumerate(combo):
+        score = p[:, k]
+        ok = ~np.isnan(score)
+        block = undecided & ok & (score > block_above)
+        allow = undecided & ok & (score < allow_below)
+        blocked |= block
+        undecided &= ~(block | allow)
+    return blocked, undecided
+
+
+def _exact(
+    items: Sequence[LabelledItem], by_id: dict[str, ItemScores], thresholds: Sequence[Thresholds]
+) -> tuple[Bools, Bools]:
+    """(blocked, band) of every item as `guard.evaluation` decides it at `thresholds`."""
+    results = [replay_item(by_id[i.id], thresholds, "escalate").result for i in items]
+    blocked = np.array([r is not None and r.verdict == "block" for r in results])
+    band = np.array([r is not None and r.decided_by is None and r.verdict == "escalate" for r in results])
+    return blocked, band
