@@ -31,9 +31,8 @@ from collections.abc import AsyncGenerator, Sequence
 
 from engines.base import EngineDelta
 from guard.base import GuardInput, Span
-from guard.cascade import Cascade, Stage
 from guard.moderator import moderate
-from guard.rules import RulesClassifier
+from ops.eval.cascades import policy_cascade
 from policy.safety.decision import decide
 from policy.safety.defaults import rules_policy
 from registry.models import PolicySpec
@@ -62,17 +61,7 @@ class Scorer:
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
         self.categories = tuple(c.name for c in spec.categories)
-        stages = [
-            Stage(
-                RulesClassifier(spec.rules, self.categories),
-                allow_below=s.allow_below,
-                block_above=s.block_above,
-                categories=s.categories,
-                timeout_s=s.timeout_s,
-            )
-            for s in spec.stages
-        ]
-        self.cascade = Cascade(stages, spec.past_last_stage, self.categories)
+        self.cascade = policy_cascade(spec)
 
     async def score(self, text: str) -> None:
         item = GuardInput(

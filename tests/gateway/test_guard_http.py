@@ -164,6 +164,18 @@ class Bed:
         await self.registry.set_alias("policy", "guarded", version, actor="test")
         return f"guarded@{version}"
 
+    async def other_tenant(self, spec: PolicySpec) -> str:
+        """Tenant `globex` on its own policy `other@1` (`spec`); a consumer key of it."""
+        services = self.app.state.services
+        await self.registry.publish("policy", "other", "1", spec, actor="test")
+        await self.registry.set_alias("policy", "other", "1", actor="test")
+        await services.tenants.create_tenant(
+            Tenant(tenant_id="globex", display_name="Globex", quotas=QUOTAS, policy="other"),
+            actor="test",
+            now=self.clock(),
+        )
+        return await add_key(services.tenants, "globex", ("consumer",), now=self.clock())
+
     async def chat(self, content: str | list[dict[str, str]], **extra: Any) -> httpx.Response:
         messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
         body = {"model": MODEL, "messages": messages, "max_tokens": 40, **extra}
@@ -383,14 +395,7 @@ async def test_crafted_inputs_fail_their_own_requests_and_never_open_the_guard_f
     services = bed.app.state.services
     # Another tenant on another policy with the same guard model: it shares the judge's breaker, and fails
     # closed, so an open breaker would refuse every one of its requests (503) for the whole cooldown.
-    await bed.registry.publish("policy", "other", "1", policy(fail_mode="closed"), actor="test")
-    await bed.registry.set_alias("policy", "other", "1", actor="test")
-    await services.tenants.create_tenant(
-        Tenant(tenant_id="globex", display_name="Globex", quotas=QUOTAS, policy="other"),
-        actor="test",
-        now=bed.clock(),
-    )
-    other_key = await add_key(services.tenants, "globex", ("consumer",), now=bed.clock())
+    other_key = await bed.other_tenant(policy(fail_mode="closed"))
     threshold = services.config.guard.breaker.threshold
     crafted = 50
     assert crafted > threshold

@@ -21,12 +21,10 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.moderations import OPENAI_CATEGORIES, moderation_result
 from policy.safety.decision import GuardDecision
 from policy.safety.records import audit_draft
-from policy.tenants.models import Tenant
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec
-from tests.conftest import MODEL, CountingEngine, OutcomeLog, add_key
+from tests.conftest import MODEL, CountingEngine, OutcomeLog
 from tests.gateway.test_guard_http import (
     BLOCKED_INPUT,
-    QUOTAS,
     TOKEN_BURST,
     Bed,
     guarded,
@@ -209,15 +207,7 @@ async def test_each_tenant_is_answered_by_its_own_policy(bed: Bed) -> None:
             "rules": RulesSpec(block=(RulePattern(category="hate", pattern="other phrase"),)),
         }
     )
-    services = bed.app.state.services
-    await bed.registry.publish("policy", "other", "1", other, actor="test")
-    await bed.registry.set_alias("policy", "other", "1", actor="test")
-    await services.tenants.create_tenant(
-        Tenant(tenant_id="globex", display_name="Globex", quotas=QUOTAS, policy="other"),
-        actor="test",
-        now=bed.clock(),
-    )
-    globex = await add_key(services.tenants, "globex", ("consumer",), now=bed.clock())
+    globex = await bed.other_tenant(other)
     texts = {"input": [BLOCKED_INPUT, "say the other phrase"]}
     mine = (await moderate(bed, texts)).json()
     theirs = (await moderate(bed, texts, key=globex)).json()
