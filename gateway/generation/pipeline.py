@@ -146,6 +146,16 @@ def engine_api_error(exc: EngineError) -> APIError:
 def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIError:
     """The HTTP error for an input the policy blocked (400) or could not check (503 guard_unavailable)."""
     headers = {**headers, GUARD_HEADER: decision.label}
+    if decision.action == "refuse" and _input_caused(decision):
+        # The guard could not read this input (too long to check, the model talked out of answering): the
+        # same input fails the same way, so this is the client's 400, not a 503 its SDK would retry.
+        return InvalidRequestError(
+            f"the safety guard could not check this input and the policy fails closed for "
+            f"{decision.category or 'its categories'}; sending it again will not help: shorten or change it",
+            param="messages",
+            code="content_unverifiable",
+            headers=headers,
+        )
     if decision.action == "refuse":
         return EngineUnavailableError(
             f"the safety guard for {decision.category or 'this policy'} is unavailable and the policy "
@@ -160,6 +170,13 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
         code="content_policy_violation",
         headers=headers,
     )
+
+
+def _input_caused(decision: GuardDecision) -> bool:
+    """Whether every stage that failed failed on the item itself (`GuardInputError`), none on the guard."""
+    runs = decision.result.runs if decision.result is not None else ()
+    failures = [run.failure for run in runs if run.verdict == "error"]
+    return bool(failures) and all(f == "input" for f in failures)
 
 
 def _retry_after(decision: GuardDecision) -> dict[str, str]:

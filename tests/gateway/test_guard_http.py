@@ -400,10 +400,14 @@ async def test_crafted_inputs_fail_their_own_requests_and_never_open_the_guard_f
     crafted = 50
     assert crafted > threshold
     for _ in range(crafted):
-        # The attacker's own request is answered by its own policy's fail mode ...
+        # The attacker's own request is answered by its own policy's fail mode: refused, as the client's
+        # own 400 (the same input fails the same way: a 503 would be retried by the SDKs) ...
         response = await bed.chat(CRAFTED_INPUT)
-        assert response.status_code == 503, response.text
-        assert response.json()["error"]["code"] == "guard_unavailable"
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("content_unverifiable", "messages")
+        assert "will not help" in error["message"]
+        assert "retry-after" not in response.headers
         assert response.headers["x-lockgate-guard"] == "input=fail_closed"
         [*_, judged] = bed.records.items[-1].runs
         # ... recorded as the item's failure, not the guard's.
