@@ -44,6 +44,11 @@ class AuditUnavailableError(AuditStoreError):
     """The database cannot be reached now; the same call may succeed later."""
 
 
+class AuditRecordError(AuditStoreError):
+    """The database refused what a record holds, not for being unreachable: the same append fails again, so
+    the writer sets the record apart (`policy.audit.writer`) instead of retrying it."""
+
+
 class AuditQuery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which records `AuditStore.query` returns: every filter given must hold (None / False: any).
 

@@ -20,11 +20,12 @@ the tenant store). Never edit a released migration: append a new one.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
-from policy.audit.records import AuditRecord, StageRun
+from policy.audit.records import AuditRecord, StageRun, unstorable
 from registry.db import Row
 from registry.db.migrations import Migration
 
@@ -239,11 +240,34 @@ _stages = msgspec.json.Decoder(tuple[StageRun, ...])
 _encode = msgspec.json.Encoder()
 
 
+# Content a store cannot hold as it is (a NUL, which PostgreSQL's text refuses; a lone surrogate, which UTF-8
+# cannot encode), and content that begins with this mark, is stored as the mark and the content's ASCII JSON
+# string, and read back exactly: the record (and its content_hash) never changes, and no content is a poison
+# record that stops the trail.
+ESCAPED_CONTENT = "\x01lockgate-escaped\x01"
+
+
+def stored_content(content: str | None) -> str | None:
+    """`content` as the content column holds it."""
+    if content is None or not (unstorable(content) or content.startswith(ESCAPED_CONTENT)):
+        return content
+    return ESCAPED_CONTENT + json.dumps(content, ensure_ascii=True)
+
+
+def read_content(stored: str | None) -> str | None:
+    """The content a content column holds."""
+    if stored is None or not stored.startswith(ESCAPED_CONTENT):
+        return stored
+    content: str = json.loads(stored[len(ESCAPED_CONTENT) :])
+    return content
+
+
 def record_row(record: AuditRecord) -> tuple[Any, ...]:
     """Column values of a (normalized) record, in RECORD_FIELDS order."""
     values: dict[str, Any] = {name: getattr(record, name) for name in RECORD_FIELDS}
     values["stages"] = _encode.encode(record.stages).decode()
     values["flagged"] = int(record.flagged)
+    values["content"] = stored_content(record.content)
     return tuple(values[name] for name in RECORD_FIELDS)
 
 
@@ -253,4 +277,5 @@ def record_from_row(row: Row) -> AuditRecord:
     values: dict[str, Any] = dict(zip(RECORD_FIELDS, row, strict=True))
     values["stages"] = _stages.decode(values["stages"])
     values["flagged"] = bool(values["flagged"])
+    values["content"] = read_content(values["content"])
     return msgspec.convert(values, AuditRecord)

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from policy.audit.base import AuditQuery, AuditUnavailableError, NotFoundError
+from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, NotFoundError
 from policy.audit.migrations import (
     MIGRATIONS,
     MIGRATIONS_TABLE,
@@ -36,7 +36,7 @@ from policy.audit.records import (
     chain,
     normalize,
 )
-from registry.db.postgres import UNREACHABLE, open_pool
+from registry.db.postgres import REFUSED_DATA, UNREACHABLE, open_pool
 
 # Arbitrary but fixed ("Lkgtaudi"): replicas migrating the audit tables wait on each other, not other stores.
 _MIGRATION_LOCK = 0x4C6B6774_61756469
@@ -102,6 +102,8 @@ class PostgresAuditStore:
                     yield conn
         except UNREACHABLE as exc:
             raise AuditUnavailableError(f"the audit database is unreachable: {exc!r}") from exc
+        except REFUSED_DATA as exc:
+            raise AuditRecordError(f"the audit database refused a record: {exc!r}") from exc
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
         """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose

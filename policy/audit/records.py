@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -110,8 +111,29 @@ class InvalidDraftError(ValueError):
 
 
 def content_sha256(text: str) -> str:
-    """sha256 (hex) of content, as `content_hash` holds it."""
-    return hashlib.sha256(text.encode()).hexdigest()
+    """sha256 (hex) of content, as `content_hash` holds it (a lone surrogate hashed as its UTF-8 form would
+    be: it has one, and it must not make the hash fail)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# What PostgreSQL's text cannot hold (NUL) and what UTF-8 cannot encode (lone surrogates).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def unstorable(text: str) -> bool:
+    """Whether `text` holds a character some store cannot hold as text."""
+    return _UNSTORABLE.search(text) is not None
+
+
+def _storable(value: Any) -> Any:
+    """`value` (builtins) with every unstorable character of its strings replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _UNSTORABLE.sub("\ufffd", value) if unstorable(value) else value
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _storable(v) for k, v in value.items()}
+    return value
 
 
 def normalize(draft: AuditDraft) -> AuditDraft:
@@ -122,7 +144,11 @@ def normalize(draft: AuditDraft) -> AuditDraft:
     """
     fields = {name: getattr(draft, name) for name in _DRAFT_FIELDS}
     try:
-        clean = msgspec.convert(msgspec.to_builtins(fields), AuditDraft)
+        builtins = msgspec.to_builtins(fields)
+        # Every text but the content in a form every store holds (content is stored exactly: see
+        # `policy.audit.migrations.stored_content`).
+        builtins = {k: v if k == "content" else _storable(v) for k, v in builtins.items()}
+        clean = msgspec.convert(builtins, AuditDraft)
     except (msgspec.ValidationError, TypeError) as exc:
         raise InvalidDraftError(f"invalid audit draft: {exc}") from exc
     numbers = [clean.at, *(n for run in clean.stages for n in _stage_numbers(run))]

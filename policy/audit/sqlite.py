@@ -16,7 +16,13 @@ from typing import TypeVar
 
 import msgspec
 
-from policy.audit.base import AuditQuery, AuditStoreError, AuditUnavailableError, NotFoundError
+from policy.audit.base import (
+    AuditQuery,
+    AuditRecordError,
+    AuditStoreError,
+    AuditUnavailableError,
+    NotFoundError,
+)
 from policy.audit.migrations import (
     MIGRATIONS,
     MIGRATIONS_TABLE,
@@ -71,6 +77,9 @@ class SqliteAuditStore:
             return await self._db.run(fn)
         except sqlite3.OperationalError as exc:
             raise AuditUnavailableError(f"the audit database is unavailable: {exc}") from exc
+        except (sqlite3.DataError, sqlite3.InterfaceError, UnicodeEncodeError) as exc:
+            # A value SQLite cannot take (too large, a type it cannot bind, text it cannot encode).
+            raise AuditRecordError(f"the audit database refused a record: {exc}") from exc
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
         """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose

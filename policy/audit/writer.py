@@ -41,8 +41,16 @@ are still recorded until the reserve too is full.
      │    └── AuditBufferFullError
      └── AuditWriterClosedError
 
+A record the store refuses for what it holds (`AuditRecordError`: the same append fails again, however long
+it waits) never stops the trail: the batch is appended draft by draft, the refused draft is recorded without
+its content (its content_hash stays, `detail` says why), and if the store refuses that too, the draft is
+written to `quarantine.jsonl` beside the spool (fsync'd, 0600) and logged critically. The stores escape the
+content they cannot hold as text (`policy.audit.migrations.stored_content`), so this is for what no escaping
+foresaw.
+
 Counters (`counters`): `appended` (drafts appended from the buffer), `spooled`, `replayed` (drafts appended
-from the spool), `flush_failures` (failed appends and spool writes).
+from the spool), `flush_failures` (failed appends and spool writes), `refused_records` (drafts the store
+refused), `quarantined` (of those, the ones it refused without content too).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
@@ -58,7 +67,7 @@ from typing import Any
 
 import msgspec
 
-from policy.audit.base import AuditStore, AuditStoreError
+from policy.audit.base import AuditRecordError, AuditStore, AuditStoreError
 from policy.audit.records import AuditDraft, normalize
 from policy.audit.spool import Spool
 
@@ -256,6 +265,46 @@ class AuditWriter:
                 done.set_result(None)
 
     async def _append(self, drafts: list[AuditDraft]) -> None:
+        """Append `drafts`; when the store refuses a record itself (`AuditRecordError`: the same append would
+        fail forever), append them one by one and set the refused ones apart (`_set_apart`), so one poison
+        record never stops the trail. Outages raise as they are (the caller spools and retries)."""
+        try:
+            await self._store_append(drafts)
+        except AuditRecordError as exc:
+            log.error(
+                "audit store refused a record of a batch of %d; appending one by one: %s", len(drafts), exc
+            )
+            for draft in drafts:
+                try:
+                    await self._store_append([draft])
+                except AuditRecordError as refused:
+                    await self._set_apart(draft, refused)
+
+    async def _set_apart(self, draft: AuditDraft, exc: AuditRecordError) -> None:
+        """A draft the store refuses: recorded without its content (its content_hash stays, and the detail
+        says why), or, if the store refuses that too, written to `quarantine.jsonl` beside the spool
+        (fsync'd) and logged; counted either way."""
+        self.counters["refused_records"] += 1
+        note = f"content not stored: the store refused it ({type(exc.__cause__ or exc).__name__})"
+        bare = msgspec.structs.replace(draft, content=None, detail=f"{draft.detail}; {note}".lstrip("; "))
+        try:
+            await self._store_append([bare])
+            log.error("audit record of request %s stored without its content: %s", draft.request_id, exc)
+            return
+        except AuditRecordError as again:
+            exc = again
+        self.counters["quarantined"] += 1
+        path = self._spool.base / "quarantine.jsonl"
+        line = msgspec.json.encode(draft) + b"\n"
+        await asyncio.get_running_loop().run_in_executor(None, _append_synced, path, line)
+        log.critical(
+            "audit record of request %s refused by the store, quarantined in %s: %s",
+            draft.request_id,
+            path,
+            exc,
+        )
+
+    async def _store_append(self, drafts: list[AuditDraft]) -> None:
         """store.append, bounded by `append_timeout` (and by close's deadline once closing)."""
         loop = asyncio.get_running_loop()
         when = loop.time() + self._append_timeout
@@ -413,3 +462,13 @@ class AuditWriter:
                     done.set_exception(error)
             log.critical("%s: %s", error, self._last_error)
             raise error
+
+
+def _append_synced(path: Path, line: bytes) -> None:
+    """Append `line` to `path` (created 0600) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

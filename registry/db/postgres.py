@@ -37,6 +37,14 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
+# What a value itself causes (class 22, data exception: a character the encoding cannot hold, a value out of
+# range; class 54: a value over a program limit): the same statement fails again, whenever it is retried.
+REFUSED_DATA: tuple[type[BaseException], ...] = (
+    asyncpg.DataError,
+    asyncpg.ProgramLimitExceededError,
+)
+
+
 def migration_lock(lock_key: int, schema: str) -> int:
     """The advisory lock (a signed 64-bit key) that replicas of the store `lock_key` take in `schema`."""
     digest = hashlib.blake2b(f"{lock_key}:{schema}".encode(), digest_size=8).digest()

@@ -618,3 +618,38 @@ def test_public_names() -> None:
         *("ChainReport", "ChainFault", "ChainVerifier", "GENESIS_HASH", "MIGRATIONS"),
         *("SqliteAuditStore", "PostgresAuditStore", "record_hash", "verify_chain", "content_sha256"),
     }
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "a prompt with a NUL \x00 in it",
+        "a lone surrogate \ud800 and a NUL \x00",
+        "\x01lockgate-escaped\x01 looks like the store's own mark",
+        "x" * (1 << 20),  # 1 MB
+    ],
+    ids=["nul", "surrogate", "mark", "1mb"],
+)
+async def test_content_no_store_holds_as_text_is_stored_exactly_and_the_trail_goes_on(
+    store: AuditStore, content: str
+) -> None:
+    # PostgreSQL's text refuses NUL, UTF-8 cannot encode a lone surrogate: such content once stopped the
+    # whole trail (every batch after it retried forever). It is stored escaped and read back as it was.
+    odd = draft(n=1, content=content, content_hash="", detail="who\x00ever")
+    records = await store.append([draft(n=0), odd, draft("beta", 2)])
+    assert [r.seq for r in records] == [1, 2, 1]
+    stored = await store.get("acme", 2)
+    assert stored.content == content
+    assert stored.content_hash == content_sha256(content)
+    # Other text fields are hashed into the chain: they are made storable before (U+FFFD for a NUL).
+    assert stored.detail == "who\ufffdever"
+    assert stored == records[1]
+    # The next records chain on, and the chain verifies.
+    more = await store.append([draft(n=3)])
+    assert (more[0].seq, more[0].prev_hash) == (3, stored.hash)
+    assert (await store.verify("acme")).ok
+    assert (await store.verify("beta")).ok
+    # A purge still only nulls it.
+    assert await store.purge_content("acme", 10_000.0) == 3
+    assert (await store.get("acme", 2)).content is None
+    assert (await store.verify("acme")).ok

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from policy.audit.base import AuditQuery, AuditUnavailableError, NotFoundError
+from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, NotFoundError
 from policy.audit.records import (
     GENESIS_HASH,
     AuditDraft,
@@ -19,6 +19,7 @@ from policy.audit.records import (
     ChainReport,
     InvalidDraftError,
     chain,
+    content_sha256,
     verify_chain,
 )
 from policy.audit.spool import Spool
@@ -54,6 +55,10 @@ class FakeStore:
         self.gate: asyncio.Event | None = None  # when set: appends wait for it
         self.calls = 0
         self.on_append: Callable[[], None] | None = None
+        # A draft this refuses as a record (`AuditRecordError`) whenever it is in a batch, with or without
+        # its content: request ids refused with their content, and refused in any form.
+        self.poison: set[str] = set()
+        self.poison_always: set[str] = set()
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
         self.calls += 1
@@ -66,6 +71,11 @@ class FakeStore:
             raise error
         if self.down:
             raise AuditUnavailableError("database is down")
+        for draft in drafts:
+            if draft.request_id in self.poison_always or (
+                draft.request_id in self.poison and draft.content is not None
+            ):
+                raise AuditRecordError(f"refused {draft.request_id}")
         out = []
         for draft in drafts:
             chain_ = self.records.setdefault(draft.tenant, [])
@@ -350,6 +360,35 @@ async def test_unexpected_append_error_does_not_kill_the_writer(tmp_path: Path) 
     assert writer.state().last_error == "RuntimeError: a bug in the driver"
     for tenant in TENANTS:
         assert store.ids(tenant) == expected(range(60), tenant)
+
+
+async def test_a_record_the_store_refuses_is_set_apart_and_the_trail_goes_on(tmp_path: Path) -> None:
+    # One draft the store refuses with its content, one it refuses in any form: before, each stopped the
+    # trail for every tenant (the batch retried forever); now the batch goes on without them.
+    store = FakeStore()
+    store.poison = {"req-00007"}
+    store.poison_always = {"req-00013"}
+    writer = make(store, tmp_path / "spool", batch_size=10)
+    await writer.start()
+    drafts = [msgspec.structs.replace(draft(i), content=f"text {i}", content_hash="") for i in range(30)]
+    for d in drafts:
+        writer.submit(d)
+    await writer.close()
+    assert store.total() == 29
+    # The first is recorded without its content, saying why; its content hash stays.
+    [bare] = [r for r in store.records[drafts[7].tenant] if r.request_id == "req-00007"]
+    assert bare.content is None
+    assert bare.content_hash == content_sha256("text 7")
+    assert "content not stored" in bare.detail
+    # The second is written to the quarantine file beside the spool, exactly as it was submitted.
+    lines = (tmp_path / "spool" / "quarantine.jsonl").read_bytes().splitlines()
+    assert [msgspec.json.decode(x, type=AuditDraft).request_id for x in lines] == ["req-00013"]
+    assert (tmp_path / "spool" / "quarantine.jsonl").stat().st_mode & 0o777 == 0o600
+    assert (writer.counters["refused_records"], writer.counters["quarantined"]) == (2, 1)
+    # Every other draft is recorded, in order, and no batch was spooled for a retry.
+    for tenant in TENANTS:
+        assert store.ids(tenant) == [x for x in expected(range(30), tenant) if x != "req-00013"]
+    assert writer.counters["spooled"] == 0
 
 
 async def test_invalid_draft_is_refused_at_submission(tmp_path: Path) -> None:
