@@ -21,7 +21,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.decoding import Decoder, read_body
 from gateway.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
 from gateway.openapi import errors, request_body, secured
-from gateway.security import allow_operator, allow_tenant
+from gateway.security import allow, allow_operator, allow_tenant, other_tenant_error
 from gateway.service import Services
 from policy.auth import Principal
 from policy.tenants import keys
@@ -351,11 +351,13 @@ async def revoke_key(
     key_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> ApiKey:
     """Revoke a key: at once on this replica, within `auth.cache_ttl` seconds on every other."""
+    allow(principal, "policy_admin")
     try:
         stored = await services.tenants.get_key(key_id)
     except StoreNotFoundError:
-        # Same answer as for another tenant's key, so that key ids cannot be probed.
-        allow_operator(principal)
+        if not principal.is_operator_admin:
+            # The same answer as for another tenant's key, so that a tenant cannot probe key ids.
+            raise other_tenant_error() from None
         raise NotFoundError(f"no key {key_id}", code="not_found") from None
     allow_tenant(principal, stored.key.tenant_id)
     revoked = await _store(

@@ -59,7 +59,12 @@ def allow_tenant(principal: Principal, tenant_id: str) -> None:
     so that ids of other tenants cannot be probed)."""
     allow(principal, "policy_admin")
     if not principal.is_operator_admin and principal.tenant.tenant_id != tenant_id:
-        raise PermissionDeniedError("this key may only administer its own tenant", code="other_tenant")
+        raise other_tenant_error()
+
+
+def other_tenant_error() -> PermissionDeniedError:
+    """The 403 for another tenant's resource, and for an absent one asked by a tenant's own administrator."""
+    return PermissionDeniedError("this key may only administer its own tenant", code="other_tenant")
 
 
 def allow_operator(principal: Principal, role: Role = "policy_admin") -> None:

@@ -48,6 +48,20 @@ _LOCK = ".lock"
 MAX_WORKERS = 256
 
 
+def private_opener(path: str, flags: int) -> int:
+    """`open`'s opener for a file only this user may read or write (0600 when created): spooled drafts hold
+    what the audit trail holds, prompts included where retained."""
+    return os.open(path, flags, 0o600)
+
+
+def private_dir(directory: Path) -> None:
+    """`directory`, each missing part of it created 0700; what exists is left as it is."""
+    missing = [d for d in (directory, *directory.parents) if not d.is_dir()]
+    for part in reversed(missing):
+        part.mkdir(exist_ok=True)
+        part.chmod(0o700)
+
+
 class SpoolBusyError(OSError):
     """Every spool directory under the base one is held by another process."""
 
@@ -158,7 +172,7 @@ class Spool:
 
     def _claim(self) -> None:
         for directory in self._directories():
-            directory.mkdir(parents=True, exist_ok=True)
+            private_dir(directory)
             fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,7 +224,7 @@ class Spool:
     def _write(self, number: int, data: bytes) -> None:
         path = self._path(number)
         new = not path.exists()
-        with path.open("ab") as f:
+        with open(path, "ab", opener=private_opener) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -274,7 +288,7 @@ class Spool:
         # The cursor first: a crash after it and before the delete leaves a file the cursor has passed,
         # which `_open` recognises (the cursor names a later file) and replays no line of twice.
         tmp = self.directory / f"{_CURSOR}.tmp"
-        with tmp.open("wb") as f:
+        with open(tmp, "wb", opener=private_opener) as f:
             f.write(_encoder.encode(cursor))
             f.flush()
             os.fsync(f.fileno())

@@ -8,6 +8,7 @@ no two transactions of this process interleave on the connection.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,10 @@ def migrate(conn: Conn, migrations: Sequence[Migration], table: str) -> None:
 
 def _connect(path: str, migrations: Sequence[Migration], table: str, *, foreign_keys: bool) -> Conn:
     # isolation_level=None: no implicit transactions; `transaction` (or a store) opens them explicitly.
+    if path != ":memory:" and not os.path.exists(path):
+        # Created 0600 (SQLite would take the umask's mode): it holds keys' hashes, audit records, prompts
+        # where retained. Its -wal and -shm files take the database file's mode.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         if path != ":memory:":

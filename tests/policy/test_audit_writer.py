@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -511,3 +512,30 @@ async def test_a_directory_no_process_holds_is_adopted_with_what_it_had_not_repl
     assert freed.empty
     for spool in (three, heir, freed):
         spool.close()
+
+
+async def test_spool_and_database_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    # Spooled drafts and the SQLite database hold what the trail holds (prompts, where retained).
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "data").mkdir()
+        sqlite = await SqliteAuditStore.open(tmp_path / "data" / "audit.db")
+        await sqlite.close()
+        store = FakeStore()
+        store.down = True  # the drafts go to the spool
+        writer = make(store, tmp_path / "spool" / "audit", batch_size=10)
+        await writer.start()
+        for i in range(5):
+            writer.submit(draft(i))
+        await until(lambda: writer.counters["spooled"] == 5)
+        spool_files = [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]
+        spool_dirs = [p for p in (tmp_path / "spool").rglob("*") if p.is_dir()]
+        modes = {oct(p.stat().st_mode & 0o777) for p in spool_files}
+        store.down = False
+        await writer.close()
+    finally:
+        os.umask(old)
+    assert spool_files
+    assert modes == {"0o600"}
+    assert {oct(d.stat().st_mode & 0o777) for d in [tmp_path / "spool", *spool_dirs]} == {"0o700"}
+    assert oct((tmp_path / "data" / "audit.db").stat().st_mode & 0o777) == "0o600"
