@@ -199,7 +199,7 @@ async def _create_key(
     from gateway.app import open_tenant_store
     from policy.tenants import keys
     from policy.tenants.base import NotFoundError
-    from policy.tenants.models import ApiKey, Tenant
+    from policy.tenants.models import ApiKey, Quotas, Tenant
 
     store = await open_tenant_store(config)
     try:
@@ -207,8 +207,22 @@ async def _create_key(
         try:
             await store.get_tenant(tenant_id)
         except NotFoundError:
+            limits = config.quota.default_tenant_limits
             await store.create_tenant(
-                Tenant(tenant_id=tenant_id, display_name=tenant_id), actor="bootstrap", now=now
+                Tenant(tenant_id=tenant_id, display_name=tenant_id, quotas=Quotas(tenant=limits)),
+                actor="bootstrap",
+                now=now,
+            )
+            said = (
+                "no quotas (unmetered: [quota] default_tenant_limits is unset)"
+                if limits is None
+                else f"quotas {limits.requests_per_second:g} requests/s (burst {limits.request_burst:g}), "
+                f"{limits.tokens_per_second:g} tokens/s (burst {limits.token_burst:g})"
+            )
+            print(
+                f"created tenant {tenant_id} with {said}; "
+                f"change them with PUT /admin/tenants/{tenant_id}/quotas",
+                file=sys.stderr,
             )
         plaintext, key_id, secret_hash = keys.new_key()
         key = ApiKey(

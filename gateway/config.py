@@ -23,6 +23,7 @@ from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
 from guard.breaker import BreakerPolicy
 from policy.quota.lease import LeasePolicy
+from policy.tenants.models import Limits
 from routing.admission_config import AdmissionConfig
 from routing.config import RoutingConfig
 
@@ -174,6 +175,11 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # What one generated token the output guard scores costs in the token buckets, against one token
     # generated (the guard's work is charged as a usage line of its own: `usage.guard_tokens`); 0: free.
     guard_token_price: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # The tenant-wide buckets of a tenant `lockgate admin create-key` creates (None: unmetered, which must
+    # be asked for). Change a tenant's with `PUT /admin/tenants/{id}/quotas`.
+    default_tenant_limits: Limits | None = Limits(
+        requests_per_second=5.0, request_burst=20.0, tokens_per_second=2_000.0, token_burst=32_768.0
+    )
     # Leases (`[quota.lease]`, `redis` backend): each process reserves a small block of a key's buckets
     # ahead of need and grants that key's requests from it without a round trip to Redis, for a bounded
     # loss of exactness (README "Quota leases"). Off (every request reserves on Redis) unless set.

@@ -128,3 +128,25 @@ async def test_unknown_role_is_refused_and_stores_nothing(
     assert exited.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
     assert not await asyncio.to_thread(db.exists)
+
+
+async def test_a_tenant_create_key_makes_is_metered_by_the_configured_default(
+    db: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once, a tenant made by create-key had no bucket at all: unmetered until someone set quotas.
+    capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, ["admin", "create-key", "--tenant", "t2", "--role", "consumer"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "created tenant t2 with quotas 5 requests/s (burst 20), 2000 tokens/s (burst 32768)" in err
+    async with opened(db) as store:
+        quotas = (await store.get_tenant("t2")).quotas
+    assert quotas.tenant is not None
+    assert (quotas.tenant.requests_per_second, quotas.tenant.token_burst) == (5.0, 32_768.0)
+    # Unmetered only when asked for, and said so.
+    monkeypatch.setenv("LOCKGATE_QUOTA__DEFAULT_TENANT_LIMITS", "null")
+    code = await asyncio.to_thread(cli.main, ["admin", "create-key", "--tenant", "t3", "--role", "consumer"])
+    assert code == 0
+    assert "no quotas (unmetered" in capsys.readouterr().err
+    async with opened(db) as store:
+        assert (await store.get_tenant("t3")).quotas.tenant is None
