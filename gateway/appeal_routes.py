@@ -38,9 +38,16 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.admin import ConflictAPIError
 from gateway.audit_routes import reviewer_record
 from gateway.decoding import Decoder, read_body
-from gateway.errors import InvalidRequestError, NotFoundError, StoreUnavailableError
+from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StoreUnavailableError
 from gateway.openapi import errors, request_body, secured
-from gateway.review_queue import APPEALABLE, NotReviewableError, ReviewQueue, review_queue, take_up
+from gateway.review_queue import (
+    APPEALABLE,
+    NotReviewableError,
+    ReviewQueue,
+    check_not_own,
+    review_queue,
+    take_up,
+)
 from gateway.security import allow, reviewer_scope
 from gateway.service import Services
 from policy.audit.appeals import (
@@ -52,6 +59,7 @@ from policy.audit.appeals import (
     AppealNotFoundError,
     AppealState,
     InvalidTransitionError,
+    OwnAppealError,
 )
 from policy.audit.base import AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
@@ -254,6 +262,14 @@ async def transition_appeal(
     body = _appeal_transition.decode(await read_body(request))
     reviewer = principal.key.key_id
     now = services.clock()
+    if body.to in REVIEW_DECISION:
+        # Nobody decides their own case: not the key the decision was made for, not the key that appealed.
+        current = await _store(services.appeals.get(scope, appeal_id))
+        decided = await _store(services.audit.get(current.tenant, current.decision_seq))
+        try:
+            check_not_own(decided, current, reviewer)
+        except OwnAppealError as exc:
+            raise PermissionDeniedError(str(exc), code="own_appeal") from exc
     appeal = await _store(
         services.appeals.transition(scope, appeal_id, body.to, actor=reviewer, note=body.note, now=now)
     )

@@ -43,9 +43,9 @@ from gateway.console_sessions import (
     signed_in,
 )
 from gateway.console_stats import collect, stats_body
-from gateway.review_queue import all_appeals, review_queue, reviewable, take_up
+from gateway.review_queue import all_appeals, check_not_own, review_queue, reviewable, take_up
 from gateway.service import Services
-from policy.audit.appeals import Appeal, AppealState
+from policy.audit.appeals import Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
@@ -174,6 +174,10 @@ async def decide(
     if not decidable(record, appeal):
         raise PageError(409, "this decision cannot be decided (again)", reviewer.session, reviewer.who)
     actor, now = reviewer.principal.key.key_id, services.clock()
+    try:
+        check_not_own(record, appeal, actor)
+    except OwnAppealError as exc:
+        raise PageError(403, str(exc), reviewer.session, reviewer.who) from exc
     if appeal is None:
         appeal = await call(reviewer, take_up(services, record, actor, now))
     step = services.appeals.transition

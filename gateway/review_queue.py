@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 
 from gateway.service import Services
-from policy.audit.appeals import MAX_APPEAL_LIMIT, Appeal
+from policy.audit.appeals import MAX_APPEAL_LIMIT, Appeal, OwnAppealError
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
 from policy.audit.records import AuditRecord, Decision
 
@@ -88,6 +88,17 @@ async def _flagged(
             return found, False
         q = q.after(page[-1])
     return found, True
+
+
+def check_not_own(record: AuditRecord, appeal: Appeal | None, actor: str) -> None:
+    """OwnAppealError when the reviewer key `actor` made the decision `record` itself, or filed its appeal
+    (an appeal a reviewer filed by taking up a flagged decision is that reviewer's to decide)."""
+    if actor == record.key_id:
+        raise OwnAppealError(
+            f"decision {record.tenant}/{record.seq} was made for this key; another reviewer decides it"
+        )
+    if appeal is not None and appeal.filed_by == actor and appeal.reason != FLAGGED_REASON:
+        raise OwnAppealError(f"appeal {appeal.appeal_id} was filed by this key; another reviewer decides it")
 
 
 async def take_up(services: Services, record: AuditRecord, actor: str, now: float) -> Appeal:

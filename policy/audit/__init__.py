@@ -13,6 +13,7 @@ from policy.audit.appeals import (
     AppealState,
     AppealStore,
     InvalidTransitionError,
+    OwnAppealError,
 )
 from policy.audit.appeals_postgres import PostgresAppealStore
 from policy.audit.appeals_sqlite import SqliteAppealStore
@@ -70,6 +71,7 @@ __all__ = [
     "InvalidDraftError",
     "InvalidTransitionError",
     "NotFoundError",
+    "OwnAppealError",
     "PostgresAppealStore",
     "PostgresAuditStore",
     "SqliteAppealStore",

@@ -61,6 +61,11 @@ class InvalidTransitionError(AppealError):
     """The appeal's current state does not allow the requested step."""
 
 
+class OwnAppealError(AppealError):
+    """A reviewer may not decide a decision of its own key, nor an appeal its key filed (a key holding both
+    the consumer and the reviewer role could otherwise appeal and overturn its own block)."""
+
+
 class Appeal(msgspec.Struct, frozen=True, kw_only=True):
     """One appeal of one recorded decision."""
 

@@ -341,3 +341,26 @@ async def test_flagged_decisions_enter_the_review_queue_and_are_decided_as_appea
     error(await gateway.call("rev-acme", "POST", review_path), 409, "not_reviewable")
     error(await gateway.call("acme", "GET", "/audit/queue"), 403)
     error(await gateway.call("rev-acme", "GET", "/audit/queue", limit=0), 400, "invalid_value", "limit")
+
+
+async def test_nobody_decides_their_own_case(gateway: Gateway, tenancy: Tenancy) -> None:
+    # A key holding both the consumer and the reviewer role once appealed its own block and overturned it.
+    gw = gateway
+    gw.keys["both"], gw.key_ids["both"] = await _key(tenancy, "acme", ("consumer", "reviewer"))
+    response = await gw.chat("both", INJECTION)
+    assert response.status_code == 400, response.text
+    request_id = response.headers["x-request-id"]
+
+    async def recorded() -> bool:
+        return bool(await gw.services.audit.find("acme", request_id))
+
+    await eventually(recorded)
+    appeal_id = (await gw.appeal("both", request_id))["appeal_id"]
+    assert (await gw.step("both", appeal_id, "in_review")).status_code == 200  # taking it up is no decision
+    for to in ("overturned", "upheld"):
+        error(await gw.step("both", appeal_id, to), 403, "own_appeal")
+    # Another reviewer of the tenant decides it.
+    decided = await gw.step("rev-acme", appeal_id, "overturned", "checked by someone else")
+    assert decided.status_code == 200, decided.text
+    # (A reviewer who takes up a flagged decision files its appeal and decides it: that is the job, see
+    # test_flagged_decisions_enter_the_review_queue_and_are_decided_as_appeals.)
