@@ -196,7 +196,8 @@ async def _check(
     timeline: RequestTimeline,
 ) -> GuardDecision | None:
     """One input's decision (recorded by the gate), None when the policy does not check inputs; a refusal
-    (the policy cannot check it and fails closed) raises the chat input's 503."""
+    (the policy cannot check it now, or cannot read it, and fails closed) raises the chat input's error,
+    naming `input`."""
     if not services.gate.guards(policy, "input"):
         return None
     item = GuardInput(
@@ -210,13 +211,14 @@ async def _check(
     decision = await services.gate.check(policy, item, context)
     timeline.guard_check("input", start, decision)
     if decision.action == "refuse":
-        raise guard_api_error(decision, {})
+        raise guard_api_error(decision, {}, param="input")
     return decision
 
 
 def moderation_result(decision: GuardDecision | None, policy_categories: Sequence[str]) -> ModerationResult:
     """OpenAI's `Moderation` for one decision: every OpenAI category key, then the policy's other categories
-    under their own names; a category is true when the result is flagged for it, and scores are each
+    under their own names; a category is true when the result is flagged for it (an escalation: for the
+    category of its most unsafe model score, else every category that stage judges), and scores are each
     category's highest stage score (0.0 where no stage pointed at it)."""
     scores = dict.fromkeys(OPENAI_CATEGORIES, 0.0)
     scores.update((openai_name(c), 0.0) for c in policy_categories if openai_name(c) not in scores)
@@ -229,8 +231,16 @@ def moderation_result(decision: GuardDecision | None, policy_categories: Sequenc
         scores.setdefault(openai_name(decision.category), 0.0)
     flagged = decision is not None and _flagged(decision)
     categories = dict.fromkeys(scores, False)
-    if flagged and decision is not None and decision.category:
-        categories[openai_name(decision.category)] = True
+    if flagged and decision is not None:
+        # As OpenAI's: flagged means some category is true. An escalation names no category of its own:
+        # the category its most unsafe model score was for, else the categories that stage judges.
+        named: Sequence[str] = (decision.category,) if decision.category else ()
+        scored = [r for r in runs if r.p_unsafe is not None and r.guard != "rules"]
+        if not named and scored:
+            top = max(scored, key=lambda r: r.p_unsafe or 0.0)
+            named = (top.category,) if top.category else top.categories or tuple(policy_categories)
+        for name in named:
+            categories[openai_name(name)] = True
     verdict = (
         ModerationVerdict(action="allow", source="off")
         if decision is None

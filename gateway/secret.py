@@ -27,22 +27,33 @@ import msgspec
 from registry.base import RegistryStore
 
 _ENCODE = msgspec.json.Encoder()
+# Digests remembered per secret (one per tenant and purpose, one per key for model picks): an HMAC costs a
+# few microseconds on every request otherwise. Past this many, the memory starts over.
+_REMEMBERED = 8192
 
 
 class ServerSecret:
     """Keyed digests under the deployment's secret (never logged, never sent to a client)."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_digests", "_key")
 
     def __init__(self, key: str) -> None:
         self._key = key.encode()
+        self._digests: dict[tuple[str, ...], str] = {}
 
     def __repr__(self) -> str:
         return "ServerSecret(<hidden>)"
 
     def _digest(self, purpose: str, *parts: str) -> str:
+        remembered = self._digests.get((purpose, *parts))
+        if remembered is not None:
+            return remembered
         # JSON of the list: no choice of parts can collide with another split of the same characters.
-        return hmac.new(self._key, _ENCODE.encode([purpose, *parts]), hashlib.sha256).hexdigest()
+        digest = hmac.new(self._key, _ENCODE.encode([purpose, *parts]), hashlib.sha256).hexdigest()
+        if len(self._digests) >= _REMEMBERED:
+            self._digests.clear()
+        self._digests[(purpose, *parts)] = digest
+        return digest
 
     def policy_key(self, tenant_id: str) -> str:
         """The canary pick key of a tenant's policy and guard model versions."""

@@ -99,8 +99,8 @@ class TextEncoder(Protocol):
     dim: int
     weights_sha256: str
 
-    async def embed_windows(self, text: str) -> Vectors:
-        """One L2-normalised row per window of `text`."""
+    async def embed_windows(self, texts: Sequence[str]) -> Vectors:
+        """One L2-normalised row per window of each of `texts`, in order (one forward pass for all)."""
         ...
 
 
@@ -203,18 +203,22 @@ class Encoder:
         """`embed` in the caller's thread (training scripts)."""
         return self._forward([self._windows(t, MAX_TOKENS - 2, MAX_TOKENS)[0] for t in texts])
 
-    async def embed_windows(self, text: str) -> Vectors:
-        """The embeddings of every window of `text` (one row for a text of at most 256 tokens)."""
+    async def embed_windows(self, texts: Sequence[str]) -> Vectors:
+        """The embeddings of every window of each of `texts` (one row for a text of at most 256 tokens),
+        batched together in one executor call."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.embed_windows_sync, text)
+        return await loop.run_in_executor(self._executor, self.embed_windows_sync, list(texts))
 
-    def embed_windows_sync(self, text: str) -> Vectors:
-        """`embed_windows` in the caller's thread; GuardError past `max_windows` windows."""
-        windows = self._windows(text, self._width, self._stride)
-        if len(windows) > self._max_windows:
-            raise GuardInputError(
-                f"text too long for {self.name}: {len(windows)} windows > {self._max_windows}"
-            )
+    def embed_windows_sync(self, texts: Sequence[str]) -> Vectors:
+        """`embed_windows` in the caller's thread; GuardError when a text has more than `max_windows`."""
+        windows: list[list[int]] = []
+        for text in texts:
+            laid_out = self._windows(text, self._width, self._stride)
+            if len(laid_out) > self._max_windows:
+                raise GuardInputError(
+                    f"text too long for {self.name}: {len(laid_out)} windows > {self._max_windows}"
+                )
+            windows += laid_out
         return self._forward(windows)
 
     def _windows(self, text: str, width: int, stride: int) -> list[list[int]]:
@@ -454,7 +458,7 @@ class EmbeddingClassifier:
             p_unsafe, windows = 0.0, 0
         else:
             try:
-                vectors = np.concatenate([await self._encoder.embed_windows(text) for text in readings])
+                vectors = await self._encoder.embed_windows(readings)
                 if not np.all(np.isfinite(vectors)):
                     raise GuardError(f"{self.name}: the encoder gave non-finite embeddings")
                 scores = self._head.predict_proba(vectors)

@@ -143,8 +143,10 @@ def engine_api_error(exc: EngineError) -> APIError:
     return EngineFailedError(f"engine error: {exc}", code="engine_error")
 
 
-def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIError:
-    """The HTTP error for an input the policy blocked (400) or could not check (503 guard_unavailable)."""
+def guard_api_error(decision: GuardDecision, headers: dict[str, str], param: str = "messages") -> APIError:
+    """The HTTP error for an input (in the request field `param`) that the policy blocked (400
+    content_policy_violation), that its guard could not read (400 content_unverifiable: the same input fails
+    the same way), or that it could not check now (503 guard_unavailable, with Retry-After)."""
     headers = {**headers, GUARD_HEADER: decision.label}
     if decision.action == "refuse" and _input_caused(decision):
         # The guard could not read this input (too long to check, the model talked out of answering): the
@@ -152,7 +154,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
         return InvalidRequestError(
             f"the safety guard could not check this input and the policy fails closed for "
             f"{decision.category or 'its categories'}; sending it again will not help: shorten or change it",
-            param="messages",
+            param=param,
             code="content_unverifiable",
             headers=headers,
         )
@@ -166,7 +168,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str]) -> APIErro
     category = f" (category {decision.category})" if decision.category else ""
     return InvalidRequestError(
         f"the input was blocked by the tenant's safety policy{category}",
-        param="messages",
+        param=param,
         code="content_policy_violation",
         headers=headers,
     )

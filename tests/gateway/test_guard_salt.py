@@ -216,3 +216,16 @@ async def test_a_real_engine_caches_a_guard_calls_prompt_under_its_salt_only(
     assert await cached(other) == 0
     assert await cached(None) == 0
     assert await cached(mine) > 0
+
+
+def test_remembered_digests_are_the_ones_computed_afresh() -> None:
+    keyed = ServerSecret(SECRET)
+    salt = keyed.cache_salt("acme")
+    assert keyed.cache_salt("acme") == salt == ServerSecret(SECRET).cache_salt("acme")
+    # The purposes stay apart in the memory as in the digest.
+    assert keyed.policy_key("acme") not in (salt, keyed.model_key("acme", "k"))
+    # Past the memory's bound it starts over, and answers the same.
+    models = [keyed.model_key("acme", f"key-{i}") for i in range(10_000)]
+    assert keyed.cache_salt("acme") == salt
+    assert keyed.model_key("acme", "key-0") == models[0] == ServerSecret(SECRET).model_key("acme", "key-0")
+    assert ServerSecret("another secret").cache_salt("acme") != salt

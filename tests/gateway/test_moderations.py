@@ -25,6 +25,7 @@ from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePatter
 from tests.conftest import MODEL, CountingEngine, OutcomeLog
 from tests.gateway.test_guard_http import (
     BLOCKED_INPUT,
+    CRAFTED_INPUT,
     TOKEN_BURST,
     Bed,
     guarded,
@@ -131,6 +132,8 @@ async def test_an_escalation_is_flagged_only_when_a_model_scored_it_in_its_band(
     [result] = (await moderate(bed, {"input": BENIGN})).json()["results"]
     assert result["flagged"] is True
     assert (result["lockgate"]["source"], result["lockgate"]["review"]) == ("band", True)
+    # Flagged as OpenAI's results are: with the category that its model score was for.
+    assert [name for name, on in result["categories"].items() if on] == ["spam"]
     # The rules stage alone: its 0.5 says no rule matched, which is no reason to flag.
     await bed.bind(PolicySpec(**{**_fields(unsure), "stages": (unsure.stages[0],)}))
     [result] = (await moderate(bed, {"input": BENIGN})).json()["results"]
@@ -144,6 +147,17 @@ async def test_a_policy_that_cannot_check_and_fails_closed_refuses_and_refunds(b
     response = await moderate(bed, {"input": BENIGN})
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "guard_unavailable"
+    assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
+
+
+async def test_an_input_the_guard_cannot_read_is_the_clients_400_naming_input(bed: Bed) -> None:
+    # The guard model talked out of answering by the text itself: retrying cannot help, and the field at
+    # fault is the moderation's `input` (not chat's `messages`).
+    await bed.bind(policy(fail_mode="closed"))
+    response = await moderate(bed, {"input": CRAFTED_INPUT})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("content_unverifiable", "input")
     assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
 
 

@@ -8,7 +8,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,8 +120,11 @@ async def test_the_packaged_encoder_loads_offline_and_embeds(encoder: Encoder) -
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
     # The async path and the training path compute the same thing; one window for a short text.
     np.testing.assert_allclose(encoder.embed_sync(["A man is eating food."])[0], vectors[0], atol=1e-6)
-    windows = await encoder.embed_windows("A man is eating food.")
+    windows = await encoder.embed_windows(["A man is eating food."])
     np.testing.assert_allclose(windows, vectors[:1], atol=1e-6)
+    # Several texts in one call: each text's windows, in order.
+    both = await encoder.embed_windows(["A man is eating food.", "The stock market fell today."])
+    np.testing.assert_allclose(both, vectors, atol=1e-5)
 
 
 async def test_paraphrases_are_closer_than_unrelated_texts(encoder: Encoder) -> None:
@@ -230,12 +233,14 @@ class RecordingEncoder:
         self.rows = rows if rows is not None else np.ones((1, 3), dtype=np.float32)
         self.error = error
         self.seen: list[str] = []
+        self.calls = 0
 
-    async def embed_windows(self, text: str) -> Vectors:
-        self.seen.append(text)
+    async def embed_windows(self, texts: Sequence[str]) -> Vectors:
+        self.calls += 1
+        self.seen += texts
         if self.error is not None:
             raise self.error
-        return self.rows
+        return np.concatenate([self.rows] * len(texts))
 
 
 def fake_head() -> LogisticHead:
@@ -257,6 +262,7 @@ async def test_inputs_are_judged_on_untrusted_spans_and_outputs_on_their_text() 
     await guard.classify(GuardInput(direction="output", spans=(Span(text="answer", source="output"),)))
     # The untrusted spans joined, and the longest alone (turns around it cannot dilute it).
     assert enc.seen == ["question\n\ntool result", "tool result", "answer"]
+    assert enc.calls == 2  # an item's readings are embedded in one batch
     # Nothing untrusted: nothing to judge, and the encoder is not called.
     only_trusted = GuardInput(direction="input", spans=(Span(text="x", source="system", trusted=True),))
     score = await guard.classify(only_trusted)
