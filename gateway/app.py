@@ -53,7 +53,7 @@ from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
 from policy.quota.settle import SettlePolicy
-from policy.safety.decision import GuardRecord, RecordSink
+from policy.safety.decision import DurableSink, GuardRecord, RecordSink
 from policy.safety.defaults import DEFAULT_POLICY, TrainedGuards, register_default_policy
 from policy.safety.gate import SafetyGate
 from policy.safety.records import audit_draft, log_record
@@ -187,15 +187,20 @@ async def _audit_writer(
     return writer
 
 
-def _recording(writer: AuditWriter, sink: RecordSink) -> RecordSink:
+def _recording(writer: AuditWriter, sink: RecordSink) -> tuple[RecordSink, DurableSink]:
     """Gate records to `sink` (the log by default) and to the audit trail (AuditBackpressureError when it
-    cannot take them: the gate applies the policy's fail mode)."""
+    cannot take them: the gate applies the policy's fail mode): without waiting, and durably (returning
+    once fsync'd in the spool or stored: for refusals, before they are answered)."""
 
     def record(guard_record: GuardRecord) -> None:
         sink(guard_record)
         writer.submit(audit_draft(guard_record))
 
-    return record
+    async def record_durably(guard_record: GuardRecord) -> None:
+        sink(guard_record)
+        await writer.record(audit_draft(guard_record))
+
+    return record, record_durably
 
 
 async def _trained_guards(config: Config, registry: Registry, served: str) -> TrainedGuards | None:
@@ -468,12 +473,14 @@ def create_app(
             owned.push_async_callback(console_sessions.aclose)
             retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
+            recording, recording_durably = _recording(writer, guard_sink)
             gate = SafetyGate(
                 factory,
-                _recording(writer, guard_sink),
+                recording,
                 clock,
                 config.guard.breaker,
                 executor=prompts.executor,
+                durable=recording_durably,
             )
             # Engine, queue, quota and guard series, read from the live objects at scrape time.
             collector = ServiceCollector(

@@ -75,7 +75,7 @@ from guard.moderator import OutputBlocked, moderate
 from policy.auth import Principal
 from policy.quota.meter import Charge
 from policy.safety.decision import GuardDecision
-from policy.safety.gate import Evaluation, RecordContext
+from policy.safety.gate import AUDIT_FULL, Evaluation, RecordContext
 from registry.view import ResolvedPolicy
 
 # Names the exact model version (name@version) that served a response.
@@ -160,8 +160,7 @@ def guard_api_error(decision: GuardDecision, headers: dict[str, str], param: str
         )
     if decision.action == "refuse":
         return EngineUnavailableError(
-            f"the safety guard for {decision.category or 'this policy'} is unavailable and the policy "
-            "fails closed; retry later",
+            _unavailable(decision, f"the safety guard for {decision.category or 'this policy'}"),
             code="guard_unavailable",
             headers={**headers, **_retry_after(decision)},
         )
@@ -188,10 +187,17 @@ def _retry_after(decision: GuardDecision) -> dict[str, str]:
     return retry_after_headers(max((run.retry_after for run in runs), default=0.0))
 
 
+def _unavailable(decision: GuardDecision, guard: str) -> str:
+    """Why a refusal's check could not be made or kept: `guard` unavailable, or the audit trail full."""
+    if decision.category == AUDIT_FULL:
+        return "the audit trail cannot record this decision now, and none is acted on unrecorded; retry later"
+    return f"{guard} is unavailable and the policy fails closed; retry later"
+
+
 def _output_error(decision: GuardDecision) -> APIError:
     if decision.action == "refuse":
         return EngineUnavailableError(
-            "the output guard is unavailable and the policy fails closed",
+            _unavailable(decision, "the output guard"),
             code="guard_unavailable",
             headers=_retry_after(decision),
         )
@@ -302,7 +308,7 @@ class _OutputChecks:
         ):
             self._kept = kept = evaluation
         if decision.action != "allow" or final:
-            decision = self._record(kept)
+            decision = await self._record(kept)
         guard.decision = decision
         if decision.action == "allow":
             return None
@@ -311,14 +317,18 @@ class _OutputChecks:
         return decision
 
     def done(self) -> None:
-        """The moderation ended: record the kept check if no block or final check did."""
+        """The moderation ended: record the kept check (an allow) if no block or final check did."""
         if self._kept is not None and not self._recorded:
-            self._record(self._kept)
+            self._recorded = True
+            guard = self._guard
+            guard.services.gate.commit_allow(
+                guard.policy, self._kept, checks=self._checks, guard_tokens=self._tokens
+            )
 
-    def _record(self, evaluation: Evaluation) -> GuardDecision:
+    async def _record(self, evaluation: Evaluation) -> GuardDecision:
         self._recorded = True
         guard = self._guard
-        return guard.services.gate.commit(
+        return await guard.services.gate.commit(
             guard.policy, evaluation, checks=self._checks, guard_tokens=self._tokens
         )
 

@@ -29,11 +29,13 @@ has not caught up) and `AuditBufferFullError` when `buffer_size` drafts wait; `I
 checked at submission: what was accepted before it was reached is still spooled, so the spool can exceed it
 by at most the buffered drafts.
 
-Refusals keep a reserve: a draft that refuses a request (`block`, `refuse`, `deny`: the request is refused
-whether or not it is recorded, so the caller has nothing left to decide) is accepted past both bounds by an
-eighth more of each (`REFUSAL_RESERVE`). While the trail is full, allows are refused or served unaudited by
-their fail mode and stop filling it, and the refusals that follow (those fail-closed refusals among them)
-are still recorded until the reserve too is full.
+The gate's refusals keep a reserve: a draft of the safety gate that refuses a request (`block`, or a
+guard's fail-closed `refuse`, at the input or the output: `holds_reserve`) is accepted past both bounds by
+an eighth more of each (`REFUSAL_RESERVE`). Nothing else draws on it: not allows, not quota denials nor
+admission refusals (which cost their client nothing), not the refusals a full trail itself causes. While the
+trail is full, allows are refused or served unaudited by their fail mode and stop filling it, and the gate's
+blocks are still recorded until the reserve too is full; past that the gateway refuses the request (503)
+rather than block it unrecorded (`policy.safety.gate`).
 
     AuditWriterError
      ├── AuditBackpressureError
@@ -73,12 +75,16 @@ from policy.audit.spool import Spool
 
 log = logging.getLogger("lockgate.audit")
 
-# Decisions that refuse the request, and the share of `spool_max_bytes` and `buffer_size` they may use beyond
-# them (module docstring).
-REFUSALS = frozenset({"block", "refuse", "deny"})
+# The share of `spool_max_bytes` and `buffer_size` the gate's refusals may use beyond them (module docstring).
 REFUSAL_RESERVE = 1 / 8
 Clock = Callable[[], float]
 Sleep = Callable[[float], Coroutine[Any, Any, None]]
+
+
+def holds_reserve(draft: AuditDraft) -> bool:
+    """Whether `draft` records a refusal of the safety gate (a block, or a guard's fail-closed refusal),
+    which may use the trail's reserve."""
+    return draft.stage in ("input", "output") and draft.decision in ("block", "refuse")
 
 
 class AuditWriterError(Exception):
@@ -212,7 +218,7 @@ class AuditWriter:
         clean = normalize(draft)
         if not clean.draft_id:
             clean = msgspec.structs.replace(clean, draft_id=f"{self._id_prefix}-{next(self._ids)}")
-        scale = 1.0 + REFUSAL_RESERVE if clean.decision in REFUSALS else 1.0
+        scale = 1.0 + REFUSAL_RESERVE if holds_reserve(clean) else 1.0
         if not self._direct and self._spool.pending_bytes >= self._spool_max_bytes * scale:
             raise AuditSpoolFullError(f"the audit spool is full ({self._spool.pending_bytes} bytes)")
         if len(self._buffer) >= self._buffer_size * scale:

@@ -12,7 +12,7 @@ the decision and its source, and the content's sha256 (the content itself only u
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
@@ -109,6 +109,8 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 RecordSink = Callable[[GuardRecord], None]
+# A sink that returns once the record is durable (fsync'd or stored): for refusals, before they are answered.
+DurableSink = Callable[[GuardRecord], Awaitable[None]]
 
 
 def content_digest(text: str) -> str:

@@ -4,7 +4,12 @@ recorded and counted.
 Cascades are built once per policy version (by content hash) and guards once per guard version, each with its
 own circuit breaker, so a failing guard is skipped quickly by every policy that uses it. Model stages come
 from a factory the gateway injects (policy/ never talks to engines); a rules stage runs the policy rules.
-Every decision goes to the record sink (the audit trail) before the caller acts on it.
+Every decision goes to the record sink (the audit trail) before the caller acts on it; a refusal (a block, or
+a guard's fail-closed refusal) is durable (fsync'd in the spool, or stored) before it is answered, so a crash
+after the answer cannot lose it. When the trail cannot take a record: a refusal that its reserve cannot hold
+either turns into a 503 refusal (never a block left unrecorded); an allow follows the policy's fail mode
+(refused under fail-closed, else served unaudited), and that refusal, caused by the full trail itself, draws
+on no reserve: it is logged and counted (`counts[(direction, "audit_backpressure", action)]`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from guard.cascade import Cascade, Stage
 from guard.rules import RulesClassifier
 from policy.audit.writer import AuditBackpressureError
 from policy.safety.decision import (
+    DurableSink,
     GuardDecision,
     GuardRecord,
     Purpose,
@@ -34,6 +40,8 @@ from registry.view import ResolvedGuard, ResolvedPolicy
 log = logging.getLogger("lockgate.guard")
 
 ClassifierFactory = Callable[[ResolvedGuard], Classifier]
+# The category of a refusal made because the audit trail could not take the decision's record.
+AUDIT_FULL = "audit"
 
 
 class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,11 +71,14 @@ class SafetyGate:
         clock: Callable[[], float],
         breaker: BreakerPolicy,
         executor: Executor | None = None,
+        durable: DurableSink | None = None,
     ) -> None:
         self._classifier_for = classifier_for
         # Where a rules stage matches a long item (off the event loop); None: always in place.
         self._executor = executor
         self._sink = sink
+        # Where refusals go, returning once durable; None: to `sink` like the rest.
+        self._durable = durable
         self._clock = clock
         self._breaker = breaker
         self._cascades: dict[str, Cascade] = {}
@@ -129,7 +140,7 @@ class SafetyGate:
 
     async def check(self, policy: ResolvedPolicy, item: GuardInput, context: RecordContext) -> GuardDecision:
         """Run the policy's cascade on `item`, decide, record and count the decision."""
-        return self.commit(policy, await self.evaluate(policy, item, context))
+        return await self.commit(policy, await self.evaluate(policy, item, context))
 
     async def evaluate(self, policy: ResolvedPolicy, item: GuardInput, context: RecordContext) -> Evaluation:
         """Run the policy's cascade on `item` and decide, without recording: a caller that checks one
@@ -162,38 +173,60 @@ class SafetyGate:
                 self.stage_failures[(item.direction, run.guard, run.failure)] += 1
         return Evaluation(decision=decision, record=record)
 
-    def commit(
+    async def commit(
         self, policy: ResolvedPolicy, evaluation: Evaluation, *, checks: int = 1, guard_tokens: int = 0
     ) -> GuardDecision:
         """Record and count an evaluated decision (made of `checks` checks that scored `guard_tokens`
         generated tokens, for output); the decision to act on, which a full audit trail may turn into a
-        refusal."""
-        decision, record = evaluation.decision, evaluation.record
-        if checks != 1 or guard_tokens:
-            record = msgspec.structs.replace(record, checks=checks, guard_tokens=guard_tokens)
-        direction = record.direction
-        if not self._recorded(record):
-            # The audit trail cannot take the record now (its spool is full). A block is enforced anyway; an
-            # allow follows the policy: any category failing closed refuses the request (503), a refusal
-            # recorded from the trail's reserve for refusals; else it is served unaudited (logged, counted).
-            self.counts[(direction, "audit_backpressure", decision.action)] += 1
-            if decision.action == "allow" and "closed" in policy.spec.fail_modes.values():
-                decision = GuardDecision(
-                    direction=direction, action="refuse", source="fail_closed", category="audit"
-                )
-                self._recorded(
-                    msgspec.structs.replace(
-                        record, action="refuse", source="fail_closed", category="audit", severity=None
-                    )
-                )
-        self.counts[(direction, decision.source, decision.action)] += 1
+        refusal (module docstring). A refusal is durable when this returns."""
+        decision, record = evaluation.decision, _counted(evaluation.record, checks, guard_tokens)
+        if decision.action == "allow":
+            return self._settle_allow(policy, decision, record)
+        try:
+            if self._durable is None:
+                self._sink(record)
+            else:
+                await self._durable(record)
+        except AuditBackpressureError:
+            log.error("audit trail full: %s decision on %s not recorded", record.action, record.request_id)
+            self.counts[(record.direction, "audit_backpressure", decision.action)] += 1
+            decision = _unrecorded(record.direction)
+        self.counts[(record.direction, decision.source, decision.action)] += 1
         return decision
 
-    def _recorded(self, record: GuardRecord) -> bool:
-        """Hand `record` to the sink; False (logged) when the audit trail cannot take it now."""
+    def commit_allow(
+        self, policy: ResolvedPolicy, evaluation: Evaluation, *, checks: int = 1, guard_tokens: int = 0
+    ) -> GuardDecision:
+        """`commit` for an evaluated allow, without waiting (a moderation that ended: nothing is answered
+        on it any more); ValueError for a refusal, which must be recorded durably."""
+        if evaluation.decision.action != "allow":
+            raise ValueError("a refusal is committed with `commit`, durably")
+        record = _counted(evaluation.record, checks, guard_tokens)
+        return self._settle_allow(policy, evaluation.decision, record)
+
+    def _settle_allow(
+        self, policy: ResolvedPolicy, decision: GuardDecision, record: GuardRecord
+    ) -> GuardDecision:
+        direction = record.direction
         try:
             self._sink(record)
         except AuditBackpressureError:
-            log.error("audit trail full: %s decision on %s not recorded", record.action, record.request_id)
-            return False
-        return True
+            log.error("audit trail full: allow decision on %s not recorded", record.request_id)
+            self.counts[(direction, "audit_backpressure", decision.action)] += 1
+            if "closed" in policy.spec.fail_modes.values():
+                decision = _unrecorded(direction)
+        self.counts[(direction, decision.source, decision.action)] += 1
+        return decision
+
+
+def _counted(record: GuardRecord, checks: int, guard_tokens: int) -> GuardRecord:
+    """`record` standing for `checks` checks that scored `guard_tokens` tokens."""
+    if checks == 1 and not guard_tokens:
+        return record
+    return msgspec.structs.replace(record, checks=checks, guard_tokens=guard_tokens)
+
+
+def _unrecorded(direction: Direction) -> GuardDecision:
+    """The refusal of a decision the audit trail could not take (503: the request is neither served nor
+    blocked unrecorded)."""
+    return GuardDecision(direction=direction, action="refuse", source="fail_closed", category=AUDIT_FULL)

@@ -3,8 +3,10 @@ down holds nothing up (the decisions wait in the spool) and loses nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -80,4 +82,52 @@ async def test_gate_decisions_are_chained_in_the_audit_trail_and_survive_an_outa
         assert [r.seq for r in records] == list(range(1, len(records) + 1))
         assert len(records) == 3 + 11
         assert (await store.verify("acme")).ok
+    await store.close()
+
+
+class Held(SqliteAuditStore):
+    """The real SQLite audit store, whose appends wait while `held` is clear."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held = asyncio.Event()
+        self.held.set()
+        self.waiting = asyncio.Event()
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+        if not self.held.is_set():
+            self.waiting.set()
+            await self.held.wait()
+        return await super().append(drafts)
+
+
+async def test_a_block_is_answered_only_once_its_record_is_durable(
+    tmp_path: Path,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+) -> None:
+    # A process killed right after it answered a block must not lose the block's record: the answer waits
+    # for the record to be in the store (or fsync'd in the spool). Allows do not wait (README: what a crash
+    # can lose of them).
+    store = await Held.open(tmp_path / "audit.sqlite3")
+    assert isinstance(store, Held)
+    app = create_app(
+        make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes, audit=store
+    )
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http:
+        store.held.clear()
+        blocked = asyncio.create_task(chat(http, INJECTION))
+        await store.waiting.wait()  # the block's record is being appended, and the append hangs
+        # A whole allowed request is served meanwhile (it does not wait for its records) ...
+        assert (await chat(http, "What is the capital of France?")).status_code == 200
+        # ... and the block, sent before it and needing no engine, is still unanswered.
+        assert not blocked.done()
+        store.held.set()
+        response = await blocked
+        assert response.status_code == 400
+        # Recorded by the time it was answered: no polling.
+        [block] = await store.find("acme", response.headers["x-request-id"])
+        assert block.decision == "block"
     await store.close()

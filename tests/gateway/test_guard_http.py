@@ -22,7 +22,7 @@ from engines.simulated import SimulatedEngine, SimulatorConfig
 from gateway.app import create_app
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
-from policy.audit.writer import REFUSALS, AuditSpoolFullError
+from policy.audit.writer import AuditSpoolFullError
 from policy.quota.meter import applicable
 from policy.safety.decision import GuardRecord
 from policy.safety.defaults import rules_policy
@@ -79,7 +79,7 @@ class OffLabelJudge(SimulatedEngine):
 
 class Records:
     """The gate's record sink; `full` makes it refuse like an audit trail whose spool is full (it still takes
-    refusals, into their reserve, unless `reserve_full` too)."""
+    the gate's refusals, into their reserve, unless `reserve_full` too)."""
 
     def __init__(self) -> None:
         self.items: list[GuardRecord] = []
@@ -87,7 +87,7 @@ class Records:
         self.reserve_full = False
 
     def __call__(self, record: GuardRecord) -> None:
-        if self.full and (self.reserve_full or record.action not in REFUSALS):
+        if self.full and (self.reserve_full or record.action not in ("block", "refuse")):
             raise AuditSpoolFullError("the audit spool is full (test)")
         self.items.append(record)
 
@@ -563,24 +563,29 @@ async def test_tool_call_arguments_pass_the_output_guard(bed: Bed) -> None:
 async def test_a_full_audit_trail_refuses_what_it_cannot_record_under_a_fail_closed_policy(bed: Bed) -> None:
     # The policy fails closed for violence: an allow that cannot be recorded is refused; a block stands.
     await bed.bind(policy())
+    counts = bed.app.state.services.gate.counts
     bed.records.full = True
+    recorded = len(bed.records.items)
     refused = await bed.chat("Tell me a story")
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "guard_unavailable"
+    # The refusal the full trail caused is counted, not recorded: ordinary traffic refused this way cannot use
+    # up the reserve kept for blocks.
+    assert len(bed.records.items) == recorded
+    assert counts[("input", "audit_backpressure", "allow")] == 1
     blocked = await bed.chat(BLOCKED_INPUT)
     assert blocked.status_code == 400
-    # Both refusals were recorded, from the trail's reserve for refusals; the allow that could not be was not.
-    refusal, block = bed.records.items[-2:]
-    assert (refusal.action, refusal.source, refusal.category) == ("refuse", "fail_closed", "audit")
-    assert refusal.request_id == refused.headers["x-request-id"]
-    assert block.action == "block"
-    assert block.request_id == blocked.headers["x-request-id"]
-    # With the reserve full too, the answers are the same, and nothing is recorded.
+    [block] = bed.records.items[recorded:]
+    assert (block.action, block.request_id) == ("block", blocked.headers["x-request-id"])
+    # With the reserve full too, a block is not enforced unrecorded: the request is refused (503), and
+    # nothing is recorded.
     bed.records.reserve_full = True
-    recorded = len(bed.records.items)
     assert (await bed.chat("Tell me a story")).status_code == 503
-    assert (await bed.chat(BLOCKED_INPUT)).status_code == 400
-    assert len(bed.records.items) == recorded
+    unrecorded = await bed.chat(BLOCKED_INPUT)
+    assert unrecorded.status_code == 503
+    assert unrecorded.headers["x-lockgate-guard"] == "input=fail_closed"
+    assert len(bed.records.items) == recorded + 1
+    assert counts[("input", "audit_backpressure", "block")] == 1
     bed.records.full = bed.records.reserve_full = False
     assert (await bed.chat("Tell me a story")).status_code == 200
 

@@ -148,7 +148,14 @@ class FakeGate:
         )
         return Evaluation(decision=decision, record=record)
 
-    def commit(self, policy: Any, evaluation: Evaluation, *, checks: int, guard_tokens: int) -> GuardDecision:
+    async def commit(
+        self, policy: Any, evaluation: Evaluation, *, checks: int, guard_tokens: int
+    ) -> GuardDecision:
+        return self.commit_allow(policy, evaluation, checks=checks, guard_tokens=guard_tokens)
+
+    def commit_allow(
+        self, policy: Any, evaluation: Evaluation, *, checks: int, guard_tokens: int
+    ) -> GuardDecision:
         self.committed.append((evaluation.record, checks, guard_tokens))
         return evaluation.decision
 

@@ -271,7 +271,15 @@ async def test_a_full_spool_still_takes_refusals_into_their_reserve(tmp_path: Pa
         i += 1
         await until(lambda: writer.state().buffered == 0)
     full_at = writer.state().spooled_bytes
-    # Refusals are still taken, from an eighth more of the spool; allows are not.
+    # Refusals before the gate (free to the client) and the refusals a full trail causes draw on no
+    # reserve: a flood of them cannot use up the room kept for the gate's blocks.
+    for free in (
+        msgspec.structs.replace(draft(i), stage="quota", decision="deny", source="rate_limited"),
+        msgspec.structs.replace(draft(i), stage="admission", decision="refuse", source="queue_full"),
+    ):
+        with pytest.raises(AuditSpoolFullError):
+            writer.submit(free)
+    # The gate's refusals are still taken, from an eighth more of the spool; allows are not.
     refusals = 0
     while True:
         block = msgspec.structs.replace(draft(i), decision="block")
