@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 models: install
 	$(BIN)/lockgate models prepare
 
+# Plain HTTP on loopback: the console's cookies drop `Secure` and `__Host-` (which no browser keeps over http://).
 serve: models
-	$(BIN)/lockgate serve
+	LOCKGATE_CONSOLE__INSECURE_COOKIE=true $(BIN)/lockgate serve
 
 lint: install
 	$(BIN)/ruff check .

@@ -277,8 +277,21 @@ class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     redis_url: str = ""
     # Seconds a console session lasts after sign-in.
     session_ttl: Annotated[float, msgspec.Meta(gt=0)] = 8 * 3600.0
-    # Most sessions kept by the `memory` store (the oldest is dropped first).
+    # Most sessions one reviewer key holds (in either store): its next sign-in ends its own oldest session,
+    # never another key's.
+    sessions_per_key: Annotated[int, msgspec.Meta(gt=0)] = 5
+    # Most sessions kept by the `memory` store; when it is full a sign-in is refused (503), nobody is evicted.
     max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 1000
+    # Sign-in attempts (failed or not) a client address, and a key id, may make at once. Past them the sign-in
+    # page answers 429 with Retry-After. Counted in the quota store (`[quota] backend`), so every gateway
+    # process on one Redis shares them.
+    login_burst: Annotated[int, msgspec.Meta(gt=0)] = 10
+    # Sign-in attempts a client address, and a key id, get back per minute after the burst.
+    login_per_minute: Annotated[float, msgspec.Meta(gt=0)] = 6.0
+    # Plain-HTTP development only (`make serve` sets it): the cookies lose `Secure` and the `__Host-` prefix,
+    # which a browser refuses over http://. Off: they are `Secure`, whatever scheme the gateway sees (a TLS
+    # proxy in front talks plain HTTP to it).
+    insecure_cookie: bool = False
     # Seconds one Redis operation of the `redis` store may take; past it the console answers 503.
     op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
 

@@ -2,7 +2,7 @@
 `reviewer` key (scoped like the reviewer API: their own tenant, or every tenant for the operator's keys).
 
     GET  /console                               sign-in form, or (signed in) the review queue
-    POST /console/login                         {key}: a reviewer key starts a session (cookie)
+    POST /console/login                         {csrf, key}: a reviewer key starts a session (cookie)
     POST /console/logout                        {csrf}: ends it
     GET  /console/decisions/{tenant}/{seq}      one decision: fields, stages, content, appeal and events
     POST /console/decisions/{tenant}/{seq}/decide   {csrf, outcome=uphold|overturn, note}
@@ -10,7 +10,10 @@
 
 Sessions (`gateway.console_sessions`, stored by `gateway.sessions`): the cookie holds a random session id
 only; the key is authenticated again on every request; every POST after sign-in carries the session's CSRF
-token; an unreachable session store is a 503 page. Another tenant's decision is 404, like a missing one.
+token; an unreachable session store is a 503 page. Sign-in itself (`gateway.console_login`) carries a CSRF
+token bound to a login cookie and is rate limited per client address and key id; each key holds at most
+`[console] sessions_per_key` sessions, its own oldest ending first. Another tenant's decision is 404, like a
+missing one.
 
 Deciding through the console is the API's review: a decision without an appeal gets one filed on the
 reviewer's behalf, the appeal steps open -> in_review -> upheld | overturned in the AppealStore, and
@@ -22,19 +25,21 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, Router, get, post
-from litestar.datastructures import Cookie
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.response import Redirect
 
 from gateway import console_views as views
 from gateway.appeal_routes import REVIEW_DECISION, record_review
+from gateway.console_login import LOGIN_COOKIE, attempt_wait, login_page, token_ok
 from gateway.console_sessions import (
     COOKIE,
     HEADERS,
     PageError,
     Reviewer,
     call,
+    cookie,
+    cookie_name,
     error_response,
     form,
     html,
@@ -59,7 +64,7 @@ async def queue(request: Request[Any, Any, Any], services: NamedDependency[Servi
     """The sign-in form, or the queue: open and in-review appeals, then unreviewed flagged decisions."""
     reviewer = await signed_in(request, services)
     if reviewer is None:
-        return html(views.login_page())
+        return login_page(request, services)
     waiting = await call(reviewer, review_queue(services, reviewer.scope, QUEUE_SHOWN))
     body = views.queue_page(
         waiting.appeals,
@@ -73,31 +78,36 @@ async def queue(request: Request[Any, Any, Any], services: NamedDependency[Servi
 
 @post("/login", status_code=303)
 async def login(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
-    """Start a session for a reviewer key: 401 for a bad key, 403 for a key without the reviewer role."""
-    key = (await form(request)).get("key", "").strip()
+    """Start a session for a reviewer key: 403 without the form's CSRF token, 429 past the attempt limit,
+    401 for a bad key, 403 for a key without the reviewer role."""
+    fields = await form(request)
+    if not token_ok(request, services, fields.get("csrf", "")):
+        message = "Sign-in refused: the form is stale or forged (CSRF token missing or wrong); try again"
+        return login_page(request, services, message, 403)
+    key = fields.get("key", "").strip()
+    wait = await attempt_wait(request, services, key)
+    if wait is not None:
+        limited = login_page(request, services, f"Too many sign-in attempts; try again in {wait} s", 429)
+        limited.headers["retry-after"] = str(wait)
+        return limited
     authorization = f"Bearer {key}"
     try:
         principal = await services.auth.authenticate(authorization)
         require_role(principal, "reviewer")
     except AuthError as exc:
-        return html(views.login_page(f"Sign-in refused: {exc}"), 401)
+        return login_page(request, services, f"Sign-in refused: {exc}", 401)
     except ForbiddenError:
-        return html(views.login_page("Sign-in refused: this key lacks the reviewer role"), 403)
+        return login_page(request, services, "Sign-in refused: this key lacks the reviewer role", 403)
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
-    sessions = services.console_sessions
-    await session_call(sessions.close(request.cookies.get(COOKIE)))
-    sid, _session = await session_call(sessions.open(authorization))
-    cookie = Cookie(
-        key=COOKIE,
-        value=sid,
-        path="/console",
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-        max_age=int(services.config.console.session_ttl),
-    )
-    return Redirect("/console", status_code=303, cookies=[cookie], headers=HEADERS)
+    console, sessions = services.config.console, services.console_sessions
+    await session_call(sessions.close(request.cookies.get(cookie_name(COOKIE, console))))
+    sid, _session = await session_call(sessions.open(authorization, principal.key.key_id))
+    cookies = [
+        cookie(COOKIE, sid, console, int(console.session_ttl)),
+        cookie(LOGIN_COOKIE, "", console, 0),
+    ]
+    return Redirect("/console", status_code=303, cookies=cookies, headers=HEADERS)
 
 
 @post("/logout", status_code=303)
@@ -105,9 +115,8 @@ async def logout(request: Request[Any, Any, Any], services: NamedDependency[Serv
     """End the session."""
     reviewer, _fields = await posted(request, services)
     await session_call(services.console_sessions.close(reviewer.sid))
-    response: Response[Any] = Redirect("/console", status_code=303, headers=HEADERS)
-    response.delete_cookie(COOKIE, path="/console")
-    return response
+    ended = cookie(COOKIE, "", services.config.console, 0)
+    return Redirect("/console", status_code=303, cookies=[ended], headers=HEADERS)
 
 
 def decidable(record: AuditRecord, appeal: Appeal | None) -> bool:

@@ -1,6 +1,8 @@
 """Console sessions and the request plumbing of the reviewer console's pages (`gateway.console`).
 
-The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/console); the app's
+The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/, no Domain, and `Secure` with
+the `__Host-` prefix unless `[console] insecure_cookie` opts out for plain-HTTP development: the scheme the
+gateway sees never decides, since a TLS proxy in front of it speaks plain HTTP); the app's
 `SessionStore` (`services.console_sessions`, built in the lifespan from `[console]`: in this process, or in
 Redis for every gateway process to share, see `gateway.sessions`) maps the id to the key's Authorization
 value, which is authenticated again on every request, so a revoked key or a removed role ends its console
@@ -18,12 +20,14 @@ from urllib.parse import parse_qs
 
 import msgspec
 from litestar import MediaType, Request, Response
+from litestar.datastructures import Cookie
 
 from gateway import console_views as views
+from gateway.config import ConsoleConfig
 from gateway.errors import APIError
 from gateway.security import reviewer_scope
 from gateway.service import Services
-from gateway.sessions import Session, SessionStoreUnavailableError
+from gateway.sessions import Session, SessionStoreFullError, SessionStoreUnavailableError
 from policy.audit.appeals import AppealConflictError, AppealNotFoundError, InvalidTransitionError
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
@@ -31,6 +35,7 @@ from policy.auth import AuthError, Principal
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 
 T = TypeVar("T")
+# Cookie names without their `__Host-` prefix (`cookie_name`).
 COOKIE = "lockgate_console"
 HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
@@ -65,6 +70,25 @@ class Reviewer(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.principal.key.key_id} ({self.scope or 'all tenants'})"
 
 
+def cookie_name(base: str, console: ConsoleConfig) -> str:
+    """The cookie's name: `__Host-<base>` (the browser keeps it only if Secure, Path=/ and host-only, so no
+    sibling subdomain or plain-HTTP page can set it), or `<base>` under `insecure_cookie`."""
+    return base if console.insecure_cookie else f"__Host-{base}"
+
+
+def cookie(base: str, value: str, console: ConsoleConfig, max_age: int) -> Cookie:
+    """A console cookie (max_age 0: the one that deletes it, with the same attributes, as `__Host-` needs)."""
+    return Cookie(
+        key=cookie_name(base, console),
+        value=value,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=not console.insecure_cookie,
+        max_age=max_age,
+    )
+
+
 def html(body: str, status: int = 200) -> Response[str]:
     """An HTML page with the console's security headers."""
     return Response(body, status_code=status, media_type=MediaType.HTML, headers=HEADERS)
@@ -82,12 +106,14 @@ async def session_call(step: Awaitable[T]) -> T:
         return await step
     except SessionStoreUnavailableError as exc:
         raise PageError(503, "console sessions are unavailable; try again shortly") from exc
+    except SessionStoreFullError as exc:
+        raise PageError(503, "the console holds all the sessions it may; try again later") from exc
 
 
 async def signed_in(request: Request[Any, Any, Any], services: Services) -> Reviewer | None:
     """The reviewer whose session the request's cookie names, re-authenticated; None when there is none or
     its key no longer authenticates (that ends the session)."""
-    sid = request.cookies.get(COOKIE)
+    sid = request.cookies.get(cookie_name(COOKIE, services.config.console))
     session = await session_call(services.console_sessions.get(sid))
     if sid is None or session is None:
         return None

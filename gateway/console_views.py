@@ -59,11 +59,11 @@ def csrf_field(token: str) -> str:
     return f'<input type="hidden" name="csrf" value="{_t(token)}">'
 
 
-def login_page(message: str = "") -> str:
-    """The sign-in form (with an error `message`, after a refused attempt)."""
+def login_page(csrf: str, message: str = "") -> str:
+    """The sign-in form with its CSRF token (and an error `message`, after a refused attempt)."""
     error = f'<p class="error" role="alert">{_t(message)}</p>' if message else ""
     form = (
-        f'{error}<form method="post" action="/console/login">'
+        f'{error}<form method="post" action="/console/login">{csrf_field(csrf)}'
         '<label>API key of a reviewer <input type="password" name="key" autocomplete="off" required>'
         '</label> <button type="submit">Sign in</button></form>'
     )

@@ -1,4 +1,5 @@
-"""The deployment's server secret, and the values it keys: canary pick keys and tenants' cache salts.
+"""The deployment's server secret, and the values it keys: canary pick keys, tenants' cache salts and the
+console sign-in form's CSRF tokens (`gateway.console_login`).
 
 Whatever a client could compute, it could choose for: a canary split hashed from the client's own request id
 let a consumer pick ids that land on the weaker policy version, or retry a blocked prompt under the other
@@ -66,6 +67,10 @@ class ServerSecret:
     def cache_salt(self, tenant_id: str) -> str:
         """The tenant's prefix-cache salt, on every engine request made for it (generation and guards)."""
         return self._digest("cache-salt", tenant_id)[:32]
+
+    def login_token(self, nonce: str) -> str:
+        """The console sign-in form's CSRF token for the nonce in the browser's login cookie."""
+        return self._digest("console-login", nonce)
 
 
 async def load_secret(configured: str, store: RegistryStore) -> ServerSecret:

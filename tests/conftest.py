@@ -26,6 +26,7 @@ from gateway.config import (
     AuditConfig,
     AuthConfig,
     Config,
+    ConsoleConfig,
     GuardConfig,
     ModelConfig,
     ServerConfig,
@@ -206,6 +207,9 @@ def make_config(**server: float | int) -> Config:
         # takes the core, the test client shares the loop with the app, and a shed request would fail a test
         # about something else (tests/gateway/test_overload.py sheds on purpose).
         overload=OverloadConfig(max_loop_lag=0.0, cpu_shedding=False),
+        # In-process servers speak plain HTTP, over which a client keeps no `Secure` cookie
+        # (tests/gateway/test_console_login.py checks the secure default).
+        console=ConsoleConfig(insecure_cookie=True),
     )
 
 

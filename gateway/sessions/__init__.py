@@ -2,7 +2,13 @@
 that picks one from `[console]`."""
 
 from gateway.config import ConsoleConfig
-from gateway.sessions.base import Session, SessionStore, SessionStoreUnavailableError
+from gateway.sessions.base import (
+    Session,
+    SessionStore,
+    SessionStoreError,
+    SessionStoreFullError,
+    SessionStoreUnavailableError,
+)
 from gateway.sessions.memory import MemorySessionStore
 from gateway.sessions.redis import RedisSessionStore
 from policy.auth import Clock
@@ -12,6 +18,8 @@ __all__ = [
     "RedisSessionStore",
     "Session",
     "SessionStore",
+    "SessionStoreError",
+    "SessionStoreFullError",
     "SessionStoreUnavailableError",
     "open_session_store",
 ]
@@ -22,6 +30,12 @@ def open_session_store(config: ConsoleConfig, clock: Clock, quota_redis_url: str
     store's `quota_redis_url` when that is empty) for every gateway process to share."""
     if config.session_store == "redis":
         return RedisSessionStore.from_url(
-            config.redis_url or quota_redis_url, clock, ttl=config.session_ttl, op_timeout=config.op_timeout
+            config.redis_url or quota_redis_url,
+            clock,
+            ttl=config.session_ttl,
+            per_key=config.sessions_per_key,
+            op_timeout=config.op_timeout,
         )
-    return MemorySessionStore(clock, ttl=config.session_ttl, max_sessions=config.max_sessions)
+    return MemorySessionStore(
+        clock, ttl=config.session_ttl, max_sessions=config.max_sessions, per_key=config.sessions_per_key
+    )

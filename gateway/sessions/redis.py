@@ -7,6 +7,15 @@ not keep) opens::
     <prefix><sha256 hex of sid>   nonce (12 random bytes) || AES-256-GCM(msgpack(Session)), PX = the session's
                                   remaining lifetime
 
+    <prefix>owner:<sha256 hex of key id>   a list of the owner's session key names, oldest first, PX = a
+                                  session's lifetime (refreshed by each sign-in)
+
+`open` runs one Lua script: it drops the owner's names whose sessions are gone, ends the oldest ones while
+the owner holds `per_key`, then stores the new session and appends its name. Only that owner's sessions are
+ever ended: there is no global bound to evict for (Redis' memory is the operator's to size; each reviewer
+key holds at most `per_key`). The script touches keys it did not declare (the listed names), so the store
+needs one Redis server, not a Cluster (the config check says so).
+
 The AES key is HKDF-SHA256 of the sid (a domain-separated derivation, independent of the key name), and the
 key name is the additional authenticated data, so a value copied under another name does not open. A value
 that fails to open (tampered, truncated, written by something else) is no session. `get` also checks
@@ -43,6 +52,20 @@ NONCE_BYTES = 12
 _TAG_BYTES = 16
 # Domain separation: this derivation's output is an AES key for console sessions and nothing else.
 _KDF_INFO = b"lockgate console session aes-256-gcm v1"
+# KEYS: the new session's name, the owner's list. ARGV: sealed value, PX, per_key.
+_OPEN = """
+for _, name in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+    if redis.call('EXISTS', name) == 0 then redis.call('LREM', KEYS[2], 0, name) end
+end
+local cap = tonumber(ARGV[3])
+while redis.call('LLEN', KEYS[2]) >= cap do
+    redis.call('DEL', redis.call('LPOP', KEYS[2]))
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('RPUSH', KEYS[2], KEYS[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Session)
 
@@ -50,6 +73,11 @@ _DECODER = msgspec.msgpack.Decoder(Session)
 def key_name(sid: str, prefix: str = PREFIX) -> str:
     """The Redis key of the session with id `sid`: a hash of the id, never the id itself."""
     return prefix + hashlib.sha256(sid.encode()).hexdigest()
+
+
+def owner_name(owner: str, prefix: str = PREFIX) -> str:
+    """The Redis key of the list of `owner`'s session names."""
+    return f"{prefix}owner:{hashlib.sha256(owner.encode()).hexdigest()}"
 
 
 def _aead(sid: str) -> AESGCM:
@@ -86,11 +114,15 @@ class RedisSessionStore:
         clock: Clock,
         *,
         ttl: float,
+        per_key: int,
         op_timeout: float = 0.5,
         prefix: str = PREFIX,
     ) -> None:
-        """Sessions that last `ttl` seconds of `clock`; each Redis round trip bounded by `op_timeout`."""
+        """Sessions that last `ttl` seconds of `clock`, at most `per_key` per owner; each Redis round trip
+        bounded by `op_timeout`."""
         self._client = client
+        self._per_key = per_key
+        self._open = client.register_script(_OPEN)
         self._clock = clock
         self._ttl = ttl
         self._op_timeout = op_timeout
@@ -98,7 +130,14 @@ class RedisSessionStore:
 
     @classmethod
     def from_url(
-        cls, url: str, clock: Clock, *, ttl: float, op_timeout: float = 0.5, prefix: str = PREFIX
+        cls,
+        url: str,
+        clock: Clock,
+        *,
+        ttl: float,
+        per_key: int,
+        op_timeout: float = 0.5,
+        prefix: str = PREFIX,
     ) -> RedisSessionStore:
         """A store with a client of its own on the Redis at `url` (connects on first use)."""
         client = redis.asyncio.Redis.from_url(
@@ -109,7 +148,7 @@ class RedisSessionStore:
             # here is idempotent) rather than report an outage.
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
         )
-        return cls(client, clock, ttl=ttl, op_timeout=op_timeout, prefix=prefix)
+        return cls(client, clock, ttl=ttl, per_key=per_key, op_timeout=op_timeout, prefix=prefix)
 
     async def _call(self, step: Awaitable[T]) -> T:
         """One round trip, bounded by `op_timeout`; Redis failures become SessionStoreUnavailableError."""
@@ -119,13 +158,13 @@ class RedisSessionStore:
         except (redis.exceptions.RedisError, TimeoutError) as exc:
             raise SessionStoreUnavailableError(f"the console session store is unavailable: {exc!r}") from exc
 
-    async def open(self, authorization: str) -> tuple[str, Session]:
-        """A new session for the key; its id (the cookie value) and the session."""
+    async def open(self, authorization: str, owner: str) -> tuple[str, Session]:
+        """A new session for `owner`'s key, ending its oldest beyond `per_key` (see `SessionStore.open`)."""
         sid, session = new_session(authorization, self._clock() + self._ttl)
         name = key_name(sid, self._prefix)
-        await self._call(
-            self._client.set(name, seal(sid, name, session), px=max(1, math.ceil(self._ttl * 1000)))
-        )
+        px = max(1, math.ceil(self._ttl * 1000))
+        keys = [name, owner_name(owner, self._prefix)]
+        await self._call(self._open(keys=keys, args=[seal(sid, name, session), px, self._per_key]))
         return sid, session
 
     async def get(self, sid: str | None) -> Session | None:

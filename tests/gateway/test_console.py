@@ -37,6 +37,21 @@ CHROMIUM_ARGS = [
 HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
 
 
+def csrf_of(page: str) -> str:
+    """The CSRF token in a page's form."""
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found is not None, page
+    return found.group(1)
+
+
+async def form_token(http: httpx.AsyncClient) -> str:
+    """The sign-in form's CSRF token (`http` keeps the login cookie it is bound to)."""
+    page = await http.get("/console")
+    assert page.status_code == 200
+    assert 'action="/console/login"' in page.text
+    return csrf_of(page.text)
+
+
 class Console:
     """A running gateway with keys by name: `acme` (consumer), `rev-acme`, `rev-beta` (reviewers of those
     tenants) and `rev-global` (a reviewer of the operator tenant)."""
@@ -50,15 +65,17 @@ class Console:
         """A client of its own (its own cookie jar), not following redirects."""
         return httpx.AsyncClient(base_url=self.url, timeout=30)
 
+    async def sign_in(self, http: httpx.AsyncClient, key: str) -> httpx.Response:
+        """Fill in the sign-in form (fetched first: it sets the login cookie its CSRF token is bound to)."""
+        return await http.post("/console/login", data={"key": key, "csrf": await form_token(http)})
+
     async def login(self, http: httpx.AsyncClient, who: str) -> str:
         """Sign `http` in as `who`; the CSRF token of the session."""
-        response = await http.post("/console/login", data={"key": self.keys[who]})
+        response = await self.sign_in(http, self.keys[who])
         assert response.status_code == 303, response.text
         page = await http.get("/console")
         assert page.status_code == 200
-        found = re.search(r'name="csrf" value="([^"]+)"', page.text)
-        assert found is not None, page.text
-        return found.group(1)
+        return csrf_of(page.text)
 
     async def flagged(self, who: str, content: str = "What is the capital of France?") -> AuditRecord:
         """An ordinary request of `who`'s tenant (a consumer name is its tenant): allowed, flagged."""
@@ -103,12 +120,12 @@ async def console(
 
 async def test_sign_in_is_refused_without_a_reviewer_key(console: Console) -> None:
     async with console.client() as http:
-        consumer = await http.post("/console/login", data={"key": console.keys["acme"]})
+        consumer = await console.sign_in(http, console.keys["acme"])
         assert consumer.status_code == 403
         assert "reviewer role" in consumer.text
-        bad = await http.post("/console/login", data={"key": "lg_nonsense"})
+        bad = await console.sign_in(http, "lg_nonsense")
         assert bad.status_code == 401
-        empty = await http.post("/console/login", data={})
+        empty = await console.sign_in(http, "")
         assert empty.status_code == 401
         assert COOKIE not in http.cookies
         # Not signed in: the pages send the browser to the sign-in form.
@@ -118,20 +135,18 @@ async def test_sign_in_is_refused_without_a_reviewer_key(console: Console) -> No
 
 async def test_the_session_cookie_is_http_only_and_holds_no_key(console: Console) -> None:
     async with console.client() as http:
-        response = await http.post("/console/login", data={"key": console.keys["rev-acme"]})
+        response = await console.sign_in(http, console.keys["rev-acme"])
         assert response.status_code == 303
-        cookie = response.headers["set-cookie"]
+        [cookie] = [c for c in response.headers.get_list("set-cookie") if c.startswith(f"{COOKIE}=")]
         attributes = {part.strip().lower() for part in cookie.split(";")}
-        assert {"httponly", "samesite=strict", "path=/console"} <= attributes
+        assert {"httponly", "samesite=strict", "path=/"} <= attributes
         assert console.keys["rev-acme"] not in cookie
         page = await http.get("/console")
         assert "default-src 'none'" in page.headers["content-security-policy"]
         assert 'id="flagged"' in page.text
         # Signing out needs the token too; after it the session is gone.
-        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
-        assert csrf is not None
-        assert (await http.post("/console/logout", data={"csrf": csrf.group(1)})).status_code == 303
-        http.cookies.set(COOKIE, response.cookies[COOKIE], path="/console")
+        assert (await http.post("/console/logout", data={"csrf": csrf_of(page.text)})).status_code == 303
+        http.cookies.set(COOKIE, response.cookies[COOKIE], path="/")
         assert (await http.get("/console/policies")).status_code == 303
 
 

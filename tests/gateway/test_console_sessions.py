@@ -33,14 +33,18 @@ from gateway.sessions import (
     RedisSessionStore,
     Session,
     SessionStore,
+    SessionStoreFullError,
     SessionStoreUnavailableError,
     open_session_store,
 )
 from gateway.sessions.redis import NONCE_BYTES, PREFIX, key_name
 from tests.backends import REDIS_URL, FakeClock
 from tests.conftest import OutcomeLog, Tenancy, add_key, free_port, make_config, serving
+from tests.gateway.test_console import form_token
 
 TTL = 60.0
+PER_KEY = 3
+MAX_SESSIONS = 100
 
 
 class RedisSpace:
@@ -55,13 +59,20 @@ class RedisSpace:
     def store(self) -> RedisSessionStore:
         """Another store on the same keys (another gateway process), closed with the space."""
         self._stores.append(
-            RedisSessionStore.from_url(REDIS_URL, self.clock, ttl=TTL, op_timeout=5.0, prefix=self.prefix)
+            RedisSessionStore.from_url(
+                REDIS_URL, self.clock, ttl=TTL, per_key=PER_KEY, op_timeout=5.0, prefix=self.prefix
+            )
         )
         return self._stores[-1]
 
     async def keys(self) -> list[bytes]:
         """The keys under the prefix."""
         return [key async for key in self.client.scan_iter(match=f"{self.prefix}*")]
+
+    async def session_keys(self) -> list[bytes]:
+        """The keys of sessions (not the owners' lists of them)."""
+        owners = f"{self.prefix}owner:".encode()
+        return [key for key in await self.keys() if not key.startswith(owners)]
 
     async def drop(self) -> None:
         """Delete every key under the prefix and close every client."""
@@ -102,7 +113,7 @@ async def space(clock: FakeClock) -> AsyncIterator[RedisSpace]:
 async def store(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[SessionStore]:
     """Every backend, each test starting from no sessions."""
     if request.param == "memory":
-        memory = MemorySessionStore(clock, ttl=TTL, max_sessions=100)
+        memory = MemorySessionStore(clock, ttl=TTL, max_sessions=MAX_SESSIONS, per_key=PER_KEY)
         yield memory
         await memory.aclose()
         return
@@ -117,6 +128,8 @@ def test_the_package_exports_exactly_its_public_names() -> None:
         "RedisSessionStore",
         "Session",
         "SessionStore",
+        "SessionStoreError",
+        "SessionStoreFullError",
         "SessionStoreUnavailableError",
         "open_session_store",
     }
@@ -127,7 +140,7 @@ def test_the_package_exports_exactly_its_public_names() -> None:
 
 
 async def test_open_then_get_then_close(store: SessionStore, clock: FakeClock) -> None:
-    sid, session = await store.open("Bearer lg_abc")
+    sid, session = await store.open("Bearer lg_abc", "lg_abc")
     assert session.authorization == "Bearer lg_abc"
     assert session.expires_at == clock.now + TTL
     # 32 random bytes, urlsafe base64.
@@ -140,8 +153,8 @@ async def test_open_then_get_then_close(store: SessionStore, clock: FakeClock) -
 
 
 async def test_sessions_are_distinct_and_closed_one_by_one(store: SessionStore) -> None:
-    first, one = await store.open("Bearer a")
-    second, two = await store.open("Bearer a")
+    first, one = await store.open("Bearer a", "a")
+    second, two = await store.open("Bearer a", "a")
     assert first != second
     assert one.csrf != two.csrf
     await store.close(first)
@@ -150,7 +163,7 @@ async def test_sessions_are_distinct_and_closed_one_by_one(store: SessionStore) 
 
 
 async def test_unknown_missing_and_empty_ids_are_no_session(store: SessionStore) -> None:
-    sid, _session = await store.open("Bearer a")
+    sid, _session = await store.open("Bearer a", "a")
     assert await store.get(sid + "x") is None
     assert await store.get("not-a-session") is None
     assert await store.get(None) is None
@@ -161,7 +174,7 @@ async def test_unknown_missing_and_empty_ids_are_no_session(store: SessionStore)
 
 
 async def test_a_session_expires_by_the_injected_clock(store: SessionStore, clock: FakeClock) -> None:
-    sid, session = await store.open("Bearer a")
+    sid, session = await store.open("Bearer a", "a")
     clock.advance(TTL - 0.001)
     assert await store.get(sid) == session
     clock.advance(0.001)
@@ -170,22 +183,64 @@ async def test_a_session_expires_by_the_injected_clock(store: SessionStore, cloc
     assert await store.get(sid) is None
 
 
+async def test_a_key_holds_at_most_per_key_sessions_its_oldest_ending_first(
+    store: SessionStore, clock: FakeClock
+) -> None:
+    other, other_session = await store.open("Bearer b", "b")
+    mine = []
+    for _ in range(PER_KEY):
+        mine.append((await store.open("Bearer a", "a"))[0])
+        clock.advance(1.0)
+    newest, _session = await store.open("Bearer a", "a")
+    assert await store.get(mine[0]) is None
+    assert all([await store.get(sid) is not None for sid in (*mine[1:], newest)])
+    # Another key's session is never what makes room.
+    assert await store.get(other) == other_session
+
+
+async def test_signing_in_many_times_never_signs_another_key_out(store: SessionStore) -> None:
+    # The attack of issue 42: one reviewer key logging in over and over evicted every other session.
+    victims = [await store.open(f"Bearer v{n}", f"v{n}") for n in range(3)]
+    for _ in range(MAX_SESSIONS + 20):
+        await store.open("Bearer attacker", "attacker")
+    for sid, session in victims:
+        assert await store.get(sid) == session
+
+
+async def test_closed_and_expired_sessions_free_their_keys_places(
+    store: SessionStore, clock: FakeClock
+) -> None:
+    first = [(await store.open("Bearer a", "a"))[0] for _ in range(PER_KEY)]
+    await store.close(first[-1])
+    kept, _session = await store.open("Bearer a", "a")
+    # The closed one made room: nothing still open was ended.
+    assert all([await store.get(sid) is not None for sid in (*first[:-1], kept)])
+    clock.advance(TTL)
+    fresh = [(await store.open("Bearer a", "a"))[0] for _ in range(PER_KEY)]
+    assert all([await store.get(sid) is not None for sid in fresh])
+
+
 # Memory only.
 
 
-async def test_memory_sessions_stay_bounded(clock: FakeClock) -> None:
-    sessions = MemorySessionStore(clock, ttl=TTL, max_sessions=2)
-    first, _ = await sessions.open("Bearer a")
-    second, session = await sessions.open("Bearer b")
-    assert await sessions.get(first) is not None
-    third, _ = await sessions.open("Bearer c")
-    # The oldest made room for the third.
+async def test_a_full_memory_store_refuses_rather_than_evicts(clock: FakeClock) -> None:
+    sessions = MemorySessionStore(clock, ttl=TTL, max_sessions=2, per_key=1)
+    first, one = await sessions.open("Bearer a", "a")
+    second, two = await sessions.open("Bearer b", "b")
+    with pytest.raises(SessionStoreFullError):
+        await sessions.open("Bearer c", "c")
+    assert await sessions.get(first) == one
+    assert await sessions.get(second) == two
+    # A key at its own bound replaces its own session even in a full store.
+    third, _session = await sessions.open("Bearer a", "a")
+    assert await sessions.get(third) is not None
     assert await sessions.get(first) is None
-    assert await sessions.get(second) == session
-    assert len({first, second, third}) == 3
+    assert await sessions.get(second) == two
+    # Expired sessions make room.
     clock.advance(TTL)
     assert await sessions.get(second) is None
-    assert await sessions.get(third) is None
+    fourth, _session = await sessions.open("Bearer c", "c")
+    assert await sessions.get(fourth) is not None
 
 
 # Redis only.
@@ -193,25 +248,27 @@ async def test_memory_sessions_stay_bounded(clock: FakeClock) -> None:
 
 async def test_two_stores_on_one_redis_share_sessions(space: RedisSpace) -> None:
     worker1, worker2 = space.store(), space.store()
-    sid, session = await worker1.open("Bearer lg_shared")
+    sid, session = await worker1.open("Bearer lg_shared", "lg_shared")
     assert await worker2.get(sid) == session
     await worker2.close(sid)
     assert await worker1.get(sid) is None
-    assert await space.keys() == []
+    assert await space.session_keys() == []
 
 
 async def test_redis_holds_ciphertext_under_a_hash_of_the_id(space: RedisSpace) -> None:
     authorization = "Bearer lg_k1_" + "s3cr3t" * 8
-    sid, session = await space.store().open(authorization)
+    sid, session = await space.store().open(authorization, "k1")
     name = space.prefix + hashlib.sha256(sid.encode()).hexdigest()
-    assert await space.keys() == [name.encode()]
+    owner = space.prefix + "owner:" + hashlib.sha256(b"k1").hexdigest()
+    assert sorted(await space.keys()) == sorted([name.encode(), owner.encode()])
+    assert await space.client.lrange(owner, 0, -1) == [name.encode()]
     value = await space.client.get(name)
     assert isinstance(value, bytes)
     for clear in (authorization, authorization.removeprefix("Bearer "), session.csrf, sid):
         assert clear.encode() not in value
     assert msgspec.msgpack.encode(session) not in value
     # Each write draws a fresh nonce: the same session never encrypts to the same bytes twice.
-    other, _ = await space.store().open(authorization)
+    other, _ = await space.store().open(authorization, "k1")
     other_value = await space.client.get(key_name(other, space.prefix))
     assert isinstance(other_value, bytes)
     assert other_value[:NONCE_BYTES] != value[:NONCE_BYTES]
@@ -221,7 +278,7 @@ async def test_redis_holds_ciphertext_under_a_hash_of_the_id(space: RedisSpace) 
 
 async def test_a_tampered_or_misplaced_value_is_no_session(space: RedisSpace) -> None:
     store = space.store()
-    sid, _session = await store.open("Bearer a")
+    sid, _session = await store.open("Bearer a", "a")
     name = key_name(sid, space.prefix)
     value = await space.client.get(name)
     assert isinstance(value, bytes)
@@ -235,25 +292,25 @@ async def test_a_tampered_or_misplaced_value_is_no_session(space: RedisSpace) ->
         await space.client.set(name, bad)
         assert await store.get(sid) is None
     # A genuine value copied under another session's name does not open there (its key and AAD differ).
-    other, _ = await store.open("Bearer b")
+    other, _ = await store.open("Bearer b", "b")
     await space.client.set(key_name(other, space.prefix), value)
     assert await store.get(other) is None
 
 
 async def test_an_expired_session_is_deleted_from_redis(space: RedisSpace, clock: FakeClock) -> None:
     store = space.store()
-    sid, _session = await store.open("Bearer a")
+    sid, _session = await store.open("Bearer a", "a")
     clock.advance(TTL)
     # Redis' own expiry runs on real time and has not fired yet; the injected clock decides.
-    assert await space.keys() != []
+    assert await space.session_keys() != []
     assert await store.get(sid) is None
-    assert await space.keys() == []
+    assert await space.session_keys() == []
 
 
 async def _unavailable_within(store: RedisSessionStore, bound: float) -> None:
     """Every operation of `store` fails as SessionStoreUnavailableError, each within `bound` seconds."""
     operations: list[Callable[[], Awaitable[object]]] = [
-        lambda: store.open("Bearer a"),
+        lambda: store.open("Bearer a", "a"),
         lambda: store.get("some-session"),
         lambda: store.close("some-session"),
     ]
@@ -266,7 +323,7 @@ async def _unavailable_within(store: RedisSessionStore, bound: float) -> None:
 
 async def test_unreachable_redis_is_unavailable_not_a_hang(clock: FakeClock) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    store = RedisSessionStore.from_url(url, clock, ttl=TTL, op_timeout=0.5)
+    store = RedisSessionStore.from_url(url, clock, ttl=TTL, per_key=PER_KEY, op_timeout=0.5)
     await _unavailable_within(store, 0.5 + 0.5)
     await store.aclose()
 
@@ -278,7 +335,9 @@ async def test_a_stalled_redis_times_out_within_the_op_timeout(clock: FakeClock)
 
     server = await asyncio.start_server(swallow, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    store = RedisSessionStore.from_url(f"redis://127.0.0.1:{port}/0", clock, ttl=TTL, op_timeout=0.2)
+    store = RedisSessionStore.from_url(
+        f"redis://127.0.0.1:{port}/0", clock, ttl=TTL, per_key=PER_KEY, op_timeout=0.2
+    )
     # op_timeout (and one resend after a dropped connection), not the OS's TCP timeout.
     await _unavailable_within(store, 2.0)
     await store.aclose()
@@ -290,16 +349,20 @@ async def test_a_stalled_redis_times_out_within_the_op_timeout(clock: FakeClock)
 
 
 async def test_the_builder_follows_the_console_config(clock: FakeClock) -> None:
-    memory = open_session_store(ConsoleConfig(session_ttl=5.0, max_sessions=1), clock, REDIS_URL)
+    config = ConsoleConfig(session_ttl=5.0, max_sessions=2, sessions_per_key=1)
+    memory = open_session_store(config, clock, REDIS_URL)
     assert isinstance(memory, MemorySessionStore)
-    first, session = await memory.open("Bearer a")
+    first, session = await memory.open("Bearer a", "a")
     assert session.expires_at == clock.now + 5.0
-    await memory.open("Bearer b")
-    assert await memory.get(first) is None  # max_sessions = 1
+    await memory.open("Bearer a", "a")
+    assert await memory.get(first) is None  # sessions_per_key = 1
+    await memory.open("Bearer b", "b")
+    with pytest.raises(SessionStoreFullError):  # max_sessions = 2
+        await memory.open("Bearer c", "c")
     # An empty redis_url is the quota store's.
     shared = open_session_store(ConsoleConfig(session_store="redis"), clock, REDIS_URL)
     assert isinstance(shared, RedisSessionStore)
-    sid, session = await shared.open("Bearer a")
+    sid, session = await shared.open("Bearer a", "a")
     try:
         assert await shared.get(sid) == session
         assert session.expires_at == clock.now + ConsoleConfig().session_ttl
@@ -340,7 +403,9 @@ async def test_a_reviewer_signed_in_on_one_worker_is_signed_in_on_the_other(
     outcomes: OutcomeLog,
     tenancy: Tenancy,
 ) -> None:
-    config = app_config(tmp_path, ConsoleConfig(session_store="redis", redis_url=REDIS_URL))
+    config = app_config(
+        tmp_path, ConsoleConfig(session_store="redis", redis_url=REDIS_URL, insecure_cookie=True)
+    )
     key = await add_key(tenancy.store, "acme", ("reviewer",))
     async with AsyncExitStack() as stack:
         urls = []
@@ -351,10 +416,10 @@ async def test_a_reviewer_signed_in_on_one_worker_is_signed_in_on_the_other(
             urls.append(await stack.enter_async_context(serving(app)))
         one = await stack.enter_async_context(httpx.AsyncClient(base_url=urls[0], timeout=30))
         two = await stack.enter_async_context(httpx.AsyncClient(base_url=urls[1], timeout=30))
-        signed_in = await one.post("/console/login", data={"key": key})
+        signed_in = await one.post("/console/login", data={"key": key, "csrf": await form_token(one)})
         assert signed_in.status_code == 303, signed_in.text
         sid = signed_in.cookies[COOKIE]
-        two.cookies.set(COOKIE, sid, path="/console")
+        two.cookies.set(COOKIE, sid, path="/")
         raw = redis.asyncio.Redis.from_url(REDIS_URL)
         stack.push_async_callback(raw.aclose)
         stack.push_async_callback(raw.delete, key_name(sid, PREFIX))
@@ -376,7 +441,10 @@ async def test_an_unreachable_session_store_is_a_503_page_not_a_crash(
     tenancy: Tenancy,
 ) -> None:
     dead = ConsoleConfig(
-        session_store="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0", op_timeout=0.2
+        session_store="redis",
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        op_timeout=0.2,
+        insecure_cookie=True,
     )
     config = app_config(tmp_path, dead)
     key = await add_key(tenancy.store, "acme", ("reviewer",))
@@ -384,9 +452,9 @@ async def test_an_unreachable_session_store_is_a_503_page_not_a_crash(
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         # No cookie: the sign-in form needs no store.
         assert 'action="/console/login"' in (await http.get("/console")).text
-        refused = await http.post("/console/login", data={"key": key})
+        refused = await http.post("/console/login", data={"key": key, "csrf": await form_token(http)})
         assert refused.status_code == 503
         assert "try again shortly" in refused.text
         assert COOKIE not in refused.cookies
-        http.cookies.set(COOKIE, "some-session", path="/console")
+        http.cookies.set(COOKIE, "some-session", path="/")
         assert (await http.get("/console")).status_code == 503

@@ -30,6 +30,7 @@ from policy.tenants import keys
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 from tests.backends import PG_DSN, postgres_schema
 from tests.conftest import MODEL, eventually, free_port
+from tests.gateway.test_console import form_token
 
 SHARED = {
     "LOCKGATE_QUOTA__BACKEND": "redis",
@@ -37,6 +38,8 @@ SHARED = {
     "LOCKGATE_STORAGE__POSTGRES_DSN": PG_DSN,
     "LOCKGATE_ENGINE__KIND": "simulated",
     "LOCKGATE_CONSOLE__SESSION_STORE": "redis",
+    # Plain HTTP: a client keeps no `Secure` cookie.
+    "LOCKGATE_CONSOLE__INSECURE_COOKIE": "true",
 }
 REQUEST_LOG = re.compile(r"lockgate\.requests \[(\d+)\]: (\{.*\})$")
 
@@ -229,7 +232,8 @@ async def test_two_workers_share_quotas_and_metrics_and_survive_a_worker_death(
 
         # A reviewer signed in on one worker is signed in on every worker.
         async with httpx.AsyncClient(base_url=served.url) as http:
-            signed = await http.post("/console/login", data={"key": reviewer})
+            token = await form_token(http)
+            signed = await http.post("/console/login", data={"key": reviewer, "csrf": token})
             assert signed.status_code == 303
             cookie = signed.cookies[COOKIE]
         pages = 0
