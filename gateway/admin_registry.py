@@ -1,7 +1,9 @@
 """Admin API of the versioned registry (`/admin/registry/...`): publish versions, move aliases, roll back.
 
-Policy administrators of the operating organisation may change the registry; any `policy_admin` may read it.
-A change is served by this replica at once and by every other replica within `registry.refresh_interval`.
+Policy administrators of the operating organisation may change the registry and read all of it; another
+tenant's `policy_admin` reads the model catalogue and what its tenant is bound to, and nothing else
+(`gateway.registry_scope`: the rest reads as an unpublished name does, an empty list). A change is served
+by this replica at once and by every other replica within `registry.refresh_interval`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.decoding import Decoder, read_body
 from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from gateway.openapi import errors, request_body, secured
-from gateway.security import allow, allow_operator
+from gateway.registry_scope import registry_scope
+from gateway.security import allow_operator
 from gateway.service import Services
 from policy.auth import Principal
 from registry.base import ConflictError, InvalidError, RegistryError, UnavailableError
@@ -150,9 +153,11 @@ async def list_versions(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
 ) -> list[PublishedView]:
-    """The versions of one name, oldest first."""
-    allow(principal, "policy_admin")
-    return [_shown(p) for p in services.registry.view.versions(_kind(kind), name)]
+    """The versions of one name, oldest first (none outside the caller's scope)."""
+    scope = await registry_scope(services, principal)
+    checked = _kind(kind)
+    versions = services.registry.view.versions(checked, name)
+    return [_shown(p) for p in versions] if scope.shows(checked, name) else []
 
 
 @put(
@@ -201,11 +206,14 @@ async def alias_history(
     principal: NamedDependency[Principal],
     limit: FromQuery[int] = 100,
 ) -> list[AliasChange]:
-    """Every change of an alias, newest first."""
-    allow(principal, "policy_admin")
+    """Every change of an alias, newest first (none outside the caller's scope)."""
+    scope = await registry_scope(services, principal)
+    checked = _kind(kind)
     if not 1 <= limit <= 1000:
         raise InvalidRequestError("limit must be in 1..1000", param="limit", code="invalid_value")
-    return await _call(services.registry.store.alias_history(_kind(kind), name, limit))
+    # Read either way, so that a hidden name takes as long to answer as an unpublished one.
+    history = await _call(services.registry.store.alias_history(checked, name, limit))
+    return history if scope.shows(checked, name) else []
 
 
 @get("/admin/registry/aliases", responses=errors(400, 404))
@@ -214,9 +222,10 @@ async def list_aliases(
     principal: NamedDependency[Principal],
     kind: FromQuery[str | None] = None,
 ) -> list[Alias]:
-    """Every alias (of one kind) as this replica serves it now."""
-    allow(principal, "policy_admin")
-    return services.registry.view.aliases(None if kind is None else _kind(kind))
+    """Every alias (of one kind) the caller may read, as this replica serves it now."""
+    scope = await registry_scope(services, principal)
+    aliases = services.registry.view.aliases(None if kind is None else _kind(kind))
+    return [a for a in aliases if scope.shows(a.kind, a.name)]
 
 
 REGISTRY_ROUTES = [

@@ -8,19 +8,21 @@ Consumers (role `consumer`)::
 
 Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
 
-    GET  /audit/queue?limit=                    what waits for review: undecided appeals and flagged
-                                                decisions nobody appealed yet (gateway.review_queue)
+    GET  /audit/queue?limit=&after=             what waits for review: a page of undecided appeals, oldest
+                                                first, and flagged decisions nobody appealed yet
+                                                (gateway.review_queue)
     POST /audit/decisions/{tenant}/{seq}/appeal take up a flagged decision: files its appeal on the
                                                 reviewer's behalf, to be decided like any other
     GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
     GET  /audit/appeals/{appeal_id}             the appeal and its events
     POST /audit/appeals/{appeal_id}/transition  {to, note}: open -> in_review -> upheld | overturned
 
-Deciding an appeal appends a review record to the decision's tenant's audit chain (decision `uphold` or
-`reversal`, `reverses` = the appealed record's seq, `actor` = the reviewer's key id), durable before the
-answer; the appealed record itself is never changed. Another tenant's appeal or decision is 404 (never 403,
-so ids cannot be probed), an invalid step, a second appeal of a decision or taking up a decision that cannot
-be reviewed 409.
+With `[appeals] operator_reviewers_only`, only reviewers of the operator tenant may step an appeal to upheld
+or overturned (403 `operator_only`, whether or not the appeal exists). Deciding an appeal appends a review
+record to the decision's tenant's audit chain (decision `uphold` or `reversal`, `reverses` = the appealed
+record's seq, `actor` = the reviewer's key id), durable before the answer; the appealed record itself is
+never changed. Another tenant's appeal or decision is 404 (never 403, so ids cannot be probed), an invalid
+step, a second appeal of a decision or taking up a decision that cannot be reviewed 409.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedE
 from gateway.openapi import errors, request_body, secured
 from gateway.review_queue import (
     APPEALABLE,
+    AppealPage,
     NotReviewableError,
     ReviewQueue,
+    appeal_page,
     check_not_own,
+    may_decide,
     review_queue,
     take_up,
 )
@@ -94,15 +99,6 @@ class AppealDetail(Appeal, frozen=True, kw_only=True):
     review_seq: int | None = None
 
 
-class AppealPage(msgspec.Struct, frozen=True, kw_only=True):
-    """A page of the review queue: pass `last_id` as `after` for the next one while `has_more`."""
-
-    object: str = "list"
-    data: list[Appeal]
-    has_more: bool
-    last_id: str | None
-
-
 _appeal_create = Decoder(AppealCreate)
 _appeal_transition = Decoder(AppealTransition)
 
@@ -123,6 +119,13 @@ async def _store(call: Awaitable[T]) -> T:
         raise StoreUnavailableError(
             "the audit database is unavailable; try again shortly", retry_after=1, code="audit_unavailable"
         ) from exc
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_APPEAL_LIMIT:
+        raise InvalidRequestError(
+            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
+        )
 
 
 async def _detail(services: Services, appeal: Appeal, review_seq: int | None = None) -> AppealDetail:
@@ -184,14 +187,13 @@ async def waiting_for_review(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
     limit: FromQuery[int] = 100,
+    after: FromQuery[str | None] = None,
 ) -> ReviewQueue:
-    """Undecided appeals and (at most `limit`) flagged decisions nobody has appealed, newest first."""
+    """A page of at most `limit` undecided appeals (oldest filed first, after the appeal `after`) and at
+    most `limit` flagged decisions nobody has appealed, newest first."""
     scope = reviewer_scope(principal)
-    if not 1 <= limit <= MAX_APPEAL_LIMIT:
-        raise InvalidRequestError(
-            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
-        )
-    return await _store(review_queue(services, scope, limit))
+    _check_limit(limit)
+    return await _store(review_queue(services, scope, limit, after))
 
 
 @post(
@@ -226,14 +228,9 @@ async def list_appeals(
         raise InvalidRequestError(
             f"state must be one of {', '.join(APPEAL_STATES)}", param="state", code="invalid_value"
         )
-    if not 1 <= limit <= MAX_APPEAL_LIMIT:
-        raise InvalidRequestError(
-            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
-        )
+    _check_limit(limit)
     wanted: AppealState | None = next((s for s in APPEAL_STATES if s == state_), None)
-    rows = await _store(services.appeals.list(scope, wanted, limit + 1, after))
-    page = rows[:limit]
-    return AppealPage(data=page, has_more=len(rows) > limit, last_id=page[-1].appeal_id if page else None)
+    return await _store(appeal_page(services, scope, wanted, limit, after))
 
 
 @get("/audit/appeals/{appeal_id:str}", responses=errors(400, 404))
@@ -263,6 +260,12 @@ async def transition_appeal(
     reviewer = principal.key.key_id
     now = services.clock()
     if body.to in REVIEW_DECISION:
+        if not may_decide(services, scope):
+            raise PermissionDeniedError(
+                "only reviewers of the operating organisation may uphold or overturn appeals here",
+                param="to",
+                code="operator_only",
+            )
         # Nobody decides their own case: not the key the decision was made for, not the key that appealed.
         current = await _store(services.appeals.get(scope, appeal_id))
         decided = await _store(services.audit.get(current.tenant, current.decision_seq))

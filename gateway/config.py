@@ -267,6 +267,15 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return Path(storage.sqlite_path).expanduser().parent / "audit-spool"
 
 
+class AppealsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who decides appeals (API and console)."""
+
+    # Only reviewers of the operating organisation may uphold or overturn an appeal (403 `operator_only` for
+    # a tenant's reviewers, who still read the queue, take flagged decisions up and move appeals into
+    # review). Off: a tenant's reviewers decide their own tenant's appeals.
+    operator_reviewers_only: bool = False
+
+
 class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sessions of the reviewer console (`/console`)."""
 
@@ -294,6 +303,9 @@ class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     insecure_cookie: bool = False
     # Seconds one Redis operation of the `redis` store may take; past it the console answers 503.
     op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    # Undecided appeals on one page of the review queue (oldest filed first, a link to the next page), and
+    # the most flagged decisions it shows.
+    queue_page_size: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 200
 
 
 # Seconds; 0 = no target.
@@ -389,6 +401,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
+    appeals: AppealsConfig = msgspec.field(default_factory=AppealsConfig)
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)

@@ -1,7 +1,7 @@
 """The reviewer console: server-rendered pages over the audit trail and appeals, for people with a
 `reviewer` key (scoped like the reviewer API: their own tenant, or every tenant for the operator's keys).
 
-    GET  /console                               sign-in form, or (signed in) the review queue
+    GET  /console?after=                        sign-in form, or (signed in) a page of the review queue
     POST /console/login                         {csrf, key}: a reviewer key starts a session (cookie)
     POST /console/logout                        {csrf}: ends it
     GET  /console/decisions/{tenant}/{seq}      one decision: fields, stages, content, appeal and events
@@ -17,7 +17,8 @@ missing one.
 
 Deciding through the console is the API's review: a decision without an appeal gets one filed on the
 reviewer's behalf, the appeal steps open -> in_review -> upheld | overturned in the AppealStore, and
-`record_review` appends the same `uphold` / `reversal` record the API does.
+`record_review` appends the same `uphold` / `reversal` record the API does. With `[appeals]
+operator_reviewers_only`, a tenant's reviewer sees no decision form and a decision it posts is a 403 page.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect
 
 from gateway import console_views as views
@@ -48,28 +49,41 @@ from gateway.console_sessions import (
     signed_in,
 )
 from gateway.console_stats import collect, stats_body
-from gateway.review_queue import all_appeals, check_not_own, review_queue, reviewable, take_up
+from gateway.review_queue import (
+    appeal_of,
+    check_not_own,
+    may_decide,
+    review_queue,
+    reviewable,
+    take_up,
+)
 from gateway.service import Services
-from policy.audit.appeals import Appeal, AppealState, OwnAppealError
+from policy.audit.appeals import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 
-QUEUE_SHOWN = 200
 _OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
 
 
 @get("/")
-async def queue(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[str]:
-    """The sign-in form, or the queue: open and in-review appeals, then unreviewed flagged decisions."""
+async def queue(
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    after: FromQuery[str | None] = None,
+) -> Response[str]:
+    """The sign-in form, or the queue: a page of open and in-review appeals (after the appeal `after`),
+    then unreviewed flagged decisions."""
     reviewer = await signed_in(request, services)
     if reviewer is None:
         return login_page(request, services)
-    waiting = await call(reviewer, review_queue(services, reviewer.scope, QUEUE_SHOWN))
+    size = services.config.console.queue_page_size
+    waiting = await call(reviewer, review_queue(services, reviewer.scope, size, after))
     body = views.queue_page(
         waiting.appeals,
         waiting.flagged,
         truncated=waiting.truncated,
+        next_after=waiting.last_id if waiting.has_more else None,
         csrf=reviewer.session.csrf,
         who=reviewer.who,
     )
@@ -120,8 +134,8 @@ async def logout(request: Request[Any, Any, Any], services: NamedDependency[Serv
 
 
 def decidable(record: AuditRecord, appeal: Appeal | None) -> bool:
-    """Whether a reviewer can still uphold or overturn this decision."""
-    return reviewable(record) and (appeal is None or appeal.state in ("open", "in_review"))
+    """Whether this decision can still be upheld or overturned."""
+    return reviewable(record) and (appeal is None or appeal.state in UNDECIDED)
 
 
 async def _show(
@@ -131,14 +145,13 @@ async def _show(
     if reviewer.scope is not None and tenant != reviewer.scope:
         raise PageError(404, "no such decision", reviewer.session, reviewer.who)
     record = await call(reviewer, services.audit.get(tenant, seq))
-    appeals = await call(reviewer, all_appeals(services, tenant))
-    appeal = next((a for a in appeals if a.decision_seq == seq), None)
+    appeal = await call(reviewer, appeal_of(services, record))
     events = [] if appeal is None else await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
     body = views.decision_page(
         record,
         appeal,
         events,
-        decidable=decidable(record, appeal),
+        decidable=decidable(record, appeal) and may_decide(services, reviewer.scope),
         outcome=outcome,
         csrf=reviewer.session.csrf,
         who=reviewer.who,
@@ -176,6 +189,13 @@ async def decide(
         raise PageError(
             400,
             "choose Uphold or Overturn (a note of at most 4000 characters)",
+            reviewer.session,
+            reviewer.who,
+        )
+    if not may_decide(services, reviewer.scope):
+        raise PageError(
+            403,
+            "only reviewers of the operating organisation may uphold or overturn decisions here",
             reviewer.session,
             reviewer.who,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from html import escape
+from urllib.parse import quote
 
 from policy.audit.appeals import Appeal, AppealEvent
 from policy.audit.records import AuditRecord, StageRun
@@ -29,6 +30,11 @@ textarea{width:30rem;height:4rem}button{margin-right:.6rem}
 def _t(value: object) -> str:
     """Any value as escaped text (None as an em dash)."""
     return "—" if value is None else escape(str(value), quote=True)
+
+
+def _q(value: str) -> str:
+    """A value for a URL query, percent-encoded and then escaped for an attribute."""
+    return _t(quote(value, safe=""))
 
 
 def when(at: float) -> str:
@@ -80,9 +86,16 @@ def _link(tenant: str, seq: int) -> str:
 
 
 def queue_page(
-    appeals: Iterable[Appeal], flagged: Iterable[AuditRecord], *, truncated: bool, csrf: str, who: str
+    appeals: Iterable[Appeal],
+    flagged: Iterable[AuditRecord],
+    *,
+    truncated: bool,
+    next_after: str | None,
+    csrf: str,
+    who: str,
 ) -> str:
-    """Open and in-review appeals, then flagged decisions nobody has reviewed, newest first."""
+    """A page of open and in-review appeals (oldest filed first; a link to the next page after the appeal
+    `next_after`), then flagged decisions nobody has reviewed, newest first."""
     appeal_rows = "".join(
         f"<tr><td>{_link(a.tenant, a.decision_seq)}</td><td>{_t(a.state)}</td><td>{_t(when(a.filed_at))}"
         f"</td><td>{_t(a.filed_by)}</td><td>{_t(a.reason)}</td></tr>"
@@ -94,9 +107,12 @@ def queue_page(
         for r in flagged
     )
     note = "<p>Only the most recent flagged decisions were read.</p>" if truncated else ""
+    more = ""
+    if next_after is not None:
+        more = f'<p><a id="next" href="/console?after={_q(next_after)}">Next</a></p>'
     body = (
         '<h2>Appeals</h2><table id="appeals"><tr><th>Decision</th><th>State</th><th>Filed</th><th>By</th>'
-        f"<th>Reason</th></tr>{appeal_rows or '<tr><td colspan=5>None open</td></tr>'}</table>"
+        f"<th>Reason</th></tr>{appeal_rows or '<tr><td colspan=5>None open</td></tr>'}</table>{more}"
         '<h2>Flagged decisions</h2><table id="flagged"><tr><th>Decision</th><th>Outcome</th><th>Source</th>'
         "<th>Policy</th><th>Category</th><th>At</th></tr>"
         f"{flagged_rows or '<tr><td colspan=6>None to review</td></tr>'}</table>{note}"

@@ -1,6 +1,10 @@
 """The review queue, shared by the reviewer API and the console: appeals waiting for a decision, and flagged
 (escalated) decisions that nobody has appealed or reviewed yet.
 
+Undecided appeals are listed a page at a time, oldest filed first, by keyset (`after` = the last appeal id
+of the previous page): a page reads only undecided appeals, so neither the number decided nor the number
+filed before it keeps a new appeal out of the queue.
+
 A flagged decision enters the appeal workflow when a reviewer takes it up (`take_up`): an appeal is filed on
 the reviewer's behalf (reason `FLAGGED_REASON`), and from then on it moves open -> in_review -> upheld |
 overturned like any appeal. Until then it is listed beside the appeals, newest first, from the last
@@ -13,28 +17,37 @@ own answer (JSON errors for the API, error pages for the console).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import msgspec
 
 from gateway.service import Services
-from policy.audit.appeals import MAX_APPEAL_LIMIT, Appeal, OwnAppealError
+from policy.audit.appeals import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
 from policy.audit.records import AuditRecord, Decision
 
 QUEUE_WINDOW_S = 30 * 86400.0
 QUEUE_MAX_RECORDS = 5000
-MAX_APPEAL_PAGES = 20
 FLAGGED_REASON = "flagged for review"
 # The decisions a tenant may appeal (a flag is appealable too: it is reviewable either way).
 APPEALABLE: frozenset[Decision] = frozenset({"block", "refuse", "flag"})
 
 
+class AppealPage(msgspec.Struct, frozen=True, kw_only=True):
+    """A page of appeals, oldest filed first: pass `last_id` as `after` for the next one while `has_more`."""
+
+    object: str = "list"
+    data: list[Appeal]
+    has_more: bool
+    last_id: str | None
+
+
 class ReviewQueue(msgspec.Struct, frozen=True, kw_only=True):
-    """What waits for a reviewer: undecided appeals (newest filed first) and flagged decisions without an
-    appeal (newest first); `truncated` when the flagged ones were read only in part."""
+    """What waits for a reviewer: a page of undecided appeals (oldest filed first; pass `last_id` as `after`
+    for the next page while `has_more`) and flagged decisions without an appeal (newest first); `truncated`
+    when the flagged ones were read only in part."""
 
     appeals: list[Appeal]
+    has_more: bool
+    last_id: str | None
     flagged: list[AuditRecord]
     truncated: bool
 
@@ -49,32 +62,56 @@ def reviewable(record: AuditRecord) -> bool:
     return record.stage != "review" and (record.decision in APPEALABLE or record.flagged)
 
 
-async def all_appeals(services: Services, tenant: str | None) -> list[Appeal]:
-    """Every appeal of `tenant` (None: every tenant), page by page (at most MAX_APPEAL_PAGES pages)."""
-    found: list[Appeal] = []
-    after: str | None = None
-    for _ in range(MAX_APPEAL_PAGES):
-        page = await services.appeals.list(tenant, None, MAX_APPEAL_LIMIT, after)
-        found.extend(page)
-        if len(page) < MAX_APPEAL_LIMIT:
-            break
-        after = page[-1].appeal_id
+async def appeal_page(
+    services: Services,
+    scope: str | None,
+    state: AppealState | tuple[AppealState, ...] | None,
+    limit: int,
+    after: str | None,
+) -> AppealPage:
+    """At most `limit` appeals of `scope` (a tenant, or None for every tenant) in `state`, after `after`."""
+    page = await services.appeals.list(scope, state, limit, after)
+    # A full page asks for one more row, so that the last page never claims a next one.
+    more = len(page) >= limit and bool(await services.appeals.list(scope, state, 1, page[-1].appeal_id))
+    return AppealPage(data=page, has_more=more, last_id=page[-1].appeal_id if page else None)
+
+
+async def review_queue(
+    services: Services, scope: str | None, limit: int, after: str | None = None
+) -> ReviewQueue:
+    """The queue of `scope` (a tenant, or None for every tenant): a page of at most `limit` undecided
+    appeals after `after`, and at most `limit` flagged decisions nobody has appealed."""
+    appeals = await appeal_page(services, scope, UNDECIDED, limit, after)
+    read, truncated = await _flagged(services, scope)
+    appealed = await _appealed(services, read)
+    flagged = sorted((r for r in read if (r.tenant, r.seq) not in appealed), key=lambda r: -r.at)
+    return ReviewQueue(
+        appeals=appeals.data,
+        has_more=appeals.has_more,
+        last_id=appeals.last_id,
+        flagged=flagged[:limit],
+        truncated=truncated or len(flagged) > limit,
+    )
+
+
+async def appeal_of(services: Services, record: AuditRecord) -> Appeal | None:
+    """The appeal of one decision, if it has one."""
+    found = await services.appeals.for_decisions(record.tenant, [record.seq])
+    return found[0] if found else None
+
+
+async def _appealed(services: Services, records: list[AuditRecord]) -> set[tuple[str, int]]:
+    """(tenant, seq) of those of `records` that have an appeal."""
+    by_tenant: dict[str, set[int]] = {}
+    for r in records:
+        by_tenant.setdefault(r.tenant, set()).add(r.seq)
+    found: set[tuple[str, int]] = set()
+    for tenant, seqs in by_tenant.items():
+        found.update((a.tenant, a.decision_seq) for a in await services.appeals.for_decisions(tenant, seqs))
     return found
 
 
-async def review_queue(services: Services, scope: str | None, shown: int) -> ReviewQueue:
-    """The queue of `scope` (a tenant, or None for every tenant), at most `shown` flagged decisions."""
-    appeals = await all_appeals(services, scope)
-    appealed = {(a.tenant, a.decision_seq) for a in appeals}
-    pending = sorted((a for a in appeals if a.state in ("open", "in_review")), key=lambda a: -a.filed_at)
-    flagged, truncated = await _flagged(services, scope, lambda r: (r.tenant, r.seq) not in appealed)
-    flagged.sort(key=lambda r: -r.at)
-    return ReviewQueue(appeals=pending, flagged=flagged[:shown], truncated=truncated or len(flagged) > shown)
-
-
-async def _flagged(
-    services: Services, scope: str | None, keep: Callable[[AuditRecord], bool]
-) -> tuple[list[AuditRecord], bool]:
+async def _flagged(services: Services, scope: str | None) -> tuple[list[AuditRecord], bool]:
     q = AuditQuery(
         tenant=scope, flagged_only=True, since=services.clock() - QUEUE_WINDOW_S, limit=MAX_QUERY_LIMIT
     )
@@ -83,11 +120,18 @@ async def _flagged(
     while read < QUEUE_MAX_RECORDS:
         page = await services.audit.query(q)
         read += len(page)
-        found.extend(r for r in page if r.stage != "review" and keep(r))
+        found.extend(r for r in page if r.stage != "review")
         if len(page) < q.page_size():
             return found, False
         q = q.after(page[-1])
     return found, True
+
+
+def may_decide(services: Services, scope: str | None) -> bool:
+    """Whether a reviewer of `scope` (None: the operating organisation's) may uphold or overturn appeals:
+    with `[appeals] operator_reviewers_only`, only the operating organisation's reviewers may; the
+    tenants' reviewers still read the queue, take decisions up and move appeals into review."""
+    return scope is None or not services.config.appeals.operator_reviewers_only
 
 
 def check_not_own(record: AuditRecord, appeal: Appeal | None, actor: str) -> None:

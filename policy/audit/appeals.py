@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import builtins
 import secrets
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -37,6 +37,8 @@ from policy.audit.base import MAX_QUERY_LIMIT, AuditStoreError
 
 AppealState = Literal["open", "in_review", "upheld", "overturned"]
 APPEAL_STATES: tuple[AppealState, ...] = ("open", "in_review", "upheld", "overturned")
+# The states of an appeal that still waits for a reviewer (the review queue lists these only).
+UNDECIDED: tuple[AppealState, ...] = ("open", "in_review")
 # The only steps an appeal may take (from, to); the database triggers allow exactly these.
 TRANSITIONS: frozenset[tuple[AppealState, AppealState]] = frozenset(
     {("open", "in_review"), ("in_review", "upheld"), ("in_review", "overturned")}
@@ -107,6 +109,11 @@ def check_transition(appeal: Appeal, to_state: str) -> AppealState:
     )
 
 
+def states_of(state: AppealState | tuple[AppealState, ...] | None) -> tuple[AppealState, ...] | None:
+    """The states a `list` selects: one, several, or None for any."""
+    return (state,) if isinstance(state, str) else state
+
+
 def page_size(limit: int) -> int:
     """`limit` within 1..MAX_APPEAL_LIMIT."""
     return max(1, min(int(limit), MAX_APPEAL_LIMIT))
@@ -145,11 +152,21 @@ class AppealStore(Protocol):
         ...
 
     async def list(
-        self, tenant: str | None, state: AppealState | None = None, limit: int = 100, after: str | None = None
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        limit: int = 100,
+        after: str | None = None,
     ) -> builtins.list[Appeal]:
-        """At most `page_size(limit)` appeals (of one tenant or of all, in `state` or any), oldest filed
-        first, ordered by (filed_at, appeal_id). Keyset: `after` is the last appeal id of the previous page
-        (an id the caller cannot see gives an empty page)."""
+        """At most `page_size(limit)` appeals (of one tenant or of all; in `state`, one of several states
+        such as UNDECIDED, or any), oldest filed first, ordered by (filed_at, appeal_id). Keyset: `after` is
+        the last appeal id of the previous page (an id the caller cannot see gives an empty page), so a
+        page costs one index range however many appeals were filed or decided before it."""
+        ...
+
+    async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
+        """The appeals of the tenant's decisions `seqs` (at most one each; none for an unappealed one), in
+        no particular order."""
         ...
 
     async def transition(

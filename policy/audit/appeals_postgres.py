@@ -9,7 +9,7 @@ Losing the database (down, restarting, out of connections, a statement over `com
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,6 +31,7 @@ from policy.audit.appeals import (
     event_from_row,
     new_appeal_id,
     page_size,
+    states_of,
 )
 from policy.audit.base import AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
@@ -153,7 +154,11 @@ class PostgresAppealStore:
             return await _find(conn, tenant, appeal_id)
 
     async def list(
-        self, tenant: str | None, state: AppealState | None = None, limit: int = 100, after: str | None = None
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        limit: int = 100,
+        after: str | None = None,
     ) -> builtins.list[Appeal]:
         """A page of appeals, ordered by (filed_at, appeal_id), after the appeal `after`."""
         where: builtins.list[str] = []
@@ -161,9 +166,10 @@ class PostgresAppealStore:
         if tenant is not None:
             args.append(tenant)
             where.append(f"tenant = ${len(args)}")
-        if state is not None:
-            args.append(state)
-            where.append(f"state = ${len(args)}")
+        states = states_of(state)
+        if states is not None:
+            args.append(list(states))
+            where.append(f"state = ANY(${len(args)}::text[])")
         if after is not None:
             # The keyset row is looked up in the caller's view too: an unseen id matches nothing.
             key_where, key_args = _scoped(tenant, after, start=len(args) + 1)
@@ -177,6 +183,13 @@ class PostgresAppealStore:
         sql = f"SELECT {APPEAL_COLUMNS} FROM appeals {clause} ORDER BY {_ORDER} LIMIT ${len(args)}"
         async with self._conn() as conn:
             rows = await conn.fetch(sql, *args)
+        return [appeal_from_row(row) for row in rows]
+
+    async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
+        """The appeals of the tenant's decisions `seqs` (by the one-appeal-per-decision index)."""
+        sql = f"SELECT {APPEAL_COLUMNS} FROM appeals WHERE tenant = $1 AND decision_seq = ANY($2::bigint[])"
+        async with self._conn() as conn:
+            rows = await conn.fetch(sql, tenant, sorted({int(seq) for seq in seqs}))
         return [appeal_from_row(row) for row in rows]
 
     async def transition(

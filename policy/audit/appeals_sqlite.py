@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from policy.audit.appeals import (
     event_from_row,
     new_appeal_id,
     page_size,
+    states_of,
 )
 from policy.audit.base import AuditStoreError, AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
@@ -42,6 +43,8 @@ _INSERT_EVENT = f"INSERT INTO appeal_events ({EVENT_COLUMNS}) VALUES ({', '.join
 _SET_STATE = "UPDATE appeals SET state = ?, updated_at = ? WHERE appeal_id = ?"
 _NEXT_EVENT = "SELECT COALESCE(MAX(n), 0) + 1 FROM appeal_events WHERE appeal_id = ?"
 _EVENTS = f"SELECT {EVENT_COLUMNS} FROM appeal_events WHERE appeal_id = ? ORDER BY n"
+# Decision seqs asked in one statement (well under SQLite's bound on parameters).
+_SEQS_PER_QUERY = 500
 
 
 def _scoped(tenant: str | None, appeal_id: str) -> tuple[str, tuple[Any, ...]]:
@@ -128,7 +131,11 @@ class SqliteAppealStore:
         return await self._run(lambda conn: _find(conn, tenant, appeal_id))
 
     async def list(
-        self, tenant: str | None, state: AppealState | None = None, limit: int = 100, after: str | None = None
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        limit: int = 100,
+        after: str | None = None,
     ) -> builtins.list[Appeal]:
         """A page of appeals, ordered by (filed_at, appeal_id), after the appeal `after`."""
         where: builtins.list[str] = []
@@ -136,9 +143,10 @@ class SqliteAppealStore:
         if tenant is not None:
             where.append("tenant = ?")
             args.append(tenant)
-        if state is not None:
-            where.append("state = ?")
-            args.append(state)
+        states = states_of(state)
+        if states is not None:
+            where.append(f"state IN ({', '.join('?' for _ in states)})")
+            args.extend(states)
         if after is not None:
             # The keyset row is looked up in the caller's view too: an unseen id matches nothing.
             key_where, key_args = _scoped(tenant, after)
@@ -151,6 +159,23 @@ class SqliteAppealStore:
         args.append(page_size(limit))
         rows = await self._run(lambda conn: conn.execute(sql, args).fetchall())
         return [appeal_from_row(row) for row in rows]
+
+    async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
+        """The appeals of the tenant's decisions `seqs` (by the one-appeal-per-decision index)."""
+        wanted = sorted({int(seq) for seq in seqs})
+
+        def read(conn: Conn) -> builtins.list[Appeal]:
+            found: builtins.list[Appeal] = []
+            for start in range(0, len(wanted), _SEQS_PER_QUERY):
+                chunk = wanted[start : start + _SEQS_PER_QUERY]
+                sql = (
+                    f"SELECT {APPEAL_COLUMNS} FROM appeals WHERE tenant = ? "
+                    f"AND decision_seq IN ({', '.join('?' for _ in chunk)})"
+                )
+                found.extend(appeal_from_row(row) for row in conn.execute(sql, (tenant, *chunk)))
+            return found
+
+        return await self._run(read)
 
     async def transition(
         self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float

@@ -14,6 +14,7 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
+from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.audit.records import AuditRecord
@@ -95,6 +96,12 @@ async def _key(tenancy: Tenancy, tenant: str, roles: tuple[Role, ...]) -> tuple[
     return plaintext, key_id
 
 
+@pytest.fixture
+def appeals_config() -> AppealsConfig:
+    """The `[appeals]` settings of the gateway (a test parametrizes this name to change them)."""
+    return AppealsConfig()
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 async def gateway(
     request: pytest.FixtureRequest,
@@ -103,8 +110,9 @@ async def gateway(
     renderer: PromptRenderer,
     outcomes: OutcomeLog,
     tenancy: Tenancy,
+    appeals_config: AppealsConfig,
 ) -> AsyncIterator[Gateway]:
-    config = make_config()
+    config = msgspec.structs.replace(make_config(), appeals=appeals_config)
     async with postgres_schema() as (schema, _admin):
         if request.param == "sqlite":
             storage = msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3"))
@@ -364,3 +372,83 @@ async def test_nobody_decides_their_own_case(gateway: Gateway, tenancy: Tenancy)
     assert decided.status_code == 200, decided.text
     # (A reviewer who takes up a flagged decision files its appeal and decides it: that is the job, see
     # test_flagged_decisions_enter_the_review_queue_and_are_decided_as_appeals.)
+
+
+async def _walk_queue(gw: Gateway, who: str, limit: int) -> list[dict[str, Any]]:
+    """Every appeal of the review queue, page by page through `after`."""
+    seen: list[dict[str, Any]] = []
+    after: dict[str, Any] = {}
+    while True:
+        response = await gw.call(who, "GET", "/audit/queue", limit=limit, **after)
+        assert response.status_code == 200, response.text
+        page = response.json()
+        assert len(page["appeals"]) <= limit
+        seen.extend(page["appeals"])
+        if not page["has_more"]:
+            return seen
+        assert page["last_id"] == page["appeals"][-1]["appeal_id"]
+        after = {"after": page["last_id"]}
+
+
+async def test_the_queue_pages_through_undecided_appeals_only(gateway: Gateway) -> None:
+    # The queue once read at most 20,000 appeals, oldest first and decided ones included: past that, a new
+    # appeal never showed, however long the reviewers worked. A small page stands in for that many.
+    gw = gateway
+    store = gw.services.appeals
+    filed = []
+    for seq in range(1000, 1023):
+        appeal = await store.file(
+            tenant="acme", request_id=f"r{seq}", decision_seq=seq, reason="x", filed_by="k", now=float(seq)
+        )
+        filed.append(appeal)
+        if seq % 3:  # two in three are decided, interleaved with the undecided ones
+            await store.transition(None, appeal.appeal_id, "in_review", actor="r", note="", now=2000.0)
+            await store.transition(None, appeal.appeal_id, "upheld", actor="r", note="", now=2001.0)
+    undecided = [a.appeal_id for a in filed if a.decision_seq % 3 == 0]
+    request_id, block = await gw.blocked("acme")
+    late = (await gw.appeal("acme", request_id))["appeal_id"]
+
+    for who in ("rev-acme", "rev-global"):
+        for limit in (1, 3, 100):
+            seen = await _walk_queue(gw, who, limit)
+            assert [a["appeal_id"] for a in seen] == [*undecided, late]  # oldest filed first
+            assert {a["state"] for a in seen} == {"open"}
+    assert await _walk_queue(gw, "rev-beta", 2) == []
+    # A full last page says there is nothing after it; another tenant's id as `after` gives an empty page.
+    last = (await gw.call("rev-acme", "GET", "/audit/queue", limit=len(undecided) + 1)).json()
+    assert (len(last["appeals"]), last["has_more"]) == (len(undecided) + 1, False)
+    hidden = (await gw.call("rev-beta", "GET", "/audit/queue", after=late)).json()
+    assert (hidden["appeals"], hidden["has_more"], hidden["last_id"]) == ([], False, None)
+
+    # The late appeal is decided like any other, and leaves the queue.
+    assert (await gw.step("rev-acme", late, "in_review")).status_code == 200
+    decided = await gw.step("rev-acme", late, "overturned", "late but fine")
+    assert decided.status_code == 200, decided.text
+    assert decided.json()["review_seq"] is not None
+    assert [r.decision for r in await gw.services.audit.find("acme", request_id)] == ["block", "reversal"]
+    assert [a["appeal_id"] for a in await _walk_queue(gw, "rev-acme", 4)] == undecided
+    assert block.seq not in [a["decision_seq"] for a in await _walk_queue(gw, "rev-global", 4)]
+
+
+@pytest.mark.parametrize("appeals_config", [AppealsConfig(operator_reviewers_only=True)])
+async def test_operator_reviewers_only_leaves_deciding_to_the_operator(gateway: Gateway) -> None:
+    gw = gateway
+    request_id, _block = await gw.blocked("acme")
+    appeal_id = (await gw.appeal("acme", request_id))["appeal_id"]
+    beta_request, _ = await gw.blocked("beta")
+    beta_id = (await gw.appeal("beta", beta_request))["appeal_id"]
+    # The tenant's reviewer still reads the queue and the appeal, and takes it into review ...
+    queue = (await gw.call("rev-acme", "GET", "/audit/queue")).json()
+    assert [a["appeal_id"] for a in queue["appeals"]] == [appeal_id]
+    assert (await gw.call("rev-acme", "GET", f"/audit/appeals/{appeal_id}")).status_code == 200
+    assert (await gw.step("rev-acme", appeal_id, "in_review")).status_code == 200
+    # ... but may not decide it, nor anything else: the same 403 for another tenant's or an unknown appeal.
+    for target in (appeal_id, beta_id, "apl_unknown"):
+        for to in ("overturned", "upheld"):
+            error(await gw.step("rev-acme", target, to), 403, "operator_only", "to")
+    assert (await gw.services.appeals.get(None, appeal_id)).state == "in_review"
+    assert [r.decision for r in await gw.services.audit.find("acme", request_id)] == ["block"]
+    # The operator's reviewer decides it.
+    decided = await gw.step("rev-global", appeal_id, "overturned", "checked centrally")
+    assert decided.status_code == 200, decided.text
+    assert [r.decision for r in await gw.services.audit.find("acme", request_id)] == ["block", "reversal"]

@@ -14,6 +14,7 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
+from gateway.config import AppealsConfig, Config
 from gateway.console_sessions import COOKIE
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
@@ -97,14 +98,21 @@ class Console:
 
 
 @pytest.fixture
+def console_config() -> Config:
+    """The gateway's config before its storage is set (a test parametrizes this name to change it)."""
+    return make_config()
+
+
+@pytest.fixture
 async def console(
     tmp_path: Path,
     sim_engine: SimulatedEngine,
     renderer: PromptRenderer,
     outcomes: OutcomeLog,
     tenancy: Tenancy,
+    console_config: Config,
 ) -> AsyncIterator[Console]:
-    config = make_config()
+    config = console_config
     storage = msgspec.structs.replace(config.storage, sqlite_path=str(tmp_path / "lockgate.sqlite3"))
     config = msgspec.structs.replace(config, storage=storage)
     await tenancy.store.create_tenant(Tenant(tenant_id="beta", display_name="Beta"), actor="t", now=0.0)
@@ -224,6 +232,92 @@ async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Co
     ]
     reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
     assert [(r.decision, r.reverses, r.detail) for r in reviews] == [("uphold", record.seq, "fine")]
+
+
+def _configured(page_size: int, operator_reviewers_only: bool) -> Config:
+    config = make_config()
+    return msgspec.structs.replace(
+        config,
+        console=msgspec.structs.replace(config.console, queue_page_size=page_size),
+        appeals=AppealsConfig(operator_reviewers_only=operator_reviewers_only),
+    )
+
+
+async def _queue_links(http: httpx.AsyncClient) -> list[str]:
+    """The decision links of every page of the appeals table, following the Next links."""
+    links: list[str] = []
+    url: str | None = "/console"
+    while url is not None:
+        page = await http.get(url)
+        assert page.status_code == 200, page.text
+        table = page.text.split('<table id="appeals">')[1].split("</table>")[0]
+        links.extend(re.findall(r'href="(/console/decisions/[^"]+)"', table))
+        found = re.search(r'<a id="next" href="([^"]+)"', page.text)
+        url = None if found is None else found.group(1).replace("&amp;", "&")
+    return links
+
+
+@pytest.mark.parametrize("console_config", [_configured(3, False)])
+async def test_the_queue_pages_to_a_late_appeal_and_it_can_be_decided(console: Console) -> None:
+    # The console once read at most 20,000 appeals, oldest first, decided ones included: a newer one never
+    # showed, and deciding its decision answered 409 (its appeal was not found, so a second was filed).
+    store = console.services.appeals
+    undecided: list[str] = []
+    for seq in range(1000, 1011):
+        appeal = await store.file(
+            tenant="acme", request_id=f"r{seq}", decision_seq=seq, reason="x", filed_by="k", now=float(seq)
+        )
+        if seq % 2:
+            await store.transition(None, appeal.appeal_id, "in_review", actor="r", note="", now=2000.0)
+            await store.transition(None, appeal.appeal_id, "upheld", actor="r", note="", now=2001.0)
+        else:
+            undecided.append(f"/console/decisions/acme/{seq}")
+    record = await console.flagged("acme")
+    late = await store.file(
+        tenant="acme",
+        request_id=record.request_id,
+        decision_seq=record.seq,
+        reason="a late appeal",
+        filed_by=record.key_id,
+        now=console.services.clock(),
+    )
+    path = f"/console/decisions/acme/{record.seq}"
+    async with console.client() as http:
+        csrf = await console.login(http, "rev-acme")
+        assert await _queue_links(http) == [*undecided, path]
+        decision = await http.get(path)
+        assert 'value="overturn"' in decision.text
+        assert late.appeal_id in decision.text
+        done = await http.post(f"{path}/decide", data={"outcome": "overturn", "note": "ok", "csrf": csrf})
+        assert done.status_code == 200, done.text
+        assert await _queue_links(http) == undecided
+    assert (await store.get("acme", late.appeal_id)).state == "overturned"
+    reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
+    assert [(r.decision, r.reverses) for r in reviews] == [("reversal", record.seq)]
+
+
+@pytest.mark.parametrize("console_config", [_configured(200, True)])
+async def test_operator_reviewers_only_in_the_console(console: Console) -> None:
+    record = await console.flagged("acme")
+    path = f"/console/decisions/acme/{record.seq}"
+    async with console.client() as acme, console.client() as everyone:
+        csrf = await console.login(acme, "rev-acme")
+        page = await acme.get(path)
+        assert page.status_code == 200
+        assert 'value="overturn"' not in page.text  # no decision form
+        refused = await acme.post(f"{path}/decide", data={"outcome": "overturn", "csrf": csrf})
+        assert refused.status_code == 403
+        assert "operating organisation" in refused.text
+        # The same refusal for another tenant's decision, or one that does not exist.
+        for other in ("/console/decisions/beta/1/decide", "/console/decisions/acme/999999/decide"):
+            assert (await acme.post(other, data={"outcome": "uphold", "csrf": csrf})).status_code == 403
+        assert await console.services.appeals.for_decisions("acme", [record.seq]) == []
+        global_csrf = await console.login(everyone, "rev-global")
+        assert 'value="overturn"' in (await everyone.get(path)).text
+        done = await everyone.post(f"{path}/decide", data={"outcome": "uphold", "csrf": global_csrf})
+        assert done.status_code == 200, done.text
+    reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
+    assert [r.decision for r in reviews] == ["uphold"]
 
 
 async def test_a_reviewer_overturns_a_flagged_decision_in_a_browser(console: Console) -> None:

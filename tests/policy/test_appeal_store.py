@@ -16,6 +16,7 @@ import policy.audit
 from policy.audit import (
     APPEAL_STATES,
     TRANSITIONS,
+    UNDECIDED,
     Appeal,
     AppealConflictError,
     AppealNotFoundError,
@@ -201,6 +202,61 @@ async def test_the_queue_filters_by_state_and_pages(store: AppealStore) -> None:
     assert len(await store.list(None, limit=0)) == 1  # cut to 1..MAX_APPEAL_LIMIT
 
 
+async def test_the_undecided_queue_pages_past_decided_appeals(store: AppealStore) -> None:
+    # The review queue once read every appeal, decided ones included, up to a cap: past it, new appeals never
+    # showed. A page of undecided appeals is an index range after the keyset, however many were decided.
+    filed = [await file(store, "acme" if i % 3 else "beta", i, now=100.0 + i // 4) for i in range(1, 31)]
+    decided = {a.appeal_id for a in filed if a.decision_seq % 2 == 0}
+    for appeal in filed:
+        if appeal.appeal_id in decided or appeal.decision_seq % 5 == 0:
+            await store.transition(None, appeal.appeal_id, "in_review", actor="rev", note="", now=200.0)
+        if appeal.appeal_id in decided:
+            to = "upheld" if appeal.decision_seq % 4 else "overturned"
+            await store.transition(None, appeal.appeal_id, to, actor="rev", note="", now=201.0)
+    expected = [a.appeal_id for a in sorted(filed, key=lambda a: (a.filed_at, a.appeal_id))]
+
+    async def walk(tenant: str | None, limit: int) -> list[Appeal]:
+        seen: list[Appeal] = []
+        after: str | None = None
+        while page := await store.list(tenant, UNDECIDED, limit=limit, after=after):
+            assert len(page) <= limit
+            seen.extend(page)
+            after = page[-1].appeal_id
+        return seen
+
+    for tenant in (None, "acme", "beta"):
+        for limit in (1, 4, 7):
+            seen = await walk(tenant, limit)
+            assert [a.appeal_id for a in seen] == [
+                i for i in expected if i not in decided and tenant in (None, _tenant_of(filed, i))
+            ]
+            assert {a.state for a in seen} <= {"open", "in_review"}
+    # A decided appeal as the keyset still pages on (its position stands), and one filed later shows up.
+    cursor = next(i for i in reversed(expected) if i in decided)
+    late = await file(store, "acme", 99, now=500.0)
+    assert [a.appeal_id for a in await store.list(None, UNDECIDED, after=cursor)][-1] == late.appeal_id
+    assert [a.appeal_id for a in await store.list(None, ("upheld", "overturned"))] == [
+        i for i in expected if i in decided
+    ]
+
+
+def _tenant_of(filed: list[Appeal], appeal_id: str) -> str:
+    return next(a.tenant for a in filed if a.appeal_id == appeal_id)
+
+
+async def test_the_appeals_of_given_decisions(store: AppealStore) -> None:
+    acme = [await file(store, "acme", seq, now=100.0 + seq) for seq in (1, 2, 700)]
+    beta = await file(store, "beta", 2, now=104.0)
+    found = await store.for_decisions("acme", [2, 3, 700, 2])
+    assert sorted(a.appeal_id for a in found) == sorted(a.appeal_id for a in (acme[1], acme[2]))
+    assert await store.for_decisions("beta", [1, 2, 700]) == [beta]
+    assert await store.for_decisions("gamma", [1, 2]) == []
+    assert await store.for_decisions("acme", []) == []
+    # More seqs than one statement takes.
+    many = await store.for_decisions("acme", range(1, 1200))
+    assert sorted(a.decision_seq for a in many) == [1, 2, 700]
+
+
 async def test_the_database_enforces_append_only_and_the_state_machine(
     store: AppealStore, backend: Backend
 ) -> None:
@@ -259,5 +315,5 @@ def test_public_names() -> None:
     assert names >= {
         *("Appeal", "AppealEvent", "AppealState", "AppealStore", "AppealError", "AppealNotFoundError"),
         *("AppealConflictError", "InvalidTransitionError", "SqliteAppealStore", "PostgresAppealStore"),
-        *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT"),
+        *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT", "UNDECIDED"),
     }

@@ -16,7 +16,8 @@ from gateway.app import create_app
 from gateway.config import Config, RegistryConfig
 from gateway.generation.prompts import PromptRenderer
 from policy.auth import SYSTEM_TENANT
-from policy.tenants.models import Tenant
+from policy.tenants.keys import new_key
+from policy.tenants.models import ApiKey, Tenant
 from registry.default_model import read_model_dir
 from registry.hashing import sha256_file
 from registry.postgres import PostgresRegistryStore
@@ -372,3 +373,121 @@ async def test_a_manifest_is_applied_at_start_up_idempotently(
             history = await http.get("/admin/registry/model/tiny/history", headers=replica.admin)
             # The second start changed nothing: still one alias change.
             assert len(history.json()) == 1
+
+
+BETA_POLICY = {
+    "categories": [{"name": "secrets", "severity": "high"}],
+    "stages": [
+        {"kind": "rules", "allow_below": 0.1, "block_above": 0.9},
+        {"kind": "model", "guard": "beta-guard@1", "allow_below": 0.2, "block_above": 0.8},
+    ],
+    "past_last_stage": "block",
+    "fail_modes": {"secrets": "closed"},
+    "hold_back_tokens": 0,
+    "retention": "hash",
+    "rules": {"block": [{"category": "secrets", "pattern": "beta-secret-term"}]},
+}
+BETA_GUARD = {
+    "kind": "embedding",
+    "artifact": "beta-guard-dir",
+    "weights_sha256": "ab" * 32,
+    "prompt_template": "beta guard prompt text",
+}
+
+
+async def test_a_tenants_admin_reads_only_what_its_tenant_is_bound_to(
+    replica: Replica, backends: Backends
+) -> None:
+    # Any tenant's policy_admin once read the whole registry: other tenants' block patterns, thresholds,
+    # guard prompts and canary splits.
+    http, operator = replica.http, replica.admin
+
+    async def publish(kind: str, name: str, version: str, spec: dict[str, Any]) -> None:
+        body = {"version": version, "spec": spec}
+        response = await http.post(f"/admin/registry/{kind}/{name}/versions", json=body, headers=operator)
+        assert response.status_code == 201, response.text
+
+    await publish("guard_model", "beta-guard", "1", BETA_GUARD)
+    await publish("policy", "beta-policy", "1", BETA_POLICY)
+    await publish("policy", "beta-policy", "2", {**BETA_POLICY, "hold_back_tokens": 7})
+    await publish("prompt", "beta-prompt", "1", {"text": "beta instructions"})
+    await publish("prompt", "acme-key-prompt", "1", {"text": "acme key instructions"})
+    split = {"targets": [{"version": "1", "weight": 0.9}, {"version": "2", "weight": 0.1}]}
+    moved = await http.put("/admin/registry/policy/beta-policy/alias", json=split, headers=operator)
+    assert moved.status_code == 200, moved.text
+    only = {"targets": [{"version": "1", "weight": 1.0}]}
+    assert (
+        await http.put("/admin/registry/prompt/beta-prompt/alias", json=only, headers=operator)
+    ).is_success
+    beta = {
+        "tenant_id": "beta",
+        "display_name": "Beta",
+        "policy": "beta-policy",
+        "system_prompt": "beta-prompt",
+    }
+    assert (await http.post("/admin/tenants", json=beta, headers=operator)).status_code == 201
+    admins: dict[str, dict[str, str]] = {}
+    for tenant in ("acme", "beta"):
+        plaintext = await add_key(backends.tenants, tenant, ("policy_admin",))
+        admins[tenant] = {"authorization": f"Bearer {plaintext}"}
+    # A prompt the operator set on one of acme's keys is acme's to read.
+    _plain, key_id, secret_hash = new_key()
+    key = ApiKey(key_id=key_id, tenant_id="acme", roles=("consumer",), system_prompt="acme-key-prompt@1")
+    await backends.tenants.add_key(key, secret_hash, actor="t", now=0.0)
+
+    async def read(who: dict[str, str], path: str) -> Any:
+        response = await http.get(f"/admin/registry/{path}", headers=who)
+        assert response.status_code == 200, response.text
+        if who is admins["acme"]:
+            for secret in ("beta-secret-term", "beta guard prompt", "beta instructions", "beta-policy"):
+                assert secret not in response.text
+        return response.json()
+
+    beta_entries = [
+        "policy/beta-policy",
+        "policy/beta-policy@1",
+        "guard_model/beta-guard",
+        "prompt/beta-prompt",
+    ]
+    for entry in beta_entries:
+        # Exactly as a name nobody published.
+        assert await read(admins["acme"], f"{entry}/versions") == []
+        assert await read(admins["acme"], f"{entry}/history") == []
+        assert await read(admins["acme"], f"{entry}/versions") == await read(
+            admins["acme"], "policy/nope/versions"
+        )
+    visible = {(a["kind"], a["name"]) for a in await read(admins["acme"], "aliases")}
+    assert ("policy", "beta-policy") not in visible
+    assert ("prompt", "beta-prompt") not in visible
+    assert await read(admins["acme"], "aliases?kind=policy") == [
+        a for a in await read(operator, "aliases?kind=policy") if a["name"] == "default"
+    ]
+    # Its own policy, its key's prompt and the model catalogue it reads.
+    assert await read(admins["acme"], "policy/default/versions")
+    assert [v["ref"] for v in await read(admins["acme"], "prompt/acme-key-prompt/versions")] == [
+        "acme-key-prompt@1"
+    ]
+    assert await read(admins["acme"], f"model/{MODEL}/versions") == await read(
+        operator, f"model/{MODEL}/versions"
+    )
+    assert ("model", MODEL) in visible
+
+    # Beta's admin reads beta's policy (both versions, the split), its guard and prompt, and not acme's.
+    assert [v["ref"] for v in await read(admins["beta"], "policy/beta-policy/versions")] == [
+        "beta-policy@1",
+        "beta-policy@2",
+    ]
+    assert [v["ref"] for v in await read(admins["beta"], "guard_model/beta-guard/versions")] == [
+        "beta-guard@1"
+    ]
+    assert await read(admins["beta"], "prompt/beta-prompt/history")
+    assert await read(admins["beta"], "policy/default/versions") == []
+    assert await read(admins["beta"], "prompt/acme-key-prompt/versions") == []
+    beta_aliases = {(a["kind"], a["name"]) for a in await read(admins["beta"], "aliases")}
+    assert {("policy", "beta-policy"), ("prompt", "beta-prompt")} <= beta_aliases
+    assert ("policy", "default") not in beta_aliases
+    # The operator reads everything; a consumer key reads nothing.
+    assert len(await read(operator, "policy/beta-policy/versions")) == 2
+    assert await read(operator, "guard_model/beta-guard/versions")
+    refused = await http.get("/admin/registry/aliases", headers=replica.consumer)
+    assert refused.status_code == 403
