@@ -17,6 +17,7 @@ from litestar.di import Provide
 from litestar.logging.config import LoggingConfig
 
 from engines.base import Engine
+from gateway import audit_keys
 from gateway.admin import ADMIN_ROUTES
 from gateway.admin_registry import REGISTRY_ROUTES
 from gateway.appeal_routes import APPEAL_ROUTES
@@ -46,6 +47,7 @@ from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
+from policy.audit.keys import MacKey
 from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
@@ -146,15 +148,17 @@ async def open_registry_store(config: Config) -> RegistryStore:
     return await SqliteRegistryStore.open(await _sqlite_path(config))
 
 
-async def open_audit_store(config: Config) -> AuditStore:
-    """The audit store, in the same database as the tenant store."""
+async def open_audit_store(config: Config, key: MacKey) -> AuditStore:
+    """The audit store, in the same database as the tenant store, MACing records with `key`."""
     if config.storage.backend == "postgres":
         from policy.audit.postgres import PostgresAuditStore
 
-        return await PostgresAuditStore.open(config.storage.postgres_dsn, **_postgres_options(config))
+        return await PostgresAuditStore.open(
+            config.storage.postgres_dsn, **_postgres_options(config), mac_key=key
+        )
     from policy.audit.sqlite import SqliteAuditStore
 
-    return await SqliteAuditStore.open(await _sqlite_path(config))
+    return await SqliteAuditStore.open(await _sqlite_path(config), key)
 
 
 async def open_appeal_store(config: Config) -> AppealStore:
@@ -169,7 +173,7 @@ async def open_appeal_store(config: Config) -> AppealStore:
 
 
 async def _audit_writer(
-    config: Config, store: AuditStore, clock: Clock, owned: AsyncExitStack
+    config: Config, store: AuditStore, key: MacKey, clock: Clock, owned: AsyncExitStack
 ) -> AuditWriter:
     """The write-behind writer of gate decisions (its spool replayed first), flushed at shutdown."""
     audit = config.audit
@@ -181,6 +185,7 @@ async def _audit_writer(
         flush_interval=audit.flush_interval,
         buffer_size=audit.buffer_size,
         spool_max_bytes=audit.spool_max_bytes,
+        mac_key=key,
     )
     await writer.start()
     owned.push_async_callback(writer.close, audit.close_timeout)
@@ -462,11 +467,16 @@ def create_app(
             owned.callback(factory.close)
             # The default policy's guards are loaded before the first request: it is served guarded.
             await factory.ready(default_policy.guards)
+            audit_key = await audit_keys.mac_key(config)
             audit_store = audit
             if audit_store is None:
-                audit_store = await open_audit_store(config)
+                audit_store = await open_audit_store(config, audit_key)
                 owned.push_async_callback(audit_store.close)
-            writer = await _audit_writer(config, audit_store, clock, owned)
+            writer = await _audit_writer(config, audit_store, audit_key, clock, owned)
+            if config.audit.checkpoint_interval > 0:
+                checkpoints = await audit_keys.checkpointer(config, audit_store, audit_key, clock)
+                task = asyncio.create_task(checkpoints.run(config.audit.checkpoint_interval))
+                owned.push_async_callback(_stop, task)
             appeals = await open_appeal_store(config)
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)

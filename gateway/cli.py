@@ -309,6 +309,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the key's own system and developer messages are trusted by the guard (not scored as user text)",
     )
+    audit = sub.add_parser("audit", help="the audit trail")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    audit_verify = audit_sub.add_parser(
+        "verify",
+        help="verify the audit chains against the MAC key and the signed checkpoints (exit 1 if one fails)",
+    )
+    audit_verify.add_argument("--tenant", default=None, help="only this tenant's chain (default: every one)")
+    audit_verify.add_argument(
+        "--from-checkpoint",
+        action="store_true",
+        help="start each chain from the last checkpoint this verifier verified it through",
+    )
     from ops.bench.load.cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(
@@ -319,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     # `--config` is accepted after the subcommand too: `lockgate serve --config FILE`.
-    for p in (serve, models_sub.choices["prepare"], create_key, train):
+    for p in (serve, models_sub.choices["prepare"], create_key, train, audit_verify):
         p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML configuration file")
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -343,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _admin_create_key(config, args)
     if args.command == "guard":
         return _guard_train(config, args)
+    if args.command == "audit":
+        from gateway.audit_keys import verify_command
+
+        return asyncio.run(verify_command(config, args.tenant, args.from_checkpoint))
     return _prepare(config)
 
 

@@ -22,6 +22,7 @@ from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
 from guard.breaker import BreakerPolicy
+from policy.audit.keys import MIN_MAC_KEY_CHARS
 from policy.quota.lease import LeasePolicy
 from policy.tenants.models import Limits
 from routing.admission_config import AdmissionConfig
@@ -259,12 +260,44 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
     # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
     content_retention_days: float = 30.0
+    # The key that MACs every record's chain hash and every spooled line, never stored in the database (a
+    # database writer without it cannot forge a chain), inline (at least 32 characters); "" = `mac_key_file`.
+    mac_key: str = ""
+    # File of the MAC key, a random one created there (0600) by the first start if it is absent.
+    # "" = `audit-mac.key` beside the SQLite file. Replicas sharing a PostgreSQL database need the same key.
+    mac_key_file: str = ""
+    # Seconds between two signed checkpoints of each tenant's chain head that moved (0: none).
+    checkpoint_interval: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    # JSONL file (outside the database, 0600, fsync'd) the signed checkpoints are appended to; `lockgate
+    # audit verify` checks chains against it. "" = `audit-checkpoints.jsonl` beside the SQLite file.
+    checkpoint_file: str = ""
+    # Ed25519 key that signs checkpoints (PKCS#8 PEM, created 0600 if absent); its public key is written to
+    # `<file>.pub` for verifiers. "" = `audit-signing.key` beside the SQLite file.
+    signing_key_file: str = ""
 
     def spool_path(self, storage: StorageConfig) -> Path:
         """The spool directory."""
         if self.spool_dir:
             return Path(self.spool_dir).expanduser()
         return Path(storage.sqlite_path).expanduser().parent / "audit-spool"
+
+    def file_path(self, configured: str, default: str, storage: StorageConfig) -> Path:
+        """A key or checkpoint file: `configured`, else `default` beside the SQLite file."""
+        if configured:
+            return Path(configured).expanduser()
+        return Path(storage.sqlite_path).expanduser().parent / default
+
+    def mac_key_path(self, storage: StorageConfig) -> Path:
+        """The MAC key file (used unless `mac_key` is set inline)."""
+        return self.file_path(self.mac_key_file, "audit-mac.key", storage)
+
+    def checkpoint_path(self, storage: StorageConfig) -> Path:
+        """The signed checkpoint file."""
+        return self.file_path(self.checkpoint_file, "audit-checkpoints.jsonl", storage)
+
+    def signing_key_path(self, storage: StorageConfig) -> Path:
+        """The checkpoint signing key file."""
+        return self.file_path(self.signing_key_file, "audit-signing.key", storage)
 
 
 class AppealsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -561,6 +594,8 @@ def _check(config: Config) -> None:
             "`console.redis_url` must be set when `console.session_store` is redis and the quota store is a "
             "Redis Cluster (console sessions use one Redis server)"
         )
+    if 0 < len(config.audit.mac_key) < MIN_MAC_KEY_CHARS:
+        raise ConfigError(f"`audit.mac_key` must be at least {MIN_MAC_KEY_CHARS} characters (or empty)")
     if 0 < len(config.registry.secret) < MIN_SECRET_CHARS:
         raise ConfigError(f"`registry.secret` must be at least {MIN_SECRET_CHARS} characters (or empty)")
     check_workers(config)

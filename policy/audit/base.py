@@ -32,6 +32,14 @@ from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Decision,
 MAX_QUERY_LIMIT = 1000
 
 
+class BadRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored row of a chain that does not decode as a record (only a row changed behind the store's
+    back): `chain_page` returns it in its place, so verification reports it instead of crashing."""
+
+    seq: int
+    detail: str
+
+
 class AuditStoreError(Exception):
     """Base of audit store failures."""
 
@@ -104,8 +112,19 @@ class AuditStore(Protocol):
         ...
 
     async def verify(self, tenant: str) -> ChainReport:
-        """Read the tenant's chain in order (one consistent snapshot), verify it, and check it against the
-        tenant's head."""
+        """Verify the tenant's chain up to its head (`policy.audit.verify.verify_tenant`, in pages, off the
+        connection appends use), with the MAC key the store was opened with."""
+        ...
+
+    async def heads(self, tenant: str | None = None) -> dict[str, tuple[int, str]]:
+        """Each tenant's head (last seq and hash), or only `tenant`'s (none: an empty chain)."""
+        ...
+
+    async def chain_page(
+        self, tenant: str, after_seq: int, through_seq: int, limit: int
+    ) -> list[AuditRecord | BadRow]:
+        """At most `limit` of the tenant's records with after_seq < seq <= through_seq, in seq order; read
+        through a connection of its own (SQLite: a read-only one), never the one appends use."""
         ...
 
     async def purge_content(self, tenant: str, before: float) -> int:

@@ -3,7 +3,7 @@
 Tables (in the same database as the tenants, with their own migrations table)::
 
     audit_schema_migrations(version)       one row per applied migration
-    audit_records(tenant, seq, ...every AuditRecord field..., stages JSON, flagged 0/1)
+    audit_records(tenant, seq, ...every AuditRecord field..., stages JSON, flagged 0/1, mac NULL if unkeyed)
         PRIMARY KEY (tenant, seq)          append-only: UPDATE may only null `content`; no DELETE
         UNIQUE (tenant, draft_id) where draft_id <> ''   a draft is recorded once
     audit_heads(tenant PK, seq, hash)      each tenant's last record; the row appends lock per tenant.
@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from policy.audit.base import BadRow
 from policy.audit.records import AuditRecord, StageRun, unstorable
 from registry.db import Row
 from registry.db.migrations import Migration
@@ -55,6 +56,7 @@ RECORD_FIELDS = (
     "prev_hash",
     "hash",
     "draft_id",
+    "mac",
 )
 RECORD_COLUMNS = ", ".join(RECORD_FIELDS)
 
@@ -119,7 +121,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         ),
         sqlite=(
             # The columns of version 1 (released: never edit), not RECORD_FIELDS as it grows.
-            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:-1])),
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:21])),
             """CREATE TRIGGER audit_records_no_delete BEFORE DELETE ON audit_records
                BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END""",
             """CREATE TRIGGER audit_heads_forward BEFORE UPDATE ON audit_heads
@@ -231,6 +233,16 @@ MIGRATIONS: tuple[Migration, ...] = (
         # PostgreSQL's trigger compares whole rows (to_jsonb), so it covers the new column already.
         sqlite=(
             "DROP TRIGGER audit_records_only_purge",
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:22])),
+        ),
+    ),
+    Migration(
+        version=4,
+        summary="audit_records.mac: each record's HMAC under a key kept outside the database",
+        # NULL for the records written before: they verify as unkeyed, up to the chain's first keyed record.
+        shared=("ALTER TABLE audit_records ADD COLUMN mac TEXT",),
+        sqlite=(
+            "DROP TRIGGER audit_records_only_purge",
             _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS)),
         ),
     ),
@@ -279,3 +291,11 @@ def record_from_row(row: Row) -> AuditRecord:
     values["flagged"] = bool(values["flagged"])
     values["content"] = read_content(values["content"])
     return msgspec.convert(values, AuditRecord)
+
+
+def record_or_bad_row(row: Row) -> AuditRecord | BadRow:
+    """A chain row as its record, or as a `BadRow` when it does not decode (verification reports it)."""
+    try:
+        return record_from_row(row)
+    except msgspec.ValidationError as exc:
+        return BadRow(seq=int(row[1]), detail=str(exc))

@@ -15,15 +15,15 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import msgspec
-
-from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, NotFoundError
+from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, BadRow, NotFoundError
+from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     RECORD_FIELDS,
     record_from_row,
+    record_or_bad_row,
     record_row,
 )
 from policy.audit.query import query_sql
@@ -32,10 +32,10 @@ from policy.audit.records import (
     AuditDraft,
     AuditRecord,
     ChainReport,
-    ChainVerifier,
     chain,
     normalize,
 )
+from policy.audit.verify import verify_tenant
 from registry.db.postgres import REFUSED_DATA, UNREACHABLE, open_pool
 
 # Arbitrary but fixed ("Lkgtaudi"): replicas migrating the audit tables wait on each other, not other stores.
@@ -51,18 +51,22 @@ _ENSURE_HEAD = (
     "INSERT INTO audit_heads (tenant, seq, hash) VALUES ($1, 0, '') ON CONFLICT (tenant) DO NOTHING"
 )
 _LOCK_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1 FOR UPDATE"
-_HEAD = "SELECT seq, hash FROM audit_heads WHERE tenant = $1"
+_HEADS = "SELECT tenant, seq, hash FROM audit_heads WHERE seq > 0"
 _SET_HEAD = "UPDATE audit_heads SET seq = $2, hash = $3 WHERE tenant = $1"
-_CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 ORDER BY seq"
+_PAGE = (
+    f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND seq > $2 AND seq <= $3"
+    " ORDER BY seq LIMIT $4"
+)
 _BY_DRAFTS = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND draft_id = ANY($2::text[])"
 
 
 class PostgresAuditStore:
     """An `AuditStore` in one PostgreSQL schema."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, mac_key: MacKey | None = None) -> None:
         """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
         self._pool = pool
+        self._key = mac_key
 
     @classmethod
     async def open(
@@ -74,8 +78,10 @@ class PostgresAuditStore:
         max_size: int = 10,
         connect_timeout: float = 5.0,
         command_timeout: float = 10.0,
+        mac_key: MacKey | None = None,
     ) -> PostgresAuditStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
+        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`); records
+        are MACed with `mac_key` (None: not, and verify does not check MACs)."""
         pool = await _open_pool(
             dsn,
             schema=schema,
@@ -84,19 +90,16 @@ class PostgresAuditStore:
             connect_timeout=connect_timeout,
             command_timeout=command_timeout,
         )
-        return cls(pool)
+        return cls(pool, mac_key)
 
     @asynccontextmanager
-    async def _conn(self, *, write: bool = False, snapshot: bool = False) -> AsyncIterator[Any]:
-        """A pooled connection, in a transaction if `write` (or a read-only repeatable-read one if
-        `snapshot`); losing the database is `AuditUnavailableError`."""
+    async def _conn(self, *, write: bool = False) -> AsyncIterator[Any]:
+        """A pooled connection, in a transaction if `write`; losing the database is
+        `AuditUnavailableError`."""
         try:
             async with self._pool.acquire() as conn:
                 if write:
                     async with conn.transaction():
-                        yield conn
-                elif snapshot:
-                    async with conn.transaction(isolation="repeatable_read", readonly=True):
                         yield conn
                 else:
                     yield conn
@@ -129,7 +132,7 @@ class PostgresAuditStore:
                     records.append(record)
                     continue
                 seq, prev_hash = heads[draft.tenant]
-                record = chain(draft, seq + 1, prev_hash)
+                record = chain(draft, seq + 1, prev_hash, self._key)
                 rows.append(record_row(record))
                 heads[draft.tenant] = (record.seq, record.hash)
                 moved.add(draft.tenant)
@@ -185,21 +188,27 @@ class PostgresAuditStore:
             rows = await conn.fetch(sql, *args)
         return [record_from_row(row) for row in rows]
 
+    async def heads(self, tenant: str | None = None) -> dict[str, tuple[int, str]]:
+        """Each tenant's head (last seq and hash), or only `tenant`'s (none: an empty chain)."""
+        async with self._conn() as conn:
+            if tenant is None:
+                rows = await conn.fetch(_HEADS)
+            else:
+                rows = await conn.fetch(f"{_HEADS} AND tenant = $1", tenant)
+        return {row[0]: (int(row[1]), row[2]) for row in rows}
+
+    async def chain_page(
+        self, tenant: str, after_seq: int, through_seq: int, limit: int
+    ) -> list[AuditRecord | BadRow]:
+        """At most `limit` of the tenant's records with after_seq < seq <= through_seq, in seq order (a
+        pooled connection for the one query: appends take others)."""
+        async with self._conn() as conn:
+            rows = await conn.fetch(_PAGE, tenant, after_seq, through_seq, limit)
+        return [record_or_bad_row(row) for row in rows]
+
     async def verify(self, tenant: str) -> ChainReport:
-        """Read the tenant's chain in order (one snapshot, streamed), verify it, and check the head."""
-        verifier = ChainVerifier(tenant)
-        async with self._conn(snapshot=True) as conn:
-            async for row in conn.cursor(_CHAIN, tenant, prefetch=500):
-                try:
-                    record = record_from_row(row)
-                except msgspec.ValidationError as exc:
-                    verifier.fail(int(row[1]), "hash", f"the stored record does not decode: {exc}")
-                    break
-                if not verifier.feed(record):
-                    break
-            head = await conn.fetchrow(_HEAD, tenant)
-        verifier.check_head(*((0, GENESIS_HASH) if head is None else (int(head[0]), head[1])))
-        return verifier.report()
+        """Verify the tenant's chain up to its head, in pages (`verify_tenant`)."""
+        return await verify_tenant(self, tenant, key=self._key)
 
     async def purge_content(self, tenant: str, before: float) -> int:
         """Null the content of the tenant's records with `at < before`; the number of records changed."""

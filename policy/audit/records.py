@@ -10,6 +10,10 @@ and includes `seq`, `prev_hash` and `content_hash` (and `draft_id` when it is se
 existed hash as they did). `content_hash` stands for the content, so purging the
 content (retention) leaves every hash valid, while changing any other field, deleting a record or reordering
 records breaks the chain, and `verify_chain` names the first record where it breaks.
+
+A database writer could still rewrite records and recompute every hash, so each record also carries
+`mac`, an HMAC of its hash under a key that is never in the database (`policy.audit.keys`): records without
+one (written before keys existed) verify as "unkeyed", but only before the chain's first keyed record.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from policy.audit.keys import MacKey
 
 Stage = Literal["quota", "input", "output", "admission", "review"]
 Decision = Literal["allow", "block", "refuse", "deny", "flag", "reversal", "uphold"]
@@ -32,6 +39,8 @@ ChainFault = Literal[
     "content",  # content is present, but its sha256 is not content_hash
     "tenant",  # a record of another tenant is in the chain
     "head",  # the store's head (last seq and hash) is not the last record: records were cut off the end
+    "mac",  # the record's MAC is not its hash's under the key (or it has none after keyed records)
+    "checkpoint",  # the chain differs from a signed checkpoint, or ends before the latest one
 ]
 
 # prev_hash of each tenant's first record.
@@ -87,6 +96,8 @@ class AuditRecord(AuditDraft, frozen=True, kw_only=True):
     seq: int  # per tenant, 1, 2, 3, ... (no gaps)
     prev_hash: str  # hash of the tenant's previous record (GENESIS_HASH for seq 1)
     hash: str
+    # HMAC of `hash` under the audit MAC key (None: written without a key, before keys existed).
+    mac: str | None = None
 
 
 class ChainReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +110,7 @@ class ChainReport(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     last_seq: int = 0  # the last good record's seq (0: none)
     last_hash: str = GENESIS_HASH
+    unkeyed: int = 0  # records checked that carry no MAC (from before the chain was keyed)
 
 
 _DRAFT_FIELDS: tuple[str, ...] = AuditDraft.__struct_fields__
@@ -186,11 +198,13 @@ def record_hash(draft: AuditDraft, seq: int, prev_hash: str) -> str:
     return hashlib.sha256(_DOMAIN + canonical_json(draft, seq, prev_hash)).hexdigest()
 
 
-def chain(draft: AuditDraft, seq: int, prev_hash: str) -> AuditRecord:
-    """`draft` (normalized) as the record at `seq` after `prev_hash`."""
+def chain(draft: AuditDraft, seq: int, prev_hash: str, key: MacKey | None = None) -> AuditRecord:
+    """`draft` (normalized) as the record at `seq` after `prev_hash`, MACed with `key` if given."""
     clean = normalize(draft)
     fields = {name: getattr(clean, name) for name in _DRAFT_FIELDS}
-    return AuditRecord(**fields, seq=seq, prev_hash=prev_hash, hash=record_hash(clean, seq, prev_hash))
+    digest = record_hash(clean, seq, prev_hash)
+    mac = None if key is None else key.chain_mac(digest)
+    return AuditRecord(**fields, seq=seq, prev_hash=prev_hash, hash=digest, mac=mac)
 
 
 class ChainVerifier:
@@ -199,12 +213,26 @@ class ChainVerifier:
     Invariant: while `ok`, the records fed so far are seq 1..last_seq, each chained to the one before.
     """
 
-    def __init__(self, tenant: str | None = None) -> None:
-        """Check records of `tenant` (None: of the tenant of the first record)."""
+    def __init__(
+        self,
+        tenant: str | None = None,
+        key: MacKey | None = None,
+        *,
+        after: tuple[int, str] = (0, GENESIS_HASH),
+        keyed: bool = False,
+        pins: Mapping[int, str] | None = None,
+    ) -> None:
+        """Check records of `tenant` (None: of the tenant of the first record), and their MACs with `key`
+        (None: MACs are not checked). The first record fed is the one `after` (seq, hash) the last one
+        verified (seq 1 by default); `keyed`: a record with a MAC came before it. `pins`: hashes that
+        signed checkpoints say records (by seq) have."""
         self._tenant = tenant
+        self._key = key
         self._checked = 0
-        self._last_seq = 0
-        self._last_hash = GENESIS_HASH
+        self._last_seq, self._last_hash = after
+        self._keyed = keyed
+        self._unkeyed = 0
+        self._pins = pins or {}
         self._fault: tuple[int, ChainFault, str] | None = None
 
     @property
@@ -242,12 +270,23 @@ class ChainVerifier:
             return record.seq, "hash", "the record's fields do not match its hash"
         if record.content is not None and content_sha256(record.content) != record.content_hash:
             return record.seq, "content", "content is not what content_hash was computed from"
+        if record.mac is None:
+            if self._keyed:
+                return record.seq, "mac", "a record without a MAC after keyed records"
+            self._unkeyed += 1
+        else:
+            self._keyed = True
+            if self._key is not None and not self._key.chain_ok(record.hash, record.mac):
+                return record.seq, "mac", "the record's MAC is not its hash's under the audit key"
+        if self._pins.get(record.seq, record.hash) != record.hash:
+            return record.seq, "checkpoint", "the record is not the one a signed checkpoint names"
         return None
 
-    def fail(self, seq: int, reason: ChainFault, detail: str) -> None:
-        """Record a fault found outside `feed` (a stored row that does not even decode), unless one was."""
+    def fail(self, seq: int, reason: ChainFault, detail: str, *, read: bool = True) -> None:
+        """Record a fault found outside `feed` (a stored row that does not even decode: `read`; or what
+        the chain lacks), unless one was."""
         if self._fault is None:
-            self._checked += 1
+            self._checked += int(read)
             self._fault = (seq, reason, detail)
 
     def check_head(self, seq: int, head_hash: str) -> None:
@@ -264,7 +303,11 @@ class ChainVerifier:
         """What was found so far."""
         if self._fault is None:
             return ChainReport(
-                ok=True, checked=self._checked, last_seq=self._last_seq, last_hash=self._last_hash
+                ok=True,
+                checked=self._checked,
+                last_seq=self._last_seq,
+                last_hash=self._last_hash,
+                unkeyed=self._unkeyed,
             )
         seq, reason, detail = self._fault
         return ChainReport(
@@ -275,12 +318,15 @@ class ChainVerifier:
             detail=detail,
             last_seq=self._last_seq,
             last_hash=self._last_hash,
+            unkeyed=self._unkeyed,
         )
 
 
-def verify_chain(records: Iterable[AuditRecord], *, tenant: str | None = None) -> ChainReport:
+def verify_chain(
+    records: Iterable[AuditRecord], *, tenant: str | None = None, key: MacKey | None = None
+) -> ChainReport:
     """Verify one tenant's whole chain, given in seq order from seq 1 (an empty chain is ok)."""
-    verifier = ChainVerifier(tenant)
+    verifier = ChainVerifier(tenant, key)
     for record in records:
         if not verifier.feed(record):
             break

@@ -13,6 +13,12 @@ each draft id once, so the trail is not.
 A process that dies during a write leaves at most a torn last line, never acknowledged as durable: it is
 skipped on replay. After a restart new drafts go to a new file, never after a torn line.
 
+With a MAC key (`policy.audit.keys`, the key of the chain) each line is `<HMAC of the JSON, hex> <JSON>`, so
+whoever can write to the spool directory but lacks the key cannot slip a decision into the trail. A line
+that does not parse, or whose MAC does not verify (or that has none while a key is set), is never replayed
+and never skipped silently: it is moved to `quarantine.jsonl` in the base directory (fsync'd, 0600, with
+the file, offset and reason), logged critically and counted (`spool_quarantined`).
+
 One `Spool` is used by one task at a time (the writer's). One process at a time uses a directory: `open`
 takes an exclusive `flock` on its `.lock` file, held until `close` (or the process's death). A process that
 finds the directory taken (another worker of `lockgate serve --workers N`) claims the first free
@@ -29,11 +35,13 @@ import asyncio
 import fcntl
 import logging
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
+from policy.audit.keys import MacKey
 from policy.audit.records import AuditDraft
 
 log = logging.getLogger("lockgate.audit")
@@ -44,6 +52,8 @@ _PREFIX = "spool-"
 _SUFFIX = ".jsonl"
 _CURSOR = "cursor.json"
 _LOCK = ".lock"
+QUARANTINE = "quarantine.jsonl"
+_MAC_HEX = 64  # characters of a line's MAC (HMAC-SHA256, hex)
 # Worker directories tried after the base one (more gateway processes than this on one spool is a mistake).
 MAX_WORKERS = 256
 
@@ -60,6 +70,25 @@ def private_dir(directory: Path) -> None:
     for part in reversed(missing):
         part.mkdir(exist_ok=True)
         part.chmod(0o700)
+
+
+def append_synced(path: Path, line: bytes) -> None:
+    """Append `line` to `path` (created 0600) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Quarantined(msgspec.Struct, frozen=True, kw_only=True):
+    """A spooled line set apart: where it was, why, and the line itself (undecodable bytes escaped)."""
+
+    spool_file: str
+    offset: int
+    reason: str
+    line: str
 
 
 class SpoolBusyError(OSError):
@@ -87,7 +116,14 @@ def _fsync_dir(directory: Path) -> None:
 class Spool:
     """Append-only spool files in `directory`; call `open` once before anything else."""
 
-    def __init__(self, directory: Path | str, *, file_max_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        *,
+        file_max_bytes: int = 4 << 20,
+        mac_key: MacKey | None = None,
+        counters: Counter[str] | None = None,
+    ) -> None:
         # The base directory; `open` sets `directory` to the one this process claimed (it or a worker-<n>).
         self.base = Path(directory)
         self.directory = self.base
@@ -100,7 +136,11 @@ class Spool:
         self._cursor = Cursor(1, 0)
         # The file new drafts go to; None: start a new one (after a restart, never append after a torn line).
         self._active: int | None = None
-        self.corrupt_lines = 0
+        self._key = mac_key
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        # Lines (file, offset) quarantined already: a batch read again after a failed append is not
+        # quarantined twice.
+        self._set_apart: set[tuple[int, int]] = set()
 
     @property
     def pending_bytes(self) -> int:
@@ -147,8 +187,11 @@ class Spool:
 
     async def _adopt(self, directory: Path, fd: int) -> None:
         """Append the drafts `directory` has not replayed to this spool, in order, then delete its files."""
-        orphan = Spool(directory, file_max_bytes=self._file_max_bytes)
+        orphan = Spool(
+            directory, file_max_bytes=self._file_max_bytes, mac_key=self._key, counters=self.counters
+        )
         orphan.directory, orphan._lock_fd = directory, fd
+        orphan.base = self.base  # its bad lines go to this spool's quarantine
         try:
             await asyncio.to_thread(orphan._open)
             adopted = 0
@@ -208,7 +251,7 @@ class Spool:
 
     async def append(self, drafts: Sequence[AuditDraft]) -> int:
         """Write `drafts` (in order) and fsync them; returns the bytes written. Raises OSError."""
-        data = b"".join(_encoder.encode(d) + b"\n" for d in drafts)
+        data = b"".join(self._line(d) for d in drafts)
         if not data:
             return 0
         number = self._active
@@ -220,6 +263,42 @@ class Spool:
         self._sizes[number] = self._sizes.get(number, 0) + len(data)
         self._active = number
         return len(data)
+
+    def _line(self, draft: AuditDraft) -> bytes:
+        body = _encoder.encode(draft)
+        if self._key is None:
+            return body + b"\n"
+        return self._key.line_mac(body).encode() + b" " + body + b"\n"
+
+    def _decode(self, line: bytes) -> AuditDraft | str:
+        """The draft a line (without its newline) holds, or why it is quarantined."""
+        mac, sep, body = line.partition(b" ")
+        if not (sep and len(mac) == _MAC_HEX and line[:1] != b"{"):
+            mac, body = b"", line
+        if self._key is not None and not (mac and self._key.line_ok(body, mac)):
+            return "no MAC" if not mac else "the MAC does not verify"
+        try:
+            return _draft_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            return f"does not parse: {exc}"
+
+    def _quarantine(self, number: int, offset: int, line: bytes, reason: str) -> None:
+        if (number, offset) in self._set_apart:
+            return
+        path = self.base / QUARANTINE
+        entry = Quarantined(
+            spool_file=str(self._path(number)),
+            offset=offset,
+            reason=reason,
+            line=line.decode("utf-8", "backslashreplace"),
+        )
+        append_synced(path, _encoder.encode(entry) + b"\n")
+        self._set_apart.add((number, offset))
+        self.counters["spool_quarantined"] += 1
+        log.critical(
+            "audit spool %s: the line at %d is quarantined in %s, not replayed: %s",
+            *(number, offset, path, reason),
+        )
 
     def _write(self, number: int, data: bytes) -> None:
         path = self._path(number)
@@ -257,14 +336,12 @@ class Spool:
                     log.warning("audit spool %s: skipping a torn last line", cursor.file)
                     offset = size
                     break
+                decoded = self._decode(line[:-1])
+                if isinstance(decoded, str):
+                    self._quarantine(cursor.file, offset, line[:-1], decoded)
+                else:
+                    drafts.append(decoded)
                 offset += len(line)
-                try:
-                    drafts.append(_draft_decoder.decode(line))
-                except msgspec.DecodeError as exc:
-                    self.corrupt_lines += 1
-                    log.error(
-                        "audit spool %s: skipping an unreadable line at %d: %s", cursor.file, offset, exc
-                    )
         return drafts, offset
 
     async def commit(self, cursor: Cursor) -> None:

@@ -5,30 +5,38 @@ An append is one `BEGIN IMMEDIATE` transaction: it holds the database's write lo
 tenant's head to writing the new records and head, so neither another task of this process (serialised on
 the worker anyway) nor another process (a replica, the CLI) can fork a chain. An operational error (the file
 locked past `busy_timeout`, a disk error) is `AuditUnavailableError`.
+
+Verification reads the chain in pages through a read-only connection of its own (opened per page, in a
+thread of the default executor), never on the worker: a long verify does not hold appends up. (An in-memory
+database has no second connection: there it reads on the worker.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import TypeVar
-
-import msgspec
+from urllib.parse import quote
 
 from policy.audit.base import (
     AuditQuery,
     AuditRecordError,
     AuditStoreError,
     AuditUnavailableError,
+    BadRow,
     NotFoundError,
 )
+from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
     MIGRATIONS_TABLE,
     RECORD_COLUMNS,
     RECORD_FIELDS,
     record_from_row,
+    record_or_bad_row,
     record_row,
 )
 from policy.audit.query import query_sql
@@ -37,10 +45,10 @@ from policy.audit.records import (
     AuditDraft,
     AuditRecord,
     ChainReport,
-    ChainVerifier,
     chain,
     normalize,
 )
+from policy.audit.verify import verify_tenant
 from registry.db.sqlite import Conn, SqliteWorker, transaction
 
 T = TypeVar("T")
@@ -51,24 +59,31 @@ _SET_HEAD = (
     "INSERT INTO audit_heads (tenant, seq, hash) VALUES (?, ?, ?)"
     " ON CONFLICT (tenant) DO UPDATE SET seq = excluded.seq, hash = excluded.hash"
 )
-_CHAIN = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? ORDER BY seq"
+_HEADS = "SELECT tenant, seq, hash FROM audit_heads"
+_PAGE = (
+    f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND seq > ? AND seq <= ?"
+    " ORDER BY seq LIMIT ?"
+)
 _BY_DRAFT = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND draft_id = ?"
 
 
 class SqliteAuditStore:
     """An `AuditStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, db: SqliteWorker) -> None:
-        """Use `open`; this takes a worker whose database is already migrated."""
+    def __init__(self, db: SqliteWorker, path: str | Path, mac_key: MacKey | None = None) -> None:
+        """Use `open`; this takes a worker whose database (at `path`) is already migrated."""
         self._db = db
+        self._path = None if str(path) == ":memory:" else Path(path)
+        self._key = mac_key
 
     @classmethod
-    async def open(cls, path: str | Path) -> SqliteAuditStore:
-        """Open (creating if needed) and migrate the database at `path` (may be the tenant store's file)."""
+    async def open(cls, path: str | Path, mac_key: MacKey | None = None) -> SqliteAuditStore:
+        """Open (creating if needed) and migrate the database at `path` (may be the tenant store's file);
+        records are MACed with `mac_key` (None: not, and verify does not check MACs)."""
         db = await SqliteWorker.open(
             path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=False, name="audit"
         )
-        return cls(db)
+        return cls(db, path, mac_key)
 
     async def _run(self, fn: Callable[[Conn], T]) -> T:
         if self._db.closed:
@@ -106,7 +121,7 @@ class SqliteAuditStore:
                         row = conn.execute(_HEAD, (draft.tenant,)).fetchone()
                         heads[draft.tenant] = (0, GENESIS_HASH) if row is None else (int(row[0]), row[1])
                     seq, prev_hash = heads[draft.tenant]
-                    record = chain(draft, seq + 1, prev_hash)
+                    record = chain(draft, seq + 1, prev_hash, self._key)
                     conn.execute(_INSERT, record_row(record))
                     heads[draft.tenant] = (record.seq, record.hash)
                     moved.add(draft.tenant)
@@ -142,29 +157,42 @@ class SqliteAuditStore:
         rows = await self._run(lambda conn: conn.execute(sql, args).fetchall())
         return [record_from_row(row) for row in rows]
 
+    async def _read(self, fn: Callable[[Conn], T]) -> T:
+        """`fn` on a read-only connection of its own (the worker's for an in-memory database)."""
+        path = self._path
+        if path is None:
+            return await self._run(fn)
+        if self._db.closed:
+            raise AuditStoreError("the audit store is closed")
+
+        def read() -> T:
+            uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+            with closing(sqlite3.connect(uri, uri=True, isolation_level=None)) as conn:
+                conn.execute("PRAGMA busy_timeout = 5000")
+                return fn(conn)
+
+        try:
+            return await asyncio.to_thread(read)
+        except sqlite3.OperationalError as exc:
+            raise AuditUnavailableError(f"the audit database is unavailable: {exc}") from exc
+
+    async def heads(self, tenant: str | None = None) -> dict[str, tuple[int, str]]:
+        """Each tenant's head (last seq and hash), or only `tenant`'s (none: an empty chain)."""
+        sql, args = (_HEADS, ()) if tenant is None else (f"{_HEADS} WHERE tenant = ?", (tenant,))
+        rows = await self._read(lambda conn: conn.execute(sql, args).fetchall())
+        return {row[0]: (int(row[1]), row[2]) for row in rows}
+
+    async def chain_page(
+        self, tenant: str, after_seq: int, through_seq: int, limit: int
+    ) -> list[AuditRecord | BadRow]:
+        """At most `limit` of the tenant's records with after_seq < seq <= through_seq, in seq order."""
+        args = (tenant, after_seq, through_seq, limit)
+        rows = await self._read(lambda conn: conn.execute(_PAGE, args).fetchall())
+        return [record_or_bad_row(row) for row in rows]
+
     async def verify(self, tenant: str) -> ChainReport:
-        """Read the tenant's chain in order (one read transaction), verify it, and check the head."""
-
-        def verify(conn: Conn) -> ChainReport:
-            verifier = ChainVerifier(tenant)
-            # One read transaction: the records and the head are one snapshot, even while others append.
-            conn.execute("BEGIN")
-            try:
-                for row in conn.execute(_CHAIN, (tenant,)):
-                    try:
-                        record = record_from_row(row)
-                    except msgspec.ValidationError as exc:
-                        verifier.fail(int(row[1]), "hash", f"the stored record does not decode: {exc}")
-                        break
-                    if not verifier.feed(record):
-                        break
-                head = conn.execute(_HEAD, (tenant,)).fetchone()
-            finally:
-                conn.execute("COMMIT")
-            verifier.check_head(*((0, GENESIS_HASH) if head is None else (int(head[0]), head[1])))
-            return verifier.report()
-
-        return await self._run(verify)
+        """Verify the tenant's chain up to its head, in pages, off the worker (`verify_tenant`)."""
+        return await verify_tenant(self, tenant, key=self._key)
 
     async def purge_content(self, tenant: str, before: float) -> int:
         """Null the content of the tenant's records with `at < before`; the number of records changed."""

@@ -52,7 +52,8 @@ foresaw.
 
 Counters (`counters`): `appended` (drafts appended from the buffer), `spooled`, `replayed` (drafts appended
 from the spool), `flush_failures` (failed appends and spool writes), `refused_records` (drafts the store
-refused), `quarantined` (of those, the ones it refused without content too).
+refused), `quarantined` (of those, the ones it refused without content too), `spool_quarantined` (spooled
+lines that did not parse or whose MAC did not verify: moved to `quarantine.jsonl`, never replayed).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import secrets
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
@@ -70,8 +70,9 @@ from typing import Any
 import msgspec
 
 from policy.audit.base import AuditRecordError, AuditStore, AuditStoreError
+from policy.audit.keys import MacKey
 from policy.audit.records import AuditDraft, normalize
-from policy.audit.spool import Spool
+from policy.audit.spool import Spool, append_synced
 
 log = logging.getLogger("lockgate.audit")
 
@@ -148,9 +149,14 @@ class AuditWriter:
         append_timeout: float = 10.0,
         retry: RetryPolicy | None = None,
         sleep: Sleep = asyncio.sleep,
+        mac_key: MacKey | None = None,
     ) -> None:
         self._store = store
-        self._spool = Spool(spool_dir, file_max_bytes=spool_file_bytes)
+        self.counters: Counter[str] = Counter()
+        # Spooled lines carry their MAC under `mac_key`; a line that fails it is quarantined and counted.
+        self._spool = Spool(
+            spool_dir, file_max_bytes=spool_file_bytes, mac_key=mac_key, counters=self.counters
+        )
         self._clock = clock
         self._batch_size = batch_size
         self._flush_interval = flush_interval
@@ -159,7 +165,6 @@ class AuditWriter:
         self._append_timeout = append_timeout
         self._retry = retry or RetryPolicy()
         self._sleep = sleep
-        self.counters: Counter[str] = Counter()
         self._id_prefix = secrets.token_hex(8)
         self._ids = itertools.count(1)
         # Invariant: every draft in _buffer is newer than every draft in the spool, and oldest first.
@@ -302,7 +307,7 @@ class AuditWriter:
         self.counters["quarantined"] += 1
         path = self._spool.base / "quarantine.jsonl"
         line = msgspec.json.encode(draft) + b"\n"
-        await asyncio.get_running_loop().run_in_executor(None, _append_synced, path, line)
+        await asyncio.get_running_loop().run_in_executor(None, append_synced, path, line)
         log.critical(
             "audit record of request %s refused by the store, quarantined in %s: %s",
             draft.request_id,
@@ -468,13 +473,3 @@ class AuditWriter:
                     done.set_exception(error)
             log.critical("%s: %s", error, self._last_error)
             raise error
-
-
-def _append_synced(path: Path, line: bytes) -> None:
-    """Append `line` to `path` (created 0600) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)

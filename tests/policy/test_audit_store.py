@@ -34,6 +34,7 @@ from policy.audit import (
     record_hash,
     verify_chain,
 )
+from policy.audit.keys import MacKey
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
 from policy.audit.postgres import _open_pool
 from policy.audit.records import canonical_json, chain
@@ -43,6 +44,8 @@ from registry.db.sqlite import SqliteWorker, transaction
 from tests.backends import PG_DSN, SqlBackend, postgres_schema, sql_backend
 
 Backend = SqlBackend[AuditStore]
+# The MAC key every store of the contract suite is opened with (the gateway always has one).
+KEY = MacKey(b"k" * 32)
 APPEND_ONLY = (sqlite3.DatabaseError, asyncpg.PostgresError)
 
 RUNS = (
@@ -81,11 +84,11 @@ def draft(tenant: str = "acme", n: int = 0, **changes: Any) -> AuditDraft:
     return AuditDraft(**fields)
 
 
-def chained(drafts: list[AuditDraft]) -> list[AuditRecord]:
-    """`drafts` of one tenant chained as a store would."""
+def chained(drafts: list[AuditDraft], key: MacKey | None = KEY) -> list[AuditRecord]:
+    """`drafts` of one tenant chained as a store with `key` would."""
     records: list[AuditRecord] = []
     for d in drafts:
-        records.append(chain(d, len(records) + 1, records[-1].hash if records else GENESIS_HASH))
+        records.append(chain(d, len(records) + 1, records[-1].hash if records else GENESIS_HASH, key))
     return records
 
 
@@ -135,7 +138,7 @@ def test_record_hash_covers_every_field_but_content() -> None:
 
 def test_verify_chain_finds_the_first_bad_record() -> None:
     records = chained([draft(n=i) for i in range(5)])
-    report = verify_chain(records)
+    report = verify_chain(records, key=KEY)
     assert report == ChainReport(ok=True, checked=5, last_seq=5, last_hash=records[-1].hash)
     assert verify_chain([]) == ChainReport(ok=True, checked=0)
 
@@ -143,8 +146,13 @@ def test_verify_chain_finds_the_first_bad_record() -> None:
     tampered[2] = msgspec.structs.replace(records[2], decision="block")
     assert (verify_chain(tampered).first_bad_seq, verify_chain(tampered).reason) == (3, "hash")
     # Rehashing the tampered record moves the break to the next record's prev_hash.
-    tampered[2] = chain(msgspec.structs.replace(records[2], decision="block"), 3, records[1].hash)
+    tampered[2] = chain(msgspec.structs.replace(records[2], decision="block"), 3, records[1].hash, KEY)
     assert (verify_chain(tampered).first_bad_seq, verify_chain(tampered).reason) == (4, "prev_hash")
+    # Rehashed without the key, it has no MAC after keyed records; with another key, a wrong one.
+    for key in (None, MacKey(b"x" * 32)):
+        tampered[2] = chain(msgspec.structs.replace(records[2], decision="block"), 3, records[1].hash, key)
+        report = verify_chain(tampered, key=KEY)
+        assert (report.first_bad_seq, report.reason) == (3, "mac")
 
     deleted = records[:2] + records[3:]
     report = verify_chain(deleted)
@@ -215,9 +223,12 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     """A SQLite file in tmp_path, or a fresh PostgreSQL schema dropped afterwards. No PostgreSQL = failure."""
 
     async def postgres(schema: str) -> AuditStore:
-        return await PostgresAuditStore.open(PG_DSN, schema=schema)
+        return await PostgresAuditStore.open(PG_DSN, schema=schema, mac_key=KEY)
 
-    async with sql_backend(request.param, tmp_path, SqliteAuditStore.open, postgres) as opened:
+    async def sqlite(path: Path) -> AuditStore:
+        return await SqliteAuditStore.open(path, KEY)
+
+    async with sql_backend(request.param, tmp_path, sqlite, postgres) as opened:
         yield opened
 
 
@@ -289,9 +300,9 @@ async def test_a_draft_appended_again_is_recorded_once(store: AuditStore) -> Non
 async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: Backend) -> None:
     """A database at migration 2 (no draft_id column) with records in it: opening the store migrates it,
     the old records read back and verify, and new ones chain after them."""
-    old = chained([draft(n=i) for i in range(3)])
-    columns = ", ".join(RECORD_FIELDS[:-1])
-    rows = [record_row(record)[:-1] for record in old]
+    old = chained([draft(n=i) for i in range(3)], key=None)
+    columns = ", ".join(RECORD_FIELDS[:-2])
+    rows = [record_row(record)[:-2] for record in old]
     head = (old[-1].tenant, old[-1].seq, old[-1].hash)
     if backend.name == "sqlite":
         db = await SqliteWorker.open(
@@ -317,7 +328,7 @@ async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: B
         await pool.close()
     store = await backend.open()
     versions = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in versions] == [1, 2, 3]
+    assert [row[0] for row in versions] == [1, 2, 3, 4]
     assert [await store.get("acme", seq) for seq in (1, 2, 3)] == old
     [new] = await store.append([draft(n=5, draft_id="w-5")])
     assert (new.seq, new.prev_hash) == (4, old[-1].hash)
@@ -554,7 +565,7 @@ async def test_migrations_are_idempotent_and_share_the_tenant_database(backend: 
     second = await backend.open()
     assert await second.get("acme", 1) == await first.get("acme", 1)
     rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2, 3]
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2, 3, 4]
     # The tenant store lives beside it, in the same file or schema, with its own migrations.
     if backend.name == "sqlite":
         tenants: Any = await SqliteTenantStore.open(backend.location)
