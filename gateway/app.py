@@ -473,6 +473,7 @@ def create_app(
                 audit_store = await open_audit_store(config, audit_key)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, audit_key, clock, owned)
+            checkpoints = None
             if config.audit.checkpoint_interval > 0:
                 checkpoints = await audit_keys.checkpointer(config, audit_store, audit_key, clock)
                 task = asyncio.create_task(checkpoints.run(config.audit.checkpoint_interval))
@@ -533,6 +534,7 @@ def create_app(
                 scheduler=scheduler,
                 audit=audit_store,
                 audit_writer=writer,
+                audit_checkpoints=checkpoints,
                 appeals=appeals,
                 console_sessions=console_sessions,
                 observer=observer,

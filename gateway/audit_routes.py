@@ -11,7 +11,10 @@ the name, so that says nothing either.
     GET /audit/export                    every record the filters match, as NDJSON, read page by page
     GET /audit/verify                    the hash chain of one tenant or of each: 200 when every chain is ok,
                                          409 `audit_chain_broken` (with the reports) when one is not: a
-                                         broken chain is evidence of tampering, not a server error
+                                         broken chain is evidence of tampering, not a server error. Read in
+                                         pages off the writer's connection; checked against the MAC key and
+                                         this process's signed checkpoints (409 `audit_checkpoints_forged`
+                                         when their file does not verify)
 
 Filters (query parameters): tenant, since, until (unix seconds, since <= at < until), decision, stage,
 category, policy (`name@version`, or `name` for every version), fail_open=true, flagged=true; pages: limit
@@ -46,6 +49,7 @@ from gateway.security import reviewer_scope
 from gateway.service import Services
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore, AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
+from policy.audit.checkpoints import CheckpointError
 from policy.audit.records import AuditRecord, ChainFault, ChainReport, Decision, Stage
 from policy.auth import Principal
 
@@ -106,6 +110,7 @@ class ChainStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: ChainFault | None
     detail: str
     last_seq: int
+    unkeyed: int = 0  # records without a MAC (written before the chain was keyed)
 
 
 class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -312,6 +317,7 @@ def _status(report: ChainReport) -> ChainStatus:
         reason=report.reason,
         detail=report.detail,
         last_seq=report.last_seq,
+        unkeyed=report.unkeyed,
     )
 
 
@@ -342,7 +348,17 @@ async def verify_chains(
             "this key may only review its own tenant", param="tenant", code="other_tenant"
         )
     names = [tenant] if tenant is not None else [t.tenant_id for t in await services.tenants.list_tenants()]
-    chains = {name: _status(await _audit(services.audit.verify(name))) for name in names}
+    try:
+        known = await services.audit_checkpoints.read() if services.audit_checkpoints else {}
+    except CheckpointError as exc:
+        # The checkpoint file itself was tampered with: nothing can be verified against it.
+        body = VerifyResult(
+            ok=False,
+            tenants={},
+            error=ErrorBody(message=str(exc), type="conflict_error", code="audit_checkpoints_forged"),
+        )
+        return Response(content=_encoder.encode(body), status_code=409, media_type=MediaType.JSON)
+    chains = {name: _status(await _audit(services.audit.verify(name, known.get(name, ())))) for name in names}
     broken = sorted(name for name, status in chains.items() if not status.ok)
     error = None
     if broken:

@@ -191,6 +191,7 @@ def outcomes() -> OutcomeLog:
 def make_config(**server: float | int) -> Config:
     """A config for in-process servers (server fields overridable). Stores that a test does not pass in
     (e.g. the registry) live in a temporary directory of the test session, never in the user's home."""
+    app_id = uuid.uuid4().hex
     return Config(
         server=ServerConfig(**server),  # type: ignore[arg-type]
         model=ModelConfig(data_dir=str(DATA_DIR)),
@@ -201,8 +202,11 @@ def make_config(**server: float | int) -> Config:
         # second, and the request got 503 store_unavailable in a test about something else (the outage
         # tests set their own bound).
         auth=AuthConfig(store_timeout=30.0),
-        # One audit spool per app: apps of one test session run side by side.
-        audit=AuditConfig(spool_dir=str(SESSION_DIR / f"audit-spool-{uuid.uuid4().hex}")),
+        # One audit spool and checkpoint file per app: apps of one test session run side by side.
+        audit=AuditConfig(
+            spool_dir=str(SESSION_DIR / f"audit-spool-{app_id}"),
+            checkpoint_file=str(SESSION_DIR / f"audit-checkpoints-{app_id}.jsonl"),
+        ),
         # No shedding for event-loop lag or CPU: a test machine's loop runs late whenever another process
         # takes the core, the test client shares the loop with the app, and a shed request would fail a test
         # about something else (tests/gateway/test_overload.py sheds on purpose).

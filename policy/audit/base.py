@@ -22,11 +22,14 @@ written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import msgspec
 
 from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Decision, Stage
+
+if TYPE_CHECKING:
+    from policy.audit.checkpoints import Checkpoint
 
 # The most records one `query` returns; a larger `limit` is cut to this.
 MAX_QUERY_LIMIT = 1000
@@ -111,9 +114,9 @@ class AuditStore(Protocol):
         """At most `q.page_size()` records matching `q`, ordered by (tenant, seq), after `q`'s keyset."""
         ...
 
-    async def verify(self, tenant: str) -> ChainReport:
+    async def verify(self, tenant: str, checkpoints: Sequence[Checkpoint] = ()) -> ChainReport:
         """Verify the tenant's chain up to its head (`policy.audit.verify.verify_tenant`, in pages, off the
-        connection appends use), with the MAC key the store was opened with."""
+        connection appends use), with the MAC key the store was opened with, against `checkpoints`."""
         ...
 
     async def heads(self, tenant: str | None = None) -> dict[str, tuple[int, str]]:

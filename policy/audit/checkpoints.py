@@ -114,20 +114,34 @@ class Checkpointer:
         self._signing_key = signing_key
         self._path = path
         self._clock = clock
-        self._last: dict[str, int] | None = None  # seq last checkpointed, by tenant (read on first use)
+        # (seq, hash) last checkpointed, by tenant (read from the file on first use).
+        self._last: dict[str, tuple[int, str]] | None = None
         self.counters: dict[str, int] = {"written": 0, "refused": 0}
+
+    async def read(self) -> dict[str, list[Checkpoint]]:
+        """Every checkpoint in the file, signatures checked (CheckpointError: a forged line)."""
+        public = self._signing_key.public_key()
+        return await asyncio.to_thread(read_checkpoints, self._path, public)
 
     async def once(self) -> list[Checkpoint]:
         """Checkpoint every tenant whose head moved since its last checkpoint; the checkpoints written.
-        A head whose record has no valid MAC is not signed: logged critically and counted (`refused`)."""
+        A head whose record has no valid MAC, or that is behind or differs from the last checkpoint, is not
+        signed: logged critically and counted (`refused`)."""
         if self._last is None:
-            public = self._signing_key.public_key()
-            known = await asyncio.to_thread(read_checkpoints, self._path, public)
-            self._last = {tenant: cps[-1].seq for tenant, cps in known.items()}
+            known = await self.read()
+            self._last = {tenant: (cps[-1].seq, cps[-1].hash) for tenant, cps in known.items()}
         now = self._clock()
         fresh: list[Checkpoint] = []
         for tenant, (seq, head_hash) in sorted((await self._store.heads()).items()):
-            if seq <= self._last.get(tenant, 0):
+            last_seq, last_hash = self._last.get(tenant, (0, ""))
+            if (seq, head_hash) == (last_seq, last_hash):
+                continue
+            if seq <= last_seq:
+                self.counters["refused"] += 1
+                log.critical(
+                    "audit head of %s (seq %d) is not the one checkpointed at seq %d",
+                    *(tenant, seq, last_seq),
+                )
                 continue
             found = await self._store.chain_page(tenant, seq - 1, seq, 1)
             record = found[0] if found else None
@@ -146,7 +160,7 @@ class Checkpointer:
             lines = b"".join(msgspec.json.encode(sign(cp, self._signing_key)) + b"\n" for cp in fresh)
             await asyncio.to_thread(_append, self._path, lines)
             for cp in fresh:
-                self._last[cp.tenant] = cp.seq
+                self._last[cp.tenant] = (cp.seq, cp.hash)
             self.counters["written"] += len(fresh)
         return fresh
 

@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, BadRow, NotFoundError
+from policy.audit.checkpoints import Checkpoint
 from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
@@ -206,9 +207,9 @@ class PostgresAuditStore:
             rows = await conn.fetch(_PAGE, tenant, after_seq, through_seq, limit)
         return [record_or_bad_row(row) for row in rows]
 
-    async def verify(self, tenant: str) -> ChainReport:
+    async def verify(self, tenant: str, checkpoints: Sequence[Checkpoint] = ()) -> ChainReport:
         """Verify the tenant's chain up to its head, in pages (`verify_tenant`)."""
-        return await verify_tenant(self, tenant, key=self._key)
+        return await verify_tenant(self, tenant, key=self._key, checkpoints=checkpoints)
 
     async def purge_content(self, tenant: str, before: float) -> int:
         """Null the content of the tenant's records with `at < before`; the number of records changed."""

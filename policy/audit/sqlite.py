@@ -29,6 +29,7 @@ from policy.audit.base import (
     BadRow,
     NotFoundError,
 )
+from policy.audit.checkpoints import Checkpoint
 from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
@@ -190,9 +191,9 @@ class SqliteAuditStore:
         rows = await self._read(lambda conn: conn.execute(_PAGE, args).fetchall())
         return [record_or_bad_row(row) for row in rows]
 
-    async def verify(self, tenant: str) -> ChainReport:
+    async def verify(self, tenant: str, checkpoints: Sequence[Checkpoint] = ()) -> ChainReport:
         """Verify the tenant's chain up to its head, in pages, off the worker (`verify_tenant`)."""
-        return await verify_tenant(self, tenant, key=self._key)
+        return await verify_tenant(self, tenant, key=self._key, checkpoints=checkpoints)
 
     async def purge_content(self, tenant: str, before: float) -> int:
         """Null the content of the tenant's records with `at < before`; the number of records changed."""

@@ -14,15 +14,22 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
-from policy.audit import AuditDraft, AuditRecord, SqliteAuditStore, StageRun, content_sha256
+from policy.audit import AuditDraft, AuditRecord, SqliteAuditStore, StageRun, content_sha256, record_hash
+from policy.audit.checkpoints import Checkpointer
+from policy.audit.keys import MacKey
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import SqliteTenantStore, Tenant
+from tests.backends import FakeClock
 from tests.conftest import OutcomeLog, add_key, make_config, serving
+
+# The MAC key of the test's audit store.
+KEY = MacKey(b"r" * 32)
 
 T0 = time.time() - 3600.0  # recent: within the content retention period
 DECISIONS = ("allow", "block", "flag")
@@ -96,7 +103,7 @@ async def review(
         tenant = Tenant(tenant_id=tenant_id, display_name=tenant_id, retain_prompts=True)
         await tenants.create_tenant(tenant, actor="test", now=0.0)
     audit_path = tmp_path / "audit.sqlite3"
-    audit = await SqliteAuditStore.open(audit_path)
+    audit = await SqliteAuditStore.open(audit_path, KEY)
     app = create_app(
         make_config(), engine=sim_engine, renderer=renderer, tenants=tenants, sink=outcomes, audit=audit
     )
@@ -224,6 +231,7 @@ async def test_verify_reports_the_first_bad_seq_after_tampering(review: Review) 
                 "reason": None,
                 "detail": "",
                 "last_seq": 9,
+                "unkeyed": 0,
             }
         },
     }
@@ -249,6 +257,51 @@ async def test_verify_reports_the_first_bad_seq_after_tampering(review: Review) 
     assert (await review.get("/audit/verify", "global", tenant="beta")).status_code == 200
     assert (await review.get("/audit/verify", "beta")).status_code == 200
     assert (await review.get("/audit/verify", "beta", tenant="alpha")).status_code == 403
+
+
+async def test_verify_checks_macs_and_the_signed_checkpoints(review: Review, tmp_path: Path) -> None:
+    signer = Ed25519PrivateKey.generate()
+    checkpoints = Checkpointer(review.services.audit, KEY, signer, tmp_path / "cp.jsonl", FakeClock())
+    review.services.audit_checkpoints = checkpoints
+    assert {cp.tenant: cp.seq for cp in await checkpoints.once()} == {"alpha": 9, "beta": 5}
+    alpha = review.records["alpha"]
+
+    def cut(conn: sqlite3.Connection) -> None:
+        # Records cut off the end and the head set back: consistent in itself.
+        conn.execute("DROP TRIGGER audit_records_no_delete")
+        conn.execute("DROP TRIGGER audit_heads_forward")
+        conn.execute("DELETE FROM audit_records WHERE tenant = 'alpha' AND seq > 6")
+        conn.execute(f"UPDATE audit_heads SET seq = 6, hash = '{alpha[5].hash}' WHERE tenant = 'alpha'")
+
+    def forge(conn: sqlite3.Connection) -> None:
+        # beta's record 5 changed and rehashed (plain sha256, as the chain was before keys): its MAC fails.
+        conn.execute("DROP TRIGGER audit_records_only_purge")
+        beta = msgspec.structs.replace(review.records["beta"][4], decision="deny")
+        digest = record_hash(beta, 5, beta.prev_hash)
+        conn.execute(
+            f"UPDATE audit_records SET decision = 'deny', hash = '{digest}' WHERE tenant = 'beta' AND seq = 5"
+        )
+        conn.execute(f"UPDATE audit_heads SET hash = '{digest}' WHERE tenant = 'beta'")
+
+    def attack() -> None:
+        with closing(sqlite3.connect(review.audit_path, isolation_level=None)) as conn:
+            cut(conn)
+            forge(conn)
+
+    await asyncio.to_thread(attack)
+    every = await review.get("/audit/verify", "global")
+    assert every.status_code == 409
+    found = {t: (c["ok"], c["first_bad_seq"], c["reason"]) for t, c in every.json()["tenants"].items()}
+    assert found == {
+        "alpha": (False, 7, "checkpoint"),
+        "beta": (False, 5, "mac"),
+        SYSTEM_TENANT: (True, None, None),
+    }
+    # A forged checkpoint line: nothing verifies against the file.
+    lines = (tmp_path / "cp.jsonl").read_bytes().replace(b'"seq":9', b'"seq":6')
+    (tmp_path / "cp.jsonl").write_bytes(lines)
+    forged = await review.get("/audit/verify", "global")
+    assert (forged.status_code, forged.json()["error"]["code"]) == (409, "audit_checkpoints_forged")
 
 
 ROUTES = [
