@@ -5,6 +5,7 @@ real PostgreSQL; each test plays the attacker with raw SQL, triggers disabled.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sqlite3
 import stat
@@ -22,6 +23,7 @@ from policy.audit.checkpoints import Checkpoint, Checkpointer, CheckpointError, 
 from policy.audit.keys import AuditKeyError, MacKey, load_mac_key, load_public_key, load_signing_key
 from policy.audit.spool import QUARANTINE, Spool
 from policy.audit.verify import verify_tenant, verify_tenants
+from policy.audit.writer import AuditWriter
 from tests.backends import PG_DSN, FakeClock, SqlBackend, sql_backend
 from tests.policy.test_audit_store import KEY, bypass_triggers, draft
 
@@ -325,5 +327,33 @@ async def test_sqlite_verify_reads_off_the_writer_thread(tmp_path: Path) -> None
         finally:
             release.set()
             await held
+    finally:
+        await store.close()
+
+
+async def test_the_writer_replays_only_authentic_spool_lines_and_counts_the_rest(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", mac_key=KEY)
+    await spool.open()
+    await spool.append([draft(n=0)])
+    spool.close()
+    [path] = (tmp_path / "spool").glob("spool-*.jsonl")
+    with path.open("ab") as f:  # someone with access to the spool directory, but not to the key
+        f.write(msgspec.json.encode(draft(n=1, detail="forged")) + b"\n")
+    store = await SqliteAuditStore.open(tmp_path / "audit.sqlite3", KEY)
+    writer = AuditWriter(store, tmp_path / "spool", clock=FakeClock(), mac_key=KEY)
+    try:
+        await writer.start()
+        writer.submit(draft(n=2))
+        async with asyncio.timeout(60):  # replay runs in the writer's task; bounded by time, not turns
+            for _ in itertools.count():
+                if (await store.heads()).get("acme", (0, ""))[0] >= 2:
+                    break
+                await asyncio.sleep(0.01)
+        await writer.close()
+        assert [r.request_id for r in await chain_of(store)] == ["req-acme-0", "req-acme-2"]
+        assert writer.counters["spool_quarantined"] == 1
+        assert (await store.verify("acme")).ok
+        quarantined = msgspec.json.decode((tmp_path / "spool" / QUARANTINE).read_bytes())
+        assert (quarantined["reason"], "forged" in quarantined["line"]) == ("no MAC", True)
     finally:
         await store.close()
