@@ -25,7 +25,7 @@ from policy.audit.spool import QUARANTINE, Spool
 from policy.audit.verify import verify_tenant, verify_tenants
 from policy.audit.writer import AuditWriter
 from tests.backends import PG_DSN, FakeClock, SqlBackend, sql_backend
-from tests.policy.test_audit_store import KEY, bypass_triggers, draft
+from tests.policy.test_audit_store import APPEND_ONLY, KEY, bypass_triggers, draft
 
 Backend = SqlBackend[AuditStore]
 
@@ -98,6 +98,9 @@ async def test_rewriting_a_record_and_recomputing_the_hashes_fails_on_the_mac(
     assert (await store.verify("acme")).ok
     records = await chain_of(store)
     assert all(r.mac == KEY.chain_mac(r.hash) for r in records)
+    # The triggers cover the new column: a MAC is never changed through SQL while they stand.
+    with pytest.raises(APPEND_ONLY, match="append-only"):
+        await backend.raw("UPDATE {schema}.audit_records SET mac = NULL WHERE seq = 3")
     await bypass_everything(backend)
     await rewrite(backend, records, 3, strip_macs=False)
     # The plain chain is consistent again: hashes, links and head. Only the MAC shows it.
@@ -357,3 +360,26 @@ async def test_the_writer_replays_only_authentic_spool_lines_and_counts_the_rest
         assert (quarantined["reason"], "forged" in quarantined["line"]) == ("no MAC", True)
     finally:
         await store.close()
+
+
+async def test_the_checkpointer_signs_each_moved_head_every_interval(
+    store: AuditStore, signer: Ed25519PrivateKey, tmp_path: Path
+) -> None:
+    await store.append([draft(n=0), draft("beta", 0)])
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 3:
+            await store.append([draft(n=1)])
+        if len(slept) == 5:
+            raise asyncio.CancelledError
+
+    writer = checkpointer(store, signer, tmp_path)
+    with pytest.raises(asyncio.CancelledError):
+        await writer.run(60.0, sleep)
+    assert slept == [60.0] * 5
+    written = read_checkpoints(tmp_path / "checkpoints.jsonl", signer.public_key())
+    # Passes where no head moved write nothing.
+    assert {t: [cp.seq for cp in cps] for t, cps in written.items()} == {"acme": [1, 2], "beta": [1]}
+    assert stat.S_IMODE(os.stat(tmp_path / "checkpoints.jsonl").st_mode) == 0o600
