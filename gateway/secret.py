@@ -1,4 +1,5 @@
-"""The deployment's server secret, and the values it keys: canary pick keys and tenants' cache salts.
+"""The deployment's server secret, and the values it keys: canary pick keys, tenants' cache salts and
+their hashed metrics labels.
 
 Whatever a client could compute, it could choose for: a canary split hashed from the client's own request id
 let a consumer pick ids that land on the weaker policy version, or retry a blocked prompt under the other
@@ -55,6 +56,11 @@ class ServerSecret:
     def cache_salt(self, tenant_id: str) -> str:
         """The tenant's prefix-cache salt, on every engine request made for it (generation and guards)."""
         return self._digest("cache-salt", tenant_id)[:32]
+
+    def metrics_label(self, tenant_id: str) -> str:
+        """The tenant's `tenant` label in the metrics under `[metrics] tenant_label = "hash"`: keyed, so no
+        reader of the metrics can confirm a guessed tenant id by hashing it."""
+        return self._digest("metrics-tenant", tenant_id)[:12]
 
 
 async def load_secret(configured: str, store: RegistryStore) -> ServerSecret:
