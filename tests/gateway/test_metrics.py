@@ -284,13 +284,14 @@ async def test_by_default_only_a_metrics_or_operator_key_of_the_operating_organi
             assert refused.json()["error"]["code"] == code
             assert "acme" not in refused.text
 
-        async def counted(key: str) -> bool:  # the chat's end is observed just after its answer
-            answer = await scrape(key)
-            assert answer.status_code == 200
-            return Scrape(answer.text).value(f"{P}requests_total", tenant="acme", status="200") == 1
-
         for key in (gw.scraper["authorization"].removeprefix("Bearer "), operator):
-            await eventually(lambda key=key: counted(key), within=10.0)
+
+            async def counted(key: str = key) -> bool:  # the chat's end is observed just after its answer
+                answer = await scrape(key)
+                assert answer.status_code == 200
+                return Scrape(answer.text).value(f"{P}requests_total", tenant="acme", status="200") == 1
+
+            await eventually(counted, within=10.0)
         # A scrape key reads the metrics and nothing else: not the admin API, not readiness's detail.
         admin = await gw.http.get("/admin/tenants", headers=gw.scraper)
         assert (admin.status_code, admin.json()["error"]["code"]) == (403, "missing_role")
