@@ -33,6 +33,7 @@ from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guards import GuardFactory
 from gateway.observe.collectors import ServiceCollector
+from gateway.observe.metrics import tenant_labels
 from gateway.observe.multiproc import CollectorMirror, repeat
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
@@ -418,6 +419,7 @@ def create_app(
                 owned.push_async_callback(versions.close)
             live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
             secret = await load_secret(config.registry.secret, versions)
+            observer.metrics.tenant_label = tenant_labels(config.metrics.tenant_label, secret)
             owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
             served = live_registry.view.resolve_model(config.model.name, key="")
             tokenizer = prompts.tokenizer

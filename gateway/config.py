@@ -65,6 +65,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Gateway processes serving the port (`lockgate serve --workers N` overrides it). More than 1 needs shared
     # state: the Redis quota store and console sessions, PostgreSQL storage, and no in-process vLLM engine.
     workers: int = 1
+    # Seconds one round of `/readyz` health checks (every engine's, the registry's) answers for: a flood of
+    # probes checks each engine at most once per this. 0: every probe checks.
+    readiness_cache: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # Uvicorn log level.
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -337,10 +340,16 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # One JSON line per request end on the `lockgate.requests` logger (at INFO).
     request_log: bool = True
-    # GET /metrics needs a key with the `operator` role of the operating organisation (tenant "lockgate"),
-    # sent as `Authorization: Bearer` (Prometheus: `authorization: {credentials: ...}`), since its labels name
-    # every tenant. Off: no key, like the health probes (then only the scraper should reach the port).
-    require_key: bool = False
+    # GET /metrics needs a key with the `metrics` (scrape only) or `operator` role of the operating
+    # organisation (tenant "lockgate"), sent as `Authorization: Bearer` (Prometheus: `authorization:
+    # {credentials: ...}`), since its series count every tenant's traffic. Off: no key (then only the scraper
+    # should reach the port).
+    require_key: bool = True
+    # The `tenant` label of the per-tenant series (requests, tokens): "id" the tenant id; "hash" a keyed
+    # digest of it (12 hex digits of HMAC-SHA256 under the server secret: one series per tenant, the same on
+    # every replica and across restarts, and no tenant id in Prometheus or the OTLP backend); "drop" "" (the
+    # tenants' series summed into one).
+    tenant_label: Literal["id", "hash", "drop"] = "id"
     # OTLP/HTTP metrics endpoint to push the same series to, e.g. "http://127.0.0.1:4318/v1/metrics";
     # "" = no OTLP export (Prometheus scrapes GET /metrics either way).
     otlp_endpoint: str = ""

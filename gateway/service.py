@@ -20,6 +20,7 @@ from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
+from gateway.readiness import ReadinessCheck
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
@@ -100,6 +101,8 @@ class Services:
         # Builds each guard version's classifier (the gate uses it; tools wait for a policy's guards with it).
         self.guards = guards
         self.clock = clock
+        # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
+        self.readiness = ReadinessCheck(self, config.server.readiness_cache)
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
         self.moderation_decoder = Decoder(ModerationRequest)

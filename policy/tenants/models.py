@@ -6,8 +6,9 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["consumer", "policy_admin", "reviewer", "operator"]
-ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator")
+# `metrics`: scrapes `GET /metrics` and nothing else (a key for Prometheus), in the operating organisation.
+Role = Literal["consumer", "policy_admin", "reviewer", "operator", "metrics"]
+ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator", "metrics")
 FailMode = Literal["open", "closed"]
 # Admission classes, highest first: `interactive` requests are admitted ahead of `batch` ones.
 PriorityClass = Literal["interactive", "batch"]
