@@ -46,6 +46,7 @@ from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
+from policy.audit.refusals import RefusalTally
 from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
@@ -185,6 +186,20 @@ async def _audit_writer(
     await writer.start()
     owned.push_async_callback(writer.close, audit.close_timeout)
     return writer
+
+
+def _refusal_tally(config: Config, writer: AuditWriter, clock: Clock, owned: AsyncExitStack) -> RefusalTally:
+    """Counts repeated no-cost refusals into the audit trail; flushed at each interval's end and at shutdown,
+    before the writer closes."""
+    tally = RefusalTally(
+        writer.submit,
+        clock,
+        interval=config.audit.refusal_interval,
+        max_keys=config.audit.refusal_max_keys,
+    )
+    owned.callback(tally.close)  # after the flushing task stops (the stack unwinds in reverse)
+    owned.push_async_callback(_stop, asyncio.create_task(tally.run()))
+    return tally
 
 
 def _recording(writer: AuditWriter, sink: RecordSink) -> RecordSink:
@@ -462,6 +477,7 @@ def create_app(
                 audit_store = await open_audit_store(config)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, clock, owned)
+            refusals = _refusal_tally(config, writer, clock, owned)
             appeals = await open_appeal_store(config)
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
@@ -516,6 +532,7 @@ def create_app(
                 scheduler=scheduler,
                 audit=audit_store,
                 audit_writer=writer,
+                refusals=refusals,
                 appeals=appeals,
                 console_sessions=console_sessions,
                 observer=observer,

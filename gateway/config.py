@@ -259,6 +259,11 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
     # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
     content_retention_days: float = 30.0
+    # Seconds over which repeated no-cost refusals (quota denials, quota_exceeds_capacity, admission
+    # refusals) of one key for one reason are recorded as one counted record (the first is recorded at once).
+    refusal_interval: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Keys whose refusals are tallied at once; past it they are counted per tenant (memory stays bounded).
+    refusal_max_keys: Annotated[int, msgspec.Meta(ge=1)] = 10_000
 
     def spool_path(self, storage: StorageConfig) -> Path:
         """The spool directory."""
