@@ -50,6 +50,7 @@ from policy.audit.refusals import RefusalTally
 from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
+from policy.auth_limit import FailedAuthLimit
 from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
@@ -520,6 +521,12 @@ def create_app(
                     store_timeout=config.auth.store_timeout,
                     stale_grace=config.auth.stale_grace,
                     negative_ttl=config.auth.negative_ttl,
+                    failures=FailedAuthLimit(
+                        clock,
+                        burst=config.auth.failed_burst,
+                        per_second=config.auth.failed_per_second,
+                        max_sources=config.auth.failed_max_sources,
+                    ),
                 ),
                 meter=meter,
                 registry=live_registry,

@@ -47,8 +47,9 @@ from gateway.review_queue import all_appeals, check_not_own, review_queue, revie
 from gateway.service import Services
 from policy.audit.appeals import Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
-from policy.auth import AuthError, ForbiddenError, require_role
+from policy.auth import AuthError, ForbiddenError, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
+from policy.auth_limit import source_of
 
 QUEUE_SHOWN = 200
 _OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
@@ -77,12 +78,17 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
     key = (await form(request)).get("key", "").strip()
     authorization = f"Bearer {key}"
     try:
-        principal = await services.auth.authenticate(authorization)
+        client = request.client
+        principal = await services.auth.authenticate(
+            authorization, source_of(client.host if client else None)
+        )
         require_role(principal, "reviewer")
     except AuthError as exc:
         return html(views.login_page(f"Sign-in refused: {exc}"), 401)
     except ForbiddenError:
         return html(views.login_page("Sign-in refused: this key lacks the reviewer role"), 403)
+    except ThrottledError as exc:
+        raise PageError(429, str(exc)) from exc
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
     sessions = services.console_sessions
