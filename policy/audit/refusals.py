@@ -156,8 +156,10 @@ class RefusalTally:
                 continue
             if tally.draft is not None:
                 if not self._write(self._record(key, tally)):
-                    next_due = min(next_due, now)
-                    continue
+                    # The trail is full: the rest would be refused too. Try again a little later, not on
+                    # every refusal (each flush walks every tally).
+                    self._next_due = self._clock() + min(1.0, self._interval)
+                    return written
                 written += 1
             del self._tallies[key]
         self._next_due = next_due
