@@ -47,9 +47,11 @@ from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
+from policy.audit.refusals import RefusalTally
 from policy.audit.retention import run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
+from policy.auth_limit import FailedAuthLimit
 from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
@@ -186,6 +188,20 @@ async def _audit_writer(
     await writer.start()
     owned.push_async_callback(writer.close, audit.close_timeout)
     return writer
+
+
+def _refusal_tally(config: Config, writer: AuditWriter, clock: Clock, owned: AsyncExitStack) -> RefusalTally:
+    """Counts repeated no-cost refusals into the audit trail; flushed at each interval's end and at shutdown,
+    before the writer closes."""
+    tally = RefusalTally(
+        writer.submit,
+        clock,
+        interval=config.audit.refusal_interval,
+        max_keys=config.audit.refusal_max_keys,
+    )
+    owned.callback(tally.close)  # after the flushing task stops (the stack unwinds in reverse)
+    owned.push_async_callback(_stop, asyncio.create_task(tally.run()))
+    return tally
 
 
 def _recording(writer: AuditWriter, sink: RecordSink) -> tuple[RecordSink, DurableSink]:
@@ -469,6 +485,7 @@ def create_app(
                 audit_store = await open_audit_store(config)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, clock, owned)
+            refusals = _refusal_tally(config, writer, clock, owned)
             appeals = await open_appeal_store(config)
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
@@ -513,6 +530,12 @@ def create_app(
                     store_timeout=config.auth.store_timeout,
                     stale_grace=config.auth.stale_grace,
                     negative_ttl=config.auth.negative_ttl,
+                    failures=FailedAuthLimit(
+                        clock,
+                        burst=config.auth.failed_burst,
+                        per_second=config.auth.failed_per_second,
+                        max_sources=config.auth.failed_max_sources,
+                    ),
                 ),
                 meter=meter,
                 registry=live_registry,
@@ -525,6 +548,7 @@ def create_app(
                 scheduler=scheduler,
                 audit=audit_store,
                 audit_writer=writer,
+                refusals=refusals,
                 appeals=appeals,
                 console_sessions=console_sessions,
                 observer=observer,

@@ -204,6 +204,15 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stale_grace: float = 60.0
     # Seconds an unknown key id is refused without asking the store again (0: not remembered).
     negative_ttl: float = 2.0
+    # Failed authentications one client address (an IPv6 /64) may make at once, then `failed_per_second`;
+    # past them it is served only keys this process has cached, anything else gets 429 with Retry-After (no
+    # store lookup). 0: no limit. Behind a proxy, uvicorn must trust its X-Forwarded-For
+    # (FORWARDED_ALLOW_IPS), or every client counts as the proxy.
+    failed_burst: Annotated[float, msgspec.Meta(ge=0)] = 50.0
+    # Failed authentications per second a throttled address earns back.
+    failed_per_second: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # Client addresses whose failures are remembered (the least recently failed dropped first).
+    failed_max_sources: Annotated[int, msgspec.Meta(ge=1)] = 100_000
 
 
 class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -262,6 +271,11 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
     # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
     content_retention_days: float = 30.0
+    # Seconds over which repeated no-cost refusals (quota denials, quota_exceeds_capacity, admission
+    # refusals) of one key for one reason are recorded as one counted record (the first is recorded at once).
+    refusal_interval: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Keys whose refusals are tallied at once; past it they are counted per tenant (memory stays bounded).
+    refusal_max_keys: Annotated[int, msgspec.Meta(ge=1)] = 10_000
 
     def spool_path(self, storage: StorageConfig) -> Path:
         """The spool directory."""

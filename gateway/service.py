@@ -26,6 +26,7 @@ from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
+from policy.audit.refusals import RefusalTally
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
@@ -62,6 +63,7 @@ class Services:
         scheduler: Scheduler,
         audit: AuditStore,
         audit_writer: AuditWriter,
+        refusals: RefusalTally,
         appeals: AppealStore,
         console_sessions: SessionStore,
         pools: dict[str, Engine] | None = None,
@@ -77,6 +79,8 @@ class Services:
         # The audit trail: its store (the reviewer routes read it) and its writer (the gate feeds it).
         self.audit = audit
         self.audit_writer = audit_writer
+        # Repeated no-cost refusals (quota, admission) as counts per key, reason and interval.
+        self.refusals = refusals
         # Appeals of recorded decisions and their review (the appeal routes), in the audit store's database.
         self.appeals = appeals
         # The reviewer console's sessions ([console] session_store: this process's, or shared in Redis).
