@@ -46,7 +46,7 @@ from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
-from policy.audit.retention import run_retention
+from policy.audit.retention import RetainedAuditStore, run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
 from policy.quota.base import QuotaStore
@@ -471,7 +471,8 @@ def create_app(
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)
-            retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
+            days = config.audit.content_retention_days
+            retention = run_retention(audit_store, store, clock, days, config.audit.purge_interval)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             recording, recording_durably = _recording(writer, guard_sink)
             gate = SafetyGate(
@@ -521,7 +522,8 @@ def create_app(
                 pools=pools,
                 renderers=renderers,
                 scheduler=scheduler,
-                audit=audit_store,
+                # Reads past a tenant's retention show no content, purged yet or not.
+                audit=RetainedAuditStore(audit_store, store, clock, days),
                 audit_writer=writer,
                 appeals=appeals,
                 console_sessions=console_sessions,
