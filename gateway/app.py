@@ -48,7 +48,7 @@ from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.refusals import RefusalTally
-from policy.audit.retention import run_retention
+from policy.audit.retention import RetainedAuditStore, run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
 from policy.auth_limit import FailedAuthLimit
@@ -490,7 +490,8 @@ def create_app(
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)
-            retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
+            days = config.audit.content_retention_days
+            retention = run_retention(audit_store, store, clock, days, config.audit.purge_interval)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             recording, recording_durably = _recording(writer, guard_sink)
             gate = SafetyGate(
@@ -546,7 +547,8 @@ def create_app(
                 pools=pools,
                 renderers=renderers,
                 scheduler=scheduler,
-                audit=audit_store,
+                # Reads past a tenant's retention show no content, purged yet or not.
+                audit=RetainedAuditStore(audit_store, store, clock, days),
                 audit_writer=writer,
                 refusals=refusals,
                 appeals=appeals,

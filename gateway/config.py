@@ -267,15 +267,17 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     buffer_size: int = 10_000
     # Seconds shutdown waits to flush what is buffered to the store before it goes to the spool.
     close_timeout: float = 10.0
-    # Days the checked text of a decision is kept (only for tenants with retain_prompts, and only where the
-    # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
-    # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
+    # Days the checked text of a decision is kept (stored only for tenants with retain_prompts, and only where
+    # the policy's retention is `full`); past them the reviewer API and console show none of it, and the next
+    # purge pass deletes it, while its hash and the decision remain. A tenant may set its own period.
     content_retention_days: float = 30.0
     # Seconds over which repeated no-cost refusals (quota denials, quota_exceeds_capacity, admission
     # refusals) of one key for one reason are recorded as one counted record (the first is recorded at once).
     refusal_interval: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # Keys whose refusals are tallied at once; past it they are counted per tenant (memory stays bounded).
     refusal_max_keys: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    # Seconds between two purge passes over the audit database (one also runs at start).
+    purge_interval: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
 
     def spool_path(self, storage: StorageConfig) -> Path:
         """The spool directory."""

@@ -192,6 +192,9 @@ async def test_a_post_without_the_csrf_token_is_refused(console: Console) -> Non
 
 
 async def test_content_is_escaped(console: Console) -> None:
+    tenants = console.services.tenants
+    acme = await tenants.get_tenant("acme")
+    await tenants.update_tenant(msgspec.structs.replace(acme, retain_prompts=True), actor="t", now=0.0)
     [record] = await console.services.audit.append(
         [
             AuditDraft(
