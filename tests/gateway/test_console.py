@@ -215,6 +215,24 @@ async def test_content_is_escaped(console: Console) -> None:
         assert "<script>" not in (await http.get("/console")).text
 
 
+async def test_a_counted_refusal_shows_its_count_and_span(console: Console) -> None:
+    at = console.services.clock()
+    [record] = await console.services.audit.append(
+        [
+            AuditDraft(
+                tenant="acme", key_id="k", request_id="first", at=at, stage="quota", decision="deny",
+                source="rate_limited", count=9_999, last_at=at + 59.5,
+            )
+        ]
+    )  # fmt: skip
+    async with console.client() as http:
+        await console.login(http, "rev-acme")
+        page = await http.get(f"/console/decisions/acme/{record.seq}")
+        assert page.status_code == 200
+        assert "<tr><th>count</th><td>9999</td></tr>" in page.text
+        assert f"({at + 59.5})" in page.text
+
+
 async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Console) -> None:
     record = await console.flagged("acme")
     async with console.client() as http:
