@@ -34,6 +34,7 @@ from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guards import GuardFactory
 from gateway.observe.collectors import ServiceCollector
+from gateway.observe.metrics import tenant_labels
 from gateway.observe.multiproc import CollectorMirror, repeat
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
@@ -48,9 +49,11 @@ from guard.default_guard import judge_spec
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.keys import MacKey
-from policy.audit.retention import run_retention
+from policy.audit.refusals import RefusalTally
+from policy.audit.retention import RetainedAuditStore, run_retention
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock
+from policy.auth_limit import FailedAuthLimit
 from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
@@ -190,6 +193,20 @@ async def _audit_writer(
     await writer.start()
     owned.push_async_callback(writer.close, audit.close_timeout)
     return writer
+
+
+def _refusal_tally(config: Config, writer: AuditWriter, clock: Clock, owned: AsyncExitStack) -> RefusalTally:
+    """Counts repeated no-cost refusals into the audit trail; flushed at each interval's end and at shutdown,
+    before the writer closes."""
+    tally = RefusalTally(
+        writer.submit,
+        clock,
+        interval=config.audit.refusal_interval,
+        max_keys=config.audit.refusal_max_keys,
+    )
+    owned.callback(tally.close)  # after the flushing task stops (the stack unwinds in reverse)
+    owned.push_async_callback(_stop, asyncio.create_task(tally.run()))
+    return tally
 
 
 def _recording(writer: AuditWriter, sink: RecordSink) -> tuple[RecordSink, DurableSink]:
@@ -423,6 +440,7 @@ def create_app(
                 owned.push_async_callback(versions.close)
             live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
             secret = await load_secret(config.registry.secret, versions)
+            observer.metrics.tenant_label = tenant_labels(config.metrics.tenant_label, secret)
             owned.push_async_callback(_stop, asyncio.create_task(live_registry.run_refresher()))
             served = live_registry.view.resolve_model(config.model.name, key="")
             tokenizer = prompts.tokenizer
@@ -473,6 +491,7 @@ def create_app(
                 audit_store = await open_audit_store(config, audit_key)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, audit_key, clock, owned)
+            refusals = _refusal_tally(config, writer, clock, owned)
             checkpoints = None
             if config.audit.checkpoint_interval > 0:
                 checkpoints = await audit_keys.checkpointer(config, audit_store, audit_key, clock)
@@ -482,7 +501,8 @@ def create_app(
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)
-            retention = run_retention(audit_store, store, clock, config.audit.content_retention_days)
+            days = config.audit.content_retention_days
+            retention = run_retention(audit_store, store, clock, days, config.audit.purge_interval)
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             recording, recording_durably = _recording(writer, guard_sink)
             gate = SafetyGate(
@@ -522,6 +542,12 @@ def create_app(
                     store_timeout=config.auth.store_timeout,
                     stale_grace=config.auth.stale_grace,
                     negative_ttl=config.auth.negative_ttl,
+                    failures=FailedAuthLimit(
+                        clock,
+                        burst=config.auth.failed_burst,
+                        per_second=config.auth.failed_per_second,
+                        max_sources=config.auth.failed_max_sources,
+                    ),
                 ),
                 meter=meter,
                 registry=live_registry,
@@ -532,8 +558,10 @@ def create_app(
                 pools=pools,
                 renderers=renderers,
                 scheduler=scheduler,
-                audit=audit_store,
+                # Reads past a tenant's retention show no content, purged yet or not.
+                audit=RetainedAuditStore(audit_store, store, clock, days),
                 audit_writer=writer,
+                refusals=refusals,
                 audit_checkpoints=checkpoints,
                 appeals=appeals,
                 console_sessions=console_sessions,

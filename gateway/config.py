@@ -66,6 +66,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Gateway processes serving the port (`lockgate serve --workers N` overrides it). More than 1 needs shared
     # state: the Redis quota store and console sessions, PostgreSQL storage, and no in-process vLLM engine.
     workers: int = 1
+    # Seconds one round of `/readyz` health checks (every engine's, the registry's) answers for: a flood of
+    # probes checks each engine at most once per this. 0: every probe checks.
+    readiness_cache: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     # Uvicorn log level.
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -202,6 +205,15 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stale_grace: float = 60.0
     # Seconds an unknown key id is refused without asking the store again (0: not remembered).
     negative_ttl: float = 2.0
+    # Failed authentications one client address (an IPv6 /64) may make at once, then `failed_per_second`;
+    # past them it is served only keys this process has cached, anything else gets 429 with Retry-After (no
+    # store lookup). 0: no limit. Behind a proxy, uvicorn must trust its X-Forwarded-For
+    # (FORWARDED_ALLOW_IPS), or every client counts as the proxy.
+    failed_burst: Annotated[float, msgspec.Meta(ge=0)] = 50.0
+    # Failed authentications per second a throttled address earns back.
+    failed_per_second: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # Client addresses whose failures are remembered (the least recently failed dropped first).
+    failed_max_sources: Annotated[int, msgspec.Meta(ge=1)] = 100_000
 
 
 class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -256,10 +268,17 @@ class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     buffer_size: int = 10_000
     # Seconds shutdown waits to flush what is buffered to the store before it goes to the spool.
     close_timeout: float = 10.0
-    # Days the checked text of a decision is kept (only for tenants with retain_prompts, and only where the
-    # policy's retention is `full`); then it is purged hourly, while its hash and the decision remain. The
-    # content of tenants without retain_prompts is purged at the next pass. A tenant may set its own period.
+    # Days the checked text of a decision is kept (stored only for tenants with retain_prompts, and only where
+    # the policy's retention is `full`); past them the reviewer API and console show none of it, and the next
+    # purge pass deletes it, while its hash and the decision remain. A tenant may set its own period.
     content_retention_days: float = 30.0
+    # Seconds over which repeated no-cost refusals (quota denials, quota_exceeds_capacity, admission
+    # refusals) of one key for one reason are recorded as one counted record (the first is recorded at once).
+    refusal_interval: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # Keys whose refusals are tallied at once; past it they are counted per tenant (memory stays bounded).
+    refusal_max_keys: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    # Seconds between two purge passes over the audit database (one also runs at start).
+    purge_interval: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     # The key that MACs every record's chain hash and every spooled line, never stored in the database (a
     # database writer without it cannot forge a chain), inline (at least 32 characters); "" = `mac_key_file`.
     mac_key: str = ""
@@ -370,10 +389,16 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # One JSON line per request end on the `lockgate.requests` logger (at INFO).
     request_log: bool = True
-    # GET /metrics needs a key with the `operator` role of the operating organisation (tenant "lockgate"),
-    # sent as `Authorization: Bearer` (Prometheus: `authorization: {credentials: ...}`), since its labels name
-    # every tenant. Off: no key, like the health probes (then only the scraper should reach the port).
-    require_key: bool = False
+    # GET /metrics needs a key with the `metrics` (scrape only) or `operator` role of the operating
+    # organisation (tenant "lockgate"), sent as `Authorization: Bearer` (Prometheus: `authorization:
+    # {credentials: ...}`), since its series count every tenant's traffic. Off: no key (then only the scraper
+    # should reach the port).
+    require_key: bool = True
+    # The `tenant` label of the per-tenant series (requests, tokens): "id" the tenant id; "hash" a keyed
+    # digest of it (12 hex digits of HMAC-SHA256 under the server secret: one series per tenant, the same on
+    # every replica and across restarts, and no tenant id in Prometheus or the OTLP backend); "drop" "" (the
+    # tenants' series summed into one).
+    tenant_label: Literal["id", "hash", "drop"] = "id"
     # OTLP/HTTP metrics endpoint to push the same series to, e.g. "http://127.0.0.1:4318/v1/metrics";
     # "" = no OTLP export (Prometheus scrapes GET /metrics either way).
     otlp_endpoint: str = ""

@@ -60,8 +60,9 @@ from gateway.review_queue import (
 from gateway.service import Services
 from policy.audit.appeals import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
-from policy.auth import AuthError, ForbiddenError, require_role
+from policy.auth import AuthError, ForbiddenError, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
+from policy.auth_limit import source_of
 
 _OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
 
@@ -106,12 +107,17 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
         return limited
     authorization = f"Bearer {key}"
     try:
-        principal = await services.auth.authenticate(authorization)
+        client = request.client
+        principal = await services.auth.authenticate(
+            authorization, source_of(client.host if client else None)
+        )
         require_role(principal, "reviewer")
     except AuthError as exc:
         return login_page(request, services, f"Sign-in refused: {exc}", 401)
     except ForbiddenError:
         return login_page(request, services, "Sign-in refused: this key lacks the reviewer role", 403)
+    except ThrottledError as exc:
+        raise PageError(429, str(exc)) from exc
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
     console, sessions = services.config.console, services.console_sessions

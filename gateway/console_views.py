@@ -157,6 +157,10 @@ def decision_page(
     its appeal and events, and the uphold / overturn form while it can still be decided."""
     fields = "".join(f"<tr><th>{name}</th><td>{_t(getattr(record, name))}</td></tr>" for name in _FIELDS)
     fields += f"<tr><th>at</th><td>{_t(when(record.at))} ({record.at})</td></tr>"
+    if record.count != 1 or record.last_at is not None:  # refusals counted over an interval
+        last = record.last_at if record.last_at is not None else record.at
+        fields += f"<tr><th>count</th><td>{record.count}</td></tr>"
+        fields += f"<tr><th>last_at</th><td>{_t(when(last))} ({last})</td></tr>"
     stages = "".join(_stage_row(run) for run in record.stages) or "<tr><td colspan=10>None</td></tr>"
     if record.content is None:
         content = "<p>Not retained.</p>"

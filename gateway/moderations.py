@@ -126,6 +126,7 @@ async def run_moderation(
         key_id=principal.key.key_id,
         request_id=request_id,
         purpose="moderation",
+        retain_prompts=principal.tenant.retain_prompts,
     )
     salt = services.secret.cache_salt(principal.tenant.tenant_id)
     start = timeline.now()

@@ -63,7 +63,8 @@ TAGS: Final = (
     ),
     Tag(
         name="health",
-        description="Liveness and readiness probes, and the metrics (no key unless `[metrics] require_key`).",
+        description="Liveness and readiness probes (no key; an `operator` key gets readiness in detail), and "
+        "the metrics (a `metrics` or `operator` key, unless `[metrics] require_key` is off).",
     ),
 )
 

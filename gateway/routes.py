@@ -11,9 +11,11 @@ from litestar.openapi.spec import Example
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from gateway.decoding import body_limit, read_body
+from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
 from gateway.fastpath import generate
 from gateway.moderations import run_moderation
 from gateway.openapi import (
+    BEARER,
     ChatStreamingOperation,
     CompletionStreamingOperation,
     errors,
@@ -32,7 +34,7 @@ from gateway.schemas import (
     ModerationRequest,
     ModerationResponse,
 )
-from gateway.security import allow
+from gateway.security import allow, allow_operator, principal_of
 from gateway.service import Services
 from policy.auth import Principal
 from registry.models import ModelSpec
@@ -219,45 +221,41 @@ async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str
 
 @get(
     "/readyz",
+    # No key (a load balancer's probe), or an `operator` key of the operating organisation for the detail.
+    security=[{}, *BEARER],
     responses={
         HTTP_503_SERVICE_UNAVAILABLE: ResponseSpec(
             dict[str, Any],
             generate_examples=False,
-            description="Not ready: the same body, `status: not_ready`, and the `detail` of engines down.",
+            description="Not ready: `status: not_ready` (for an operator key, the same body as ready's, with "
+            "the `detail` of the engines down).",
         )
     },
 )
-async def readyz(services: NamedDependency[Services]) -> Response[dict[str, Any]]:
-    """Every pool has a ready engine (the generation replicas and the guards' pools), and the registry view is
-    fresh (refreshed within `registry.max_staleness` seconds, its refresher running)."""
-    engines = [(r.pool, r.engine) for r in services.scheduler.replicas]
-    engines += [(pool, services.pools[pool]) for pool in sorted(services.guard_pools)]
-    healths = [(pool, engine.replica_id, await engine.health()) for pool, engine in engines]
-    pools: dict[str, bool] = {}
-    for pool, _, health in healths:
-        pools[pool] = pools.get(pool, False) or health.ready
-    # The registry part: "stale" with the view's age while refreshes keep failing (the last view is still
-    # served, but a replica that cannot see rollouts should leave the load balancer's rotation).
-    registry = services.registry.health(services.config.registry.max_staleness)
-    engines_ready = all(pools.values())
-    ready = engines_ready and registry.ready
-    body = {
-        "status": "ready" if ready else "not_ready",
-        "engines": {replica_id: health.ready for _, replica_id, health in healths},
-        "pools": pools,
-        "registry": {
-            "status": "fresh" if registry.ready else "stale",
-            "age_s": round(registry.age_s, 3),
-            "generation": registry.generation,
-            "refresher": registry.refresher,
-            "consecutive_failures": registry.consecutive_failures,
-            "last_error": registry.last_error,
-        },
-    }
-    down = [f"{pool} {replica_id}: {h.detail}" for pool, replica_id, h in healths if not h.ready]
-    if down:
-        body["detail"] = "; ".join(down)
-    return Response(content=body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
+async def readyz(
+    request: Request[Any, Any, Any], services: NamedDependency[Services]
+) -> Response[dict[str, Any]]:
+    """Readiness: 200 `{"status": "ready"}` while every pool has a ready engine and the registry view is
+    fresh, else 503 `{"status": "not_ready"}`, as checked within the last `[server] readiness_cache`
+    seconds. For an `operator` key of the operating organisation, the detail: each engine replica, pool and
+    the registry view (any other caller, or a key that fails, gets the status alone: replica ids and error
+    text stay inside)."""
+    readiness = await services.readiness.check()
+    body = readiness.body if await _is_operator(request, services) else {"status": readiness.body["status"]}
+    status = HTTP_200_OK if readiness.ready else HTTP_503_SERVICE_UNAVAILABLE
+    return Response(content=body, status_code=status)
+
+
+async def _is_operator(request: Request[Any, Any, Any], services: Services) -> bool:
+    """Whether the request carries a key with the `operator` role of the operating organisation. Never an
+    error: a probe is answered whatever its key (a bad one just gets no detail)."""
+    if "authorization" not in request.headers:
+        return False
+    try:
+        allow_operator(await principal_of(request, services), "operator")
+    except (AuthenticationError, PermissionDeniedError, StoreUnavailableError):
+        return False
+    return True
 
 
 ROUTES = [

@@ -1,5 +1,5 @@
-"""The deployment's server secret, and the values it keys: canary pick keys, tenants' cache salts and the
-console sign-in form's CSRF tokens (`gateway.console_login`).
+"""The deployment's server secret, and the values it keys: canary pick keys, tenants' cache salts, their
+hashed metrics labels and the console sign-in form's CSRF tokens (`gateway.console_login`).
 
 Whatever a client could compute, it could choose for: a canary split hashed from the client's own request id
 let a consumer pick ids that land on the weaker policy version, or retry a blocked prompt under the other
@@ -45,12 +45,14 @@ class ServerSecret:
     def __repr__(self) -> str:
         return "ServerSecret(<hidden>)"
 
-    def _digest(self, purpose: str, *parts: str) -> str:
+    def _digest(self, purpose: str, *parts: str, remember: bool = True) -> str:
         remembered = self._digests.get((purpose, *parts))
         if remembered is not None:
             return remembered
         # JSON of the list: no choice of parts can collide with another split of the same characters.
         digest = hmac.new(self._key, _ENCODE.encode([purpose, *parts]), hashlib.sha256).hexdigest()
+        if not remember:
+            return digest
         if len(self._digests) >= _REMEMBERED:
             self._digests.clear()
         self._digests[(purpose, *parts)] = digest
@@ -69,8 +71,14 @@ class ServerSecret:
         return self._digest("cache-salt", tenant_id)[:32]
 
     def login_token(self, nonce: str) -> str:
-        """The console sign-in form's CSRF token for the nonce in the browser's login cookie."""
-        return self._digest("console-login", nonce)
+        """The console sign-in form's CSRF token for the nonce in the browser's login cookie (a fresh nonce
+        each time: not remembered)."""
+        return self._digest("console-login", nonce, remember=False)
+
+    def metrics_label(self, tenant_id: str) -> str:
+        """The tenant's `tenant` label in the metrics under `[metrics] tenant_label = "hash"`: keyed, so no
+        reader of the metrics can confirm a guessed tenant id by hashing it."""
+        return self._digest("metrics-tenant", tenant_id)[:12]
 
 
 async def load_secret(configured: str, store: RegistryStore) -> ServerSecret:

@@ -7,12 +7,19 @@ from typing import Any
 from litestar import Request
 from litestar.di import NamedDependency
 
-from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
+from gateway.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    RateLimitedError,
+    StoreUnavailableError,
+    retry_after_headers,
+)
 from gateway.inbound import Inbound
 from gateway.observe.timeline import timeline_in
 from gateway.service import Services
-from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, require_role
+from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
+from policy.auth_limit import source_of
 from policy.tenants.models import Role
 
 
@@ -28,14 +35,21 @@ async def provide_principal(
 
 async def principal_of(inbound: Inbound, services: Services) -> Principal:
     """The caller's principal from `Authorization: Bearer <key>`, or 401; 503 `store_unavailable` (with
-    Retry-After) when the key is not cached and the tenant store cannot answer now."""
+    Retry-After) when the key is not cached and the tenant store cannot answer now; 429 `auth_rate_limited`
+    (with Retry-After) when the client's address failed too often and the key is not cached."""
     timeline = timeline_in(inbound.scope, services.clock)
     start = timeline.now()
+    client = inbound.scope.get("client")
+    source = source_of(client[0] if client else None)
     try:
-        principal: Principal = await services.auth.authenticate(inbound.headers.get("authorization"))
+        principal: Principal = await services.auth.authenticate(inbound.headers.get("authorization"), source)
     except AuthError as exc:
         raise AuthenticationError(
             str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        ) from exc
+    except ThrottledError as exc:
+        raise RateLimitedError(
+            str(exc), code="auth_rate_limited", headers=retry_after_headers(exc.retry_after)
         ) from exc
     except KeyStoreUnavailableError as exc:
         raise StoreUnavailableError(str(exc), retry_after=exc.retry_after) from exc

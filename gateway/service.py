@@ -20,12 +20,14 @@ from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
+from gateway.readiness import ReadinessCheck
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
 from policy.audit.appeals import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer
+from policy.audit.refusals import RefusalTally
 from policy.audit.writer import AuditWriter
 from policy.auth import Authenticator, Clock, Principal
 from policy.quota.meter import Charge, QuotaMeter
@@ -62,6 +64,7 @@ class Services:
         scheduler: Scheduler,
         audit: AuditStore,
         audit_writer: AuditWriter,
+        refusals: RefusalTally,
         audit_checkpoints: Checkpointer | None = None,
         appeals: AppealStore,
         console_sessions: SessionStore,
@@ -80,6 +83,8 @@ class Services:
         self.audit_writer = audit_writer
         # Signed checkpoints of the chain heads, outside the database (None: [audit] checkpoint_interval 0).
         self.audit_checkpoints = audit_checkpoints
+        # Repeated no-cost refusals (quota, admission) as counts per key, reason and interval.
+        self.refusals = refusals
         # Appeals of recorded decisions and their review (the appeal routes), in the audit store's database.
         self.appeals = appeals
         # The reviewer console's sessions ([console] session_store: this process's, or shared in Redis).
@@ -104,6 +109,8 @@ class Services:
         # Builds each guard version's classifier (the gate uses it; tools wait for a policy's guards with it).
         self.guards = guards
         self.clock = clock
+        # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
+        self.readiness = ReadinessCheck(self, config.server.readiness_cache)
         self.chat_decoder = Decoder(ChatCompletionRequest)
         self.completion_decoder = Decoder(CompletionRequest)
         self.moderation_decoder = Decoder(ModerationRequest)

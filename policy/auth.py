@@ -18,11 +18,19 @@ random, so a new key is never refused for an id remembered before it existed.
 
 The secret is checked against the stored hash on every request (constant-time compare), cached or not.
 
+Failed-auth flood. Distinct made-up key ids each cost a lookup, so failures and lookups are limited per
+source (`policy.auth_limit`: a lookup takes a token as it starts, given back if the key is good): a source
+past its budget is served only keys this process has cached, with no store lookup, and gets `ThrottledError`
+(429) for anything else. A Bloom filter of issued key ids would
+refuse unknown ids without a lookup too, but it cannot stay exact across replicas (a key created on another
+one would be refused here until it was rebuilt), so this relies on the negative cache and the source limit.
+
 Exceptions::
 
     AuthError                401: missing, malformed, unknown, expired or revoked key
     ForbiddenError           403: the key lacks the role the route needs
     StoreUnavailableError    503: the key is not cached and the store cannot answer now (retry later)
+    ThrottledError           429: the source failed too often and the key is not cached (retry later)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import TypeVar
 
 import msgspec
 
+from policy.auth_limit import FailedAuthLimit
 from policy.tenants.base import NotFoundError, TenantStore, UnavailableError
 from policy.tenants.keys import parse_key, verify
 from policy.tenants.models import ApiKey, Role, StoredKey, Tenant
@@ -60,6 +69,19 @@ class StoreUnavailableError(Exception):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ThrottledError(Exception):
+    """The source is past its budget of failed authentications and the key would need a store lookup;
+    `retry_after` is in seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class _NeedsLookup(Exception):
+    """The key is not cached (fresh) and store lookups are not allowed for this call."""
 
 
 class Principal(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,9 +115,12 @@ class Authenticator:
         store_timeout: float = 1.0,
         stale_grace: float = 0.0,
         negative_ttl: float = 0.0,
+        failures: FailedAuthLimit | None = None,
     ) -> None:
-        """Authenticate against `store`; times from `clock` except `store_timeout`, which is real seconds."""
+        """Authenticate against `store`; times from `clock` except `store_timeout`, which is real seconds.
+        `failures`: the per-source limit of failed authentications (None: no limit)."""
         self._store = store
+        self._failures = failures
         self._clock = clock
         self._ttl = cache_ttl
         self._max = max_entries
@@ -134,7 +159,9 @@ class Authenticator:
             if cached_id == key_id or entry.tenant.tenant_id == tenant_id:
                 del self._cache[cached_id]
 
-    async def _lookup(self, key_id: str, now: float) -> _Entry:
+    async def _lookup(self, key_id: str, now: float, admit: Callable[[], bool] | None = None) -> _Entry:
+        """The cached or stored entry of `key_id`; `admit` (if given) is asked before the store is, and
+        False from it is `_NeedsLookup`."""
         entry = self._cache.get(key_id)
         if entry is not None and now - entry.fetched_at < self._ttl:
             return entry
@@ -143,6 +170,8 @@ class Authenticator:
             if now < refused_until:
                 raise AuthError("invalid API key")
             del self._unknown[key_id]
+        if admit is not None and not admit():
+            raise _NeedsLookup(key_id)
         stale = entry if entry is not None and now - entry.fetched_at < self._ttl + self._grace else None
         task = self._start(key_id, now)
         if stale is not None and self._store_down:
@@ -216,8 +245,41 @@ class Authenticator:
             log.warning("tenant store reachable again")
         self._store_down = down
 
-    async def authenticate(self, authorization: str | None) -> Principal:
-        """The principal of a `Bearer` key, or AuthError saying what is wrong (never which part matched)."""
+    async def authenticate(self, authorization: str | None, source: str | None = None) -> Principal:
+        """The principal of a `Bearer` key, or AuthError saying what is wrong (never which part matched).
+        `source` (`policy.auth_limit.source_of` the client's address): failures count against it, and past
+        its budget only cached keys are served (ThrottledError otherwise)."""
+        limit = self._failures
+        if limit is None or source is None:
+            return await self._authenticate(authorization, None)
+        charged = False
+
+        def admit() -> bool:
+            # A store lookup takes a token as it starts (so concurrent ones cannot outrun the bucket).
+            nonlocal charged
+            charged = limit.take(source)
+            return charged
+
+        try:
+            principal = await self._authenticate(authorization, admit)
+        except AuthError:
+            if not charged:
+                limit.failed(source)
+            raise
+        except _NeedsLookup:
+            raise ThrottledError(
+                "too many failed authentications from this address; retry later",
+                retry_after=limit.retry_after(source) or 1.0,
+            ) from None
+        except BaseException:
+            if charged:  # the store could not answer: not the client's failure
+                limit.refund(source)
+            raise
+        if charged:
+            limit.refund(source)
+        return principal
+
+    async def _authenticate(self, authorization: str | None, admit: Callable[[], bool] | None) -> Principal:
         if not authorization:
             raise AuthError("missing API key: send `Authorization: Bearer <key>`")
         scheme, _, token = authorization.partition(" ")
@@ -228,7 +290,7 @@ class Authenticator:
             raise AuthError("invalid API key")
         key_id, secret = parsed
         now = self._clock()
-        entry = await self._lookup(key_id, now)
+        entry = await self._lookup(key_id, now, admit)
         if not verify(secret, entry.stored.secret_hash):
             raise AuthError("invalid API key")
         key = entry.stored.key

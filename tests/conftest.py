@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import uvicorn
 from litestar import Litestar
@@ -138,6 +139,22 @@ async def add_key(store: TenantStore, tenant_id: str, roles: tuple[Role, ...], n
     key = ApiKey(key_id=key_id, tenant_id=tenant_id, roles=roles, created_at=now)
     await store.add_key(key, secret_hash, actor="test", now=now)
     return plaintext
+
+
+async def operator_headers(store: TenantStore) -> dict[str, str]:
+    """Authorization of a new `operator` key of the operating organisation (its tenant added if absent): what
+    `/readyz` answers in detail, and `/metrics` answers."""
+    if SYSTEM_TENANT not in {t.tenant_id for t in await store.list_tenants()}:
+        await store.create_tenant(
+            Tenant(tenant_id=SYSTEM_TENANT, display_name="Operator"), actor="test", now=0.0
+        )
+    return {"authorization": f"Bearer {await add_key(store, SYSTEM_TENANT, ('operator',))}"}
+
+
+def keyless_metrics(config: Config) -> Config:
+    """`config` with `GET /metrics` served without a key (`[metrics] require_key` off): for tests about what
+    the series count, not about who may read them (tests/gateway/test_metrics.py tests that)."""
+    return msgspec.structs.replace(config, metrics=msgspec.structs.replace(config.metrics, require_key=False))
 
 
 @pytest.fixture

@@ -1,18 +1,16 @@
 """Refusals before the safety gate, in the audit trail: quota denials and admission refusals (the gate records
-its own decisions). A refusal stands whether or not it can be recorded."""
+its own decisions). They cost the client nothing, so they are tallied (`policy.audit.refusals`): the first of
+a key's refusals for one reason in an interval is recorded at once, the rest as one counted record. A refusal
+stands whether or not it can be recorded."""
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 from gateway.errors import APIError
 from gateway.service import Services
 from policy.audit.records import AuditDraft
-from policy.audit.writer import AuditBackpressureError
 from policy.auth import Principal
-
-log = logging.getLogger("lockgate.audit")
 
 
 def record_refusal(
@@ -33,7 +31,4 @@ def record_refusal(
         source=error.code or stage,
         detail=error.message,
     )
-    try:
-        services.audit_writer.submit(draft)
-    except AuditBackpressureError:
-        log.error("audit trail full: %s refusal of %s not recorded", stage, request_id)
+    services.refusals.add(draft)

@@ -412,9 +412,6 @@ async def _run(
     timeline.model = plan.model.ref
     timeline.stream = plan.stream
     timeline.choices = plan.choices
-    if principal.tenant.retain_prompts:
-        # Only under the tenant's retention: otherwise no log line ever holds the prompt.
-        timeline.prompt = "\n\n".join(span.text for span in plan.spans)
     # Headers are checked before anything is reserved: a bad one costs nothing.
     klass = priority_class(request, principal)
     timeline.klass = klass
@@ -443,7 +440,10 @@ async def _run(
     headers = charge_headers(charge)
     headers[MODEL_HEADER] = plan.model.ref
     context = RecordContext(
-        tenant=principal.tenant.tenant_id, key_id=principal.key.key_id, request_id=plan.request_id
+        tenant=principal.tenant.tenant_id,
+        key_id=principal.key.key_id,
+        request_id=plan.request_id,
+        retain_prompts=principal.tenant.retain_prompts,
     )
     try:
         decision = await _input_guard(services, plan, policy, context, timeline, salt)

@@ -1,9 +1,10 @@
 """Request metrics in vLLM's naming style, observed once per request from its `RequestTimeline`.
 
 Everything lives on one `CollectorRegistry` per app (no process-global registry): two apps in one process, as
-in tests, never share a series. Labels are bounded: route templates, HTTP statuses, tenant ids (bounded by
-the tenant store), priority classes, model and guard versions (name@version, bounded by the registry: a
-canary's latencies next to its stable version's), error codes (ours). Never a request id or a key.
+in tests, never share a series. Labels are bounded: route templates, HTTP statuses, tenants (their ids, keyed
+digests of them, or none, as `[metrics] tenant_label` says; bounded by the tenant store), priority classes,
+model and guard versions (name@version, bounded by the registry: a canary's latencies next to its stable
+version's), error codes (ours). Never a request id or a key.
 
 Under `lockgate serve --workers N` prometheus_client runs in multiprocess mode (gateway/observe/multiproc.py):
 the same metrics are then backed by per-worker files that `/metrics` merges; counters and histograms sum, and
@@ -17,7 +18,9 @@ on every increment.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -25,6 +28,7 @@ from gateway.config import SloConfig
 from gateway.observe import slo
 from gateway.observe.tally import Incrementable, Tally, value_of
 from gateway.observe.timeline import RequestTimeline
+from gateway.secret import ServerSecret
 
 PREFIX = "lockgate:"
 # Buckets after vLLM's (its TTFT, inter-token and end-to-end histograms), with finer low ends for a gateway.
@@ -118,11 +122,32 @@ class _Observers:
         return observer
 
 
+def tenant_labels(mode: Literal["id", "hash", "drop"], secret: ServerSecret | None) -> Callable[[str], str]:
+    """The `tenant` label value of a tenant id, as `[metrics] tenant_label` says. "hash" without the secret
+    (before the lifespan has loaded it) drops the label rather than show the id. No tenant (a request refused
+    before authentication) stays ""."""
+    if mode == "id":
+        return str
+    if mode == "drop" or secret is None:
+        return lambda _: ""
+    # One HMAC per tenant, not per request (tenants are bounded by the tenant store).
+    digest = lru_cache(maxsize=4096)(secret.metrics_label)
+    return lambda tenant: digest(tenant) if tenant else ""
+
+
 class RequestMetrics:
     """The per-request series (histograms and counters) and the active-streams gauge."""
 
-    def __init__(self, registry: CollectorRegistry, slo_config: SloConfig) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        slo_config: SloConfig,
+        tenant_label: Callable[[str], str] = str,
+    ) -> None:
         self._slo = slo_config
+        # The `tenant` label value of a tenant id (`tenant_labels`); the lifespan sets the keyed one of "hash"
+        # once the server secret is loaded, before the first request.
+        self.tenant_label = tenant_label
         # Every increment below goes through the tally; its collector, registered before the series, flushes
         # it at every read of the registry.
         self.tally = Tally()
@@ -253,7 +278,8 @@ class RequestMetrics:
         """Record one ended request (called once, when its timeline ends)."""
         add = self.tally.add
         status = t.http_status
-        add(self._requests(t.route or "unmatched", str(status), t.tenant))
+        tenant = self.tenant_label(t.tenant)
+        add(self._requests(t.route or "unmatched", str(status), tenant))
         if status in _REFUSALS and t.error_code:
             add(self._rejections(t.error_code))
         for name, (start, end) in t.phases.items():
@@ -271,11 +297,11 @@ class RequestMetrics:
             add(self._stalls)
         usage = outcome.usage
         if usage.prompt_tokens:
-            add(self._prompt_tokens(t.tenant, t.model), usage.prompt_tokens)
+            add(self._prompt_tokens(tenant, t.model), usage.prompt_tokens)
         if usage.completion_tokens:
-            add(self._generation_tokens(t.tenant, t.model), usage.completion_tokens)
+            add(self._generation_tokens(tenant, t.model), usage.completion_tokens)
         if usage.guard_tokens:
-            add(self._guard_tokens(t.tenant, t.model), usage.guard_tokens)
+            add(self._guard_tokens(tenant, t.model), usage.guard_tokens)
         klass = t.klass
         if not klass:
             return

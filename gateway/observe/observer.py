@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gateway.config import Config
-from gateway.observe.metrics import RequestMetrics
+from gateway.observe.metrics import RequestMetrics, tenant_labels
 from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
 from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
@@ -40,7 +40,9 @@ class RequestObserver:
         self.registry = CollectorRegistry()
         # Where every worker's metric files are, in multiprocess mode (None: this process alone).
         self.multiprocess_dir = multiprocess_dir()
-        self.metrics = RequestMetrics(self.registry, config.slo)
+        self.metrics = RequestMetrics(
+            self.registry, config.slo, tenant_labels(config.metrics.tenant_label, secret=None)
+        )
         self.request_log = RequestLog(enabled=config.metrics.request_log)
         self.tracer = tracer
 

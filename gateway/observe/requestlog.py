@@ -1,7 +1,8 @@
 """One JSON line per request end on the `lockgate.requests` logger, with the ids its trace has.
 
-The line never holds output text, and holds the prompt only when the request path captured it, which it does
-only for tenants whose retention allows it (`Tenant.retain_prompts`).
+The line never holds the prompt or the output: log lines leave the gateway (stderr, journald, a collector) and
+cannot be purged when a tenant's retention ends, so checked text lives only in the audit trail, under its
+retention (`policy.audit.retention`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class RequestLogLine(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     cached_tokens: int = 0
     guard_tokens: int = 0
     durations: PhaseDurations
-    prompt: str | None = None
 
 
 def _round(value: float | None) -> float | None:
@@ -110,7 +110,6 @@ def log_line(t: RequestTimeline) -> RequestLogLine:
         cached_tokens=usage.cached_tokens if usage is not None else 0,
         guard_tokens=usage.guard_tokens if usage is not None else 0,
         durations=durations,
-        prompt=t.prompt,
     )
 
 

@@ -1,6 +1,6 @@
-"""`GET /metrics`: the app's registry in the Prometheus text format. Scraped without a key, like the health
-probes (keep it on a network only the scraper reaches), or with an operator key where `[metrics] require_key`
-is set. With several workers, every worker's series merged."""
+"""`GET /metrics`: the app's registry in the Prometheus text format, for a `metrics` or `operator` key of the
+operating organisation (or, where `[metrics] require_key` is off, without a key: keep the port on a network
+only the scraper reaches). With several workers, every worker's series merged."""
 
 from __future__ import annotations
 
@@ -21,16 +21,18 @@ from gateway.service import Services
     "/metrics",
     media_type=CONTENT_TYPE_LATEST,
     tags=["health"],
-    # No key, or a bearer key where [metrics] require_key is set (the 401, 403 and 503 are that case's).
+    # A bearer key (the 401, 403 and 503 are for it), or none where [metrics] require_key is off.
     security=[{}, *BEARER],
     responses=errors(),
 )
 async def metrics(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[bytes]:
     """Prometheus text exposition of the gateway's metrics (collected in the event loop, where the state
-    they read is changed; in multiprocess mode merged from the workers' files, in a thread). With `[metrics]
-    require_key`, only for a key with the `operator` role of the operating organisation."""
+    they read is changed; in multiprocess mode merged from the workers' files, in a thread). Only for a key
+    with the `metrics` or `operator` role of the operating organisation, unless `[metrics] require_key` is
+    off."""
     if services.config.metrics.require_key:
-        allow_operator(await provide_principal(request, services), "operator")
+        principal = await provide_principal(request, services)
+        allow_operator(principal, "metrics" if "metrics" in principal.key.roles else "operator")
     observer = services.observer
     if observer.multiprocess_dir is None:
         body = generate_latest(observer.registry)

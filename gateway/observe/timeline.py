@@ -74,7 +74,6 @@ class RequestTimeline:
         "parent_span_id",
         "phases",
         "policy",
-        "prompt",
         "request_id",
         "response_end",
         "route",
@@ -120,8 +119,6 @@ class RequestTimeline:
         self.outcome: Outcome | None = None
         self.http_status = 0
         self.error_code = ""
-        # The prompt text, only when the tenant's retention allows it (else never captured).
-        self.prompt: str | None = None
         self.response_end: float | None = None
         self.end: float | None = None
         self._awaiting_outcome = False

@@ -130,6 +130,8 @@ def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, s
         "LOCKGATE_SERVER__LOG_LEVEL": "warning",
         "LOCKGATE_GUARD__DEFAULT_POLICY": guard,
         "LOCKGATE_QUOTA__BACKEND": quota.removesuffix("-lease"),
+        # The bench reads the shed counts on loopback, without a key.
+        "LOCKGATE_METRICS__REQUIRE_KEY": "false",
         **lease,
     }
 

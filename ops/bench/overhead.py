@@ -214,7 +214,9 @@ async def overload(
 async def shed_counts(target: Endpoint) -> dict[str, int]:
     """The gateway's `lockgate:shed_requests_total` by reason, from its /metrics."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{target.server.port}", timeout=30) as http:
-        text = (await http.get("/metrics")).text
+        response = await http.get("/metrics")
+        response.raise_for_status()  # a refused scrape must not read as nothing shed
+        text = response.text
     counts: dict[str, int] = {}
     for line in text.splitlines():
         if line.startswith(SHED_SERIES):

@@ -3,7 +3,8 @@
 Tables (in the same database as the tenants, with their own migrations table)::
 
     audit_schema_migrations(version)       one row per applied migration
-    audit_records(tenant, seq, ...every AuditRecord field..., stages JSON, flagged 0/1, mac NULL if unkeyed)
+    audit_records(tenant, seq, ...every AuditRecord field..., stages JSON, flagged 0/1, count >= 1,
+                  mac NULL if unkeyed)
         PRIMARY KEY (tenant, seq)          append-only: UPDATE may only null `content`; no DELETE
         UNIQUE (tenant, draft_id) where draft_id <> ''   a draft is recorded once
     audit_heads(tenant PK, seq, hash)      each tenant's last record; the row appends lock per tenant.
@@ -32,8 +33,9 @@ from registry.db.migrations import Migration
 
 MIGRATIONS_TABLE = "audit_schema_migrations"
 
-# Column order of audit_records; rows decode by position on both drivers.
-RECORD_FIELDS = (
+# The columns of audit_records as migration 3 left them (released: the triggers of migrations 1 and 3 name
+# these, never what is added later).
+_V3_FIELDS = (
     "tenant",
     "seq",
     "key_id",
@@ -56,8 +58,11 @@ RECORD_FIELDS = (
     "prev_hash",
     "hash",
     "draft_id",
-    "mac",
 )
+_V4_FIELDS = (*_V3_FIELDS, "count", "last_at")
+_V5_FIELDS = (*_V4_FIELDS, "mac")
+# Column order of audit_records; rows decode by position on both drivers.
+RECORD_FIELDS = _V5_FIELDS
 RECORD_COLUMNS = ", ".join(RECORD_FIELDS)
 
 
@@ -121,7 +126,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         ),
         sqlite=(
             # The columns of version 1 (released: never edit), not RECORD_FIELDS as it grows.
-            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:21])),
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(_V3_FIELDS[:-1])),
             """CREATE TRIGGER audit_records_no_delete BEFORE DELETE ON audit_records
                BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END""",
             """CREATE TRIGGER audit_heads_forward BEFORE UPDATE ON audit_heads
@@ -233,17 +238,29 @@ MIGRATIONS: tuple[Migration, ...] = (
         # PostgreSQL's trigger compares whole rows (to_jsonb), so it covers the new column already.
         sqlite=(
             "DROP TRIGGER audit_records_only_purge",
-            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS[:22])),
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(_V3_FIELDS)),
         ),
     ),
     Migration(
         version=4,
+        summary="audit_records.count, last_at: one record for repeated refusals (policy.audit.refusals)",
+        shared=(
+            "ALTER TABLE audit_records ADD COLUMN count BIGINT NOT NULL DEFAULT 1 CHECK (count >= 1)",
+            "ALTER TABLE audit_records ADD COLUMN last_at DOUBLE PRECISION",
+        ),
+        sqlite=(
+            "DROP TRIGGER audit_records_only_purge",
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(_V4_FIELDS)),
+        ),
+    ),
+    Migration(
+        version=5,
         summary="audit_records.mac: each record's HMAC under a key kept outside the database",
         # NULL for the records written before: they verify as unkeyed, up to the chain's first keyed record.
         shared=("ALTER TABLE audit_records ADD COLUMN mac TEXT",),
         sqlite=(
             "DROP TRIGGER audit_records_only_purge",
-            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(RECORD_FIELDS)),
+            _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(_V5_FIELDS)),
         ),
     ),
 )

@@ -6,10 +6,11 @@ Each tenant has its own chain: record `seq` n (1, 2, 3, ... with no gaps) carrie
     hash = sha256(DOMAIN + canonical JSON of every field but `hash` and `content`)
 
 The canonical JSON has sorted keys, floats as floats (an int `at` hashes as the float the database returns),
-and includes `seq`, `prev_hash` and `content_hash` (and `draft_id` when it is set: records written before it
-existed hash as they did). `content_hash` stands for the content, so purging the
-content (retention) leaves every hash valid, while changing any other field, deleting a record or reordering
-records breaks the chain, and `verify_chain` names the first record where it breaks.
+and includes `seq`, `prev_hash` and `content_hash` (and `draft_id` when it is set, `count` when it is not 1
+and `last_at` when it is set: records written before they existed hash as they did). `content_hash` stands
+for the content, so purging the content (retention) leaves every hash valid, while changing any other field,
+deleting a record or reordering records breaks the chain, and `verify_chain` names the first record where it
+breaks.
 
 A database writer could still rewrite records and recompute every hash, so each record also carries
 `mac`, an HMAC of its hash under a key that is never in the database (`policy.audit.keys`): records without
@@ -22,7 +23,7 @@ import hashlib
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -88,6 +89,11 @@ class AuditDraft(msgspec.Struct, frozen=True, kw_only=True):
     # spool batch replayed after a crash, an append whose reply was lost) is found by it and not recorded
     # twice. "" (records from before it existed, drafts appended straight to a store): no such check.
     draft_id: str = ""
+    # How many decisions this record stands for: 1, or for the repeated no-cost refusals of one key for one
+    # reason in one interval, their number (`policy.audit.refusals`), `at` the first of them and `last_at`
+    # the last.
+    count: Annotated[int, msgspec.Meta(ge=1)] = 1
+    last_at: float | None = None
 
 
 class AuditRecord(AuditDraft, frozen=True, kw_only=True):
@@ -114,6 +120,7 @@ class ChainReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _DRAFT_FIELDS: tuple[str, ...] = AuditDraft.__struct_fields__
+_OMITTED_AT_DEFAULT: tuple[tuple[str, Any], ...] = (("draft_id", ""), ("count", 1), ("last_at", None))
 _encode_sorted = msgspec.json.Encoder(order="sorted")
 
 
@@ -163,7 +170,11 @@ def normalize(draft: AuditDraft) -> AuditDraft:
         clean = msgspec.convert(builtins, AuditDraft)
     except (msgspec.ValidationError, TypeError) as exc:
         raise InvalidDraftError(f"invalid audit draft: {exc}") from exc
-    numbers = [clean.at, *(n for run in clean.stages for n in _stage_numbers(run))]
+    numbers = [
+        clean.at,
+        *([] if clean.last_at is None else [clean.last_at]),
+        *(n for run in clean.stages for n in _stage_numbers(run)),
+    ]
     if not all(math.isfinite(n) for n in numbers):
         raise InvalidDraftError("audit draft numbers must be finite")
     if clean.content is not None:
@@ -186,8 +197,10 @@ def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
     # Through `convert`, so an int where a float belongs hashes as that float (what the database returns).
     payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(fields), AuditDraft))
     del payload["content"]
-    if not payload["draft_id"]:
-        del payload["draft_id"]
+    # Fields added later are left out at their defaults, so records written before them hash as they did.
+    for name, default in _OMITTED_AT_DEFAULT:
+        if payload[name] == default:
+            del payload[name]
     payload["seq"] = int(seq)
     payload["prev_hash"] = prev_hash
     return _encode_sorted.encode(payload)

@@ -3,7 +3,9 @@
 A record keeps its content only while the tenant's retention allows. `purge_expired` nulls what has expired
 (`AuditStore.purge_content`), which leaves every hash valid: `content_hash` stands for the content, so the
 chain still verifies and the decision, its stages and the content's sha256 remain. `run_retention` does that
-for every tenant, at start and then every `interval` seconds, in the app's lifespan.
+for every tenant, at start and then every `interval` seconds (`[audit] purge_interval`), in the app's
+lifespan. Between two passes, `RetainedAuditStore` (what the reviewer API and console read through) shows
+no content past retention either: it hides, at read time, what the next pass will purge.
 
 Retention per tenant: a tenant that retains prompts (`Tenant.retain_prompts`) keeps content for its own
 `Tenant.content_retention_days` when set, else for `[audit] content_retention_days` (the `days` passed here);
@@ -16,9 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Sequence
 
-from policy.audit.base import AuditStore, AuditUnavailableError
+import msgspec
+
+from policy.audit.base import AuditQuery, AuditStore, AuditUnavailableError, BadRow
+from policy.audit.checkpoints import Checkpoint
+from policy.audit.records import AuditDraft, AuditRecord, ChainReport
 from policy.auth import Clock
+from policy.tenants.base import NotFoundError as TenantNotFoundError
 from policy.tenants.base import TenantStore
 from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
 from policy.tenants.models import Tenant
@@ -78,3 +86,81 @@ async def run_retention(
         except TenantStoreUnavailableError as exc:
             log.warning("audit retention pass skipped: the tenant store is unavailable: %s", exc)
         await asyncio.sleep(interval)
+
+
+class RetainedAuditStore:
+    """An `AuditStore` whose reads (`get`, `find`, `query`) show a record's content only while its tenant's
+    retention keeps it at the injected clock's now (`expiry`), whether or not a purge pass has run since it
+    expired. Writes, `verify` and `purge_content` go to `inner` as they are.
+
+    A tenant that cannot be read (gone, or the tenant store down) shows no content: hiding it for a while
+    costs a reviewer a look, showing it past retention would break the promise.
+    """
+
+    def __init__(self, inner: AuditStore, tenants: TenantStore, clock: Clock, days: float) -> None:
+        self.inner = inner
+        self._tenants = tenants
+        self._clock = clock
+        self._days = days
+
+    async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
+        """`inner.append` (the records just written, as written)."""
+        return await self.inner.append(drafts)
+
+    async def get(self, tenant: str, seq: int) -> AuditRecord:
+        """One record, its content only within retention."""
+        [record] = await self._retained([await self.inner.get(tenant, seq)])
+        return record
+
+    async def find(self, tenant: str | None, request_id: str) -> list[AuditRecord]:
+        """The records of one request, their content only within retention."""
+        return await self._retained(await self.inner.find(tenant, request_id))
+
+    async def query(self, q: AuditQuery) -> list[AuditRecord]:
+        """A page of records, their content only within retention."""
+        return await self._retained(await self.inner.query(q))
+
+    async def verify(self, tenant: str, checkpoints: Sequence[Checkpoint] = ()) -> ChainReport:
+        """`inner.verify` (the chain never covers content)."""
+        return await self.inner.verify(tenant, checkpoints)
+
+    async def heads(self, tenant: str | None = None) -> dict[str, tuple[int, str]]:
+        """`inner.heads`."""
+        return await self.inner.heads(tenant)
+
+    async def chain_page(
+        self, tenant: str, after_seq: int, through_seq: int, limit: int
+    ) -> list[AuditRecord | BadRow]:
+        """`inner.chain_page`, content and all: verification reads what is stored (the chain never covers
+        content, and content that does not match its content_hash is evidence)."""
+        return await self.inner.chain_page(tenant, after_seq, through_seq, limit)
+
+    async def purge_content(self, tenant: str, before: float) -> int:
+        """`inner.purge_content`."""
+        return await self.inner.purge_content(tenant, before)
+
+    async def close(self) -> None:
+        """`inner.close`."""
+        await self.inner.close()
+
+    async def _retained(self, records: list[AuditRecord]) -> list[AuditRecord]:
+        now = self._clock()
+        cutoffs: dict[str, float] = {}
+        for tenant in {r.tenant for r in records if r.content is not None}:
+            cutoffs[tenant] = await self._expiry(tenant, now)
+        return [
+            msgspec.structs.replace(r, content=None)
+            if r.content is not None and r.at < cutoffs[r.tenant]
+            else r
+            for r in records
+        ]
+
+    async def _expiry(self, tenant_id: str, now: float) -> float:
+        try:
+            tenant = await self._tenants.get_tenant(tenant_id)
+        except TenantNotFoundError:
+            return math.inf
+        except TenantStoreUnavailableError as exc:
+            log.warning("audit content of %s hidden: its retention cannot be read: %s", tenant_id, exc)
+            return math.inf
+        return expiry(tenant, now, self._days)

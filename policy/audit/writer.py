@@ -46,9 +46,9 @@ rather than block it unrecorded (`policy.safety.gate`).
 A record the store refuses for what it holds (`AuditRecordError`: the same append fails again, however long
 it waits) never stops the trail: the batch is appended draft by draft, the refused draft is recorded without
 its content (its content_hash stays, `detail` says why), and if the store refuses that too, the draft is
-written to `quarantine.jsonl` beside the spool (fsync'd, 0600) and logged critically. The stores escape the
-content they cannot hold as text (`policy.audit.migrations.stored_content`), so this is for what no escaping
-foresaw.
+written without its content to `quarantine.jsonl` beside the spool (fsync'd, 0600) and logged critically.
+The stores escape the content they cannot hold as text (`policy.audit.migrations.stored_content`), so this
+is for what no escaping foresaw.
 
 Counters (`counters`): `appended` (drafts appended from the buffer), `spooled`, `replayed` (drafts appended
 from the spool), `flush_failures` (failed appends and spool writes), `refused_records` (drafts the store
@@ -293,8 +293,8 @@ class AuditWriter:
 
     async def _set_apart(self, draft: AuditDraft, exc: AuditRecordError) -> None:
         """A draft the store refuses: recorded without its content (its content_hash stays, and the detail
-        says why), or, if the store refuses that too, written to `quarantine.jsonl` beside the spool
-        (fsync'd) and logged; counted either way."""
+        says why), or, if the store refuses that too, written so (without content) to `quarantine.jsonl`
+        beside the spool (fsync'd) and logged; counted either way."""
         self.counters["refused_records"] += 1
         note = f"content not stored: the store refused it ({type(exc.__cause__ or exc).__name__})"
         bare = msgspec.structs.replace(draft, content=None, detail=f"{draft.detail}; {note}".lstrip("; "))
@@ -306,7 +306,9 @@ class AuditWriter:
             exc = again
         self.counters["quarantined"] += 1
         path = self._spool.base / "quarantine.jsonl"
-        line = msgspec.json.encode(draft) + b"\n"
+        # Without its content: the store refused the draft without it too, and a file outside the store is
+        # never purged when the tenant's retention ends (its content_hash stays).
+        line = msgspec.json.encode(bare) + b"\n"
         await asyncio.get_running_loop().run_in_executor(None, append_synced, path, line)
         log.critical(
             "audit record of request %s refused by the store, quarantined in %s: %s",

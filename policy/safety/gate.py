@@ -52,6 +52,9 @@ class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     # A moderation check's record says so (`policy.safety.records.audit_draft`).
     purpose: Purpose = "request"
+    # The tenant's `retain_prompts`: the checked text goes in the record only when both this and the
+    # policy (retention `full`) allow it. Off unless the caller says so: nothing is kept by default.
+    retain_prompts: bool = False
 
 
 class Evaluation(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,7 +166,7 @@ class SafetyGate:
             flagged=decision.flagged,
             runs=result.runs,
             content_sha256=content_digest(text),
-            content=text if policy.spec.retention == "full" else None,
+            content=text if policy.spec.retention == "full" and context.retain_prompts else None,
             at=self._clock(),
             severity=severities.get(decision.category),
             purpose=context.purpose,

@@ -6,8 +6,9 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["consumer", "policy_admin", "reviewer", "operator"]
-ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator")
+# `metrics`: scrapes `GET /metrics` and nothing else (a key for Prometheus), in the operating organisation.
+Role = Literal["consumer", "policy_admin", "reviewer", "operator", "metrics"]
+ROLES: tuple[Role, ...] = ("consumer", "policy_admin", "reviewer", "operator", "metrics")
 FailMode = Literal["open", "closed"]
 # Admission classes, highest first: `interactive` requests are admitted ahead of `batch` ones.
 PriorityClass = Literal["interactive", "batch"]
@@ -41,7 +42,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     quotas: Quotas = msgspec.field(default_factory=Quotas)
     # Name of the safety policy the tenant is bound to (versioned by the registry later).
     policy: str = "default"
-    # Whether prompts and completions may be retained in logs and audit records.
+    # Whether checked prompts and completions may be kept in audit records (only where the policy's retention
+    # is also `full`, for content_retention_days). Never in logs.
     retain_prompts: bool = False
     # Days the audit trail keeps this tenant's checked content (with retain_prompts); None = the configured
     # `[audit] content_retention_days`. Must be > 0 when set.

@@ -36,7 +36,17 @@ from gateway.service import Services
 from policy.tenants.models import Tenant
 from routing.admission_config import AdmissionConfig
 from routing.config import ReplicaConfig, RoutingConfig
-from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
+from tests.conftest import (
+    MODEL,
+    SESSION_DIR,
+    OutcomeLog,
+    Tenancy,
+    add_key,
+    eventually,
+    make_config,
+    operator_headers,
+    serving,
+)
 
 QUESTION = [{"role": "user", "content": "hi"}]
 # Decode steps of 20 ms: a request of 40 tokens holds its replica for about 0.8 s.
@@ -330,17 +340,21 @@ class DownEngine(DeadEngine):
 async def test_readyz_lists_every_replica_and_a_pool_is_ready_while_one_is(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
-    async with gateway_for(config(replicas=2), renderer, outcomes, tenancy) as gw:
-        body = (await gw.http.get("/readyz")).json()
+    cfg = config(replicas=2)
+    # Each probe checks again (a replica is killed between two probes), and in detail (an operator's key).
+    cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, readiness_cache=0.0))
+    async with gateway_for(cfg, renderer, outcomes, tenancy) as gw:
+        operator = await operator_headers(tenancy.store)
+        body = (await gw.http.get("/readyz", headers=operator)).json()
         assert body["engines"] == {"simulated-0": True, "simulated-1": True}
         assert body["pools"] == {"default": True}
         replicas = gw.services.scheduler.replicas
         _kill(replicas, 0, DownEngine)
-        response = await gw.http.get("/readyz")
+        response = await gw.http.get("/readyz", headers=operator)
         assert response.status_code == 200
         assert response.json()["engines"] == {"simulated-0": False, "simulated-1": True}
         _kill(replicas, 1, DownEngine)
-        response = await gw.http.get("/readyz")
+        response = await gw.http.get("/readyz", headers=operator)
         assert response.status_code == 503
         assert "simulated-1: gone" in response.json()["detail"]
 

@@ -192,6 +192,9 @@ async def test_a_post_without_the_csrf_token_is_refused(console: Console) -> Non
 
 
 async def test_content_is_escaped(console: Console) -> None:
+    tenants = console.services.tenants
+    acme = await tenants.get_tenant("acme")
+    await tenants.update_tenant(msgspec.structs.replace(acme, retain_prompts=True), actor="t", now=0.0)
     [record] = await console.services.audit.append(
         [
             AuditDraft(
@@ -210,6 +213,24 @@ async def test_content_is_escaped(console: Console) -> None:
         assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in page.text
         assert "<script>" not in (await http.get("/console/policies")).text
         assert "<script>" not in (await http.get("/console")).text
+
+
+async def test_a_counted_refusal_shows_its_count_and_span(console: Console) -> None:
+    at = console.services.clock()
+    [record] = await console.services.audit.append(
+        [
+            AuditDraft(
+                tenant="acme", key_id="k", request_id="first", at=at, stage="quota", decision="deny",
+                source="rate_limited", count=9_999, last_at=at + 59.5,
+            )
+        ]
+    )  # fmt: skip
+    async with console.client() as http:
+        await console.login(http, "rev-acme")
+        page = await http.get(f"/console/decisions/acme/{record.seq}")
+        assert page.status_code == 200
+        assert "<tr><th>count</th><td>9999</td></tr>" in page.text
+        assert f"({at + 59.5})" in page.text
 
 
 async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Console) -> None:

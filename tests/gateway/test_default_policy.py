@@ -20,7 +20,7 @@ from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
 from ops.guards.prepare import prepare_default_guards
 from policy.safety.decision import GuardRecord
-from tests.conftest import DATA_DIR, MODEL, Tenancy, make_config, serving
+from tests.conftest import DATA_DIR, MODEL, Tenancy, make_config, operator_headers, serving
 
 # Starting the guard pool's engine: a vLLM start on CPU (its own bound; the engine supervisor bounds it too).
 GUARD_ENGINE_START = 600.0
@@ -52,9 +52,11 @@ async def gateway(
         yield http, records
 
 
-async def test_the_default_policy_runs_the_trained_guards(gateway: tuple[httpx.AsyncClient, Records]) -> None:
+async def test_the_default_policy_runs_the_trained_guards(
+    gateway: tuple[httpx.AsyncClient, Records], tenancy: Tenancy
+) -> None:
     http, records = gateway
-    ready = await http.get("/readyz")
+    ready = await http.get("/readyz", headers=await operator_headers(tenancy.store))
     assert ready.status_code == 200, ready.text
     assert ready.json()["pools"] == {"default": True, "guard": True}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}

@@ -94,7 +94,8 @@ def deploy(tmp_path: Path, renderer: PromptRenderer, outcomes: OutcomeLog) -> De
         await store.create_tenant(tenant, actor="test", now=0)
         key = await add_key(store, "acme", ("consumer",))
         app = create_app(
-            make_config(),
+            # Each /readyz checks again: the clock is frozen, and the tests read it just after a death.
+            make_config(readiness_cache=0),
             engine=engine,
             renderer=renderer,
             tenants=store,

@@ -38,7 +38,16 @@ from registry.models import (
 )
 from registry.service import Registry
 from tests.backends import FakeClock, deployment
-from tests.conftest import MODEL, CountingEngine, OutcomeLog, add_key, make_config, serving
+from tests.conftest import (
+    MODEL,
+    CountingEngine,
+    OutcomeLog,
+    add_key,
+    keyless_metrics,
+    make_config,
+    operator_headers,
+    serving,
+)
 
 TOKEN_BURST = 10_000.0
 QUOTAS = Quotas(
@@ -236,7 +245,7 @@ async def guarded(
     await judge.start()
     records = Records()
     config = msgspec.structs.replace(
-        make_config(), guard=GuardConfig(default_policy="rules", min_label_mass=0.0)
+        keyless_metrics(make_config()), guard=GuardConfig(default_policy="rules", min_label_mass=0.0)
     )
     async with deployment("memory+sqlite", tmp_path) as backends:
         await backends.tenants.create_tenant(
@@ -331,7 +340,7 @@ async def test_guard_outage_fails_closed_when_the_category_says_so(bed: Bed) -> 
     [record] = bed.records.items
     assert (record.action, record.source) == ("refuse", "fail_closed")
     # Readiness names the guard pool that is down.
-    ready = await bed.http.get("/readyz")
+    ready = await bed.http.get("/readyz", headers=await operator_headers(bed.app.state.services.tenants))
     assert ready.status_code == 503
     assert ready.json()["pools"] == {"default": True, "guard": False}
     assert bed.app.state.services.gate.counts[("input", "fail_closed", "refuse")] == 1

@@ -33,9 +33,11 @@ from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make
 
 SCHEMA = "/schema/openapi.json"
 ERROR_REF = "#/components/schemas/ErrorResponse"
-# Routes that need no key (the health probes), and those that need one only where configured (the metrics).
-PUBLIC = frozenset({"/healthz", "/readyz"})
+# Routes that need no key (liveness), those that need one only where configured (the metrics), and those that
+# take one for more detail but answer without (readiness: never a 401 or 403).
+PUBLIC = frozenset({"/healthz"})
 OPTIONAL_KEY = frozenset({"/metrics"})
+DETAIL_KEY = frozenset({"/readyz"})
 # Answers every authenticated operation declares.
 AUTH_ERRORS = ("401", "403", "503")
 MAX_BODY = 16_384
@@ -218,6 +220,10 @@ async def test_the_document_lists_every_route_with_its_key_and_errors(gateway: G
         assert op.get("tags"), where
         if path in PUBLIC:
             assert "security" not in op, where
+            continue
+        if path in DETAIL_KEY:
+            assert op.get("security") == [{}, {"bearer": []}], where
+            assert not any(status.startswith("4") for status in op["responses"]), where
             continue
         assert op.get("security") == ([{}] if path in OPTIONAL_KEY else []) + [{"bearer": []}], where
         answers = op["responses"]

@@ -18,7 +18,16 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.overload import OverloadConfig, OverloadGate
 from gateway.service import Services
 from routing.config import ReplicaConfig, RoutingConfig
-from tests.conftest import MODEL, OutcomeLog, Tenancy, eventually, lifespan, make_config, serving
+from tests.conftest import (
+    MODEL,
+    OutcomeLog,
+    Tenancy,
+    eventually,
+    keyless_metrics,
+    lifespan,
+    make_config,
+    serving,
+)
 from tests.vllm_server import MAX_NUM_SEQS, SERVER_START_TIMEOUT
 
 
@@ -37,7 +46,7 @@ def remote_config(vllm_server: str, overload: OverloadConfig | None = None) -> C
     # On a loaded 2-core machine the server's /health and /metrics answer slowly while it generates: a
     # generous refresh bound keeps it from being taken out for slowness.
     routing = RoutingConfig(replicas=ReplicaConfig(refresh_timeout=30.0))
-    config = make_config()
+    config = keyless_metrics(make_config())
     return msgspec.structs.replace(
         config,
         engines=[ReplicaSpec(kind="vllm_remote", remote=remote)],

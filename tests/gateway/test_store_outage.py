@@ -24,13 +24,21 @@ import pytest
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.config import AuthConfig, Config, GuardConfig, ModelConfig, RegistryConfig, StorageConfig
+from gateway.config import (
+    AuthConfig,
+    Config,
+    GuardConfig,
+    ModelConfig,
+    RegistryConfig,
+    ServerConfig,
+    StorageConfig,
+)
 from gateway.generation.prompts import PromptRenderer
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Tenant
 from policy.tenants.postgres import PostgresTenantStore
 from tests.backends import FakeClock
-from tests.conftest import DATA_DIR, MODEL, serving
+from tests.conftest import DATA_DIR, MODEL, operator_headers, serving
 from tests.postgres_server import PrivatePostgres, private_postgres  # noqa: F401 - the fixture
 
 CACHE_TTL = 5.0
@@ -56,6 +64,8 @@ class Gateway:
     clock: FakeClock
     cached: list[str]
     uncached: list[str]
+    # Headers of an operator key, which `/readyz` answers in detail (cached by the first probe).
+    operator: dict[str, str]
 
 
 @dataclass
@@ -126,9 +136,12 @@ async def gateway(
             key = ApiKey(key_id=key_id, tenant_id="acme", roles=("consumer",))
             await seed.add_key(key, secret_hash, actor="test", now=clock())
             plaintexts.append(plaintext)
+        operator = await operator_headers(seed)
     finally:
         await seed.close()
     config = Config(
+        # Each probe checks again: the clock only moves when the test moves it.
+        server=ServerConfig(readiness_cache=0.0),
         model=ModelConfig(data_dir=str(DATA_DIR)),
         storage=StorageConfig(
             backend="postgres",
@@ -144,7 +157,7 @@ async def gateway(
     app = create_app(config, engine=sim_engine, renderer=renderer, clock=clock)
     async with serving(app) as url:
         try:
-            yield Gateway(url, clock, plaintexts[:CACHED_KEYS], plaintexts[CACHED_KEYS:])
+            yield Gateway(url, clock, plaintexts[:CACHED_KEYS], plaintexts[CACHED_KEYS:], operator)
         finally:
             # Whatever the test left: the app closes its pools on a server that answers.
             await pg.ensure_running()
@@ -159,8 +172,8 @@ async def refused_for_the_store(http: httpx.AsyncClient, key: str) -> None:
     assert (error["type"], error["code"]) == ("service_unavailable", "store_unavailable")
 
 
-async def readyz(http: httpx.AsyncClient) -> tuple[int, dict[str, Any]]:
-    response = await http.get("/readyz")
+async def readyz(http: httpx.AsyncClient, gateway: Gateway) -> tuple[int, dict[str, Any]]:
+    response = await http.get("/readyz", headers=gateway.operator)
     body: dict[str, Any] = response.json()
     return response.status_code, body
 
@@ -177,7 +190,7 @@ async def test_postgres_outage_under_load(
     async with httpx.AsyncClient(base_url=gateway.url, timeout=NO_HANG) as http:
         try:
             await load.served(4 * WORKERS)  # every cached key verified and cached
-            status, body = await readyz(http)
+            status, body = await readyz(http, gateway)
             assert (status, body["registry"]["status"]) == (200, "fresh"), body
 
             if fault == "pause":
@@ -196,11 +209,11 @@ async def test_postgres_outage_under_load(
                 gateway.clock.advance(MAX_STALENESS)
 
                 async def stale() -> bool:
-                    status, body = await readyz(http)
+                    status, body = await readyz(http, gateway)
                     return status == 503 and body["registry"]["status"] == "stale"
 
                 await until(stale)
-                status, body = await readyz(http)
+                status, body = await readyz(http, gateway)
                 registry = body["registry"]
                 assert body["status"] == "not_ready"
                 assert registry["age_s"] > MAX_STALENESS
@@ -228,12 +241,12 @@ async def test_postgres_outage_under_load(
             async def fresh() -> bool:
                 # A refresh that began before the store came back dates the view from its start, which can
                 # be MAX_STALENESS old on the test clock: wait for one that began after.
-                status, body = await readyz(http)
+                status, body = await readyz(http, gateway)
                 registry = body["registry"]
                 return status == 200 and registry["status"] == "fresh" and registry["age_s"] < MAX_STALENESS
 
             await until(fresh)
-            _, body = await readyz(http)
+            _, body = await readyz(http, gateway)
             assert body["registry"]["consecutive_failures"] == 0
             assert body["registry"]["age_s"] < MAX_STALENESS
             await load.served(4 * WORKERS)

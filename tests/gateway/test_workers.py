@@ -143,6 +143,8 @@ async def two_workers(model_dir: Path, tmp_path: Path) -> AsyncIterator[Served]:
             "LOCKGATE_SERVER__PORT": str(port),
             "LOCKGATE_SERVER__LOG_LEVEL": "info",
             "LOCKGATE_GUARD__DEFAULT_POLICY": "rules",
+            # The scrape counts the workers' series; who may read them is tests/gateway/test_metrics.py's.
+            "LOCKGATE_METRICS__REQUIRE_KEY": "false",
         }
         log = tmp_path / "serve.log"
         with log.open("wb") as out:

@@ -21,8 +21,9 @@ from policy.audit import (
     SqliteAuditStore,
     content_sha256,
 )
-from policy.audit.retention import DAY_S, purge_expired, run_retention
+from policy.audit.retention import DAY_S, RetainedAuditStore, purge_expired, run_retention
 from policy.tenants import SqliteTenantStore, Tenant
+from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
 from tests.backends import PG_DSN, FakeClock, SqlBackend, sql_backend
 from tests.conftest import eventually
 
@@ -183,3 +184,69 @@ async def test_the_retention_loop_purges_at_start_and_on_every_interval(
     await asyncio.gather(task, return_exceptions=True)
     assert (await store.verify("keeper")).ok
     await store.close()
+
+
+class DownTenants(SqliteTenantStore):
+    """The SQLite tenant store, unreachable while `down`."""
+
+    down = False
+
+    async def get_tenant(self, tenant_id: str) -> Tenant:
+        if self.down:
+            raise TenantStoreUnavailableError("down (test)")
+        return await super().get_tenant(tenant_id)
+
+
+async def test_reads_show_no_content_past_retention_whether_purged_or_not(
+    store: AuditStore, tmp_path: Path
+) -> None:
+    tenants = await DownTenants.open(tmp_path / "down-tenants.sqlite3")
+    assert isinstance(tenants, DownTenants)
+    for tenant_id, retain, days in (("keeper", True, None), ("brief", True, 7.0), ("private", False, None)):
+        tenant = Tenant(
+            tenant_id=tenant_id, display_name=tenant_id, retain_prompts=retain, content_retention_days=days
+        )
+        await tenants.create_tenant(tenant, actor="test", now=0.0)
+    clock = FakeClock(NOW)
+    view = RetainedAuditStore(store, tenants, clock, days=30)
+    # A tenant that no longer exists (`gone`) shows none either.
+    ages = {"keeper": [31.0, 29.0], "brief": [8.0, 6.0], "private": [0.0], "gone": [0.0]}
+    await store.append([draft(t, n, age) for t, a in ages.items() for n, age in enumerate(a)])
+
+    async def shown(tenant: str) -> list[str | None]:
+        by_query = [r.content for r in await view.query(AuditQuery(tenant=tenant))]
+        by_get = [(await view.get(tenant, seq)).content for seq in range(1, len(by_query) + 1)]
+        by_find = [(await view.find(tenant, f"req-{tenant}-{n}"))[0].content for n in range(len(by_query))]
+        assert by_query == by_get == by_find
+        return by_query
+
+    assert await shown("keeper") == [None, "prompt 1 of keeper"]
+    assert await shown("brief") == [None, "prompt 1 of brief"]
+    assert await shown("private") == [None]
+    assert await shown("gone") == [None]
+    # Every tenant in one page (a global reviewer's): each by its own retention.
+    assert [r.content for r in await view.query(AuditQuery())] == [
+        None,
+        "prompt 1 of brief",
+        None,
+        None,
+        "prompt 1 of keeper",
+        None,
+    ]
+    # The store still holds it all: hidden at read time, not purged.
+    assert all(r.content is not None for r in await store.query(AuditQuery(limit=100)))
+    # Time moves on: the rest expires without a purge pass.
+    clock.advance(2 * DAY_S)
+    assert await shown("keeper") == [None, None]
+    assert await shown("brief") == [None, None]
+    # Retention that cannot be read (the tenant store is down) shows nothing rather than too much.
+    clock.now = NOW
+    tenants.down = True
+    assert await shown("keeper") == [None, None]
+    tenants.down = False
+    assert await shown("keeper") == [None, "prompt 1 of keeper"]
+    # Writes and checks go through unchanged.
+    assert (await view.verify("keeper")).ok
+    assert await view.purge_content("keeper", NOW) == 2
+    assert [r.content for r in await store.query(AuditQuery(tenant="keeper"))] == [None, None]
+    await tenants.close()

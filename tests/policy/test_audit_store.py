@@ -123,6 +123,8 @@ def test_record_hash_covers_every_field_but_content() -> None:
         "reverses": 1,
         "actor": "reviewer",
         "draft_id": "w-1",
+        "count": 7,
+        "last_at": 1001.0,
     }
     assert set(changed) == set(AuditDraft.__struct_fields__) - {"content"}
     for name, value in changed.items():
@@ -134,6 +136,9 @@ def test_record_hash_covers_every_field_but_content() -> None:
     # A record without a draft id (written before there were any) hashes as it did then: no such key.
     assert b"draft_id" not in canonical_json(d, 1, GENESIS_HASH)
     assert b'"draft_id":"w-1"' in canonical_json(msgspec.structs.replace(d, draft_id="w-1"), 1, GENESIS_HASH)
+    # Nor does a record from before counted refusals: count 1 and no last_at are not hashed.
+    assert b"count" not in canonical_json(d, 1, GENESIS_HASH)
+    assert b"last_at" not in canonical_json(d, 1, GENESIS_HASH)
 
 
 def test_verify_chain_finds_the_first_bad_record() -> None:
@@ -188,6 +193,10 @@ def test_drafts_are_checked_and_content_hash_filled() -> None:
         chain(draft(at=float("nan")), 1, "")
     with pytest.raises(InvalidDraftError):
         chain(draft(stage="nowhere"), 1, "")
+    with pytest.raises(InvalidDraftError):
+        chain(draft(count=0), 1, "")
+    with pytest.raises(InvalidDraftError, match="finite"):
+        chain(draft(last_at=float("inf")), 1, "")
     # No content (not retained, or nothing checked): content_hash may say what was checked, or be empty.
     assert chain(draft(content=None, content_hash=""), 1, "").content_hash == ""
 
@@ -297,16 +306,25 @@ async def test_a_draft_appended_again_is_recorded_once(store: AuditStore) -> Non
     assert (await store.verify("beta")).ok
 
 
-async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: Backend) -> None:
-    """A database at migration 2 (no draft_id column) with records in it: opening the store migrates it,
-    the old records read back and verify, and new ones chain after them."""
+# The columns of audit_records after each released migration that changed them.
+COLUMNS_AT = {2: len(RECORD_FIELDS) - 4, 3: len(RECORD_FIELDS) - 3, 4: len(RECORD_FIELDS) - 1}
+
+
+@pytest.mark.parametrize("version", sorted(COLUMNS_AT))
+async def test_records_from_before_draft_ids_and_counts_verify_after_the_upgrade(
+    backend: Backend, version: int
+) -> None:
+    """A database at migration 2 (no draft_id column), 3 (no count, last_at) or 4 (no mac) with records in
+    it: opening the store migrates it, the old records read back and verify (unkeyed), and new ones chain
+    after them."""
     old = chained([draft(n=i) for i in range(3)], key=None)
-    columns = ", ".join(RECORD_FIELDS[:-2])
-    rows = [record_row(record)[:-2] for record in old]
+    width = COLUMNS_AT[version]
+    columns = ", ".join(RECORD_FIELDS[:width])
+    rows = [record_row(record)[:width] for record in old]
     head = (old[-1].tenant, old[-1].seq, old[-1].hash)
     if backend.name == "sqlite":
         db = await SqliteWorker.open(
-            backend.location, migrations=MIGRATIONS[:2], table=MIGRATIONS_TABLE, foreign_keys=False
+            backend.location, migrations=MIGRATIONS[:version], table=MIGRATIONS_TABLE, foreign_keys=False
         )
 
         def write(conn: Any) -> None:
@@ -319,7 +337,7 @@ async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: B
         await db.close()
     else:
         pool = await _open_pool(
-            PG_DSN, schema=backend.location, migrations=MIGRATIONS[:2], min_size=1, max_size=1
+            PG_DSN, schema=backend.location, migrations=MIGRATIONS[:version], min_size=1, max_size=1
         )
         marks = ", ".join(f"${i}" for i in range(1, len(rows[0]) + 1))
         async with pool.acquire() as conn:
@@ -328,16 +346,22 @@ async def test_records_from_before_draft_ids_verify_after_the_upgrade(backend: B
         await pool.close()
     store = await backend.open()
     versions = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in versions] == [1, 2, 3, 4]
+    assert [row[0] for row in versions] == [1, 2, 3, 4, 5]
     assert [await store.get("acme", seq) for seq in (1, 2, 3)] == old
     [new] = await store.append([draft(n=5, draft_id="w-5")])
     assert (new.seq, new.prev_hash) == (4, old[-1].hash)
     assert await store.append([draft(n=5, draft_id="w-5")]) == [new]
     report = await store.verify("acme")
     assert (report.ok, report.checked) == (True, 4)
-    # The upgraded triggers cover the new column too.
-    with pytest.raises(APPEND_ONLY, match="append-only"):
-        await backend.raw("UPDATE {schema}.audit_records SET draft_id = 'forged' WHERE seq = 4")
+    [counted] = await store.append([draft(n=6, count=40, last_at=1007.5)])
+    assert await store.get("acme", counted.seq) == counted
+    assert (counted.count, counted.last_at) == (40, 1007.5)
+    report = await store.verify("acme")
+    assert (report.ok, report.checked, report.unkeyed) == (True, 5, 3)
+    # The upgraded triggers cover the new columns too.
+    for column, value in (("draft_id", "'forged'"), ("count", "1"), ("last_at", "0"), ("mac", "NULL")):
+        with pytest.raises(APPEND_ONLY, match="append-only"):
+            await backend.raw(f"UPDATE {{schema}}.audit_records SET {column} = {value} WHERE seq = 5")
 
 
 async def test_a_writer_whose_appends_lost_their_replies_records_each_draft_once(
@@ -565,7 +589,7 @@ async def test_migrations_are_idempotent_and_share_the_tenant_database(backend: 
     second = await backend.open()
     assert await second.get("acme", 1) == await first.get("acme", 1)
     rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2, 3, 4]
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == [1, 2, 3, 4, 5]
     # The tenant store lives beside it, in the same file or schema, with its own migrations.
     if backend.name == "sqlite":
         tenants: Any = await SqliteTenantStore.open(backend.location)

@@ -389,9 +389,14 @@ async def test_a_record_the_store_refuses_is_set_apart_and_the_trail_goes_on(tmp
     assert bare.content is None
     assert bare.content_hash == content_sha256("text 7")
     assert "content not stored" in bare.detail
-    # The second is written to the quarantine file beside the spool, exactly as it was submitted.
-    lines = (tmp_path / "spool" / "quarantine.jsonl").read_bytes().splitlines()
-    assert [msgspec.json.decode(x, type=AuditDraft).request_id for x in lines] == ["req-00013"]
+    # The second is written to the quarantine file beside the spool, without its content (a file outside
+    # the store is never purged when retention ends): its content hash stays.
+    raw = (tmp_path / "spool" / "quarantine.jsonl").read_bytes()
+    quarantined = [msgspec.json.decode(x, type=AuditDraft) for x in raw.splitlines()]
+    assert [(q.request_id, q.content, q.content_hash) for q in quarantined] == [
+        ("req-00013", None, content_sha256("text 13"))
+    ]
+    assert b"text 13" not in raw
     assert (tmp_path / "spool" / "quarantine.jsonl").stat().st_mode & 0o777 == 0o600
     assert (writer.counters["refused_records"], writer.counters["quarantined"]) == (2, 1)
     # Every other draft is recorded, in order, and no batch was spooled for a retry.

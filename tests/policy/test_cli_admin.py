@@ -120,6 +120,15 @@ async def test_repeated_roles_are_kept_once(db: Path, capsys: pytest.CaptureFixt
         assert (await store.get_key(key_id)).key.roles == ("consumer",)
 
 
+async def test_a_scrape_only_metrics_key_of_the_operator_as_the_readme_makes_it(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key_id, _, _ = await create_key(capsys, "--tenant", SYSTEM_TENANT, "--role", "metrics")
+    async with opened(db) as store:
+        stored = (await store.get_key(key_id)).key
+        assert (stored.tenant_id, stored.roles) == (SYSTEM_TENANT, ("metrics",))
+
+
 async def test_unknown_role_is_refused_and_stores_nothing(
     db: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import QuotaConfig
 from gateway.generation.prompts import PromptRenderer
-from policy.audit.base import AuditStore
+from policy.audit.base import AuditQuery, AuditStore
 from policy.quota.meter import applicable
 from policy.quota.redis import RedisQuotaStore
 from policy.tenants.models import Limits, Quotas, Tenant
@@ -207,6 +207,39 @@ async def test_a_request_that_can_never_fit_is_a_400_not_an_endless_429(gateway:
     assert "can never fit" in error["message"]
     # Nothing was debited.
     assert (await gateway.post(chat())).status_code == 200
+
+
+async def test_a_flood_of_refusals_costs_a_handful_of_audit_records(
+    gateway: Gateway, clock: FakeClock
+) -> None:
+    """Requests that can never fit cost the client nothing: 60 of them leave one record at once and one
+    counted record once the interval ends (`policy.audit.refusals`), not 60."""
+    key_id = gateway.key.split("-")[1]
+    for _ in range(60):
+        assert (await gateway.post(chat(max_tokens=int(TOKEN_BURST)))).status_code == 400
+
+    async def capacity_records() -> list[tuple[int, str]]:
+        # The audit database outlives one test: this test's key picks its records.
+        records = await gateway.audit.query(AuditQuery(tenant="acme", stage="quota", limit=1000))
+        return [(r.count, r.source) for r in records if r.key_id == key_id]
+
+    await eventually(lambda: _nonempty(capacity_records()))
+    assert await capacity_records() == [(1, "quota_exceeds_capacity")]
+    clock.advance(60)
+    # The next refusal is the next interval's first (recorded at once) and writes the last interval's count.
+    assert (await gateway.post(chat(max_tokens=int(TOKEN_BURST)))).status_code == 400
+
+    async def settled() -> bool:
+        return len(await capacity_records()) == 3
+
+    await eventually(settled)
+    assert sorted(await capacity_records()) == [(1, "quota_exceeds_capacity")] * 2 + [
+        (59, "quota_exceeds_capacity")
+    ]
+
+
+async def _nonempty(records: Awaitable[list[tuple[int, str]]]) -> bool:
+    return bool(await records)
 
 
 async def test_cancelled_stream_refunds_its_unused_reservation(

@@ -33,7 +33,7 @@ from policy.quota import (
 from policy.quota.meter import QuotaMeter
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 from tests.backends import FakeClock, WrappedQuotaStore, redis_quota
-from tests.conftest import MODEL, Tenancy, add_key, billed, make_config, serving
+from tests.conftest import MODEL, Tenancy, add_key, billed, keyless_metrics, make_config, serving
 
 # No refill: every level below is exact arithmetic on what was granted and used.
 REQ = BucketSpec(key="tenant:{t}:req", capacity=100.0, rate=0.0)
@@ -293,7 +293,7 @@ async def test_the_configured_gateway_grants_from_leases_and_returns_them_at_shu
     )
     key = await add_key(tenancy.store, tenant_id, ("consumer",))
     config = msgspec.structs.replace(
-        make_config(), quota=QuotaConfig(backend="redis", op_timeout=5.0, lease=POLICY)
+        keyless_metrics(make_config()), quota=QuotaConfig(backend="redis", op_timeout=5.0, lease=POLICY)
     )
     app = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
     used = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from guard.base import Classifier, GuardInput, Span
@@ -61,3 +62,24 @@ async def test_the_rules_stage_matches_a_long_item_in_the_executor_and_a_short_o
         assert (await gate.check(POLICY, user("harmless filler " * 100), CONTEXT)).action == "allow"
         assert pool.submitted == 2
     assert [r.action for r in records] == ["block", "block", "allow"]
+
+
+@pytest.mark.parametrize("retention", ["none", "hash", "full"])
+@pytest.mark.parametrize("retain_prompts", [False, True])
+async def test_the_record_holds_the_text_only_when_the_policy_and_the_tenant_both_keep_it(
+    retention: str, retain_prompts: bool
+) -> None:
+    records: list[GuardRecord] = []
+    gate = SafetyGate(no_model_guards, records.append, lambda: 0.0, BreakerPolicy())
+    policy = msgspec.structs.replace(POLICY, spec=msgspec.structs.replace(SPEC, retention=retention))
+    context = msgspec.structs.replace(CONTEXT, retain_prompts=retain_prompts)
+    for text in ("a forbidden phrase", "harmless"):  # a block, which is recorded durably, and an allow
+        await gate.check(policy, user(text), context)
+    kept = retention == "full" and retain_prompts
+    assert [r.content for r in records] == (["a forbidden phrase", "harmless"] if kept else [None, None])
+    # The hash stands for the text either way.
+    assert all(len(r.content_sha256) == 64 for r in records)
+
+
+def test_a_context_keeps_no_text_unless_told_the_tenant_retains_prompts() -> None:
+    assert CONTEXT.retain_prompts is False
