@@ -170,7 +170,8 @@ class Authenticator:
             if now < refused_until:
                 raise AuthError("invalid API key")
             del self._unknown[key_id]
-        if admit is not None and not admit():
+        # Joining a lookup of this key already in flight costs the store nothing: only a new one is admitted.
+        if admit is not None and not self._running(key_id) and not admit():
             raise _NeedsLookup(key_id)
         stale = entry if entry is not None and now - entry.fetched_at < self._ttl + self._grace else None
         task = self._start(key_id, now)
@@ -196,12 +197,19 @@ class Authenticator:
             "the key store is unavailable; try again shortly", retry_after=self._retry_after
         )
 
+    def _running(self, key_id: str) -> asyncio.Task[_Entry | None] | None:
+        """The lookup of `key_id` in flight, if still within its time limit."""
+        running = self._inflight.get(key_id)
+        if running is not None and asyncio.get_running_loop().time() - running[1] < self._timeout:
+            return running[0]
+        return None
+
     def _start(self, key_id: str, now: float) -> asyncio.Task[_Entry | None]:
         """The lookup of `key_id`: the one in flight if still within its time limit, or a new one."""
         loop = asyncio.get_running_loop()
-        running = self._inflight.get(key_id)
-        if running is not None and loop.time() - running[1] < self._timeout:
-            return running[0]
+        running = self._running(key_id)
+        if running is not None:
+            return running
         task = asyncio.create_task(self._fetch(key_id, now, self._epoch))
         self._inflight[key_id] = (task, loop.time())
         self._tasks.add(task)

@@ -70,6 +70,21 @@ async def flood(tmp_path: Path) -> AsyncIterator[Flood]:
     await inner.close()
 
 
+async def test_many_requests_of_one_new_key_at_once_share_one_lookup_and_one_token(flood: Flood) -> None:
+    # A client opening many connections with a key not yet cached: one store lookup, which they all join;
+    # joining it costs the store nothing, so none of them is throttled however small the budget.
+    key = await flood.key()
+    flood.store.set("hang")
+    attempts = [asyncio.create_task(flood.auth.authenticate(key, "203.0.113.9")) for _ in range(5 * BURST)]
+    # The one lookup starts after every attempt asked for the key (they were all scheduled first).
+    while flood.store.in_flight == 0:  # noqa: ASYNC110 - the store offers no event to wait on
+        await asyncio.sleep(0)
+    flood.store.set("up")
+    principals = await asyncio.gather(*attempts)
+    assert {p.tenant.tenant_id for p in principals} == {"acme"}
+    assert flood.store.key_lookups == 1
+
+
 async def test_a_flood_of_random_key_ids_costs_a_bounded_number_of_lookups(flood: Flood) -> None:
     cached = await flood.key()
     await flood.auth.authenticate(cached, "203.0.113.7")
