@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -184,7 +185,8 @@ def fit(
         optimizer.zero_grad()
         logits = bag(flat, offsets, per_sample_weights=per_feature).squeeze(1) + bias
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-        (loss + settings.l2 * bag.weight.pow(2).sum()).backward()
+        objective: Any = loss + settings.l2 * bag.weight.pow(2).sum()
+        objective.backward()
         optimizer.step()
         if epoch % PROGRESS_EPOCHS == 0 or epoch == settings.epochs:
             value = float(loss.detach())
