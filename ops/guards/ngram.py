@@ -94,7 +94,8 @@ def choose_thresholds(
     - allow_below = the lowest threshold whose band [allow_below, block_above] holds at most `band_share`
       of all calibration items (the widest band the later, slower stages are given), but never above the
       `harmful_quantile` quantile of the harmful items' scores (so at most ~20% of harmful items are
-      allowed by this stage without a second opinion), and never above block_above.
+      allowed by this stage without a second opinion), and never above block_above. (Items scoring
+      exactly block_above are always in the band: a stage neither allows nor blocks them.)
 
     TrainError when the calibration split lacks look-alikes, safe outputs or harmful items.
     """
