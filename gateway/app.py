@@ -238,7 +238,14 @@ async def _trained_guards(config: Config, registry: Registry, served: str) -> Tr
             f"no trained guards in {guards_dir}; run `lockgate models prepare` (or `make serve`) first, or "
             "set guard.default_policy"
         )
-    return TrainedGuards(embedding=refs.embedding, one_token=refs.one_token, categories=refs.categories)
+    return TrainedGuards(
+        embedding=refs.embedding,
+        one_token=refs.one_token,
+        ngram=refs.ngram,
+        ngram_allow_below=refs.ngram_allow_below,
+        ngram_block_above=refs.ngram_block_above,
+        categories=refs.categories,
+    )
 
 
 async def _start_registry(

@@ -125,6 +125,8 @@ def _prepare(config: Config) -> int:
 
 def _guard_train(config: Config, args: argparse.Namespace) -> int:
     from ops.guards.data import TrainError, describe
+    from ops.guards.ngram import DEFAULT_GUARD_DATA
+    from ops.guards.ngram import describe as describe_ngram
     from ops.guards.one_token import OneTokenSettings
     from ops.guards.prepare import prepare_guards
     from ops.models.prepare import PrepareError, verify
@@ -152,6 +154,7 @@ def _guard_train(config: Config, args: argparse.Namespace) -> int:
             data_file,
             split=args.split,
             one_token=settings,
+            ngram_data_dir=args.guard_data if args.guard_data is not None else DEFAULT_GUARD_DATA,
             say=lambda line: print(f"[guard train] {line}", flush=True),
         )
     except (PrepareError, TrainError, ValueError, OSError) as exc:
@@ -161,11 +164,13 @@ def _guard_train(config: Config, args: argparse.Namespace) -> int:
     print(f"[guard train] {out} ({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"[guard train] one-token guard: {describe(manifest.one_token.metrics)}", flush=True)
     print(f"[guard train] embedding guard: {describe(manifest.embedding.metrics)}", flush=True)
+    print(f"[guard train] ngram guard on test, {describe_ngram(manifest.ngram.test)}", flush=True)
     if args.register:
         refs = asyncio.run(_register_guards(config, out, model_dir))
         print(f"model {refs.model}")
         print(f"guard_model {refs.one_token}")
         print(f"guard_model {refs.embedding}")
+        print(f"guard_model {refs.ngram}")
     return 0
 
 
@@ -272,9 +277,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     guard = sub.add_parser("guard", help="guard models")
     guard_sub = guard.add_subparsers(dest="guard_command", required=True)
     train = guard_sub.add_parser(
-        "train", help="train a one-token guard and an embedding head on a labelled JSONL file"
+        "train",
+        help="train a one-token guard and an embedding head on a labelled JSONL file, and the n-gram guard",
     )
     train.add_argument("--data", type=Path, required=True, help="labelled JSONL (ops/eval/data format)")
+    train.add_argument(
+        "--guard-data",
+        type=Path,
+        default=None,
+        help="labelled directory the n-gram guard trains and calibrates on (default ops/eval/data/guard)",
+    )
     train.add_argument("--split", default="train", help="split to train on; the others are held out")
     train.add_argument(
         "--out", type=Path, default=None, help="guards directory (default <data_dir>/guards-<file>-<split>)"

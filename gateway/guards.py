@@ -2,7 +2,8 @@
 
 A one-token guard runs on the engine pool its model version names (the served engine, `default`, for a
 zero-shot judge; its own pool for a trained guard model). An embedding guard loads its encoder and head once,
-in the background; a request that needs it before it is loaded waits within the stage's timeout. Whatever
+in the background, and an n-gram guard its head; a request that needs one before it is loaded waits within
+the stage's timeout. Whatever
 keeps a guard from being built (no engine for its pool, another tokenizer, a missing artifact) becomes a
 classifier that raises GuardError, so the policy's fail mode decides, and the reason is in the audit record.
 """
@@ -20,6 +21,7 @@ from gateway.generation.prompts import PromptRenderer
 from guard.backlog import Backlog
 from guard.base import Classifier, GuardError, GuardInput, GuardScore, ItemSized
 from guard.embedding import load_embedding_guard
+from guard.ngram import load_ngram_guard
 from guard.one_token import OneTokenClassifier
 from registry.view import ResolvedGuard
 
@@ -103,10 +105,14 @@ class GuardFactory:
 
     def _build(self, guard: ResolvedGuard) -> Classifier:
         spec = guard.spec
+        executor = self._renderer.executor
         if spec.kind == "embedding":
-            executor = self._renderer.executor
             return LoadingGuard(
                 guard.ref, lambda: load_embedding_guard(guard.ref, spec, self._artifacts, executor)
+            )
+        if spec.kind == "ngram":
+            return LoadingGuard(
+                guard.ref, lambda: load_ngram_guard(guard.ref, spec, self._artifacts, executor)
             )
         model = guard.model
         if model is None:

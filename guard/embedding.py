@@ -24,12 +24,8 @@ import asyncio
 import functools
 import hashlib
 import importlib.util
-import io
-import json
-import os
 import threading
 import time
-import zipfile
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from pathlib import Path
@@ -41,6 +37,7 @@ from numpy.typing import NDArray
 from transformers import AutoModel, AutoTokenizer
 
 from guard.base import GuardError, GuardInput, GuardInputError, GuardScore
+from guard.pinned import load_arrays, save_arrays
 from guard.windows import window_starts
 from registry.models import GuardModelSpec
 
@@ -356,56 +353,33 @@ class LogisticHead:
     def save(self, directory: Path) -> str:
         """Write `head.npz` and `head.json` into `directory`; the sha256 of `head.npz` (the registry pins it).
 
-        The zip is written with fixed timestamps, so equal weights give an equal file and an equal hash.
+        Equal weights give an equal file and an equal hash (`guard.pinned`).
         """
-        directory.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-            for name, array in (("weights", self.weights), ("bias", np.array([self.bias]))):
-                member = io.BytesIO()
-                np.save(member, np.ascontiguousarray(array, dtype=np.float64), allow_pickle=False)
-                archive.writestr(
-                    zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), member.getvalue()
-                )
-        data = buffer.getvalue()
-        sha = hashlib.sha256(data).hexdigest()
+        arrays = {
+            "weights": np.asarray(self.weights, dtype=np.float64),
+            "bias": np.array([self.bias], dtype=np.float64),
+        }
         meta = {
             "dim": self.dim,
             "l2": self.l2,
             "training_data_sha256": self.training_data_sha256,
             "encoder_sha256": self.encoder_sha256,
-            "weights_sha256": sha,
             "created": self.created,
         }
-        _write_atomic(directory / HEAD_WEIGHTS, data)
-        _write_atomic(directory / HEAD_META, json.dumps(meta, indent=2, sort_keys=True).encode())
-        return sha
+        return save_arrays(directory, HEAD_WEIGHTS, HEAD_META, arrays, meta)
 
     @classmethod
     def load(cls, directory: Path, expected_sha256: str) -> LogisticHead:
         """The head saved in `directory`; GuardError unless its weights file has sha256 `expected_sha256`."""
-        if not expected_sha256:
-            raise GuardError("a head is loaded only against a pinned weights sha256")
-        try:
-            data = (directory / HEAD_WEIGHTS).read_bytes()
-            meta = json.loads((directory / HEAD_META).read_text())
-        except (OSError, ValueError) as exc:
-            raise GuardError(f"cannot read the head in {directory}: {exc}") from exc
-        # The bytes that were hashed are the bytes that are parsed: no window to swap the file in between.
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected_sha256:
-            raise GuardError(f"{directory / HEAD_WEIGHTS} has sha256 {actual}, expected {expected_sha256}")
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
-                weights = np.asarray(arrays["weights"], dtype=np.float64)
-                bias = float(arrays["bias"][0])
-        except (OSError, ValueError, KeyError, IndexError) as exc:
-            raise GuardError(f"malformed head weights in {directory}: {exc}") from exc
+        arrays, meta = load_arrays(directory, HEAD_WEIGHTS, HEAD_META, ("weights", "bias"), expected_sha256)
+        weights = np.asarray(arrays["weights"], dtype=np.float64)
+        if arrays["bias"].shape != (1,):
+            raise GuardError(f"malformed head weights in {directory}: bias of shape {arrays['bias'].shape}")
         if weights.ndim != 1 or weights.shape[0] != meta.get("dim"):
             raise GuardError(f"head weights of shape {weights.shape} do not match dim {meta.get('dim')}")
         return cls(
             weights,
-            bias,
+            float(arrays["bias"][0]),
             l2=float(meta.get("l2", 0.0)),
             training_data_sha256=str(meta.get("training_data_sha256", "")),
             encoder_sha256=str(meta.get("encoder_sha256", "")),
@@ -417,13 +391,6 @@ def _sigmoid(z: NDArray[np.float64]) -> NDArray[np.float64]:
     """1 / (1 + e^-z) without overflow warnings for large |z|."""
     out: NDArray[np.float64] = np.exp(-np.logaddexp(0.0, -z))
     return out
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 class EmbeddingClassifier:

@@ -1,8 +1,8 @@
-"""Register a prepared guards directory: the trained guard model and the two guard versions on it.
+"""Register a prepared guards directory: the trained guard model and the three guard versions it holds.
 
 `lockgate models prepare` (ops/guards/prepare.py) writes `<data_dir>/guards/` with a manifest,
 `lockgate-guards.json`, read here with local Structs of the fields needed (the service must not import
-ops/). Three versions are published, all content-derived, so registering the same directory again is a
+ops/). Four versions are published, all content-derived, so registering the same directory again is a
 no-op and a retrained guard becomes new versions instead of a conflict:
 
 - model `<one_token.name>@<first 12 hex digits of its weights' sha256>`: the one-token guard's model
@@ -12,6 +12,8 @@ no-op and a retrained guard becomes new versions instead of a conflict:
   prompt it was trained on, its label tokens and the sha256 of its training data.
 - guard_model `<embedding.name>@<12 hex digits of the spec's hash>`: kind embedding, the head's directory
   and its weights' sha256, and the training data's sha256.
+- guard_model `<ngram.name>@<12 hex digits of the spec's hash>`: kind ngram, likewise, naming the sha256 of
+  the labelled directory it was trained on; the thresholds chosen for it come back with the references.
 
 Artifacts are recorded relative to the guards directory's parent (the model data directory), as
 registry/default_model.py records the served model's, so replicas with their data elsewhere publish
@@ -47,10 +49,19 @@ class _Embedding(msgspec.Struct, frozen=True):
     weights_sha256: str
 
 
+class _Ngram(msgspec.Struct, frozen=True):
+    name: str
+    weights_sha256: str
+    training_data_sha256: str
+    allow_below: float
+    block_above: float
+
+
 class _Manifest(msgspec.Struct, frozen=True):
     training_data_sha256: str
     one_token: _OneToken
     embedding: _Embedding
+    ngram: _Ngram
 
 
 class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +70,10 @@ class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
     model: str  # the one-token guard's model version (engine pool "guard")
     one_token: str  # guard_model version of kind one_token on `model`
     embedding: str  # guard_model version of kind embedding
+    ngram: str  # guard_model version of kind ngram
+    # The n-gram stage's thresholds, chosen on the calibration split of the data it was trained on.
+    ngram_allow_below: float
+    ngram_block_above: float
     # The categories the one-token guard's prompt listed in training, in that order: a stage that passes
     # these (the policy's categories) asks the guard exactly the question it was trained on.
     categories: tuple[str, ...] = ()
@@ -68,13 +83,18 @@ def _read_manifest(guards_dir: Path) -> _Manifest | None:
     path = guards_dir / GUARDS_MANIFEST
     if not path.is_file():
         return None
-    return msgspec.json.decode(path.read_bytes(), type=_Manifest)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=_Manifest)
+    except msgspec.ValidationError:
+        # Prepared by an older release, without a guard this one serves: as good as not prepared.
+        return None
 
 
 async def register_guards(
     registry: Registry, guards_dir: Path, *, base_model_ref: str, actor: str
 ) -> GuardRefs | None:
-    """Publish the guards of a prepared `guards_dir` (idempotent); None when it holds no prepared guards.
+    """Publish the guards of a prepared `guards_dir` (idempotent); None when it holds no prepared guards (or
+    guards prepared by an older release, without the n-gram guard).
 
     `base_model_ref` (name@version, published) is the model the one-token guard was trained from: its
     tokenizer and chat template versions are reused when the guard model's files match them.
@@ -133,9 +153,21 @@ async def register_guards(
         embedding_spec,
         actor=actor,
     )
+    ngram_spec = GuardModelSpec(
+        kind="ngram",
+        artifact=f"{guards_dir.name}/{manifest.ngram.name}",
+        weights_sha256=manifest.ngram.weights_sha256,
+        training_data_sha256=manifest.ngram.training_data_sha256,
+    )
+    ngram = await registry.publish(
+        "guard_model", manifest.ngram.name, spec_hash(ngram_spec)[:VERSION_DIGITS], ngram_spec, actor=actor
+    )
     return GuardRefs(
         model=model.ref,
         one_token=one_token.ref,
         embedding=embedding.ref,
+        ngram=ngram.ref,
+        ngram_allow_below=manifest.ngram.allow_below,
+        ngram_block_above=manifest.ngram.block_above,
         categories=manifest.one_token.categories,
     )

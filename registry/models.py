@@ -80,7 +80,7 @@ class ChatTemplateSpec(_Input, frozen=True, kw_only=True):
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
-GuardKind = Literal["one_token", "embedding"]
+GuardKind = Literal["one_token", "embedding", "ngram"]
 
 
 class GuardModelSpec(_Input, frozen=True, kw_only=True):
@@ -88,8 +88,9 @@ class GuardModelSpec(_Input, frozen=True, kw_only=True):
 
     `one_token`: a model version answers the guard prompt with one token; P(unsafe) is the probability mass of
     the unsafe label variants over that of both label sets. `embedding`: a sentence encoder and a logistic
-    head, both in `artifact` (a directory), score the text directly. A trained guard names the sha256 of the
-    data it was trained on, so a score can be traced to its training set.
+    head, both in `artifact` (a directory), score the text directly. `ngram`: a logistic head over hashed
+    character n-grams (`guard.ngram`), in `artifact`. A trained guard names the sha256 of the data it was
+    trained on, so a score can be traced to its training set.
     """
 
     kind: GuardKind = "one_token"
@@ -97,8 +98,8 @@ class GuardModelSpec(_Input, frozen=True, kw_only=True):
     prompt_template: str = ""  # one_token: Jinja text with `content`, `categories` and `policy`
     safe_tokens: tuple[str, ...] = ()
     unsafe_tokens: tuple[str, ...] = ()
-    artifact: str = ""  # embedding: directory of the encoder and its head
-    weights_sha256: str = ""  # embedding: sha256 of the head's weights file
+    artifact: str = ""  # embedding, ngram: directory of the head (and the embedding guard's encoder)
+    weights_sha256: str = ""  # embedding, ngram: sha256 of the head's weights file
     training_data_sha256: str = ""  # trained guards: sha256 of the training set
 
 

@@ -95,11 +95,11 @@ def check_model(ref: str, spec: ModelSpec, known: Known) -> None:
 
 def check_guard(ref: str, spec: GuardModelSpec, known: Known) -> None:
     """A one-token guard names an existing model version, a prompt, and non-empty, disjoint label token lists;
-    an embedding guard names its artifact and the sha256 of its head's weights."""
+    an embedding or n-gram guard names its artifact and the sha256 of its head's weights."""
     owner = f"guard_model {ref}"
-    if spec.kind == "embedding":
+    if spec.kind in ("embedding", "ngram"):
         if not spec.artifact:
-            raise InvalidError(f"{owner}: an embedding guard needs its artifact directory")
+            raise InvalidError(f"{owner}: an {spec.kind} guard needs its artifact directory")
         if not _SHA256.fullmatch(spec.weights_sha256):
             raise InvalidError(f"{owner}: weights_sha256 must be the sha256 (64 hex digits) of its head")
         return

@@ -19,19 +19,29 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway import cli
+from guard.dataset import dataset_dir_sha256
 from guard.embedding import LogisticHead
 from guard.evaluation import LabelledItem, save_items
 from guard.one_token import SYSTEM_PROMPT
 from ops.guards import prepare as guards_prepare
 from ops.guards.embedding import EmbeddingReport, EmbeddingSettings
 from ops.guards.layers import build_renderer
+from ops.guards.ngram import NgramReport, NgramSettings
 from ops.guards.one_token import DEFAULT_CATEGORIES, GUARD_JSON, OneTokenReport, OneTokenSettings
-from ops.guards.prepare import EMBEDDING_NAME, ONE_TOKEN_NAME, GuardsResult, prepare_guards, read_manifest
+from ops.guards.prepare import (
+    EMBEDDING_NAME,
+    NGRAM_NAME,
+    ONE_TOKEN_NAME,
+    GuardsResult,
+    prepare_guards,
+    read_manifest,
+)
 from registry.default_guards import GUARDS_MANIFEST, register_guards
 from registry.default_model import register_default_model
 from registry.models import GuardModelSpec, ModelSpec, parse_ref
 from registry.service import Registry
 from registry.sqlite import SqliteRegistryStore
+from tests.ops.tiny_guard_data import write_tiny_guard_data
 
 SETTINGS = OneTokenSettings(epochs=1)  # the CLI's settings for --epochs 1: a CLI run reuses the directory
 
@@ -72,10 +82,25 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prepared(model_dir: Path, data_file: Path, tmp_path_factory: pytest.TempPathFactory) -> GuardsResult:
-    """Guards trained once on the tiny set, in `<tmp data dir>/guards`."""
+def guard_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny multilingual labelled directory the n-gram guard trains on."""
+    return write_tiny_guard_data(tmp_path_factory.mktemp("guard-dir-data"))
+
+
+@pytest.fixture(scope="module")
+def prepared(
+    model_dir: Path, data_file: Path, guard_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> GuardsResult:
+    """Guards trained once on the tiny sets, in `<tmp data dir>/guards`."""
     data_dir = tmp_path_factory.mktemp("guard-models")
-    return prepare_guards(data_dir / "guards", model_dir, data_file, one_token=SETTINGS, say=lambda _l: None)
+    return prepare_guards(
+        data_dir / "guards",
+        model_dir,
+        data_file,
+        one_token=SETTINGS,
+        ngram_data_dir=guard_data,
+        say=lambda _l: None,
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -152,6 +177,23 @@ def test_reports_record_the_data_hash_the_split_and_held_out_figures(
     assert head.training_data_sha256 == sha
 
 
+def test_the_ngram_guard_is_prepared_with_its_calibrated_thresholds(
+    prepared: GuardsResult, guard_data: Path
+) -> None:
+    ngram = prepared.manifest.ngram
+    report = msgspec.json.decode((prepared.path / NGRAM_NAME / GUARD_JSON).read_bytes(), type=NgramReport)
+    assert ngram.training_data_sha256 == report.training_data_sha256 == dataset_dir_sha256(guard_data)
+    assert ngram.training_data_sha256 != prepared.manifest.training_data_sha256  # another data set
+    assert ngram.weights_sha256 == report.weights_sha256 == _sha256(prepared.path / NGRAM_NAME / "ngram.npz")
+    assert (ngram.allow_below, ngram.block_above) == (
+        report.thresholds.allow_below,
+        report.thresholds.block_above,
+    )
+    assert 0.0 <= ngram.allow_below <= ngram.block_above <= 1.0
+    assert ngram.calibration == report.calibration
+    assert prepared.manifest.ngram_settings == NgramSettings()
+
+
 def test_the_test_split_is_never_trained_on(prepared: GuardsResult) -> None:
     train_ids = {i for i, *_, split in _TEXTS if split == "train"}
     test_ids = {i for i, *_, split in _TEXTS if split == "test"}
@@ -204,6 +246,17 @@ async def test_register_guards_publishes_trained_versions_idempotently(
         assert embedding.weights_sha256 == prepared.manifest.embedding.weights_sha256
         assert embedding.training_data_sha256 == sha
 
+        name, version = parse_ref(refs.ngram)
+        ngram = view.spec("guard_model", name, version, GuardModelSpec)
+        assert ngram.kind == "ngram"
+        assert ngram.artifact == f"guards/{NGRAM_NAME}"
+        assert ngram.weights_sha256 == prepared.manifest.ngram.weights_sha256
+        assert ngram.training_data_sha256 == prepared.manifest.ngram.training_data_sha256
+        assert (refs.ngram_allow_below, refs.ngram_block_above) == (
+            prepared.manifest.ngram.allow_below,
+            prepared.manifest.ngram.block_above,
+        )
+
         generation = view.generation
         again = await register_guards(registry, prepared.path, base_model_ref=base.ref, actor="t")
         assert again == refs
@@ -229,30 +282,59 @@ async def test_register_guards_without_prepared_guards_is_none(model_dir: Path, 
 
 
 def test_a_prepared_directory_is_reused_for_the_same_data(
-    prepared: GuardsResult, model_dir: Path, data_file: Path
+    prepared: GuardsResult, model_dir: Path, data_file: Path, guard_data: Path
 ) -> None:
-    weights = prepared.path / ONE_TOKEN_NAME / "model.safetensors"
-    head = prepared.path / EMBEDDING_NAME / "head.npz"
-    before = (weights.stat().st_mtime_ns, head.stat().st_mtime_ns)
+    files = (
+        prepared.path / ONE_TOKEN_NAME / "model.safetensors",
+        prepared.path / EMBEDDING_NAME / "head.npz",
+        prepared.path / NGRAM_NAME / "ngram.npz",
+    )
+    before = [f.stat().st_mtime_ns for f in files]
     lines: list[str] = []
-    again = prepare_guards(prepared.path, model_dir, data_file, one_token=SETTINGS, say=lines.append)
+    again = prepare_guards(
+        prepared.path, model_dir, data_file, one_token=SETTINGS, ngram_data_dir=guard_data, say=lines.append
+    )
     assert not again.trained
     assert again.manifest == prepared.manifest
-    assert (weights.stat().st_mtime_ns, head.stat().st_mtime_ns) == before
+    assert [f.stat().st_mtime_ns for f in files] == before
     assert any("already prepared" in line for line in lines)
 
 
 def test_other_data_or_settings_are_not_reused(prepared: GuardsResult) -> None:
     manifest = prepared.manifest
+    data = manifest.training_data_sha256
     args = (manifest.split, manifest.base_weights_sha256)
     settings = (SETTINGS, EmbeddingSettings())
-    assert (
-        guards_prepare._reusable(prepared.path, manifest.training_data_sha256, *args, *settings) is not None
-    )
-    assert guards_prepare._reusable(prepared.path, "0" * 64, *args, *settings) is None
+    ngram = (manifest.ngram.training_data_sha256, NgramSettings())
+    assert guards_prepare._reusable(prepared.path, data, *args, *settings, *ngram) is not None
+    assert guards_prepare._reusable(prepared.path, "0" * 64, *args, *settings, *ngram) is None
     other = (OneTokenSettings(epochs=2), EmbeddingSettings())
-    assert guards_prepare._reusable(prepared.path, manifest.training_data_sha256, *args, *other) is None
+    assert guards_prepare._reusable(prepared.path, data, *args, *other, *ngram) is None
+    # The n-gram guard's own data set or settings changed: trained again too.
+    assert guards_prepare._reusable(prepared.path, data, *args, *settings, "0" * 64, NgramSettings()) is None
+    other_ngram = (manifest.ngram.training_data_sha256, NgramSettings(epochs=3))
+    assert guards_prepare._reusable(prepared.path, data, *args, *settings, *other_ngram) is None
     assert read_manifest(prepared.path / "missing") is None
+
+
+async def test_guards_prepared_before_the_ngram_guard_are_prepared_again(
+    prepared: GuardsResult, model_dir: Path, tmp_path: Path
+) -> None:
+    old = tmp_path / "guards"
+    old.mkdir()
+    raw = json.loads((prepared.path / GUARDS_MANIFEST).read_bytes())
+    del raw["ngram"], raw["ngram_settings"]
+    (old / GUARDS_MANIFEST).write_text(json.dumps(raw))
+    assert read_manifest(old) is None  # so `prepare_guards` trains them all again
+    registry = await _registry(tmp_path / "registry.db")
+    try:
+        base = await register_default_model(
+            registry, model_dir, public_name="SmolLM2-135M-Instruct", actor="t"
+        )
+        # Start-up says to run `lockgate models prepare`, as it does without guards.
+        assert await register_guards(registry, old, base_model_ref=base.ref, actor="t") is None
+    finally:
+        await registry.store.close()
 
 
 def test_a_changed_guard_prompt_is_not_reused(
@@ -260,8 +342,10 @@ def test_a_changed_guard_prompt_is_not_reused(
 ) -> None:
     manifest = prepared.manifest
     args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
+    ngram = (manifest.ngram.training_data_sha256, NgramSettings())
+    assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
     monkeypatch.setattr(guards_prepare, "SYSTEM_PROMPT", "You are another classifier.")
-    assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings()) is None
+    assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings(), *ngram) is None
 
 
 def test_the_manifest_name_is_the_one_the_registry_reads() -> None:
@@ -272,6 +356,7 @@ def test_guard_train_command_registers_the_guards(
     prepared: GuardsResult,
     model_dir: Path,
     data_file: Path,
+    guard_data: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -286,11 +371,13 @@ def test_guard_train_command_registers_the_guards(
         f'[storage]\nsqlite_path = "{tmp_path / "lockgate.sqlite3"}"\n'
     )
     argv = ["guard", "train", "--config", str(config), "--data", str(data_file), "--epochs", "1"]
+    argv += ["--guard-data", str(guard_data)]
     # Same data and settings as the prepared directory: reused, then registered.
     assert cli.main([*argv, "--out", str(prepared.path), "--register"]) == 0
     out = capsys.readouterr().out
     assert "already prepared" in out
     assert f"model {ONE_TOKEN_NAME}@{prepared.manifest.one_token.weights_sha256[:12]}" in out
     assert f"guard_model {EMBEDDING_NAME}@" in out
+    assert f"guard_model {NGRAM_NAME}@" in out
     # --register refuses a directory outside the data directory: its artifacts could not be found.
     assert cli.main([*argv, "--out", str(tmp_path / "elsewhere" / "guards"), "--register"]) == 2

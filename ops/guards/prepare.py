@@ -1,4 +1,4 @@
-"""Prepare a guards directory: train both guards on a labelled set once, and reuse them while nothing changed.
+"""Prepare a guards directory: train the three guards once, and reuse them while nothing changed.
 
 Layout of a guards directory (`<data_dir>/guards/` for the default guards):
 
@@ -11,10 +11,17 @@ Layout of a guards directory (`<data_dir>/guards/` for the default guards):
     minilm-guard/               the embedding guard's artifact
         head.npz, head.json     the logistic head (guard/embedding.py)
         guard.json              EmbeddingReport
+    ngram-guard/                the n-gram guard's artifact, trained on the multilingual set
+        ngram.npz, ngram.json   the head (guard/ngram.py)
+        guard.json              NgramReport: its thresholds, chosen on the set's calibration split
 
-A directory is reused when its manifest names the same training data (sha256 of the file's bytes), the same
-split, the same base model weights, the same settings and the same guard prompt (template and system
-message), and its files are there; otherwise it is trained
+The one-token and embedding guards are trained on a labelled file (ops/eval/data/dev.jsonl by default); the
+n-gram guard on the train split of a labelled directory (ops/eval/data/guard/ by default), its thresholds
+chosen on that directory's calibration split (ops/guards/ngram.py states the rule).
+
+A directory is reused when its manifest names the same training data (sha256 of the file's bytes, and of
+the directory's), the same split, the same base model weights, the same settings and the same guard prompt
+(template and system message), and its files are there; otherwise it is trained
 again beside the old one and swapped in whole, so an interrupted run never leaves half a directory.
 """
 
@@ -29,10 +36,14 @@ from pathlib import Path
 
 import msgspec
 
+from guard.dataset import dataset_dir_sha256
 from guard.default_guard import JUDGE_PROMPT
+from guard.embedding import HEAD_WEIGHTS as EMBEDDING_HEAD
+from guard.ngram import HEAD_WEIGHTS as NGRAM_HEAD
 from guard.one_token import SYSTEM_PROMPT
 from ops.guards.data import Metrics, TrainError, load_training_set
 from ops.guards.embedding import EmbeddingSettings, train_embedding
+from ops.guards.ngram import DEFAULT_GUARD_DATA, Figures, NgramSettings, train_ngram
 from ops.guards.one_token import OneTokenSettings, train_one_token
 from ops.models.prepare import PrepareError, verify
 from registry.hashing import sha256_file
@@ -41,6 +52,7 @@ GUARDS_DIR = "guards"
 MANIFEST = "lockgate-guards.json"  # registry/default_guards.py reads it under the same name
 ONE_TOKEN_NAME = "SmolLM2-135M-guard"
 EMBEDDING_NAME = "minilm-guard"
+NGRAM_NAME = "ngram-guard"
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "eval" / "data" / "dev.jsonl"
 
 Say = Callable[[str], None]
@@ -68,6 +80,20 @@ class PreparedEmbedding(msgspec.Struct, frozen=True, kw_only=True):
     metrics: Metrics
 
 
+class PreparedNgram(msgspec.Struct, frozen=True, kw_only=True):
+    """The n-gram guard of a guards directory: its artifact directory, the head's sha256, the data it was
+    trained on, and the stage thresholds chosen on that data's calibration split."""
+
+    name: str  # directory and guard name
+    weights_sha256: str
+    training_data_sha256: str  # guard.dataset.dataset_dir_sha256 of the labelled directory
+    data_dir: str
+    allow_below: float
+    block_above: float
+    calibration: Figures
+    test: Figures
+
+
 class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
     """`lockgate-guards.json`: what a guards directory holds and what it was trained from."""
 
@@ -78,8 +104,10 @@ class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
     base_weights_sha256: str
     one_token_settings: OneTokenSettings
     embedding_settings: EmbeddingSettings
+    ngram_settings: NgramSettings
     one_token: PreparedOneToken
     embedding: PreparedEmbedding
+    ngram: PreparedNgram
     elapsed_s: float
 
 
@@ -92,7 +120,8 @@ class GuardsResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def read_manifest(guards_dir: Path) -> PreparedGuards | None:
-    """The manifest of `guards_dir`, or None when there is none (or it cannot be read)."""
+    """The manifest of `guards_dir`, or None when there is none (or it cannot be read, or is an older
+    layout without a guard this one has)."""
     try:
         return msgspec.json.decode((guards_dir / MANIFEST).read_bytes(), type=PreparedGuards)
     except (OSError, msgspec.DecodeError):
@@ -106,6 +135,8 @@ def _reusable(
     base_weights_sha256: str,
     one_token: OneTokenSettings,
     embedding: EmbeddingSettings,
+    ngram_data_sha256: str,
+    ngram: NgramSettings,
 ) -> PreparedGuards | None:
     manifest = read_manifest(guards_dir)
     if manifest is None:
@@ -116,6 +147,8 @@ def _reusable(
         and manifest.base_weights_sha256 == base_weights_sha256
         and manifest.one_token_settings == one_token
         and manifest.embedding_settings == embedding
+        and manifest.ngram.training_data_sha256 == ngram_data_sha256
+        and manifest.ngram_settings == ngram
         # The served prompt must be the trained one, token for token.
         and manifest.one_token.prompt_template == JUDGE_PROMPT
         and manifest.one_token.system_prompt == SYSTEM_PROMPT
@@ -126,8 +159,11 @@ def _reusable(
         verify(guards_dir / manifest.one_token.name)
     except PrepareError:
         return None
-    head = guards_dir / manifest.embedding.name / "head.npz"
-    if not head.is_file() or sha256_file(head) != manifest.embedding.weights_sha256:
+    heads = (
+        (guards_dir / manifest.embedding.name / EMBEDDING_HEAD, manifest.embedding.weights_sha256),
+        (guards_dir / manifest.ngram.name / NGRAM_HEAD, manifest.ngram.weights_sha256),
+    )
+    if any(not head.is_file() or sha256_file(head) != sha for head, sha in heads):
         return None
     return manifest
 
@@ -140,24 +176,34 @@ def prepare_guards(
     split: str = "train",
     one_token: OneTokenSettings | None = None,
     embedding: EmbeddingSettings | None = None,
+    ngram_data_dir: Path = DEFAULT_GUARD_DATA,
+    ngram: NgramSettings | None = None,
     say: Say = print,
 ) -> GuardsResult:
-    """Train the one-token and the embedding guard on `split` of `data_file` into `guards_dir`, unless it
-    already holds guards trained on the same data, split, base model and settings (then nothing is done).
+    """Train the one-token and the embedding guard on `split` of `data_file`, and the n-gram guard on the
+    train split of `ngram_data_dir`, into `guards_dir`, unless it already holds guards trained on the same
+    data, split, base model and settings (then nothing is done).
 
     Raises TrainError (or ValueError for a malformed data file) when the guards cannot be trained.
     """
     started = time.perf_counter()
     one_token = one_token or OneTokenSettings()
     embedding = embedding or EmbeddingSettings()
+    ngram = ngram or NgramSettings()
     data = load_training_set(data_file, split)
+    ngram_sha256 = dataset_dir_sha256(ngram_data_dir)
     try:
         base = verify(base_model_dir)
     except PrepareError as exc:
         raise TrainError(f"no base model to train on: {exc}") from exc
-    reused = _reusable(guards_dir, data.sha256, split, base.weights_sha256, one_token, embedding)
+    reused = _reusable(
+        guards_dir, data.sha256, split, base.weights_sha256, one_token, embedding, ngram_sha256, ngram
+    )
     if reused is not None:
-        say(f"{guards_dir} is already prepared from {data_file.name} (sha256 {data.sha256[:16]}...)")
+        say(
+            f"{guards_dir} is already prepared from {data_file.name} (sha256 {data.sha256[:16]}...) and "
+            f"{ngram_data_dir.name}/ (sha256 {ngram_sha256[:16]}...)"
+        )
         return GuardsResult(path=guards_dir, manifest=reused, trained=False)
     say(
         f"training guards on {len(data.train)} items of split {split!r} of {data_file} "
@@ -166,6 +212,8 @@ def prepare_guards(
     guards_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{guards_dir.name}-", dir=guards_dir.parent))
     try:
+        ngram_report = train_ngram(ngram_data_dir, work / NGRAM_NAME, ngram, say=say)
+        say(f"ngram guard trained ({time.perf_counter() - started:.0f} s)")
         emb = train_embedding(data, work / EMBEDDING_NAME, embedding, say=say)
         say(f"embedding guard trained ({time.perf_counter() - started:.0f} s)")
         one = train_one_token(data, base_model_dir, work / ONE_TOKEN_NAME, one_token, say=say)
@@ -177,6 +225,7 @@ def prepare_guards(
             base_weights_sha256=base.weights_sha256,
             one_token_settings=one_token,
             embedding_settings=embedding,
+            ngram_settings=ngram,
             one_token=PreparedOneToken(
                 name=ONE_TOKEN_NAME,
                 weights_sha256=one.weights_sha256,
@@ -190,6 +239,16 @@ def prepare_guards(
             ),
             embedding=PreparedEmbedding(
                 name=EMBEDDING_NAME, weights_sha256=emb.weights_sha256, metrics=emb.metrics
+            ),
+            ngram=PreparedNgram(
+                name=NGRAM_NAME,
+                weights_sha256=ngram_report.weights_sha256,
+                training_data_sha256=ngram_report.training_data_sha256,
+                data_dir=ngram_data_dir.name,
+                allow_below=ngram_report.thresholds.allow_below,
+                block_above=ngram_report.thresholds.block_above,
+                calibration=ngram_report.calibration,
+                test=ngram_report.test,
             ),
             elapsed_s=round(time.perf_counter() - started, 1),
         )
@@ -206,5 +265,6 @@ def prepare_guards(
 
 
 def prepare_default_guards(data_dir: Path, base_model_dir: Path, say: Say = print) -> GuardsResult:
-    """The default guards in `<data_dir>/guards/`, trained on the train split of ops/eval/data/dev.jsonl."""
+    """The default guards in `<data_dir>/guards/`, trained on the train split of ops/eval/data/dev.jsonl
+    (the n-gram guard on that of ops/eval/data/guard/)."""
     return prepare_guards(data_dir.expanduser() / GUARDS_DIR, base_model_dir, DEFAULT_DATA, say=say)

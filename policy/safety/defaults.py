@@ -4,9 +4,10 @@ Every tenant is bound to the `default` policy alias until an administrator binds
 
 - `default@1`: no guard stages (what tenants had before the guard cascade; kept so old records resolve).
 - `default@rules-1`: the deterministic rules stage alone (`guard.rules.default_rules`).
-- `default@trained-<hash>`: rules, then the embedding guard, then the trained one-token guard that
-  `lockgate models prepare` builds offline; `<hash>` follows the guard versions and the policy's thresholds,
-  so retraining or new thresholds publish a new policy version instead of changing one.
+- `default@trained-<hash>`: rules, then the n-gram guard, then the embedding guard, then the trained
+  one-token guard, all of which `lockgate models prepare` builds offline; `<hash>` follows the guard versions
+  and the policy's thresholds, so retraining or new thresholds publish a new policy version instead of
+  changing one.
 
 At start-up the alias is created when missing, and moved to the configured choice only while it was last set
 by start-up itself: a policy an administrator chose is never overridden by a restart.
@@ -57,6 +58,10 @@ class TrainedGuards(msgspec.Struct, frozen=True, kw_only=True):
 
     embedding: str
     one_token: str
+    ngram: str
+    # The n-gram stage's thresholds, chosen on the calibration split of its training data.
+    ngram_allow_below: float
+    ngram_block_above: float
     # The categories the one-token guard's prompt listed in training, in order ("" = not recorded).
     categories: tuple[str, ...] = ()
 
@@ -80,7 +85,12 @@ def rules_policy() -> PolicySpec:
 
 
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
-    """Rules, then the embedding guard, then the trained one-token guard (the last stage's band escalates).
+    """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard (the last
+    stage's band escalates).
+
+    The n-gram stage's thresholds are its own, chosen when it was trained on the calibration split of the
+    multilingual set (ops/guards/ngram.py `choose_thresholds`): it blocks what it is sure of in any
+    language, allows what it is sure is benign, and passes the rest on.
 
     Thresholds were chosen by replaying the development set's train split (`python -m ops.eval replay`):
     the one-token guard's band is the widest recall on that split whose false-positive rate stays at or
@@ -91,6 +101,12 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     return _policy(
         (
             RULES_STAGE,
+            CascadeStage(
+                guard=guards.ngram,
+                allow_below=guards.ngram_allow_below,
+                block_above=guards.ngram_block_above,
+                timeout_s=2.0,
+            ),
             CascadeStage(guard=guards.embedding, allow_below=0.2, block_above=0.9, timeout_s=2.0),
             CascadeStage(guard=guards.one_token, allow_below=0.2, block_above=0.6, timeout_s=5.0),
         )
@@ -100,7 +116,8 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
 def _trained_version(guards: TrainedGuards) -> str:
     # The guards and the policy's own content (thresholds): a change of either is a new version.
     content = msgspec.json.encode(trained_policy(guards)).decode()
-    digest = hashlib.sha256(f"{guards.embedding}|{guards.one_token}|{content}".encode()).hexdigest()
+    refs = f"{guards.ngram}|{guards.embedding}|{guards.one_token}"
+    digest = hashlib.sha256(f"{refs}|{content}".encode()).hexdigest()
     return f"trained-{digest[:12]}"
 
 

@@ -8,6 +8,7 @@ import pytest
 from registry import (
     AliasTarget,
     ConflictError,
+    GuardModelSpec,
     InvalidError,
     Kind,
     NotFoundError,
@@ -128,3 +129,19 @@ def test_parse_ref_and_check_tokenizer() -> None:
         InvalidError, match=r"tokenizer.json \(sha256 [0-9a-f]{64}\) does not match tokenizer tok@1"
     ):
         check_tokenizer("chat@1", model, tokenizer=tok, file_sha256=specs.sha("other"))
+
+
+async def test_an_ngram_guard_is_published_with_its_pinned_head(registry: Registry) -> None:
+    ngram = GuardModelSpec(kind="ngram", artifact="guards/ngram-guard", weights_sha256="ab" * 32)
+    for spec, message in (
+        (msgspec.structs.replace(ngram, artifact=""), "an ngram guard needs its artifact directory"),
+        (msgspec.structs.replace(ngram, weights_sha256=""), "weights_sha256 must be the sha256"),
+        (msgspec.structs.replace(ngram, weights_sha256="AB" * 32), "weights_sha256 must be the sha256"),
+    ):
+        with pytest.raises(InvalidError, match=message):
+            await registry.publish("guard_model", "ngram-guard", "1", spec, actor="t")
+    published = await registry.publish("guard_model", "ngram-guard", "1", ngram, actor="t")
+    # No model version to resolve: it carries its own head.
+    resolved = registry.view.resolve_guard(published.ref, key="")
+    assert resolved.model is None
+    assert resolved.spec == ngram

@@ -1,0 +1,138 @@
+"""Training the n-gram guard (ops/guards/ngram.py): the threshold rule on made-up scores, and a run on a
+tiny labelled directory that keeps training, calibration and test apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from guard.dataset import DataItem, family_splits, load_data_dir
+from guard.ngram import NgramHead
+from ops.guards.data import TrainError
+from ops.guards.ngram import GUARD_JSON, NgramReport, NgramSettings, choose_thresholds, figures, train_ngram
+from tests.ops.tiny_guard_data import write_tiny_guard_data
+
+RULE = NgramSettings()
+
+
+def item(n: int, kind: str) -> DataItem:
+    """A calibration item of `kind` (its other fields follow from it)."""
+    unsafe = kind in ("request", "harmful")
+    output = kind in ("reply", "refusal", "harmful")
+    return DataItem(
+        id=f"f{n:03d}-en",
+        family=f"f{n:03d}",
+        text="x",
+        label="unsafe" if unsafe else "safe",
+        hazard="none" if kind in ("everyday", "reply") else "S1",
+        language="en",
+        severity="high" if unsafe else "none",
+        shape="output" if output else "prompt",
+        kind=kind,  # type: ignore[arg-type]
+        context="none",
+    )
+
+
+def calibration(groups: dict[str, list[float]]) -> tuple[list[float], list[DataItem]]:
+    scores: list[float] = []
+    items: list[DataItem] = []
+    for kind, values in groups.items():
+        for value in values:
+            items.append(item(len(items), kind))
+            scores.append(value)
+    return scores, items
+
+
+def test_block_above_keeps_look_alikes_under_budget_and_every_safe_output_under_it() -> None:
+    lookalikes = [i / 100 for i in range(100)]  # 0.00 .. 0.99
+    scores, items = calibration(
+        {"lookalike": lookalikes, "reply": [0.2, 0.3], "refusal": [0.1], "request": [0.99] * 10}
+    )
+    chosen = choose_thresholds(scores, items, RULE)
+    assert chosen.block_above == pytest.approx(np.quantile(lookalikes, 0.95))
+    blocked = [s > chosen.block_above for s, i in zip(scores, items, strict=True) if i.kind == "lookalike"]
+    assert sum(blocked) <= 5
+    # A safe output scoring above that quantile raises the threshold to it: no everyday reply is cut.
+    scores, items = calibration(
+        {"lookalike": lookalikes, "reply": [0.97], "refusal": [0.1], "request": [0.99]}
+    )
+    chosen = choose_thresholds(scores, items, RULE)
+    assert chosen.block_above == 0.97
+    assert not any(s > chosen.block_above for s, i in zip(scores, items, strict=True) if i.shape == "output")
+
+
+def test_allow_below_gives_the_band_at_most_its_share_of_items() -> None:
+    # 100 items; harmful ones high, so the 20% cap does not bind.
+    scores, items = calibration(
+        {
+            "lookalike": [0.5 + i / 1000 for i in range(20)],  # 0.500 .. 0.519
+            "everyday": [i / 100 for i in range(50)],  # 0.00 .. 0.49
+            "reply": [0.1] * 10,
+            "request": [0.95] * 20,
+        }
+    )
+    chosen = choose_thresholds(scores, items, RULE)
+    assert chosen.block_above == pytest.approx(0.51805)
+    band = [s for s in scores if chosen.allow_below <= s <= chosen.block_above]
+    assert len(band) <= 10
+    # The widest such band: one more item (the next score down) would not fit.
+    below = max(s for s in scores if s < chosen.allow_below)
+    assert len([s for s in scores if below <= s <= chosen.block_above]) > 10
+
+
+def test_allow_below_never_lets_more_than_a_fifth_of_harmful_items_through() -> None:
+    # Harmful items spread low: the band rule alone would allow most of them outright.
+    harmful = [i / 100 for i in range(0, 100, 5)]  # 20 items, 0.00 .. 0.95
+    scores, items = calibration({"lookalike": [0.99] * 20, "reply": [0.0] * 60, "harmful": harmful})
+    chosen = choose_thresholds(scores, items, RULE)
+    assert chosen.allow_below == pytest.approx(np.quantile(harmful, 0.2))
+    allowed = [
+        s for s, i in zip(scores, items, strict=True) if i.label == "unsafe" and s < chosen.allow_below
+    ]
+    assert len(allowed) <= 0.2 * len(harmful)
+    assert 0.0 <= chosen.allow_below <= chosen.block_above <= 1.0
+
+
+def test_ties_never_overfill_the_band() -> None:
+    scores, items = calibration({"lookalike": [0.9] * 10, "reply": [0.3] * 80, "request": [0.95] * 10})
+    chosen = choose_thresholds(scores, items, RULE)
+    # Eighty tied items cannot share a band of ten: none of them is in it.
+    assert chosen.allow_below > 0.3
+    assert sum(1 for s in scores if chosen.allow_below <= s <= chosen.block_above) <= 10
+
+
+def test_a_calibration_split_without_look_alikes_is_refused() -> None:
+    scores, items = calibration({"reply": [0.1], "request": [0.9]})
+    with pytest.raises(TrainError, match="look-alikes"):
+        choose_thresholds(scores, items, RULE)
+
+
+def test_train_ngram_keeps_the_splits_apart(tmp_path: Path) -> None:
+    data = write_tiny_guard_data(tmp_path / "data")
+    lines: list[str] = []
+    report = train_ngram(data, tmp_path / "ngram", NgramSettings(epochs=20), say=lines.append)
+    items = load_data_dir(data)
+    split = family_splits(items)
+    by_id = {i.id: i for i in items}
+    assert {split[by_id[i].family] for i in report.train_ids} == {"train"}
+    assert {split[by_id[i].family] for i in report.test_scores} == {"test"}
+    assert report.calibration.items == sum(1 for i in items if split[i.family] == "calibration")
+    # The thresholds are the rule's on the calibration scores of the saved head, scored as in service.
+    head = NgramHead.load(tmp_path / "ngram", report.weights_sha256)
+    assert head.training_data_sha256 == report.training_data_sha256
+    calibration_items = [i for i in items if split[i.family] == "calibration"]
+    scores = [max(head.score_text(i.text)) for i in calibration_items]
+    assert report.thresholds == choose_thresholds(scores, calibration_items, report.settings)
+    assert report.calibration == figures(scores, calibration_items, report.thresholds)
+    # It learnt something: harmful test items are blocked, everyday ones are not.
+    assert report.test.harmful_blocked == 1.0
+    assert report.test.everyday_prompts_blocked == 0.0
+    saved = msgspec.json.decode((tmp_path / "ngram" / GUARD_JSON).read_bytes(), type=NgramReport)
+    assert saved == report
+    assert any("epoch 20/20" in line for line in lines)
+    assert any("block_above" in line for line in lines)
+    with pytest.raises(TrainError, match="exists"):
+        train_ngram(data, tmp_path / "ngram", say=lines.append)

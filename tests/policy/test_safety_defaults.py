@@ -1,0 +1,38 @@
+"""The built-in trained policy: its stages in order, the n-gram stage's own thresholds, and a version that
+follows every guard and threshold in it."""
+
+from __future__ import annotations
+
+import msgspec
+
+from policy.safety.defaults import RULES_STAGE, TrainedGuards, _trained_version, trained_policy
+
+GUARDS = TrainedGuards(
+    embedding="minilm-guard@aaaaaaaaaaaa",
+    one_token="SmolLM2-135M-guard@bbbbbbbbbbbb",
+    ngram="ngram-guard@cccccccccccc",
+    ngram_allow_below=0.31,
+    ngram_block_above=0.77,
+)
+
+
+def test_the_ngram_stage_runs_after_the_rules_and_before_the_embedding_guard() -> None:
+    stages = trained_policy(GUARDS).stages
+    assert stages[0] == RULES_STAGE
+    assert [s.guard for s in stages[1:]] == [GUARDS.ngram, GUARDS.embedding, GUARDS.one_token]
+    assert (stages[1].allow_below, stages[1].block_above) == (0.31, 0.77)
+    # The stages after it are unchanged.
+    assert [(s.allow_below, s.block_above) for s in stages[2:]] == [(0.2, 0.9), (0.2, 0.6)]
+    assert trained_policy(GUARDS).past_last_stage == "escalate"
+
+
+def test_the_version_follows_the_ngram_guard_and_its_thresholds() -> None:
+    version = _trained_version(GUARDS)
+    assert version.startswith("trained-")
+    assert _trained_version(GUARDS) == version
+    for change in (
+        {"ngram": "ngram-guard@dddddddddddd"},
+        {"ngram_allow_below": 0.3},
+        {"ngram_block_above": 0.8},
+    ):
+        assert _trained_version(msgspec.structs.replace(GUARDS, **change)) != version, change
