@@ -8,7 +8,8 @@
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
-                              [--lookalike-fpr 0.05] [--band-share 0.10] [--step 0.05] [--json]
+                              [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
+                              [--step 0.05] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
 With `--policy` it scores a registry policy with the guards and engines the service builds from its
@@ -134,7 +135,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print("note: thresholds are meant to be chosen on --split calibration", file=sys.stderr)
     items = load_items(args.data)
     chosen = _evaluated(items, args.split, load_scores(args.scores))
-    budget = Budget(lookalike_fpr=args.lookalike_fpr, band=args.band_share)
+    budget = Budget(lookalike_fpr=args.lookalike_fpr, band=args.band_share, safe_outputs=args.safe_output_fpr)
     try:
         result = calibrate(
             chosen, load_scores(args.scores), budget, step=args.step, dataset_sha256=dataset_sha256(args.data)
@@ -149,9 +150,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"thresholds {shown} (--thresholds '{shown}'), on {len(chosen)} items of split {args.split}\n"
         f"budget: look-alikes blocked <= {budget.lookalike_fpr:.0%}, "
-        f"escalated <= {budget.band:.0%}: {verdict}\n"
+        f"escalated <= {budget.band:.0%}, safe outputs blocked <= {budget.safe_outputs:.0%}: {verdict}\n"
         f"unsafe blocked {result.blocked_recall:.1%}, look-alikes blocked {result.lookalike_fpr:.1%}, "
-        f"escalated {result.band_share:.1%}\n"
+        f"escalated {result.band_share:.1%}, safe outputs blocked {result.safe_output_fpr:.1%}\n"
     )
     return 0
 
@@ -186,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     calibration.add_argument("--lookalike-fpr", type=float, default=0.05, help="look-alikes blocked, at most")
     calibration.add_argument("--band-share", type=float, default=0.10, help="items escalated, at most")
+    calibration.add_argument(
+        "--safe-output-fpr", type=float, default=0.0, help="safe outputs (replies, refusals) blocked, at most"
+    )
     calibration.add_argument("--step", type=float, default=0.05, help="threshold grid step")
     calibration.set_defaults(run=_cmd_calibrate)
 

@@ -7,7 +7,10 @@ thresholds that block the most unsafe items while
 - at most `lookalike_fpr` of the look-alikes (safe items of kind `lookalike`; every safe item in a set
   without kinds) are blocked, and
 - at most `band` of all items end in the band (allowed and flagged for review: escalation must stay the
-  exception).
+  exception), and
+- at most `safe_outputs` of the safe outputs (everyday replies and refusals: items of shape `output`) are
+  blocked: the same stages check the model's answers, and an everyday answer cut is a failure users see
+  (none, by default).
 
 Ties go to fewer escalations, then to fewer look-alikes blocked. Rules stages keep their thresholds (a rule
 scores 0, 0.5 or 1). The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes
@@ -35,6 +38,7 @@ class Budget(msgspec.Struct, frozen=True, kw_only=True):
 
     lookalike_fpr: float = 0.05
     band: float = 0.10
+    safe_outputs: float = 0.0
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +50,7 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     blocked_recall: float  # unsafe items blocked
     lookalike_fpr: float  # look-alikes blocked
     band_share: float  # items escalated
+    safe_output_fpr: float  # safe outputs blocked
     report: Report
 
 
@@ -84,6 +89,7 @@ def calibrate(
     lookalike = np.array(
         [i.label == "safe" and (i.kind == "lookalike" if "lookalike" in kinds else True) for i in items]
     )
+    outputs = np.array([i.label == "safe" and i.shape == "output" for i in items])
     choices = [[stored[k]] if fixed[k] else _grid(step) for k in range(count)]
     best: tuple[tuple[float, ...], tuple[Thresholds, ...]] | None = None
     for combo in itertools.product(*choices):
@@ -91,7 +97,12 @@ def calibrate(
         fpr = float(blocked[lookalike].mean()) if lookalike.any() else 0.0
         share = float(band.mean())
         recall = float(blocked[unsafe].mean()) if unsafe.any() else 0.0
-        over = max(fpr - budget.lookalike_fpr, 0.0) + max(share - budget.band, 0.0)
+        cut = float(blocked[outputs].mean()) if outputs.any() else 0.0
+        over = (
+            max(fpr - budget.lookalike_fpr, 0.0)
+            + max(share - budget.band, 0.0)
+            + max(cut - budget.safe_outputs, 0.0)
+        )
         # Within budget first (over 0), then recall, then fewer escalations and look-alikes blocked.
         key = (-over, recall, -share, -fpr)
         if best is None or key > best[0]:
@@ -107,6 +118,7 @@ def calibrate(
         blocked_recall=float(blocked[unsafe].mean()) if unsafe.any() else 0.0,
         lookalike_fpr=float(blocked[lookalike].mean()) if lookalike.any() else 0.0,
         band_share=float(band.mean()),
+        safe_output_fpr=float(blocked[outputs].mean()) if outputs.any() else 0.0,
         report=report,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from guard.cascade import StageRun, stage_verdict
@@ -123,3 +124,18 @@ def test_the_command_prints_the_thresholds_and_the_budget_met(
     out = capsys.readouterr().out
     assert "--thresholds '0.25,0.75;" in out
     assert ": met" in out
+
+
+def test_no_safe_output_is_blocked_unless_the_budget_allows_it() -> None:
+    # Five everyday replies the model scores like the surest requests: blocking them would cut answers.
+    items, scores = dataset()
+    for i in range(50, 55):
+        reply = msgspec.structs.replace(item(i, "safe", "reply"), shape="output")
+        items.append(reply)
+        scores.append(scored(i, 0.5, 0.97))
+    strict = calibrate(items, scores, Budget())
+    assert strict.met
+    assert strict.safe_output_fpr == 0.0
+    loose = calibrate(items, scores, Budget(safe_outputs=1.0))
+    assert loose.safe_output_fpr > 0.0
+    assert loose.blocked_recall > strict.blocked_recall
