@@ -85,18 +85,15 @@ def rules_policy() -> PolicySpec:
 
 
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
-    """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard (the last
-    stage's band escalates).
+    """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard.
 
-    The n-gram stage's thresholds are its own, chosen when it was trained on the calibration split of the
+    The n-gram stage's thresholds are its own, chosen when it was trained, on the calibration split of the
     multilingual set (ops/guards/ngram.py `choose_thresholds`): it blocks what it is sure of in any
-    language, allows what it is sure is benign, and passes the rest on.
-
-    Thresholds were chosen by replaying the development set's train split (`python -m ops.eval replay`):
-    the one-token guard's band is the widest recall on that split whose false-positive rate stays at or
-    under a quarter (a score in the band is allowed and flagged for review, never refused); figures on the
-    test split it never saw are in README.md ("Safety guard"). The embedding stage settles only confident
-    cases; the one-token guard decides most of the rest; what stays between escalates.
+    language, allows what it is sure is benign, and passes the rest on. The later stages' thresholds were
+    chosen on the same calibration split, the n-gram stage kept at its own, under the budget of `python -m
+    ops.eval calibrate` (look-alikes blocked at most 5%, escalations at most 10%, no safe output blocked):
+    the most harmful items blocked within it. The one-token guard decides what reaches it (no band): on
+    this set an escalation bought no recall. Figures on the test split are in README.md ("Safety guard").
     """
     return _policy(
         (
@@ -107,8 +104,8 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 block_above=guards.ngram_block_above,
                 timeout_s=2.0,
             ),
-            CascadeStage(guard=guards.embedding, allow_below=0.2, block_above=0.9, timeout_s=2.0),
-            CascadeStage(guard=guards.one_token, allow_below=0.2, block_above=0.6, timeout_s=5.0),
+            CascadeStage(guard=guards.embedding, allow_below=0.4, block_above=0.75, timeout_s=2.0),
+            CascadeStage(guard=guards.one_token, allow_below=0.7, block_above=0.7, timeout_s=5.0),
         )
     )
 
