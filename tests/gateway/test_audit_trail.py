@@ -4,7 +4,8 @@ down holds nothing up (the decisions wait in the spool) and loses nothing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,22 @@ async def chat(http: httpx.AsyncClient, content: str) -> httpx.Response:
     return await http.post("/v1/chat/completions", json=body)
 
 
+@asynccontextmanager
+async def gateway(
+    store: SqliteAuditStore,
+    engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    outcomes: OutcomeLog,
+    tenancy: Tenancy,
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A gateway recording into `store`, and a client with the consumer's key."""
+    app = create_app(
+        make_config(), engine=engine, renderer=renderer, tenants=tenancy.store, sink=outcomes, audit=store
+    )
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http:
+        yield http
+
+
 async def test_gate_decisions_are_chained_in_the_audit_trail_and_survive_an_outage(
     tmp_path: Path,
     sim_engine: SimulatedEngine,
@@ -46,10 +63,7 @@ async def test_gate_decisions_are_chained_in_the_audit_trail_and_survive_an_outa
 ) -> None:
     store = await Switchable.open(tmp_path / "audit.sqlite3")
     assert isinstance(store, Switchable)
-    app = create_app(
-        make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes, audit=store
-    )
-    async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http:
+    async with gateway(store, sim_engine, renderer, outcomes, tenancy) as http:
         allowed = await chat(http, "What is the capital of France?")
         assert allowed.status_code == 200
         blocked = await chat(http, INJECTION)
@@ -113,10 +127,7 @@ async def test_a_block_is_answered_only_once_its_record_is_durable(
     # can lose of them).
     store = await Held.open(tmp_path / "audit.sqlite3")
     assert isinstance(store, Held)
-    app = create_app(
-        make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes, audit=store
-    )
-    async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http:
+    async with gateway(store, sim_engine, renderer, outcomes, tenancy) as http:
         store.held.clear()
         blocked = asyncio.create_task(chat(http, INJECTION))
         await store.waiting.wait()  # the block's record is being appended, and the append hangs
