@@ -9,7 +9,7 @@
                               [--band escalate|block] [--split test] [--json]
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
-                              [--step 0.05] [--json]
+                              [--step 0.05] [--keep INDEX] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
 With `--policy` it scores a registry policy with the guards and engines the service builds from its
@@ -138,7 +138,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     budget = Budget(lookalike_fpr=args.lookalike_fpr, band=args.band_share, safe_outputs=args.safe_output_fpr)
     try:
         result = calibrate(
-            chosen, load_scores(args.scores), budget, step=args.step, dataset_sha256=dataset_sha256(args.data)
+            chosen,
+            load_scores(args.scores),
+            budget,
+            step=args.step,
+            keep=args.keep,
+            dataset_sha256=dataset_sha256(args.data),
         )
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
@@ -191,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
         "--safe-output-fpr", type=float, default=0.0, help="safe outputs (replies, refusals) blocked, at most"
     )
     calibration.add_argument("--step", type=float, default=0.05, help="threshold grid step")
+    calibration.add_argument(
+        "--keep",
+        type=int,
+        action="append",
+        default=[],
+        help="index of a stage that keeps its stored thresholds (repeatable)",
+    )
     calibration.set_defaults(run=_cmd_calibrate)
 
     for sub in (replay, report, calibration):

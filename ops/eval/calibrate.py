@@ -13,9 +13,10 @@ thresholds that block the most unsafe items while
   (none, by default).
 
 Ties go to fewer escalations, then to fewer look-alikes blocked. Rules stages keep their thresholds (a rule
-scores 0, 0.5 or 1). The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes
-it on, as a failure would leave its categories unjudged); the figures it returns are then computed exactly
-by `guard.evaluation.evaluate` at the chosen thresholds, which is what `replay` prints. Thresholds are never
+scores 0, 0.5 or 1), and so do the stages named in `keep` (a stage whose thresholds are chosen elsewhere).
+The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes it on, as a
+failure would leave its categories unjudged); the figures it returns are then computed exactly by
+`guard.evaluation.evaluate` at the chosen thresholds, which is what `replay` prints. Thresholds are never
 chosen on the items a guard was trained on or on the test split: pass `--split calibration`.
 """
 
@@ -65,9 +66,11 @@ def calibrate(
     budget: Budget,
     *,
     step: float = 0.05,
+    keep: Sequence[int] = (),
     dataset_sha256: str = "",
 ) -> Calibration:
-    """The best thresholds for `items` (each needs its stored scores; see the module docstring)."""
+    """The best thresholds for `items` (each needs its stored scores; see the module docstring); the stages
+    at the indices in `keep` keep their stored thresholds, as rules stages do."""
     by_id = {s.id: s for s in scores}
     missing = [i.id for i in items if i.id not in by_id]
     if missing:
@@ -80,7 +83,7 @@ def calibrate(
     if any(len(r) != count for r in runs):
         raise ValueError("a stored trace stops early (scored with --early-exit): score every stage")
     first = runs[0]
-    fixed = [first[k].guard == "rules" for k in range(count)]
+    fixed = [first[k].guard == "rules" or k in keep for k in range(count)]
     stored: list[Thresholds] = [(first[k].allow_below, first[k].block_above) for k in range(count)]
     nan = float("nan")
     p = np.array([[r[k].p_unsafe if r[k].p_unsafe is not None else nan for k in range(count)] for r in runs])

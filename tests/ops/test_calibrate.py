@@ -139,3 +139,11 @@ def test_no_safe_output_is_blocked_unless_the_budget_allows_it() -> None:
     loose = calibrate(items, scores, Budget(safe_outputs=1.0))
     assert loose.safe_output_fpr > 0.0
     assert loose.blocked_recall > strict.blocked_recall
+
+
+def test_a_kept_stage_keeps_its_stored_thresholds() -> None:
+    items, scores = dataset()
+    chosen = calibrate(items, scores, Budget())
+    assert chosen.thresholds[1] != (0.5, 0.5)
+    kept = calibrate(items, scores, Budget(), keep=(1,))
+    assert kept.thresholds == ((0.25, 0.75), (0.5, 0.5))
