@@ -509,7 +509,9 @@ def create_app(
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)
             days = config.audit.content_retention_days
-            retention = run_retention(audit_store, store, clock, days, config.audit.purge_interval)
+            retention = run_retention(
+                audit_store, store, clock, days, config.audit.purge_interval, spool=writer
+            )
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             recording, recording_durably = _recording(writer, guard_sink)
             gate = SafetyGate(

@@ -5,7 +5,10 @@ A record keeps its content only while the tenant's retention allows. `purge_expi
 chain still verifies and the decision, its stages and the content's sha256 remain. `run_retention` does that
 for every tenant, at start and then every `interval` seconds (`[audit] purge_interval`), in the app's
 lifespan. Between two passes, `RetainedAuditStore` (what the reviewer API and console read through) shows
-no content past retention either: it hides, at read time, what the next pass will purge.
+no content past retention either: it hides, at read time, what the next pass will purge. Each pass also
+tells the audit writer's spool (`ContentShredder`, the `AuditWriter`) each tenant's cutoff, and the spool
+deletes the keys of the content it holds past it (`policy.audit.spool_keys`): drafts still waiting for the
+store then replay without their content.
 
 Retention per tenant: a tenant that retains prompts (`Tenant.retain_prompts`) keeps content for its own
 `Tenant.content_retention_days` when set, else for `[audit] content_retention_days` (the `days` passed here);
@@ -18,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -38,6 +42,14 @@ DAY_S = 86_400.0
 PURGE_INTERVAL_S = 3600.0
 
 
+class ContentShredder(Protocol):
+    """What else holds content: told each tenant's cutoff, it makes what it holds before it unreadable."""
+
+    async def shred_content(self, cutoffs: Mapping[str, float]) -> int:
+        """Forget content of a tenant in `cutoffs` from before its cutoff (an `at`); how much. OSError."""
+        ...
+
+
 def expiry(tenant: Tenant, now: float, days: float) -> float:
     """The `at` before which `tenant`'s content has expired at `now`; `days` is the default period."""
     if not tenant.retain_prompts:
@@ -48,24 +60,38 @@ def expiry(tenant: Tenant, now: float, days: float) -> float:
     return now - max(0.0, days) * DAY_S
 
 
-async def purge_expired(store: AuditStore, tenants: TenantStore, now: float, days: float) -> dict[str, int]:
-    """Null the expired content of every tenant's records; the number of records purged, by tenant.
+async def purge_expired(
+    store: AuditStore,
+    tenants: TenantStore,
+    now: float,
+    days: float,
+    spool: ContentShredder | None = None,
+) -> dict[str, int]:
+    """Null the expired content of every tenant's records, and shred what `spool` holds of it; the number
+    of records purged, by tenant.
 
     `days` is the default period, for tenants without their own `content_retention_days`.
 
     A tenant whose purge fails (the audit store is down) is skipped and logged; the next pass retries it,
-    and the others are purged all the same.
+    and the others are purged all the same. The spool is shredded whatever the store does (it holds
+    content most when the store is down); a spool that fails (OSError) is logged and retried next pass.
     """
     purged: dict[str, int] = {}
-    for tenant in await tenants.list_tenants():
+    cutoffs = {tenant.tenant_id: expiry(tenant, now, days) for tenant in await tenants.list_tenants()}
+    if spool is not None:
         try:
-            count = await store.purge_content(tenant.tenant_id, expiry(tenant, now, days))
+            await spool.shred_content(cutoffs)
+        except OSError as exc:
+            log.error("spooled audit content not shredded (retried next pass): %s", exc)
+    for tenant_id, cutoff in cutoffs.items():
+        try:
+            count = await store.purge_content(tenant_id, cutoff)
         except AuditUnavailableError as exc:
-            log.warning("audit content of %s not purged (retried next pass): %s", tenant.tenant_id, exc)
+            log.warning("audit content of %s not purged (retried next pass): %s", tenant_id, exc)
             continue
-        purged[tenant.tenant_id] = count
+        purged[tenant_id] = count
         if count:
-            log.info("audit content of %d records of tenant %s purged", count, tenant.tenant_id)
+            log.info("audit content of %d records of tenant %s purged", count, tenant_id)
     return purged
 
 
@@ -75,14 +101,16 @@ async def run_retention(
     clock: Clock,
     days: float,
     interval: float = PURGE_INTERVAL_S,
+    spool: ContentShredder | None = None,
 ) -> None:
-    """Purge expired content now and then every `interval` seconds, until cancelled.
+    """Purge expired content (from `store`, and `spool`'s) now and then every `interval` seconds, until
+    cancelled.
 
     A store that cannot answer fails only this pass: the next one retries.
     """
     while True:
         try:
-            await purge_expired(store, tenants, clock(), days)
+            await purge_expired(store, tenants, clock(), days, spool)
         except TenantStoreUnavailableError as exc:
             log.warning("audit retention pass skipped: the tenant store is unavailable: %s", exc)
         await asyncio.sleep(interval)

@@ -19,14 +19,22 @@ that does not parse, or whose MAC does not verify (or that has none while a key 
 and never skipped silently: it is moved to `quarantine.jsonl` in the base directory (fsync'd, 0600, with
 the file, offset and reason), logged critically and counted (`spool_quarantined`).
 
+A draft's content is never on disk in clear: it is sealed under a key of its (tenant, hour) kept in the
+directory's `content-keys.json` (`policy.audit.spool_keys`), which the retention pass deletes once that hour
+is past the tenant's retention (`shred`, here and in every directory no process holds). Lines then replay
+without their content; no spool file is rewritten, and the line MACs cover the lines as written. Quarantined
+lines keep their content sealed the same way, readable only while the spool keeps its key.
+
 One `Spool` is used by one task at a time (the writer's). One process at a time uses a directory: `open`
 takes an exclusive `flock` on its `.lock` file, held until `close` (or the process's death). A process that
 finds the directory taken (another worker of `lockgate serve --workers N`) claims the first free
 `worker-<n>` directory inside it instead, so each worker has a spool of its own, and a restarted worker takes
 over (and replays) the one a dead worker left. A directory that no process holds and that still has drafts
 (its worker was not started again: `--workers` lowered) is adopted by the next process that opens a spool:
-its drafts are appended to that process's spool, in their order, and its files are then deleted (a crash in
-between replays them twice, as the spool is at-least-once anyway; the store records them once).
+its drafts are appended to that process's spool, in their order (their content opened with that directory's
+keys and sealed again under this one's; content whose key is gone stays gone), and its files and keys are
+then deleted (a crash in between replays them twice, as the spool is at-least-once anyway; the store records
+them once).
 """
 
 from __future__ import annotations
@@ -36,18 +44,20 @@ import fcntl
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 
+from policy.audit.files import append_synced, fsync_dir, private_dir, private_opener, replace_synced
 from policy.audit.keys import MacKey
 from policy.audit.records import AuditDraft
+from policy.audit.spool_keys import BUCKET_S, SpoolKeys, SpoolLine
 
 log = logging.getLogger("lockgate.audit")
 
 _encoder = msgspec.json.Encoder()
-_draft_decoder = msgspec.json.Decoder(AuditDraft)
+_line_decoder = msgspec.json.Decoder(SpoolLine)
 _PREFIX = "spool-"
 _SUFFIX = ".jsonl"
 _CURSOR = "cursor.json"
@@ -56,30 +66,6 @@ QUARANTINE = "quarantine.jsonl"
 _MAC_HEX = 64  # characters of a line's MAC (HMAC-SHA256, hex)
 # Worker directories tried after the base one (more gateway processes than this on one spool is a mistake).
 MAX_WORKERS = 256
-
-
-def private_opener(path: str, flags: int) -> int:
-    """`open`'s opener for a file only this user may read or write (0600 when created): spooled drafts hold
-    what the audit trail holds, prompts included where retained."""
-    return os.open(path, flags, 0o600)
-
-
-def private_dir(directory: Path) -> None:
-    """`directory`, each missing part of it created 0700; what exists is left as it is."""
-    missing = [d for d in (directory, *directory.parents) if not d.is_dir()]
-    for part in reversed(missing):
-        part.mkdir(exist_ok=True)
-        part.chmod(0o700)
-
-
-def append_synced(path: Path, line: bytes) -> None:
-    """Append `line` to `path` (created 0600) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Quarantined(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,14 +91,6 @@ class Cursor(msgspec.Struct, frozen=True):
 _cursor_decoder = msgspec.json.Decoder(Cursor)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Spool:
     """Append-only spool files in `directory`; call `open` once before anything else."""
 
@@ -123,6 +101,7 @@ class Spool:
         file_max_bytes: int = 4 << 20,
         mac_key: MacKey | None = None,
         counters: Counter[str] | None = None,
+        key_bucket_s: float = BUCKET_S,
     ) -> None:
         # The base directory; `open` sets `directory` to the one this process claimed (it or a worker-<n>).
         self.base = Path(directory)
@@ -141,6 +120,9 @@ class Spool:
         # Lines (file, offset) quarantined already: a batch read again after a failed append is not
         # quarantined twice.
         self._set_apart: set[tuple[int, int]] = set()
+        # The content keys of the claimed directory (`policy.audit.spool_keys`), loaded by `_open`.
+        self._key_bucket_s = key_bucket_s
+        self._keys = SpoolKeys(self.directory, counters=self.counters, bucket_s=key_bucket_s)
 
     @property
     def pending_bytes(self) -> int:
@@ -188,7 +170,11 @@ class Spool:
     async def _adopt(self, directory: Path, fd: int) -> None:
         """Append the drafts `directory` has not replayed to this spool, in order, then delete its files."""
         orphan = Spool(
-            directory, file_max_bytes=self._file_max_bytes, mac_key=self._key, counters=self.counters
+            directory,
+            file_max_bytes=self._file_max_bytes,
+            mac_key=self._key,
+            counters=self.counters,
+            key_bucket_s=self._key_bucket_s,
         )
         orphan.directory, orphan._lock_fd = directory, fd
         orphan.base = self.base  # its bad lines go to this spool's quarantine
@@ -248,24 +234,26 @@ class Spool:
             cursor = Cursor(next(iter(self._sizes)), 0)
         self._cursor = cursor
         self._active = None
+        self._keys = SpoolKeys(self.directory, counters=self.counters, bucket_s=self._key_bucket_s)
+        self._keys.load()
+        self._keys.forget_before(next(iter(self._sizes), None))
 
     async def append(self, drafts: Sequence[AuditDraft]) -> int:
         """Write `drafts` (in order) and fsync them; returns the bytes written. Raises OSError."""
-        data = b"".join(self._line(d) for d in drafts)
-        if not data:
+        if not drafts:
             return 0
         number = self._active
         if number is None or self._sizes.get(number, 0) >= self._file_max_bytes or number not in self._sizes:
             number = max(self._sizes, default=self._cursor.file - 1) + 1
-        await asyncio.to_thread(self._write, number, data)
+        written = await asyncio.to_thread(self._write, number, drafts)
         if not self._sizes:
             self._cursor = Cursor(number, 0)
-        self._sizes[number] = self._sizes.get(number, 0) + len(data)
+        self._sizes[number] = self._sizes.get(number, 0) + written
         self._active = number
-        return len(data)
+        return written
 
-    def _line(self, draft: AuditDraft) -> bytes:
-        body = _encoder.encode(draft)
+    def _line(self, draft: AuditDraft, number: int) -> bytes:
+        body = _encoder.encode(self._keys.seal(draft, number))
         if self._key is None:
             return body + b"\n"
         return self._key.line_mac(body).encode() + b" " + body + b"\n"
@@ -278,9 +266,10 @@ class Spool:
         if self._key is not None and not (mac and self._key.line_ok(body, mac)):
             return "no MAC" if not mac else "the MAC does not verify"
         try:
-            return _draft_decoder.decode(body)
+            line_ = _line_decoder.decode(body)
         except msgspec.DecodeError as exc:
             return f"does not parse: {exc}"
+        return self._keys.unseal(line_)
 
     def _quarantine(self, number: int, offset: int, line: bytes, reason: str) -> None:
         if (number, offset) in self._set_apart:
@@ -300,7 +289,10 @@ class Spool:
             *(number, offset, path, reason),
         )
 
-    def _write(self, number: int, data: bytes) -> None:
+    def _write(self, number: int, drafts: Sequence[AuditDraft]) -> int:
+        """Seal and write `drafts` to file `number` (the keys they need saved first); the bytes written."""
+        data = b"".join(self._line(d, number) for d in drafts)
+        self._keys.flush()
         path = self._path(number)
         new = not path.exists()
         with open(path, "ab", opener=private_opener) as f:
@@ -308,7 +300,8 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
         if new:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
+        return len(data)
 
     async def read(self, limit: int) -> tuple[list[AuditDraft], Cursor]:
         """Up to `limit` drafts from the cursor on (within one file), and the cursor past them."""
@@ -352,24 +345,39 @@ class Spool:
             later = [n for n in self._sizes if n > cursor.file]
             # The active file, once spent, is deleted too: the next append starts a new one.
             nxt = Cursor(later[0] if later else cursor.file + 1, 0)
-            await asyncio.to_thread(self._save_and_delete, nxt, cursor.file)
+            await asyncio.to_thread(self._save_and_delete, nxt, cursor.file, later[0] if later else None)
             del self._sizes[cursor.file]
             if self._active == cursor.file:
                 self._active = None
             self._cursor = nxt
         else:
-            await asyncio.to_thread(self._save_and_delete, cursor, None)
+            await asyncio.to_thread(self._save_and_delete, cursor)
             self._cursor = cursor
 
-    def _save_and_delete(self, cursor: Cursor, spent: int | None) -> None:
+    def _save_and_delete(self, cursor: Cursor, spent: int | None = None, oldest: int | None = None) -> None:
         # The cursor first: a crash after it and before the delete leaves a file the cursor has passed,
         # which `_open` recognises (the cursor names a later file) and replays no line of twice.
-        tmp = self.directory / f"{_CURSOR}.tmp"
-        with open(tmp, "wb", opener=private_opener) as f:
-            f.write(_encoder.encode(cursor))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / _CURSOR)
+        replace_synced(self.directory / _CURSOR, _encoder.encode(cursor), sync_dir=False)
         if spent is not None:
             self._path(spent).unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
+        if spent is not None:
+            # The content keys only the deleted file used go with it (`oldest`: the oldest file left).
+            self._keys.forget_before(oldest)
+
+    async def shred(self, cutoffs: Mapping[str, float]) -> int:
+        """Delete the content keys of every slot past its tenant's retention (`SpoolKeys.shred`: `cutoffs`
+        maps a tenant to the `at` before which its content has expired), in this spool's directory and in
+        every one no process holds, so their content on disk is unreadable from now on; the keys deleted."""
+        return await asyncio.to_thread(self._shred, cutoffs)
+
+    def _shred(self, cutoffs: Mapping[str, float]) -> int:
+        shredded = self._keys.shred(cutoffs) if self._lock_fd is not None else 0
+        for directory, fd in self._orphans():
+            try:
+                keys = SpoolKeys(directory, counters=self.counters, bucket_s=self._key_bucket_s)
+                keys.load()
+                shredded += keys.shred(cutoffs)
+            finally:
+                os.close(fd)
+        return shredded

@@ -63,16 +63,17 @@ import itertools
 import logging
 import secrets
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from policy.audit.base import AuditRecordError, AuditStore, AuditStoreError
+from policy.audit.files import append_synced
 from policy.audit.keys import MacKey
 from policy.audit.records import AuditDraft, normalize
-from policy.audit.spool import Spool, append_synced
+from policy.audit.spool import Spool
 
 log = logging.getLogger("lockgate.audit")
 
@@ -204,6 +205,11 @@ class AuditWriter:
             last_error=self._last_error,
             last_error_at=self._last_error_at,
         )
+
+    async def shred_content(self, cutoffs: Mapping[str, float]) -> int:
+        """Make the spooled content past each tenant's retention unreadable (`Spool.shred`: `cutoffs` maps a
+        tenant to the `at` before which its content has expired); the number of keys deleted. OSError."""
+        return await self._spool.shred(cutoffs)
 
     def submit(self, draft: AuditDraft) -> None:
         """Accept `draft` for recording without waiting; raises instead of dropping (module docstring)."""
