@@ -120,6 +120,8 @@ class Spool:
         # Lines (file, offset) quarantined already: a batch read again after a failed append is not
         # quarantined twice.
         self._set_apart: set[tuple[int, int]] = set()
+        # How far (file, offset) lines were ever read: content found shredded before it is counted already.
+        self._read_to = (0, 0)
         # The content keys of the claimed directory (`policy.audit.spool_keys`), loaded by `_open`.
         self._key_bucket_s = key_bucket_s
         self._keys = SpoolKeys(self.directory, counters=self.counters, bucket_s=key_bucket_s)
@@ -258,7 +260,7 @@ class Spool:
             return body + b"\n"
         return self._key.line_mac(body).encode() + b" " + body + b"\n"
 
-    def _decode(self, line: bytes) -> AuditDraft | str:
+    def _decode(self, line: bytes, first_read: bool = True) -> AuditDraft | str:
         """The draft a line (without its newline) holds, or why it is quarantined."""
         mac, sep, body = line.partition(b" ")
         if not (sep and len(mac) == _MAC_HEX and line[:1] != b"{"):
@@ -269,7 +271,7 @@ class Spool:
             line_ = _line_decoder.decode(body)
         except msgspec.DecodeError as exc:
             return f"does not parse: {exc}"
-        return self._keys.unseal(line_)
+        return self._keys.unseal(line_, count=first_read)
 
     def _quarantine(self, number: int, offset: int, line: bytes, reason: str) -> None:
         if (number, offset) in self._set_apart:
@@ -329,12 +331,13 @@ class Spool:
                     log.warning("audit spool %s: skipping a torn last line", cursor.file)
                     offset = size
                     break
-                decoded = self._decode(line[:-1])
+                decoded = self._decode(line[:-1], (cursor.file, offset) >= self._read_to)
                 if isinstance(decoded, str):
                     self._quarantine(cursor.file, offset, line[:-1], decoded)
                 else:
                     drafts.append(decoded)
                 offset += len(line)
+                self._read_to = max(self._read_to, (cursor.file, offset))
         return drafts, offset
 
     async def commit(self, cursor: Cursor) -> None:

@@ -16,10 +16,10 @@ tenant's that keeps no prompts), and the spool deletes the keys no remaining spo
 (`forget_before`), so the file holds at most one key per tenant and hour still spooled.
 
 A line whose key is gone is replayed without its content (content_hash and the decision stay, exactly as a
-record whose content a purge removed from the database; counted `spool_content_expired`). A line whose key
-does not open it (a key file tampered with or swapped) is replayed without its content too, with `detail`
-saying so, logged critically and counted (`spool_content_unreadable`, per line read). A key file that does
-not parse is treated as empty (all content shredded), logged critically and counted
+record whose content a purge removed from the database; the keys deleted are counted, `spool_keys_shredded`).
+A line whose key does not open it (a key file tampered with or swapped) is replayed without its content
+too, with `detail` saying so (`UNREADABLE_NOTE`), logged critically and counted (`spool_content_unreadable`).
+A key file that does not parse is treated as empty (all content shredded), logged critically and counted
 (`spool_keys_unreadable`).
 
 Limits: deleting a key removes it from the file system, not from freed disk blocks or backups (as the
@@ -170,15 +170,16 @@ class SpoolKeys:
         fields["content"] = None
         return SpoolLine(**fields, sealed=Sealed(kid=key.kid, nonce=nonce, data=data))
 
-    def unseal(self, line: SpoolLine) -> AuditDraft:
-        """The draft a spool line stands for: its content opened, or None when its key is gone (or fails)."""
+    def unseal(self, line: SpoolLine, *, count: bool = True) -> AuditDraft:
+        """The draft a spool line stands for: its content opened, or None when its key is gone (or fails).
+        Counted and logged when `count` (the line's first read: a batch is read again after a failed
+        append)."""
         sealed = line.sealed
         if sealed is None:
             return _draft(line, line.content)  # no content, or a line from before content was sealed
         with self._lock:
             key = self._keys.get(sealed.kid)
         if key is None:
-            self._counters["spool_content_expired"] += 1
             return _draft(line, None)
         plain = None
         if (key.tenant, key.bucket) == (line.tenant, self.bucket(line.at)):
@@ -187,15 +188,16 @@ class SpoolKeys:
                 plain = AESGCM(key.key).decrypt(sealed.nonce, sealed.data, aad)
             except (InvalidTag, ValueError):  # ValueError: a nonce of the wrong length
                 plain = None
-        if plain is None:
+        if plain is not None:
+            return _draft(line, plain.decode("utf-8", "surrogatepass"))
+        if count:
             self._counters["spool_content_unreadable"] += 1
             log.critical(
                 "audit spool: the content of request %s of %s does not open under its key %s: replayed "
                 "without it",
                 *(line.request_id, line.tenant, sealed.kid),
             )
-            return _draft(line, None, f"{line.detail}; {UNREADABLE_NOTE}".lstrip("; "))
-        return _draft(line, plain.decode("utf-8", "surrogatepass"))
+        return _draft(line, None, f"{line.detail}; {UNREADABLE_NOTE}".lstrip("; "))
 
     def flush(self) -> None:
         """Write the key file if a key was added or changed since (fsync'd, atomic)."""
