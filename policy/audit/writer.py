@@ -53,7 +53,9 @@ is for what no escaping foresaw.
 Counters (`counters`): `appended` (drafts appended from the buffer), `spooled`, `replayed` (drafts appended
 from the spool), `flush_failures` (failed appends and spool writes), `refused_records` (drafts the store
 refused), `quarantined` (of those, the ones it refused without content too), `spool_quarantined` (spooled
-lines that did not parse or whose MAC did not verify: moved to `quarantine.jsonl`, never replayed).
+lines that did not parse or whose MAC did not verify: moved to `quarantine.jsonl`, never replayed),
+`spool_keys_shredded` (spool content keys deleted by the retention pass: `shred_content`),
+`spool_content_unreadable` and `spool_keys_unreadable` (`policy.audit.spool_keys`).
 """
 
 from __future__ import annotations

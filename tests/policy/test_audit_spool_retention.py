@@ -5,7 +5,7 @@ round; and a tampered key file or line never opens to another draft's content.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +354,25 @@ async def test_ciphertexts_swapped_between_lines_of_one_key_do_not_open(tmp_path
     assert [d.content for d in await read_all(reopened)] == [None, None]
     assert reopened.counters["spool_content_unreadable"] == 2
     reopened.close()
+
+
+async def test_a_spool_that_cannot_be_shredded_does_not_stop_the_database_purge(
+    tmp_path: Path, tenants: SqliteTenantStore
+) -> None:
+    class BrokenDisk:
+        calls = 0
+
+        async def shred_content(self, cutoffs: Mapping[str, float]) -> int:
+            self.calls += 1
+            raise OSError("disk gone (test)")
+
+    store = await SqliteAuditStore.open(tmp_path / "audit.sqlite3")
+    await store.append([draft("private", 0, 0.0)])
+    disk = BrokenDisk()
+    assert await purge_expired(store, tenants, NOW, days=30, spool=disk) == {
+        "brief": 0,
+        "keeper": 0,
+        "private": 1,
+    }
+    assert disk.calls == 1
+    await store.close()
