@@ -120,7 +120,7 @@ class Spool:
         # Lines (file, offset) quarantined already: a batch read again after a failed append is not
         # quarantined twice.
         self._set_apart: set[tuple[int, int]] = set()
-        # How far (file, offset) lines were ever read: content found shredded before it is counted already.
+        # How far (file, offset) lines were ever read: unreadable content before it is counted already.
         self._read_to = (0, 0)
         # The content keys of the claimed directory (`policy.audit.spool_keys`), loaded by `_open`.
         self._key_bucket_s = key_bucket_s
