@@ -24,7 +24,7 @@ import base64
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -43,10 +43,12 @@ __all__ = [
     "leetspeak",
     "load_templates",
     "probes",
+    "spread",
     "tool_result",
     "translation",
 ]
 
+T = TypeVar("T")
 Transform = Literal["jailbreak", "tool_result", "base64", "leetspeak", "homoglyph", "translation"]
 TRANSFORMS: tuple[Transform, ...] = (
     "jailbreak",
@@ -137,6 +139,14 @@ def tool_result(text: str) -> tuple[Span, ...]:
     )
 
 
+def spread(items: Sequence[T], limit: int) -> list[T]:
+    """At most `limit` of `items` (0: all), evenly strided over them so that every part of an ordered set
+    (every hazard of a set sorted by id) keeps its share."""
+    if not limit or len(items) <= limit:
+        return list(items)
+    return [items[i * len(items) // limit] for i in range(limit)]
+
+
 def _user(text: str) -> tuple[Span, ...]:
     return (Span(text=text, source="user"),)
 
@@ -149,16 +159,14 @@ def probes(
     limit: int = 0,
 ) -> list[Probe]:
     """The red-team probes of `items`' test split: every transform of each English harmful prompt (at most
-    `limit` sources, in id order; 0: all). ValueError if no template is given."""
+    `limit` sources, `spread` over them; 0: all). ValueError if no template is given."""
     if not templates:
         raise ValueError("the jailbreak transform needs at least one template")
     sources = sorted(
         (i for i in items if i.split == "test" and i.label == "unsafe" and i.shape == "prompt"),
         key=lambda i: i.id,
     )
-    english = [i for i in sources if i.language == "en"]
-    if limit:
-        english = english[:limit]
+    english = spread([i for i in sources if i.language == "en"], limit)
     # Other renderings of each English source's scenario, in language order.
     siblings: dict[str, list[LabelledItem]] = {}
     for item in sources:

@@ -255,6 +255,9 @@ async def test_figures_are_kept_per_version_suite_and_context(store: RegistrySto
     assert await store.figures("policy") == kept
     assert await store.figures("policy", "q") == [] == await store.figures("guard_model")
     # Evidence of what a publish was measured at: the database itself refuses to change it.
-    for statement in ("UPDATE {schema}.registry_figures SET forced = TRUE", "DELETE FROM {schema}.registry_figures"):
+    for statement in (
+        "UPDATE {schema}.registry_figures SET forced = TRUE",
+        "DELETE FROM {schema}.registry_figures",
+    ):
         with pytest.raises((sqlite3.DatabaseError, asyncpg.PostgresError), match="append-only"):
             await backend.raw(statement)
