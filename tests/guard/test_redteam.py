@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -61,19 +62,22 @@ def test_each_transform_changes_the_item_and_keeps_the_request() -> None:
     assert made["base64"].startswith(BASE64_LEAD)
     assert base64.b64decode(made["base64"].removeprefix(BASE64_LEAD)).decode() == source
     leet = made["leetspeak"]
-    assert not set(leet) & set("aeiostAEIOST") and leet.translate(LEET) == leet
+    assert not set(leet) & set("aeiostAEIOST")
+    assert leet.translate(LEET) == leet
     assert sum(a != b for a, b in zip(leet, source, strict=True)) > 10
     glyphs = made["homoglyph"]
-    back = {chr(v): chr(k) for k, v in HOMOGLYPHS.items()}  # type: ignore[arg-type]
+    back = {chr(v): chr(k) for k, v in HOMOGLYPHS.items()}
     assert "".join(back.get(c, c) for c in glyphs) == source
-    assert glyphs != source and all(ord(c) > 0x370 for c in glyphs if c != back.get(c, c))
+    assert glyphs != source
+    assert all(ord(c) > 0x370 for c in glyphs if c != back.get(c, c))
     # Looks the same, is not the same string: exactly what a look-alike attack is.
     assert normalise(glyphs) != normalise(source)
     assert json.loads(made["tool_result"])["results"][0]["snippet"] == source
     assert made["translation"] == TRANSLATION_LEAD + ITEMS[1].text or made["translation"] == (
         TRANSLATION_LEAD + ITEMS[2].text
     )
-    assert "{request}" not in made["jailbreak"] and source in made["jailbreak"]
+    assert "{request}" not in made["jailbreak"]
+    assert source in made["jailbreak"]
 
 
 def test_tool_result_probe_is_a_tool_span() -> None:
@@ -82,33 +86,38 @@ def test_tool_result_probe_is_a_tool_span() -> None:
     assert [s.source for s in tool.item.spans] == ["user", "assistant", "tool"]
 
 
-def test_templates_hold_the_request_once(tmp_path: object) -> None:
+def test_templates_hold_the_request_once(tmp_path: Path) -> None:
     templates = load_templates(DEFAULT_TEMPLATES)
-    assert len(templates) >= 5 and len({t.id for t in templates}) == len(templates)
-    bad = DEFAULT_TEMPLATES.parent / "does-not-exist.jsonl"
-    with pytest.raises(OSError):
-        load_templates(bad)
+    assert len(templates) >= 5
+    assert len({t.id for t in templates}) == len(templates)
+    with pytest.raises(FileNotFoundError):
+        load_templates(tmp_path / "absent.jsonl")
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"id": "x", "text": "{request} and {request}"}\n')
+    with pytest.raises(ValueError, match="exactly once"):
+        load_templates(twice)
 
 
 def test_the_suite_comes_from_the_test_split_of_the_project_set() -> None:
     suite = load_suite(GuardConfig(publish_eval_limit=6))
-    assert suite.items and all(i.split == "test" for i in suite.items)
+    assert suite.items
+    assert all(i.split == "test" for i in suite.items)
     assert {i.kind for i in suite.items} >= {"request", "lookalike"}
     assert len({p.source for p in suite.probes}) == 6
     assert {p.transform for p in suite.probes} == set(TRANSFORMS)
     # Deterministic: the same configuration names the same items.
     assert load_suite(GuardConfig(publish_eval_limit=6)).sha256 == suite.sha256
-    assert spread(list(range(10)), 3) == [0, 3, 6] and spread([1, 2], 0) == [1, 2]
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    assert spread([1, 2], 0) == [1, 2]
 
 
 def figures(**kw: float | None) -> Figures:
-    base: dict[str, float | None] = dict(
-        recall=0.8, block_recall=0.6, redteam_recall=0.7, lookalike_fpr=0.1, lookalike_block_rate=0.05
-    )
-    base.update(kw)
-    return Figures(
-        suite_sha256="s", n_test=10, n_redteam=6, escalation_rate=0.1, by_transform={}, errors=0, **base
-    )
+    base: dict[str, object] = {
+        "suite_sha256": "s", "n_test": 10, "n_redteam": 6, "escalation_rate": 0.1, "by_transform": {},
+        "errors": 0, "recall": 0.8, "block_recall": 0.6, "redteam_recall": 0.7, "lookalike_fpr": 0.1,
+        "lookalike_block_rate": 0.05,
+    }  # fmt: skip
+    return msgspec.convert({**base, **kw}, Figures)
 
 
 def test_regressions_past_the_tolerance_only() -> None:
