@@ -20,13 +20,24 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from gateway.decoding import Decoder, read_body
 from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from gateway.openapi import errors, request_body, secured
+from gateway.publish_check import PublishRefusedError
 from gateway.registry_scope import registry_scope
 from gateway.security import allow_operator
 from gateway.service import Services
+from guard.figures import Figures
 from policy.auth import Principal
 from registry.base import ConflictError, InvalidError, RegistryError, UnavailableError
 from registry.base import NotFoundError as RegistryNotFoundError
-from registry.models import SPEC_TYPES, Alias, AliasChange, AliasTarget, Kind, Published, Spec
+from registry.models import (
+    SPEC_TYPES,
+    Alias,
+    AliasChange,
+    AliasTarget,
+    FiguresRecord,
+    Kind,
+    Published,
+    Spec,
+)
 
 T = TypeVar("T")
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -40,10 +51,12 @@ class RegistryConflictError(APIError):
 
 
 class PublishBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`POST /admin/registry/{kind}/{name}/versions`."""
+    """`POST /admin/registry/{kind}/{name}/versions`. `force` (an `operator` key of the operating
+    organisation only) publishes a policy or guard model version the publish check refuses."""
 
     version: str
     spec: msgspec.Raw
+    force: bool = False
 
 
 class AliasBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -112,7 +125,8 @@ def _spec(kind: Kind, raw: msgspec.Raw) -> Spec:
     return spec
 
 
-# What a registry change can answer besides 401/403/503: invalid, unknown kind or name, conflicting content.
+# What a registry change can answer besides 401/403/503: invalid, unknown kind or name, conflicting content
+# (or, on a publish, a refused publish check).
 _CHANGE_ERRORS = (400, 404, 409)
 
 
@@ -136,13 +150,24 @@ async def publish_version(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
 ) -> PublishedView:
-    """Publish an immutable version (identical content again is accepted; other content is 409)."""
+    """Publish an immutable version (identical content again is accepted; other content is 409). A policy
+    or guard model version is measured first (`gateway.publish_check`): 409 with its figures when it
+    regresses against the version it replaces or cannot be measured, unless forced by an operator."""
     allow_operator(principal)
     checked = _kind(kind)
     body = _publish.decode(await read_body(request))
+    if body.force:
+        # Asked for, not only used: a key that may not force learns nothing from trying.
+        allow_operator(principal, "operator")
     spec = _spec(checked, body.spec)
-    registry = services.registry
+    registry, check = services.registry, services.publish_check
+    reports = () if check is None else await check.measure(checked, name, body.version, spec)
+    refused = any(r.refused for r in reports)
+    if refused and not body.force:
+        raise PublishRefusedError(reports)
     published = await _call(registry.publish(checked, name, body.version, spec, actor=principal.key.key_id))
+    if check is not None and reports:
+        await _call(check.record(published, reports, forced=refused))
     return _shown(published)
 
 
@@ -158,6 +183,50 @@ async def list_versions(
     checked = _kind(kind)
     versions = services.registry.view.versions(checked, name)
     return [_shown(p) for p in versions] if scope.shows(checked, name) else []
+
+
+class FiguresView(msgspec.Struct, frozen=True, kw_only=True):
+    """A version's recorded figures (`gateway.publish_check`) as the admin API shows them."""
+
+    ref: str
+    context: str
+    suite_sha256: str
+    figures: Figures | None
+    error: str
+    baseline: str
+    forced: bool
+    at: float
+    actor: str
+
+
+def _figures(record: FiguresRecord) -> FiguresView:
+    return FiguresView(
+        ref=f"{record.name}@{record.version}",
+        context=record.context,
+        suite_sha256=record.suite_sha256,
+        figures=msgspec.json.decode(record.figures, type=Figures) if record.figures else None,
+        error=record.error,
+        baseline=record.baseline,
+        forced=record.forced,
+        at=record.at,
+        actor=record.actor,
+    )
+
+
+@get("/admin/registry/{kind:str}/{name:str}/figures", responses=errors(400, 404))
+async def list_figures(
+    kind: FromPath[str],
+    name: FromPath[str],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> list[FiguresView]:
+    """The figures the publish check recorded for each version of one name, oldest first (none outside the
+    caller's scope)."""
+    scope = await registry_scope(services, principal)
+    checked = _kind(kind)
+    # Read either way, so that a hidden name takes as long to answer as an unpublished one.
+    records = await _call(services.registry.store.figures(checked, name))
+    return [_figures(r) for r in records] if scope.shows(checked, name) else []
 
 
 @put(
@@ -229,5 +298,8 @@ async def list_aliases(
 
 
 REGISTRY_ROUTES = [
-    secured("registry", [publish_version, list_versions, set_alias, rollback, alias_history, list_aliases])
+    secured(
+        "registry",
+        [publish_version, list_versions, list_figures, set_alias, rollback, alias_history, list_aliases],
+    )
 ]

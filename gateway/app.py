@@ -40,6 +40,7 @@ from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.observe.routes import OBSERVE_ROUTES
 from gateway.openapi import openapi_config
 from gateway.overload import LoopLagMonitor, OverloadGate
+from gateway.publish_check import PublishCheck
 from gateway.routes import ROUTES
 from gateway.secret import load_secret
 from gateway.security import provide_principal
@@ -575,6 +576,17 @@ def create_app(
                 appeals=appeals,
                 console_sessions=console_sessions,
                 observer=observer,
+                publish_check=(
+                    PublishCheck(
+                        registry=live_registry,
+                        guards=factory,
+                        config=config.guard,
+                        clock=clock,
+                        executor=prompts.executor,
+                    )
+                    if config.guard.publish_check
+                    else None
+                ),
             )
             if freeze_start_up:
                 gc.collect()

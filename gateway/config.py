@@ -251,6 +251,20 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Most generated tokens one output check scores at once when it has more to check than a streaming check
     # holds (a whole answer, checked at the end): it is scored in overlapping windows of this many tokens.
     output_window_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
+    # Publishing a policy or guard model version through the admin API first measures it on the test split
+    # and the red-team suite (`gateway.publish_check`), records the figures, and refuses (409) a version
+    # whose recall falls, or whose look-alike false-positive rate rises, past these tolerances against the
+    # version it replaces; an `operator` key may force it. Off: versions are published unmeasured.
+    publish_check: bool = True
+    publish_tolerance_recall: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
+    publish_tolerance_fpr: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
+    # The labelled directory whose test split is measured ("" = the project's ops/eval/data/guard), and the
+    # red-team jailbreak templates ("" = ops/eval/data/redteam/templates.jsonl).
+    publish_eval_data: str = ""
+    publish_eval_templates: str = ""
+    # At most this many test items of each kind (request, look-alike, ...) and red-team sources, spread over
+    # the set (0 = all): every guard stage scores each item, so on 2 CPU cores the full set takes minutes.
+    publish_eval_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class AuditConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

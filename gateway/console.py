@@ -6,7 +6,8 @@
     POST /console/logout                        {csrf}: ends it
     GET  /console/decisions/{tenant}/{seq}      one decision: fields, stages, content, appeal and events
     POST /console/decisions/{tenant}/{seq}/decide   {csrf, outcome=uphold|overturn, note}
-    GET  /console/policies                      per policy version: decisions per hour, score histograms
+    GET  /console/policies                      per policy version: decisions per hour, score histograms,
+                                                and (operator reviewers) the publish check's figures
 
 Sessions (`gateway.console_sessions`, stored by `gateway.sessions`): the cookie holds a random session id
 only; the key is authenticated again on every request; every POST after sign-in carries the session's CSRF
@@ -32,6 +33,7 @@ from litestar.response import Redirect
 
 from gateway import console_views as views
 from gateway.appeal_routes import REVIEW_DECISION, record_review
+from gateway.console_figures import figures_body
 from gateway.console_login import LOGIN_COOKIE, attempt_wait, login_page, token_ok
 from gateway.console_sessions import (
     COOKIE,
@@ -237,9 +239,12 @@ async def policies(request: Request[Any, Any, Any], services: NamedDependency[Se
         return Redirect("/console", status_code=303)
     now = services.clock()
     stats, truncated = await call(reviewer, collect(services.audit, reviewer.scope, now))
-    body = views.page(
-        "Policies", stats_body(stats, now, truncated), csrf=reviewer.session.csrf, who=reviewer.who
-    )
+    content = stats_body(stats, now, truncated)
+    if reviewer.scope is None:
+        store = services.registry.store
+        records = [r for kind in ("policy", "guard_model") for r in await call(reviewer, store.figures(kind))]
+        content = figures_body(records) + content
+    body = views.page("Policies", content, csrf=reviewer.session.csrf, who=reviewer.who)
     return html(body)
 
 

@@ -99,11 +99,14 @@ class GuardFactory:
         """The classifier of `guard`, built on first use."""
         built = self._built.get(guard.ref)
         if built is None:
-            built = self._build(guard)
+            built = self.build(guard)
             self._built[guard.ref] = built
         return built
 
-    def _build(self, guard: ResolvedGuard) -> Classifier:
+    def build(self, guard: ResolvedGuard) -> Classifier:
+        """A new classifier of `guard`, not kept: for a version not published yet (`gateway.publish_check`),
+        which must never be served from this factory's cache under its ref. The caller cancels it if it
+        is a `LoadingGuard`."""
         spec = guard.spec
         executor = self._renderer.executor
         if spec.kind == "embedding":

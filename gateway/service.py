@@ -20,6 +20,7 @@ from gateway.generation.tracking import Outcome, OutcomeSink
 from gateway.guards import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.observe.timeline import RequestTimeline
+from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
@@ -71,6 +72,7 @@ class Services:
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
         observer: RequestObserver,
+        publish_check: PublishCheck | None = None,
     ) -> None:
         self.config = config
         # The app's metrics registry and request log (each request's timeline ends there).
@@ -103,6 +105,8 @@ class Services:
         self.auth = auth
         self.meter = meter
         self.registry = registry
+        # Measures policy and guard model versions before the admin API publishes them (None: off).
+        self.publish_check = publish_check
         # Keys canary picks and tenants' cache salts (`gateway.secret`): nothing a client chooses does.
         self.secret = secret
         self.gate = gate

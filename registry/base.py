@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     # Only for annotations: registry.models imports InvalidError from here.
-    from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
+    from registry.models import (
+        Alias,
+        AliasChange,
+        AliasTarget,
+        FiguresRecord,
+        Kind,
+        Published,
+        RegistrySnapshot,
+    )
 
 
 class RegistryError(Exception):
@@ -110,6 +118,16 @@ class RegistryStore(Protocol):
 
         NotFoundError if there is no such alias; InvalidError if it has no earlier targets.
         """
+        ...
+
+    async def record_figures(self, record: FiguresRecord) -> None:
+        """Keep a version's figures on one suite (in one context). The first record of a version, suite and
+        context stays: recording them again changes nothing. The generation is not bumped (figures change
+        nothing a request resolves)."""
+        ...
+
+    async def figures(self, kind: Kind, name: str | None = None) -> list[FiguresRecord]:
+        """The figures records of one kind (of one name), oldest first."""
         ...
 
     async def generation(self) -> int:

@@ -11,6 +11,9 @@ Tables::
     registry_generation(id = 1 PK, value)    one row: bumped in the same transaction as every change
     registry_secret(id = 1 PK, value)        one row, written once: the deployment's server secret (keys
                                              canary picks and tenants' cache salts; `gateway.secret`)
+    registry_figures(kind, name, version, suite_sha256, context PK, figures JSON, error, baseline, forced,
+                     at, actor)              append-only: a version's figures on one evaluation suite, as the
+                                             publish check measured them (`gateway.publish_check`)
 
 `Migration` (and its `{id_pk}` expansion) and the runners, given this list and table, are the shared ones
 of `registry.db`. The statements that use these tables are in `registry.sql`. Never edit a released
@@ -98,6 +101,38 @@ MIGRATIONS: tuple[Migration, ...] = (
                 id INTEGER PRIMARY KEY CHECK (id = 1),
                 value TEXT NOT NULL
             )""",
+        ),
+    ),
+    Migration(
+        version=3,
+        summary="registry_figures",
+        shared=(
+            """CREATE TABLE registry_figures (
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                version TEXT NOT NULL,
+                suite_sha256 TEXT NOT NULL,
+                context TEXT NOT NULL,
+                figures TEXT NOT NULL,
+                error TEXT NOT NULL,
+                baseline TEXT NOT NULL,
+                forced BOOLEAN NOT NULL,
+                at DOUBLE PRECISION NOT NULL,
+                actor TEXT NOT NULL,
+                PRIMARY KEY (kind, name, version, suite_sha256, context)
+            )""",
+        ),
+        # Evidence of what a publish was measured at (and who forced it): refused to change, as versions are.
+        sqlite=tuple(
+            f"""CREATE TRIGGER registry_figures_no_{op.lower()} BEFORE {op} ON registry_figures
+                BEGIN SELECT RAISE(ABORT, 'registry_figures is append-only'); END"""
+            for op in ("UPDATE", "DELETE")
+        ),
+        postgres=(
+            """CREATE FUNCTION registry_figures_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN RAISE EXCEPTION 'registry_figures is append-only'; END $$""",
+            """CREATE TRIGGER registry_figures_refuse BEFORE UPDATE OR DELETE ON registry_figures
+                FOR EACH ROW EXECUTE FUNCTION registry_figures_refuse()""",
         ),
     ),
 )

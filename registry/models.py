@@ -270,6 +270,28 @@ class AliasChange(msgspec.Struct, frozen=True, kw_only=True):
     actor: str
 
 
+class FiguresRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A version's figures on one evaluation suite, as the publish check recorded them.
+
+    `context` is "" for a policy version's own cascade, or the policy `name@version` a guard model version
+    was measured in (its stages swapped in). `figures` is the JSON object of the figures ("" when they could
+    not be computed: `error` says why, and such a record exists only for a forced publish). `baseline` is
+    the version compared against ("" for none), `forced` whether an operator published past a refusal.
+    """
+
+    kind: Kind
+    name: str
+    version: str
+    suite_sha256: str
+    context: str = ""
+    figures: str
+    error: str = ""
+    baseline: str = ""
+    forced: bool = False
+    at: float
+    actor: str
+
+
 class RegistrySnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to resolve names, read in one consistent transaction."""
 

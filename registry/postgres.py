@@ -18,7 +18,15 @@ from registry import sql
 from registry.base import NotFoundError, UnavailableError
 from registry.db.postgres import UNREACHABLE, open_pool
 from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
-from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
+from registry.models import (
+    Alias,
+    AliasChange,
+    AliasTarget,
+    FiguresRecord,
+    Kind,
+    Published,
+    RegistrySnapshot,
+)
 
 # Fixed and distinct from the tenant store's ("Lkgtregi"): registry migrations wait only on each other.
 _MIGRATION_LOCK = 0x4C6B6774_72656769
@@ -38,6 +46,10 @@ _SELECT_HISTORY_ENTRY = sql.numbered(sql.SELECT_HISTORY_ENTRY)
 _INSERT_HISTORY = sql.numbered(sql.INSERT_HISTORY)
 _UPSERT_ALIAS = sql.numbered(sql.UPSERT_ALIAS)
 _INSERT_SECRET = sql.numbered(sql.INSERT_SECRET)
+_INSERT_FIGURES = sql.numbered(sql.INSERT_FIGURES)
+_FIGURES_ORDER = ' ORDER BY at, name COLLATE "C", version COLLATE "C", context COLLATE "C"'
+_SELECT_FIGURES = sql.numbered(sql.SELECT_FIGURES + _FIGURES_ORDER)
+_SELECT_FIGURES_OF = sql.numbered(sql.SELECT_FIGURES + " AND name = ?" + _FIGURES_ORDER)
 
 
 class PostgresRegistryStore:
@@ -154,6 +166,23 @@ class PostgresRegistryStore:
             head = await _entry(conn, current.revision)
             back = None if head.parent_id is None else await _entry(conn, head.parent_id)
             return await _write(conn, sql.plan_rollback(current, head, back, actor=actor, now=now))
+
+    async def record_figures(self, record: FiguresRecord) -> None:
+        """Keep a version's figures on one suite; a second record of the same key changes nothing."""
+        try:
+            async with self._pool.acquire() as conn:
+                await conn.execute(_INSERT_FIGURES, *sql.figures_row(record))
+        except UNREACHABLE as exc:
+            raise UnavailableError(f"the registry database is unreachable: {exc!r}") from exc
+
+    async def figures(self, kind: Kind, name: str | None = None) -> list[FiguresRecord]:
+        """The figures records of one kind (of one name), oldest first."""
+        async with self._tx(write=False) as conn:
+            if name is None:
+                rows = await conn.fetch(_SELECT_FIGURES, kind)
+            else:
+                rows = await conn.fetch(_SELECT_FIGURES_OF, kind, name)
+        return [sql.figures_from_row(row) for row in rows]
 
     async def generation(self) -> int:
         """The change counter."""

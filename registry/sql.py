@@ -15,7 +15,7 @@ import msgspec
 
 from registry.base import ConflictError, InvalidError, NotFoundError
 from registry.db import Row
-from registry.models import Alias, AliasChange, AliasTarget, Kind, Published
+from registry.models import Alias, AliasChange, AliasTarget, FiguresRecord, Kind, Published
 
 VERSION_COLUMNS = "kind, name, version, content_hash, spec, published_at, actor"
 ALIAS_COLUMNS = "kind, name, targets, revision, updated_at, actor"
@@ -45,6 +45,14 @@ SELECT_HISTORY = (
     f"SELECT {HISTORY_COLUMNS} FROM registry_alias_history"  # newest first
     " WHERE kind = ? AND name = ? ORDER BY id DESC LIMIT ?"
 )
+FIGURES_COLUMNS = "kind, name, version, suite_sha256, context, figures, error, baseline, forced, at, actor"
+# The first record of a version on a suite stays (append-only): a second measurement changes nothing.
+INSERT_FIGURES = (
+    f"INSERT INTO registry_figures ({FIGURES_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (kind, name, version, suite_sha256, context) DO NOTHING"
+)
+SELECT_FIGURES = f"SELECT {FIGURES_COLUMNS} FROM registry_figures WHERE kind = ?"
+FIGURES_ORDER = " ORDER BY at, name, version, context"
 SELECT_GENERATION = "SELECT value FROM registry_generation WHERE id = 1"
 BUMP_GENERATION = "UPDATE registry_generation SET value = value + 1 WHERE id = 1"
 # The first writer's secret stays: every later one (another replica starting) reads it back.
@@ -118,6 +126,23 @@ def change_from_row(row: Row) -> AliasChange:
         at=float(row[7]),
         actor=row[8],
     )
+
+
+def figures_row(r: FiguresRecord) -> tuple[object, ...]:
+    """Column values of a figures record, in FIGURES_COLUMNS order."""
+    return (
+        r.kind, r.name, r.version, r.suite_sha256, r.context, r.figures, r.error, r.baseline,
+        bool(r.forced), float(r.at), r.actor,
+    )  # fmt: skip
+
+
+def figures_from_row(row: Row) -> FiguresRecord:
+    """A figures record from a row selected as FIGURES_COLUMNS."""
+    kind, name, version, suite, context, figures, error, baseline, forced, at, actor = row
+    return FiguresRecord(
+        kind=kind, name=name, version=version, suite_sha256=suite, context=context, figures=figures,
+        error=error, baseline=baseline, forced=bool(forced), at=float(at), actor=actor,
+    )  # fmt: skip
 
 
 def same_or_conflict(stored: Published, content_hash: str) -> Published:

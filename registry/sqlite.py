@@ -17,7 +17,15 @@ from registry import sql
 from registry.base import NotFoundError, RegistryError, UnavailableError
 from registry.db.sqlite import Conn, SqliteWorker, transaction
 from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
-from registry.models import Alias, AliasChange, AliasTarget, Kind, Published, RegistrySnapshot
+from registry.models import (
+    Alias,
+    AliasChange,
+    AliasTarget,
+    FiguresRecord,
+    Kind,
+    Published,
+    RegistrySnapshot,
+)
 
 T = TypeVar("T")
 
@@ -125,6 +133,21 @@ class SqliteRegistryStore:
                 return _write(conn, sql.plan_rollback(current, head, back, actor=actor, now=now))
 
         return await self._run(rollback)
+
+    async def record_figures(self, record: FiguresRecord) -> None:
+        """Keep a version's figures on one suite; a second record of the same key changes nothing."""
+
+        def insert(conn: Conn) -> None:
+            with transaction(conn):
+                conn.execute(sql.INSERT_FIGURES, sql.figures_row(record))
+
+        await self._run(insert)
+
+    async def figures(self, kind: Kind, name: str | None = None) -> list[FiguresRecord]:
+        """The figures records of one kind (of one name), oldest first."""
+        where, args = ("", (kind,)) if name is None else (" AND name = ?", (kind, name))
+        query = sql.SELECT_FIGURES + where + sql.FIGURES_ORDER
+        return await self._run(lambda conn: [sql.figures_from_row(r) for r in conn.execute(query, args)])
 
     async def generation(self) -> int:
         """The change counter."""

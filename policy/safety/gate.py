@@ -44,6 +44,43 @@ ClassifierFactory = Callable[[ResolvedGuard], Classifier]
 AUDIT_FULL = "audit"
 
 
+def build_cascade(
+    policy: ResolvedPolicy,
+    classifier_for: ClassifierFactory,
+    *,
+    executor: Executor | None = None,
+    breaker: Callable[[str], CircuitBreaker] | None = None,
+) -> Cascade:
+    """The cascade of a policy version: a rules stage runs the policy's rules (off the event loop on
+    `executor` for long items), a model stage the classifier `classifier_for` gives for its guard, behind
+    the breaker `breaker` gives for the guard's ref (none without it: an evaluation must not trip the
+    breakers serving requests)."""
+    spec = policy.spec
+    categories = tuple(c.name for c in spec.categories)
+    guards = iter(policy.guards)
+    stages = []
+    for stage in spec.stages:
+        classifier: Classifier
+        guard_breaker = None  # rules are deterministic and local: nothing to break
+        if stage.kind == "rules":
+            classifier = RulesClassifier(spec.rules, stage.categories or categories, executor=executor)
+        else:
+            guard = next(guards)
+            classifier = classifier_for(guard)
+            guard_breaker = breaker(guard.ref) if breaker is not None else None
+        stages.append(
+            Stage(
+                classifier,
+                allow_below=stage.allow_below,
+                block_above=stage.block_above,
+                categories=stage.categories,
+                timeout_s=stage.timeout_s,
+                breaker=guard_breaker,
+            )
+        )
+    return Cascade(stages, spec.past_last_stage, categories)
+
+
 class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     """Who and what a decision is about, for its record."""
 
@@ -108,32 +145,7 @@ class SafetyGate:
         return cascade
 
     def _build(self, policy: ResolvedPolicy) -> Cascade:
-        spec = policy.spec
-        categories = tuple(c.name for c in spec.categories)
-        guards = iter(policy.guards)
-        stages = []
-        for stage in spec.stages:
-            classifier: Classifier
-            if stage.kind == "rules":
-                classifier = RulesClassifier(
-                    spec.rules, stage.categories or categories, executor=self._executor
-                )
-                breaker = None  # deterministic and local: nothing to break
-            else:
-                guard = next(guards)
-                classifier = self._classifier_for(guard)
-                breaker = self.breaker(guard.ref)
-            stages.append(
-                Stage(
-                    classifier,
-                    allow_below=stage.allow_below,
-                    block_above=stage.block_above,
-                    categories=stage.categories,
-                    timeout_s=stage.timeout_s,
-                    breaker=breaker,
-                )
-            )
-        return Cascade(stages, spec.past_last_stage, categories)
+        return build_cascade(policy, self._classifier_for, executor=self._executor, breaker=self.breaker)
 
     def guards(self, policy: ResolvedPolicy, direction: Direction) -> bool:
         """Whether `policy` checks this direction at all."""

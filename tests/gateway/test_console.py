@@ -18,9 +18,11 @@ from gateway.config import AppealsConfig, Config
 from gateway.console_sessions import COOKIE
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
+from guard.figures import Figures
 from policy.audit import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import Tenant
+from registry import FiguresRecord
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, eventually, make_config, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -377,3 +379,31 @@ async def test_a_reviewer_overturns_a_flagged_decision_in_a_browser(console: Con
     assert [(r.decision, r.reverses) for r in reviews] == [("reversal", record.seq)]
     assert f"reversal record seq {reviews[0].seq}" in outcome
     assert (await console.services.audit.verify("acme")).ok
+
+
+async def test_publish_figures_are_shown_to_operator_reviewers_only(console: Console) -> None:
+    figures = Figures(
+        suite_sha256="s", n_test=6, n_redteam=12, recall=0.875, block_recall=0.5, redteam_recall=0.25,
+        lookalike_fpr=0.125, lookalike_block_rate=0.0, escalation_rate=0.375,
+        by_transform={"base64": 0.0625}, errors=0,
+    )  # fmt: skip
+    store = console.services.registry.store
+    encoded = msgspec.json.encode(figures).decode()
+    await store.record_figures(
+        FiguresRecord(
+            kind="policy", name="p", version="2", suite_sha256="s", figures=encoded, baseline="p@1",
+            forced=True, at=1.0, actor=HOSTILE,
+        )
+    )  # fmt: skip
+    async with console.client() as acme, console.client() as everyone:
+        await console.login(acme, "rev-acme")
+        page = await acme.get("/console/policies")
+        assert page.status_code == 200
+        assert "Publish figures" not in page.text
+        await console.login(everyone, "rev-global")
+        page = await everyone.get("/console/policies")
+        assert page.status_code == 200
+        assert "Publish figures" in page.text
+        for shown in ("p@2", "p@1", "0.875", "0.125", "0.375", "base64 0.062", "forced"):
+            assert shown in page.text
+        assert "<script>" not in page.text

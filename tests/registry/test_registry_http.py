@@ -401,10 +401,13 @@ async def test_a_tenants_admin_reads_only_what_its_tenant_is_bound_to(
     # Any tenant's policy_admin once read the whole registry: other tenants' block patterns, thresholds,
     # guard prompts and canary splits.
     http, operator = replica.http, replica.admin
+    # Forced: beta-guard has no files, so the publish check cannot measure beta-policy (test_publish_check).
+    forcer = await add_key(backends.tenants, SYSTEM_TENANT, ("policy_admin", "operator"))
+    forcing = {"authorization": f"Bearer {forcer}"}
 
     async def publish(kind: str, name: str, version: str, spec: dict[str, Any]) -> None:
-        body = {"version": version, "spec": spec}
-        response = await http.post(f"/admin/registry/{kind}/{name}/versions", json=body, headers=operator)
+        body = {"version": version, "spec": spec, "force": True}
+        response = await http.post(f"/admin/registry/{kind}/{name}/versions", json=body, headers=forcing)
         assert response.status_code == 201, response.text
 
     await publish("guard_model", "beta-guard", "1", BETA_GUARD)

@@ -224,6 +224,7 @@ def test_public_names() -> None:
         *("ChatTemplateSpec", "GuardModelSpec", "PolicySpec", "PolicyCategory", "CascadeStage"),
         *("RulePattern", "RulesSpec", "PromptSpec"),
         *("Published", "Alias", "AliasTarget", "AliasChange", "RegistrySnapshot", "parse_ref", "decode_spec"),
+        "FiguresRecord",
         *("canonical_json", "content_hash", "spec_hash", "canary_pick", "check_tokenizer"),
         *("register_default_model", "check_model_dir", "arch_from_config"),
         *("Manifest", "ManifestResult", "parse_manifest", "load_manifest", "apply_manifest"),

@@ -22,7 +22,7 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get("tokenizer", "tok", "1") == await first.get("tokenizer", "tok", "1")
     rows = await backend.raw("SELECT version FROM {schema}.registry_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3]
     assert await second.generation() == 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from registry import (
     AliasTarget,
     ConflictError,
+    FiguresRecord,
     InvalidError,
     Kind,
     NotFoundError,
@@ -224,3 +226,38 @@ async def test_snapshot_is_one_consistent_read(backend: Backend) -> None:
         else:
             assert (generation, alias_version) == (2 * count - 1, str(count - 2))
     assert {g % 2 for g, _, _ in seen} == {0, 1}
+
+
+async def test_figures_are_kept_per_version_suite_and_context(store: RegistryStore, backend: Backend) -> None:
+    def record(version: str, suite: str = "s1", context: str = "", **kw: object) -> FiguresRecord:
+        fields: dict[str, Any] = {"figures": '{"recall":0.5}', "at": 1.0, "actor": "ops", **kw}
+        return FiguresRecord(
+            kind="policy", name="p", version=version, suite_sha256=suite, context=context, **fields
+        )
+
+    generation = await store.generation()
+    await store.record_figures(record("1"))
+    await store.record_figures(record("2", forced=True, baseline="p@1", figures="", error="no guard", at=2.0))
+    await store.record_figures(record("2", suite="s2", at=3.0))
+    await store.record_figures(record("2", context="other@1", at=4.0))
+    # The first record of a key stays; figures change nothing a request resolves.
+    await store.record_figures(record("1", figures='{"recall":0.9}', at=5.0))
+    assert await store.generation() == generation
+    kept = await store.figures("policy", "p")
+    assert [(r.version, r.suite_sha256, r.context, r.figures) for r in kept] == [
+        ("1", "s1", "", '{"recall":0.5}'),
+        ("2", "s1", "", ""),
+        ("2", "s2", "", '{"recall":0.5}'),
+        ("2", "s1", "other@1", '{"recall":0.5}'),
+    ]
+    assert (kept[1].forced, kept[1].baseline, kept[1].error) == (True, "p@1", "no guard")
+    assert kept[0].forced is False
+    assert await store.figures("policy") == kept
+    assert await store.figures("policy", "q") == [] == await store.figures("guard_model")
+    # Evidence of what a publish was measured at: the database itself refuses to change it.
+    for statement in (
+        "UPDATE {schema}.registry_figures SET forced = TRUE",
+        "DELETE FROM {schema}.registry_figures",
+    ):
+        with pytest.raises((sqlite3.DatabaseError, asyncpg.PostgresError), match="append-only"):
+            await backend.raw(statement)
