@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -47,7 +47,8 @@ from gateway.security import provide_principal
 from gateway.service import Services
 from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
-from policy.audit.appeals import AppealStore
+from policy.appeals import APPEAL_STORE
+from policy.audit import AUDIT_STORE
 from policy.audit.base import AuditStore
 from policy.audit.keys import MacKey
 from policy.audit.refusals import RefusalTally
@@ -63,11 +64,14 @@ from policy.safety.decision import DurableSink, GuardRecord, RecordSink
 from policy.safety.defaults import DEFAULT_POLICY, TrainedGuards, register_default_policy
 from policy.safety.gate import SafetyGate
 from policy.safety.records import audit_draft, log_record
+from policy.tenants import TENANT_STORE
 from policy.tenants.base import TenantStore
 from registry.base import RegistryStore
+from registry.db.stores import open_store
 from registry.default_model import register_default_model
 from registry.manifest import apply_manifest_file
 from registry.service import Registry
+from registry.store import REGISTRY_STORE
 from registry.view import ResolvedPolicy
 from routing.router import Router
 from routing.scheduler import Scheduler
@@ -107,73 +111,6 @@ def _only_remote_engines(config: Config, guard_engines: int) -> bool:
     return (
         bool(config.engines) and guard_engines == 0 and all(s.kind == "vllm_remote" for s in config.engines)
     )
-
-
-async def open_tenant_store(config: Config) -> TenantStore:
-    """The tenant store the configuration names (SQLite file or PostgreSQL)."""
-    if config.storage.backend == "postgres":
-        from policy.tenants.postgres import PostgresTenantStore
-
-        return await PostgresTenantStore.open(config.storage.postgres_dsn, **_postgres_options(config))
-    from policy.tenants.sqlite import SqliteTenantStore
-
-    return await SqliteTenantStore.open(await _sqlite_path(config))
-
-
-def _sqlite_file(raw: str) -> Path:
-    path = Path(raw).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-async def _sqlite_path(config: Config) -> Path:
-    """The [storage] SQLite file every SQLite store opens (its directory created, off the event loop)."""
-    return await asyncio.to_thread(_sqlite_file, config.storage.sqlite_path)
-
-
-def _postgres_options(config: Config) -> dict[str, Any]:
-    """The [storage] PostgreSQL schema and time limits every PostgreSQL store opens with."""
-    storage = config.storage
-    return {
-        "schema": storage.postgres_schema,
-        "connect_timeout": storage.postgres_connect_timeout,
-        "command_timeout": storage.postgres_command_timeout,
-    }
-
-
-async def open_registry_store(config: Config) -> RegistryStore:
-    """The registry store, in the same database as the tenant store."""
-    if config.storage.backend == "postgres":
-        from registry.postgres import PostgresRegistryStore
-
-        return await PostgresRegistryStore.open(config.storage.postgres_dsn, **_postgres_options(config))
-    from registry.sqlite import SqliteRegistryStore
-
-    return await SqliteRegistryStore.open(await _sqlite_path(config))
-
-
-async def open_audit_store(config: Config, key: MacKey) -> AuditStore:
-    """The audit store, in the same database as the tenant store, MACing records with `key`."""
-    if config.storage.backend == "postgres":
-        from policy.audit.postgres import PostgresAuditStore
-
-        return await PostgresAuditStore.open(
-            config.storage.postgres_dsn, **_postgres_options(config), mac_key=key
-        )
-    from policy.audit.sqlite import SqliteAuditStore
-
-    return await SqliteAuditStore.open(await _sqlite_path(config), key)
-
-
-async def open_appeal_store(config: Config) -> AppealStore:
-    """The appeal store, in the audit store's database (the [storage] SQLite file or PostgreSQL schema)."""
-    if config.storage.backend == "postgres":
-        from policy.audit.appeals_postgres import PostgresAppealStore
-
-        return await PostgresAppealStore.open(config.storage.postgres_dsn, **_postgres_options(config))
-    from policy.audit.appeals_sqlite import SqliteAppealStore
-
-    return await SqliteAppealStore.open(await _sqlite_path(config))
 
 
 async def _audit_writer(
@@ -436,7 +373,7 @@ def create_app(
             await asyncio.to_thread(tool_parsers.preload)
             store = tenants
             if store is None:
-                store = await open_tenant_store(config)
+                store = await open_store(TENANT_STORE, config.storage)
                 owned.push_async_callback(store.close)
             buckets = quota
             if buckets is None:
@@ -444,7 +381,7 @@ def create_app(
                 owned.push_async_callback(buckets.close)
             versions = registry
             if versions is None:
-                versions = await open_registry_store(config)
+                versions = await open_store(REGISTRY_STORE, config.storage)
                 owned.push_async_callback(versions.close)
             live_registry, prompts = await _start_registry(config, versions, clock, renderers, renderer)
             secret = await load_secret(config.registry.secret, versions)
@@ -496,7 +433,7 @@ def create_app(
             audit_key = await audit_keys.mac_key(config)
             audit_store = audit
             if audit_store is None:
-                audit_store = await open_audit_store(config, audit_key)
+                audit_store = await open_store(AUDIT_STORE, config.storage, mac_key=audit_key)
                 owned.push_async_callback(audit_store.close)
             writer = await _audit_writer(config, audit_store, audit_key, clock, owned)
             refusals = _refusal_tally(config, writer, clock, owned)
@@ -505,7 +442,7 @@ def create_app(
                 checkpoints = await audit_keys.checkpointer(config, audit_store, audit_key, clock)
                 task = asyncio.create_task(checkpoints.run(config.audit.checkpoint_interval))
                 owned.push_async_callback(_stop, task)
-            appeals = await open_appeal_store(config)
+            appeals = await open_store(APPEAL_STORE, config.storage)
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)

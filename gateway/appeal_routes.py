@@ -55,7 +55,7 @@ from gateway.review_queue import (
 )
 from gateway.security import allow, reviewer_scope
 from gateway.service import Services
-from policy.audit.appeals import (
+from policy.appeals.base import (
     APPEAL_STATES,
     MAX_APPEAL_LIMIT,
     Appeal,

@@ -53,7 +53,8 @@ class TenantVerified(msgspec.Struct, frozen=True, kw_only=True):
 async def verify_command(config: Config, tenant: str | None, from_checkpoint: bool) -> int:
     """`lockgate audit verify`: verify chains (every tenant's, or `tenant`'s) against the MAC key and the
     signed checkpoints, print one JSON line per tenant; 0 when every chain verifies, 1 otherwise."""
-    from gateway.app import open_audit_store
+    from policy.audit import AUDIT_STORE
+    from registry.db.stores import open_store
 
     audit = config.audit
     try:
@@ -66,7 +67,7 @@ async def verify_command(config: Config, tenant: str | None, from_checkpoint: bo
         return 1
     state_path = audit.checkpoint_path(config.storage).with_suffix(".verified.json")
     state = await asyncio.to_thread(read_state, state_path)
-    store = await open_audit_store(config, key)
+    store = await open_store(AUDIT_STORE, config.storage, mac_key=key)
     try:
         tenants = [tenant] if tenant is not None else sorted(await store.heads())
         reports = await verify_tenants(

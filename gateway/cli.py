@@ -175,12 +175,13 @@ def _guard_train(config: Config, args: argparse.Namespace) -> int:
 
 
 async def _register_guards(config: Config, guards_dir: Path, model_dir: Path) -> GuardRefs:
-    from gateway.app import open_registry_store
+    from registry.db.stores import open_store
     from registry.default_guards import register_guards
     from registry.default_model import VERSION_DIGITS, read_model_dir, register_default_model
     from registry.service import Registry
+    from registry.store import REGISTRY_STORE
 
-    store = await open_registry_store(config)
+    store = await open_store(REGISTRY_STORE, config.storage)
     try:
         registry = await Registry.load(store, time.time, refresh_timeout=config.registry.refresh_timeout)
         files = await asyncio.to_thread(read_model_dir, model_dir)
@@ -201,12 +202,12 @@ async def _register_guards(config: Config, guards_dir: Path, model_dir: Path) ->
 async def _create_key(
     config: Config, tenant_id: str, roles: tuple[Role, ...], label: str, trusted_instructions: bool = False
 ) -> str:
-    from gateway.app import open_tenant_store
-    from policy.tenants import keys
+    from policy.tenants import TENANT_STORE, keys
     from policy.tenants.base import NotFoundError
     from policy.tenants.models import ApiKey, Quotas, Tenant
+    from registry.db.stores import open_store
 
-    store = await open_tenant_store(config)
+    store = await open_store(TENANT_STORE, config.storage)
     try:
         now = time.time()
         try:

@@ -60,7 +60,7 @@ from gateway.review_queue import (
     take_up,
 )
 from gateway.service import Services
-from policy.audit.appeals import UNDECIDED, Appeal, AppealState, OwnAppealError
+from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError

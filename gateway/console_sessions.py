@@ -28,7 +28,7 @@ from gateway.errors import APIError
 from gateway.security import reviewer_scope
 from gateway.service import Services
 from gateway.sessions import Session, SessionStoreFullError, SessionStoreUnavailableError
-from policy.audit.appeals import AppealConflictError, AppealNotFoundError, InvalidTransitionError
+from policy.appeals.base import AppealConflictError, AppealNotFoundError, InvalidTransitionError
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.auth import AuthError, Principal

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from html import escape
 from urllib.parse import quote
 
-from policy.audit.appeals import Appeal, AppealEvent
+from policy.appeals.base import Appeal, AppealEvent
 from policy.audit.records import AuditRecord, StageRun
 
 _STYLE = """

@@ -20,7 +20,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.service import Services
-from policy.audit.appeals import UNDECIDED, Appeal, AppealState, OwnAppealError
+from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
 from policy.audit.records import AuditRecord, Decision
 

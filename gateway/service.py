@@ -25,7 +25,7 @@ from gateway.readiness import ReadinessCheck
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
 from gateway.sessions.base import SessionStore
-from policy.audit.appeals import AppealStore
+from policy.appeals.base import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer
 from policy.audit.refusals import RefusalTally

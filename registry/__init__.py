@@ -24,7 +24,6 @@ from registry.manifest import (
     load_manifest,
     parse_manifest,
 )
-from registry.migrations import MIGRATIONS
 from registry.models import (
     KINDS,
     SPEC_TYPES,
@@ -51,15 +50,15 @@ from registry.models import (
     decode_spec,
     parse_ref,
 )
-from registry.postgres import PostgresRegistryStore
 from registry.service import Registry, RegistryHealth
-from registry.sqlite import SqliteRegistryStore
+from registry.store import MIGRATIONS, REGISTRY_STORE, PostgresRegistryStore, SqliteRegistryStore
 from registry.validation import check_tokenizer
 from registry.view import RegistryView, ResolvedGuard, ResolvedModel, ResolvedPolicy
 
 __all__ = [
     "KINDS",
     "MIGRATIONS",
+    "REGISTRY_STORE",
     "SPEC_TYPES",
     "Alias",
     "AliasChange",

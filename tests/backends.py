@@ -23,8 +23,8 @@ from policy.tenants.base import TenantStore
 from policy.tenants.postgres import PostgresTenantStore
 from policy.tenants.sqlite import SqliteTenantStore
 from registry.base import RegistryStore
-from registry.postgres import PostgresRegistryStore
-from registry.sqlite import SqliteRegistryStore
+from registry.store.postgres import PostgresRegistryStore
+from registry.store.sqlite import SqliteRegistryStore
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"

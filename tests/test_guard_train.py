@@ -40,7 +40,7 @@ from registry.default_guards import GUARDS_MANIFEST, register_guards
 from registry.default_model import register_default_model
 from registry.models import GuardModelSpec, ModelSpec, parse_ref
 from registry.service import Registry
-from registry.sqlite import SqliteRegistryStore
+from registry.store.sqlite import SqliteRegistryStore
 from tests.ops.tiny_guard_data import write_tiny_guard_data
 
 SETTINGS = OneTokenSettings(epochs=1)  # the CLI's settings for --epochs 1: a CLI run reuses the directory

@@ -138,15 +138,15 @@ def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, s
 
 async def provision(env: dict[str, str], tenant_id: str) -> str:
     """A tenant with (huge) quotas on both scopes and a consumer key; the key's plaintext."""
-    from gateway.app import open_tenant_store
     from gateway.config import load_config
-    from policy.tenants import keys
+    from policy.tenants import TENANT_STORE, keys
     from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
+    from registry.db.stores import open_store
 
     limits = Limits(
         requests_per_second=_HUGE, request_burst=_HUGE, tokens_per_second=_HUGE, token_burst=_HUGE
     )
-    store = await open_tenant_store(load_config(env=env))
+    store = await open_store(TENANT_STORE, load_config(env=env).storage)
     try:
         now = time.time()
         tenant = Tenant(

@@ -1,23 +1,7 @@
-"""The audit log: the `AuditStore` protocol, its SQLite and PostgreSQL backends, and the hash chain; and
-appeals of recorded decisions (`AppealStore`, in the same database)."""
+"""The audit log: the `AuditStore` protocol, its SQLite and PostgreSQL backends, and the hash chain.
+Appeals of recorded decisions live in the same database (`policy.appeals`). `AUDIT_STORE` names both
+backends for `registry.db.stores.open_store`."""
 
-from policy.audit.appeals import (
-    APPEAL_STATES,
-    MAX_APPEAL_LIMIT,
-    TRANSITIONS,
-    UNDECIDED,
-    Appeal,
-    AppealConflictError,
-    AppealError,
-    AppealEvent,
-    AppealNotFoundError,
-    AppealState,
-    AppealStore,
-    InvalidTransitionError,
-    OwnAppealError,
-)
-from policy.audit.appeals_postgres import PostgresAppealStore
-from policy.audit.appeals_sqlite import SqliteAppealStore
 from policy.audit.base import (
     MAX_QUERY_LIMIT,
     AuditQuery,
@@ -44,22 +28,17 @@ from policy.audit.records import (
     verify_chain,
 )
 from policy.audit.sqlite import SqliteAuditStore
+from registry.db.stores import StoreKind
+
+AUDIT_STORE: StoreKind[AuditStore] = StoreKind(
+    "audit", sqlite=SqliteAuditStore.open, postgres=PostgresAuditStore.open
+)
 
 __all__ = [
-    "APPEAL_STATES",
+    "AUDIT_STORE",
     "GENESIS_HASH",
-    "MAX_APPEAL_LIMIT",
     "MAX_QUERY_LIMIT",
     "MIGRATIONS",
-    "TRANSITIONS",
-    "UNDECIDED",
-    "Appeal",
-    "AppealConflictError",
-    "AppealError",
-    "AppealEvent",
-    "AppealNotFoundError",
-    "AppealState",
-    "AppealStore",
     "AuditDraft",
     "AuditQuery",
     "AuditRecord",
@@ -71,12 +50,8 @@ __all__ = [
     "ChainVerifier",
     "Decision",
     "InvalidDraftError",
-    "InvalidTransitionError",
     "NotFoundError",
-    "OwnAppealError",
-    "PostgresAppealStore",
     "PostgresAuditStore",
-    "SqliteAppealStore",
     "SqliteAuditStore",
     "Stage",
     "StageRun",

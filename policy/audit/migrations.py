@@ -77,7 +77,7 @@ _ONLY_PURGE_TRIGGER = """CREATE TRIGGER audit_records_only_purge BEFORE UPDATE O
                 WHEN {}
                 BEGIN SELECT RAISE(ABORT, 'audit_records is append-only'); END"""
 
-# The appeal state machine (policy.audit.appeals.TRANSITIONS) as SQL over OLD and NEW.
+# The appeal state machine (policy.appeals.base.TRANSITIONS) as SQL over OLD and NEW.
 _A_TRANSITION = (
     "(OLD.state = 'open' AND NEW.state = 'in_review')"
     " OR (OLD.state = 'in_review' AND NEW.state IN ('upheld', 'overturned'))"

@@ -1,8 +1,8 @@
 """`PostgresAuditStore`: the audit log in PostgreSQL, shared by gateway replicas (asyncpg pool).
 
 Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
-migrates on `open` (`registry.db.postgres.open_pool`); it may be the tenant store's schema. An append locks
-each of its tenants' `audit_heads` row (`SELECT ... FOR UPDATE`, tenants in a fixed order so two batches
+migrates on `open` (`registry.db.postgres.PostgresStore`); it may be the tenant store's schema. An append
+locks each of its tenants' `audit_heads` row (`SELECT ... FOR UPDATE`, tenants in a fixed order so two batches
 never deadlock) before reading the head and writing after it, so appends from any number of replicas extend
 each chain one transaction at a time and never fork it. Losing the database (down, restarting, out of
 connections, a statement over `command_timeout`) raises `AuditUnavailableError`.
@@ -10,10 +10,8 @@ connections, a statement over `command_timeout`) raises `AuditUnavailableError`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from functools import partial
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self, Unpack
 
 from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, BadRow, NotFoundError
 from policy.audit.checkpoints import Checkpoint
@@ -37,11 +35,7 @@ from policy.audit.records import (
     normalize,
 )
 from policy.audit.verify import verify_tenant
-from registry.db.postgres import REFUSED_DATA, UNREACHABLE, open_pool
-
-# Arbitrary but fixed ("Lkgtaudi"): replicas migrating the audit tables wait on each other, not other stores.
-_MIGRATION_LOCK = 0x4C6B6774_61756469
-_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
+from registry.db.postgres import PoolOptions, PostgresStore
 
 _INSERT = (
     f"INSERT INTO audit_records ({RECORD_COLUMNS})"
@@ -61,53 +55,27 @@ _PAGE = (
 _BY_DRAFTS = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND draft_id = ANY($2::text[])"
 
 
-class PostgresAuditStore:
+class PostgresAuditStore(PostgresStore):
     """An `AuditStore` in one PostgreSQL schema."""
+
+    what = "audit"
+    unavailable = AuditUnavailableError
+    refused = AuditRecordError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+    # Arbitrary but fixed ("Lkgtaudi"): replicas migrating the audit tables wait on each other only.
+    lock_key = 0x4C6B6774_61756469
 
     def __init__(self, pool: Any, mac_key: MacKey | None = None) -> None:
         """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
-        self._pool = pool
+        super().__init__(pool)
         self._key = mac_key
 
     @classmethod
-    async def open(
-        cls,
-        dsn: str,
-        *,
-        schema: str = "public",
-        min_size: int = 1,
-        max_size: int = 10,
-        connect_timeout: float = 5.0,
-        command_timeout: float = 10.0,
-        mac_key: MacKey | None = None,
-    ) -> PostgresAuditStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`); records
+    async def open(cls, dsn: str, *, mac_key: MacKey | None = None, **options: Unpack[PoolOptions]) -> Self:
+        """Connect to `dsn`, create the schema if missing, and migrate it (`PostgresStore.open`); records
         are MACed with `mac_key` (None: not, and verify does not check MACs)."""
-        pool = await _open_pool(
-            dsn,
-            schema=schema,
-            min_size=min_size,
-            max_size=max_size,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-        )
-        return cls(pool, mac_key)
-
-    @asynccontextmanager
-    async def _conn(self, *, write: bool = False) -> AsyncIterator[Any]:
-        """A pooled connection, in a transaction if `write`; losing the database is
-        `AuditUnavailableError`."""
-        try:
-            async with self._pool.acquire() as conn:
-                if write:
-                    async with conn.transaction():
-                        yield conn
-                else:
-                    yield conn
-        except UNREACHABLE as exc:
-            raise AuditUnavailableError(f"the audit database is unreachable: {exc!r}") from exc
-        except REFUSED_DATA as exc:
-            raise AuditRecordError(f"the audit database refused a record: {exc!r}") from exc
+        return cls(await cls.open_pool(dsn, **options), mac_key)
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
         """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose
@@ -217,7 +185,3 @@ class PostgresAuditStore:
         async with self._conn(write=True) as conn:
             status: str = await conn.execute(sql, tenant, float(before))
         return int(status.rsplit(" ", 1)[-1])
-
-    async def close(self) -> None:
-        """Close the pool (waiting for connections in use to be released)."""
-        await self._pool.close()

@@ -18,7 +18,7 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 from urllib.parse import quote
 
 from policy.audit.base import (
@@ -50,7 +50,7 @@ from policy.audit.records import (
     normalize,
 )
 from policy.audit.verify import verify_tenant
-from registry.db.sqlite import Conn, SqliteWorker, transaction
+from registry.db.sqlite import Conn, SqliteStore, SqliteWorker, transaction
 
 T = TypeVar("T")
 
@@ -68,34 +68,26 @@ _PAGE = (
 _BY_DRAFT = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND draft_id = ?"
 
 
-class SqliteAuditStore:
+class SqliteAuditStore(SqliteStore):
     """An `AuditStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, db: SqliteWorker, path: str | Path, mac_key: MacKey | None = None) -> None:
-        """Use `open`; this takes a worker whose database (at `path`) is already migrated."""
-        self._db = db
-        self._path = None if str(path) == ":memory:" else Path(path)
+    what = "audit"
+    unavailable = AuditUnavailableError
+    closed_error = AuditStoreError
+    refused = AuditRecordError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+
+    def __init__(self, db: SqliteWorker, mac_key: MacKey | None = None) -> None:
+        """Use `open`; this takes a worker whose database is already migrated."""
+        super().__init__(db)
         self._key = mac_key
 
     @classmethod
-    async def open(cls, path: str | Path, mac_key: MacKey | None = None) -> SqliteAuditStore:
+    async def open(cls, path: str | Path, mac_key: MacKey | None = None) -> Self:
         """Open (creating if needed) and migrate the database at `path` (may be the tenant store's file);
         records are MACed with `mac_key` (None: not, and verify does not check MACs)."""
-        db = await SqliteWorker.open(
-            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=False, name="audit"
-        )
-        return cls(db, path, mac_key)
-
-    async def _run(self, fn: Callable[[Conn], T]) -> T:
-        if self._db.closed:
-            raise AuditStoreError("the audit store is closed")
-        try:
-            return await self._db.run(fn)
-        except sqlite3.OperationalError as exc:
-            raise AuditUnavailableError(f"the audit database is unavailable: {exc}") from exc
-        except (sqlite3.DataError, sqlite3.InterfaceError, UnicodeEncodeError) as exc:
-            # A value SQLite cannot take (too large, a type it cannot bind, text it cannot encode).
-            raise AuditRecordError(f"the audit database refused a record: {exc}") from exc
+        return cls(await cls.open_worker(path), mac_key)
 
     async def append(self, drafts: Sequence[AuditDraft]) -> list[AuditRecord]:
         """Record `drafts` atomically and in order, each as its tenant's next seq, chained (one whose
@@ -160,11 +152,10 @@ class SqliteAuditStore:
 
     async def _read(self, fn: Callable[[Conn], T]) -> T:
         """`fn` on a read-only connection of its own (the worker's for an in-memory database)."""
-        path = self._path
+        path = self._db.path
         if path is None:
             return await self._run(fn)
-        if self._db.closed:
-            raise AuditStoreError("the audit store is closed")
+        self._check_open()
 
         def read() -> T:
             uri = f"file:{quote(str(path.resolve()))}?mode=ro"
@@ -204,7 +195,3 @@ class SqliteAuditStore:
                 return conn.execute(sql, (tenant, float(before))).rowcount
 
         return await self._run(purge)
-
-    async def close(self) -> None:
-        """Close the connection and let the worker thread end. Safe to call twice."""
-        await self._db.close()

@@ -1,4 +1,5 @@
-"""Tenants and API keys: the `TenantStore` protocol, its SQLite and PostgreSQL backends, and key material."""
+"""Tenants and API keys: the `TenantStore` protocol, its SQLite and PostgreSQL backends (both named by
+`TENANT_STORE` for `registry.db.stores.open_store`), and key material."""
 
 from policy.tenants.base import ConflictError, NotFoundError, TenantStore, TenantStoreError, UnavailableError
 from policy.tenants.keys import hash_secret, new_key, parse_key, verify
@@ -17,10 +18,16 @@ from policy.tenants.models import (
 )
 from policy.tenants.postgres import PostgresTenantStore
 from policy.tenants.sqlite import SqliteTenantStore
+from registry.db.stores import StoreKind
+
+TENANT_STORE: StoreKind[TenantStore] = StoreKind(
+    "tenants", sqlite=SqliteTenantStore.open, postgres=PostgresTenantStore.open
+)
 
 __all__ = [
     "MIGRATIONS",
     "ROLES",
+    "TENANT_STORE",
     "AdminChange",
     "ApiKey",
     "ConflictError",

@@ -1,16 +1,13 @@
 """`PostgresTenantStore`: tenants and keys in PostgreSQL, shared by gateway replicas (asyncpg pool).
 
 Each store works in one schema (`search_path` is set on every pooled connection), which it creates and
-migrates on `open` (`registry.db.postgres.open_pool`). Concurrent replicas starting at once take turns on
+migrates on `open` (`registry.db.postgres.PostgresStore`). Concurrent replicas starting at once take turns on
 an advisory lock while migrating. Losing the database (down, restarting, out of connections, a statement
 over `command_timeout`) raises `UnavailableError`; the pool reconnects by itself once the server is back.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -36,12 +33,8 @@ from policy.tenants.migrations import (
     tenant_update_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
-from registry.db.postgres import UNREACHABLE, open_pool
+from registry.db.postgres import PostgresStore
 
-# Arbitrary but fixed: every Lockgate replica migrating any schema of this database waits on the same lock.
-_MIGRATION_LOCK = 0x4C6B6774_656E616E
-# This store's pools: its own migrations, recorded in its own table, applied under its own lock.
-_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
 _BY_KEY = 'ORDER BY created_at, key_id COLLATE "C"'
 
@@ -60,47 +53,15 @@ _SET = ", ".join(f"{column} = ${i}" for i, column in enumerate(TENANT_UPDATE_COL
 _UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ${len(TENANT_UPDATE_COLUMNS) + 1}"
 
 
-class PostgresTenantStore:
+class PostgresTenantStore(PostgresStore):
     """A `TenantStore` in one PostgreSQL schema."""
 
-    def __init__(self, pool: Any) -> None:
-        """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
-        self._pool = pool
-
-    @classmethod
-    async def open(
-        cls,
-        dsn: str,
-        *,
-        schema: str = "public",
-        min_size: int = 1,
-        max_size: int = 10,
-        connect_timeout: float = 5.0,
-        command_timeout: float = 10.0,
-    ) -> PostgresTenantStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
-        pool = await _open_pool(
-            dsn,
-            schema=schema,
-            min_size=min_size,
-            max_size=max_size,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-        )
-        return cls(pool)
-
-    @asynccontextmanager
-    async def _conn(self, *, write: bool = False) -> AsyncIterator[Any]:
-        """A pooled connection (in a transaction if `write`); losing the database is `UnavailableError`."""
-        try:
-            async with self._pool.acquire() as conn:
-                if write:
-                    async with conn.transaction():
-                        yield conn
-                else:
-                    yield conn
-        except UNREACHABLE as exc:
-            raise UnavailableError(f"the tenant database is unreachable: {exc!r}") from exc
+    what = "tenant"
+    unavailable = UnavailableError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+    # Arbitrary but fixed: every Lockgate replica migrating this store in a schema waits on the same lock.
+    lock_key = 0x4C6B6774_656E616E
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
@@ -197,10 +158,6 @@ class PostgresTenantStore:
                 )
                 rows = await conn.fetch(sql, target, limit)
         return [change_from_row(row) for row in rows]
-
-    async def close(self) -> None:
-        """Close the pool (waiting for connections in use to be released)."""
-        await self._pool.close()
 
 
 async def _tenant(conn: Any, tenant_id: str, *, lock: bool = False) -> Tenant:

@@ -8,11 +8,6 @@ interleave on the connection. An operational error (the file locked by another p
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
-
 import msgspec
 
 from policy.tenants.base import ConflictError, NotFoundError, TenantStoreError, UnavailableError
@@ -36,9 +31,7 @@ from policy.tenants.migrations import (
     tenant_update_row,
 )
 from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
-from registry.db.sqlite import Conn, SqliteWorker, transaction
-
-T = TypeVar("T")
+from registry.db.sqlite import Conn, SqliteStore, transaction
 
 _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
 _INSERT_TENANT = (
@@ -53,29 +46,16 @@ _SET = ", ".join(f"{column} = ?" for column in TENANT_UPDATE_COLUMNS)
 _UPDATE_TENANT = f"UPDATE tenants SET {_SET} WHERE tenant_id = ?"
 
 
-class SqliteTenantStore:
+class SqliteTenantStore(SqliteStore):
     """A `TenantStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, db: SqliteWorker) -> None:
-        """Use `open`; this takes a worker whose database is already migrated."""
-        self._db = db
-
-    @classmethod
-    async def open(cls, path: str | Path) -> SqliteTenantStore:
-        """Open (creating if needed) and migrate the database at `path`."""
-        # foreign_keys: a key must name an existing tenant (api_keys.tenant_id REFERENCES tenants).
-        db = await SqliteWorker.open(
-            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=True, name="tenants"
-        )
-        return cls(db)
-
-    async def _run(self, fn: Callable[[Conn], T]) -> T:
-        if self._db.closed:
-            raise TenantStoreError("the tenant store is closed")
-        try:
-            return await self._db.run(fn)
-        except sqlite3.OperationalError as exc:
-            raise UnavailableError(f"the tenant database is unavailable: {exc}") from exc
+    what = "tenant"
+    unavailable = UnavailableError
+    closed_error = TenantStoreError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+    # A key must name an existing tenant (api_keys.tenant_id REFERENCES tenants).
+    foreign_keys = True
 
     async def create_tenant(self, tenant: Tenant, *, actor: str, now: float) -> Tenant:
         """Add a tenant (its `created_at` set to `now`). ConflictError if the id exists."""
@@ -177,10 +157,6 @@ class SqliteTenantStore:
         where, args = ("", (limit,)) if target is None else (" WHERE target = ?", (target, limit))
         sql = f"SELECT {CHANGE_COLUMNS} FROM admin_changes{where} ORDER BY id DESC LIMIT ?"
         return await self._run(lambda conn: [change_from_row(row) for row in conn.execute(sql, args)])
-
-    async def close(self) -> None:
-        """Close the connection and let the worker thread end. Safe to call twice."""
-        await self._db.close()
 
 
 def _tenant(conn: Conn, tenant_id: str) -> Tenant:

@@ -1,8 +1,14 @@
-"""`SqliteWorker`: one stdlib `sqlite3` connection on one dedicated worker thread.
+"""`SqliteWorker`: one stdlib `sqlite3` connection on one dedicated worker thread; `SqliteStore`, the base
+of every SQLite store.
 
 sqlite3 calls block, so every call runs on a single thread, which also owns the connection (it is created
 there, and `check_same_thread` enforces that it is used nowhere else). One thread serialises the calls, so
 no two transactions of this process interleave on the connection.
+
+A store subclasses `SqliteStore`, naming its migrations, their table and its errors; it gets `open`, `close`
+and `_run`: a function of the connection run on the worker, where an operational error (the file locked
+by another process past `busy_timeout`, a disk error) is the store's unavailable error: the same call may
+succeed later.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, Self, TypeVar
 
 from registry.db.migrations import Migration, checked_table, create_table_sql, pending
 
@@ -25,10 +31,12 @@ Conn = sqlite3.Connection
 class SqliteWorker:
     """The connection to one SQLite file (WAL mode), or to memory for ":memory:", and its thread."""
 
-    def __init__(self, executor: ThreadPoolExecutor, conn: Conn) -> None:
-        """Use `open`; this takes a connection already owned by `executor`'s only thread."""
+    def __init__(self, executor: ThreadPoolExecutor, conn: Conn, path: Path | None) -> None:
+        """Use `open`; this takes a connection already owned by `executor`'s only thread, to the file at
+        `path` (None: in memory)."""
         self._executor = executor
         self._conn: Conn | None = conn
+        self.path = path
 
     @classmethod
     async def open(
@@ -54,7 +62,7 @@ class SqliteWorker:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(executor, conn)
+        return cls(executor, conn, None if str(path) == ":memory:" else Path(path))
 
     @property
     def closed(self) -> bool:
@@ -77,6 +85,69 @@ class SqliteWorker:
         await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
         # The queue is empty now, so not waiting for the thread loses nothing and never blocks the loop.
         self._executor.shutdown(wait=False)
+
+
+class SqliteStore:
+    """A store in one SQLite file (WAL mode), or in memory for ":memory:": its worker and error mapping."""
+
+    # What the store's errors call it ("the tenant store is closed", "the tenant database is unavailable").
+    what: ClassVar[str]
+    # Raised for an operational error (locked past busy_timeout, a disk error), and once closed.
+    unavailable: ClassVar[type[Exception]]
+    closed_error: ClassVar[type[Exception]]
+    # Raised for a value SQLite cannot take (too large, a type it cannot bind, text it cannot encode); None:
+    # such errors stay what they are.
+    refused: ClassVar[type[Exception] | None] = None
+    # The store's schema steps and the table recording them; whether foreign keys are enforced.
+    migrations: ClassVar[Sequence[Migration]]
+    migrations_table: ClassVar[str]
+    foreign_keys: ClassVar[bool] = False
+
+    def __init__(self, db: SqliteWorker) -> None:
+        """Use `open`; this takes a worker whose database is already migrated."""
+        self._db = db
+
+    @classmethod
+    async def open(cls, path: str | Path) -> Self:
+        """Open (creating if needed) and migrate the database at `path`."""
+        return cls(await cls.open_worker(path))
+
+    @classmethod
+    async def open_worker(cls, path: str | Path) -> SqliteWorker:
+        """A worker on the database at `path`, migrated with this store's migrations."""
+        return await SqliteWorker.open(
+            path,
+            migrations=cls.migrations,
+            table=cls.migrations_table,
+            foreign_keys=cls.foreign_keys,
+            name=cls.what,
+        )
+
+    def _check_open(self) -> None:
+        """`closed_error` once `close` has been called."""
+        if self._db.closed:
+            raise self.closed_error(f"the {self.what} store is closed")
+
+    async def _run(self, fn: Callable[[Conn], T]) -> T:
+        """`fn(connection)` on the worker, its errors mapped onto the store's."""
+        self._check_open()
+        refused = _REFUSED if self.refused is not None else ()
+        try:
+            return await self._db.run(fn)
+        except sqlite3.OperationalError as exc:
+            raise self.unavailable(f"the {self.what} database is unavailable: {exc}") from exc
+        except refused as exc:
+            if self.refused is None:
+                raise
+            raise self.refused(f"the {self.what} database refused a record: {exc}") from exc
+
+    async def close(self) -> None:
+        """Close the connection and let the worker thread end. Safe to call twice."""
+        await self._db.close()
+
+
+# What a value itself causes (too large, a type it cannot bind, text it cannot encode).
+_REFUSED: tuple[type[BaseException], ...] = (sqlite3.DataError, sqlite3.InterfaceError, UnicodeEncodeError)
 
 
 @contextmanager

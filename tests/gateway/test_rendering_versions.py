@@ -23,7 +23,7 @@ from registry.base import InvalidError, RegistryStore
 from registry.default_model import register_default_model
 from registry.models import ChatTemplateSpec, ModelSpec, TokenizerSpec
 from registry.service import Registry
-from registry.sqlite import SqliteRegistryStore
+from registry.store.sqlite import SqliteRegistryStore
 from registry.view import RegistryView, ResolvedModel
 from tests.backends import FakeClock
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving

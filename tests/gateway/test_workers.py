@@ -22,12 +22,12 @@ import httpx
 import psutil
 import pytest
 
-from gateway.app import open_tenant_store
 from gateway.cli import main
 from gateway.config import Config, ConfigError, ReplicaSpec, check_workers, load_config, with_workers
 from gateway.console_sessions import COOKIE
-from policy.tenants import keys
+from policy.tenants import TENANT_STORE, keys
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
+from registry.db.stores import open_store
 from tests.backends import PG_DSN, postgres_schema
 from tests.conftest import MODEL, eventually, free_port
 from tests.gateway.test_console import form_token
@@ -110,7 +110,7 @@ class Served:
 
 async def _tenant(env: dict[str, str], tenant_id: str, limits: Limits) -> tuple[str, str]:
     """A tenant with `limits`: its consumer key and its reviewer key."""
-    store = await open_tenant_store(load_config(env=env))
+    store = await open_store(TENANT_STORE, load_config(env=env).storage)
     try:
         now = time.time()
         await store.create_tenant(

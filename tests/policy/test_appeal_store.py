@@ -12,8 +12,9 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+import policy.appeals
 import policy.audit
-from policy.audit import (
+from policy.appeals import (
     APPEAL_STATES,
     TRANSITIONS,
     UNDECIDED,
@@ -24,8 +25,8 @@ from policy.audit import (
     InvalidTransitionError,
     PostgresAppealStore,
     SqliteAppealStore,
-    SqliteAuditStore,
 )
+from policy.audit import SqliteAuditStore
 from tests.backends import PG_DSN, SqlBackend, sql_backend
 
 Backend = SqlBackend[AppealStore]
@@ -311,9 +312,9 @@ async def test_sqlite_closed(tmp_path: Path) -> None:
 
 
 def test_public_names() -> None:
-    names: set[Any] = set(policy.audit.__all__)
+    names: set[Any] = set(policy.appeals.__all__)
     assert names >= {
         *("Appeal", "AppealEvent", "AppealState", "AppealStore", "AppealError", "AppealNotFoundError"),
         *("AppealConflictError", "InvalidTransitionError", "SqliteAppealStore", "PostgresAppealStore"),
-        *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT", "UNDECIDED"),
+        *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT", "UNDECIDED", "APPEAL_STORE"),
     }

@@ -36,10 +36,10 @@ from policy.audit import (
 )
 from policy.audit.keys import MacKey
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
-from policy.audit.postgres import _open_pool
 from policy.audit.records import canonical_json, chain
 from policy.audit.writer import AuditWriter
 from policy.tenants import PostgresTenantStore, SqliteTenantStore, Tenant
+from registry.db.postgres import open_pool
 from registry.db.sqlite import SqliteWorker, transaction
 from tests.backends import PG_DSN, SqlBackend, postgres_schema, sql_backend
 
@@ -336,8 +336,14 @@ async def test_records_from_before_draft_ids_and_counts_verify_after_the_upgrade
         await db.run(write)
         await db.close()
     else:
-        pool = await _open_pool(
-            PG_DSN, schema=backend.location, migrations=MIGRATIONS[:version], min_size=1, max_size=1
+        pool = await open_pool(
+            PG_DSN,
+            schema=backend.location,
+            migrations=MIGRATIONS[:version],
+            table=MIGRATIONS_TABLE,
+            lock_key=PostgresAuditStore.lock_key,
+            min_size=1,
+            max_size=1,
         )
         marks = ", ".join(f"${i}" for i in range(1, len(rows[0]) + 1))
         async with pool.acquire() as conn:

@@ -413,7 +413,7 @@ def test_public_names() -> None:
     assert set(policy.tenants.__all__) == {
         *("TenantStore", "TenantStoreError", "NotFoundError", "ConflictError", "UnavailableError"),
         *("Tenant", "Quotas", "Limits", "ApiKey", "StoredKey", "AdminChange", "Role", "ROLES", "FailMode"),
-        "PriorityClass",
+        *("PriorityClass", "TENANT_STORE"),
         *("SqliteTenantStore", "PostgresTenantStore", "Migration", "MIGRATIONS"),
         *("new_key", "hash_secret", "parse_key", "verify"),
     }

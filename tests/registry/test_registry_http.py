@@ -20,7 +20,7 @@ from policy.tenants.keys import new_key
 from policy.tenants.models import ApiKey, Tenant
 from registry.default_model import read_model_dir
 from registry.hashing import sha256_file
-from registry.postgres import PostgresRegistryStore
+from registry.store.postgres import PostgresRegistryStore
 from tests.backends import DEPLOYMENTS, PG_DSN, Backends, FakeClock, deployment
 from tests.conftest import DATA_DIR, MODEL, OutcomeLog, add_key, eventually, make_config, serving
 

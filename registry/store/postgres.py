@@ -1,7 +1,7 @@
 """`PostgresRegistryStore`: the registry in PostgreSQL, shared by gateway replicas (asyncpg pool).
 
 Each store works in one schema (`search_path` on every pooled connection), created and migrated on `open`
-(`registry.db.postgres.open_pool`) under an advisory lock so replicas starting together take turns. Every
+(`registry.db.postgres.PostgresStore`) under an advisory lock so replicas starting together take turns. Every
 write first locks the single generation row, so writes run one at a time and generations follow commit
 order; `snapshot` reads in one REPEATABLE READ transaction, so the versions and aliases it returns are
 exactly those of its generation.
@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
-from registry import sql
 from registry.base import NotFoundError, UnavailableError
-from registry.db.postgres import UNREACHABLE, open_pool
-from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
+from registry.db.postgres import PostgresStore, numbered
 from registry.models import (
     Alias,
     AliasChange,
@@ -27,74 +24,51 @@ from registry.models import (
     Published,
     RegistrySnapshot,
 )
+from registry.store import sql
+from registry.store.migrations import MIGRATIONS, MIGRATIONS_TABLE
 
-# Fixed and distinct from the tenant store's ("Lkgtregi"): registry migrations wait only on each other.
-_MIGRATION_LOCK = 0x4C6B6774_72656769
-# This store's pools: its own migrations, recorded in its own table, applied under its own lock.
-_open_pool = partial(open_pool, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, lock_key=_MIGRATION_LOCK)
 _LOCK_GENERATION = "SELECT value FROM registry_generation WHERE id = 1 FOR UPDATE"
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
 _BY_ALIAS = ' ORDER BY kind COLLATE "C", name COLLATE "C"'
 # The shared statements in PostgreSQL's placeholder style, converted once.
-_INSERT_VERSION = sql.numbered(sql.INSERT_VERSION + " RETURNING 1")
-_SELECT_VERSION = sql.numbered(sql.SELECT_VERSION)
-_SELECT_VERSIONS = sql.numbered(sql.SELECT_VERSIONS + ' ORDER BY published_at, version COLLATE "C"')
-_SELECT_ALIAS = sql.numbered(sql.SELECT_ALIAS)
-_SELECT_ALIASES_OF = sql.numbered(sql.SELECT_ALIASES + " WHERE kind = ?" + _BY_ALIAS)
-_SELECT_HISTORY = sql.numbered(sql.SELECT_HISTORY)
-_SELECT_HISTORY_ENTRY = sql.numbered(sql.SELECT_HISTORY_ENTRY)
-_INSERT_HISTORY = sql.numbered(sql.INSERT_HISTORY)
-_UPSERT_ALIAS = sql.numbered(sql.UPSERT_ALIAS)
-_INSERT_SECRET = sql.numbered(sql.INSERT_SECRET)
-_INSERT_FIGURES = sql.numbered(sql.INSERT_FIGURES)
+_INSERT_VERSION = numbered(sql.INSERT_VERSION + " RETURNING 1")
+_SELECT_VERSION = numbered(sql.SELECT_VERSION)
+_SELECT_VERSIONS = numbered(sql.SELECT_VERSIONS + ' ORDER BY published_at, version COLLATE "C"')
+_SELECT_ALIAS = numbered(sql.SELECT_ALIAS)
+_SELECT_ALIASES_OF = numbered(sql.SELECT_ALIASES + " WHERE kind = ?" + _BY_ALIAS)
+_SELECT_HISTORY = numbered(sql.SELECT_HISTORY)
+_SELECT_HISTORY_ENTRY = numbered(sql.SELECT_HISTORY_ENTRY)
+_INSERT_HISTORY = numbered(sql.INSERT_HISTORY)
+_UPSERT_ALIAS = numbered(sql.UPSERT_ALIAS)
+_INSERT_SECRET = numbered(sql.INSERT_SECRET)
+_INSERT_FIGURES = numbered(sql.INSERT_FIGURES)
 _FIGURES_ORDER = ' ORDER BY at, name COLLATE "C", version COLLATE "C", context COLLATE "C"'
-_SELECT_FIGURES = sql.numbered(sql.SELECT_FIGURES + _FIGURES_ORDER)
-_SELECT_FIGURES_OF = sql.numbered(sql.SELECT_FIGURES + " AND name = ?" + _FIGURES_ORDER)
+_SELECT_FIGURES = numbered(sql.SELECT_FIGURES + _FIGURES_ORDER)
+_SELECT_FIGURES_OF = numbered(sql.SELECT_FIGURES + " AND name = ?" + _FIGURES_ORDER)
 
 
-class PostgresRegistryStore:
+class PostgresRegistryStore(PostgresStore):
     """A `RegistryStore` in one PostgreSQL schema."""
 
-    def __init__(self, pool: Any) -> None:
-        """Use `open`; this takes an asyncpg pool whose schema is already migrated."""
-        self._pool = pool
-
-    @classmethod
-    async def open(
-        cls,
-        dsn: str,
-        *,
-        schema: str = "public",
-        min_size: int = 1,
-        max_size: int = 5,
-        connect_timeout: float = 5.0,
-        command_timeout: float = 10.0,
-    ) -> PostgresRegistryStore:
-        """Connect to `dsn`, create `schema` if missing, and migrate it (time limits: `open_pool`)."""
-        pool = await _open_pool(
-            dsn,
-            schema=schema,
-            min_size=min_size,
-            max_size=max_size,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-        )
-        return cls(pool)
+    what = "registry"
+    unavailable = UnavailableError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+    # Fixed and distinct from the tenant store's ("Lkgtregi"): registry migrations wait only on each other.
+    lock_key = 0x4C6B6774_72656769
+    max_connections = 5
 
     @asynccontextmanager
     async def _tx(self, *, write: bool) -> AsyncIterator[Any]:
         """A connection in a transaction: a writer holding the generation row, or a consistent reader."""
-        try:
-            async with self._pool.acquire() as conn:
-                if write:
-                    async with conn.transaction():
-                        await conn.execute(_LOCK_GENERATION)
-                        yield conn
-                else:
-                    async with conn.transaction(isolation="repeatable_read", readonly=True):
-                        yield conn
-        except UNREACHABLE as exc:
-            raise UnavailableError(f"the registry database is unreachable: {exc!r}") from exc
+        async with self._connect() as conn:
+            if write:
+                async with conn.transaction():
+                    await conn.execute(_LOCK_GENERATION)
+                    yield conn
+            else:
+                async with conn.transaction(isolation="repeatable_read", readonly=True):
+                    yield conn
 
     async def publish(
         self,
@@ -169,11 +143,8 @@ class PostgresRegistryStore:
 
     async def record_figures(self, record: FiguresRecord) -> None:
         """Keep a version's figures on one suite; a second record of the same key changes nothing."""
-        try:
-            async with self._pool.acquire() as conn:
-                await conn.execute(_INSERT_FIGURES, *sql.figures_row(record))
-        except UNREACHABLE as exc:
-            raise UnavailableError(f"the registry database is unreachable: {exc!r}") from exc
+        async with self._connect() as conn:
+            await conn.execute(_INSERT_FIGURES, *sql.figures_row(record))
 
     async def figures(self, kind: Kind, name: str | None = None) -> list[FiguresRecord]:
         """The figures records of one kind (of one name), oldest first."""
@@ -204,10 +175,6 @@ class PostgresRegistryStore:
                 versions=tuple(sql.version_from_row(r) for r in await conn.fetch(sql.SELECT_ALL_VERSIONS)),
                 aliases=tuple(sql.alias_from_row(r) for r in await conn.fetch(sql.SELECT_ALIASES)),
             )
-
-    async def close(self) -> None:
-        """Close the pool (waiting for connections in use to be released)."""
-        await self._pool.close()
 
 
 async def _write(conn: Any, move: sql.AliasMove) -> Alias:

@@ -16,7 +16,7 @@ Tables::
                                              publish check measured them (`gateway.publish_check`)
 
 `Migration` (and its `{id_pk}` expansion) and the runners, given this list and table, are the shared ones
-of `registry.db`. The statements that use these tables are in `registry.sql`. Never edit a released
+of `registry.db`. The statements that use these tables are in `registry.store.sql`. Never edit a released
 migration: append a new one.
 """
 

@@ -8,15 +8,10 @@ transaction, which WAL turns into one consistent view even while another process
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TypeVar
+from collections.abc import Sequence
 
-from registry import sql
 from registry.base import NotFoundError, RegistryError, UnavailableError
-from registry.db.sqlite import Conn, SqliteWorker, transaction
-from registry.migrations import MIGRATIONS, MIGRATIONS_TABLE
+from registry.db.sqlite import Conn, SqliteStore, transaction
 from registry.models import (
     Alias,
     AliasChange,
@@ -26,33 +21,19 @@ from registry.models import (
     Published,
     RegistrySnapshot,
 )
+from registry.store import sql
+from registry.store.migrations import MIGRATIONS, MIGRATIONS_TABLE
 
-T = TypeVar("T")
 
-
-class SqliteRegistryStore:
+class SqliteRegistryStore(SqliteStore):
     """A `RegistryStore` in one SQLite file (WAL mode), or in memory for ":memory:"."""
 
-    def __init__(self, db: SqliteWorker) -> None:
-        """Use `open`; this takes a worker whose database is already migrated."""
-        self._db = db
-
-    @classmethod
-    async def open(cls, path: str | Path) -> SqliteRegistryStore:
-        """Open (creating if needed) and migrate the database at `path`."""
-        db = await SqliteWorker.open(
-            path, migrations=MIGRATIONS, table=MIGRATIONS_TABLE, foreign_keys=False, name="registry"
-        )
-        return cls(db)
-
-    async def _run(self, fn: Callable[[Conn], T]) -> T:
-        if self._db.closed:
-            raise RegistryError("the registry store is closed")
-        try:
-            return await self._db.run(fn)
-        except sqlite3.OperationalError as exc:
-            # Locked past busy_timeout, disk errors: the caller keeps its last view and tries again later.
-            raise UnavailableError(f"the registry database is unavailable: {exc}") from exc
+    what = "registry"
+    # Locked past busy_timeout, disk errors: the caller keeps its last view and tries again later.
+    unavailable = UnavailableError
+    closed_error = RegistryError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
 
     async def publish(
         self,
@@ -178,10 +159,6 @@ class SqliteRegistryStore:
                 return str(conn.execute(sql.SELECT_SECRET).fetchone()[0])
 
         return await self._run(secret)
-
-    async def close(self) -> None:
-        """Close the connection and let the worker thread end. Safe to call twice."""
-        await self._db.close()
 
 
 def _write(conn: Conn, move: sql.AliasMove) -> Alias:

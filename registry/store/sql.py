@@ -1,13 +1,13 @@
 """The statements both stores run, how Structs map to rows, and the pure part of each write.
 
-Statements use SQLite's `?` placeholders; the PostgreSQL store runs them through `numbered`. Column lists
+Statements use SQLite's `?` placeholders; the PostgreSQL store runs them through
+`registry.db.postgres.numbered`. Column lists
 are fixed so rows decode by position on both drivers. The stores keep only what differs between drivers:
 connections, transactions and locking.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,12 +61,6 @@ SELECT_SECRET = "SELECT value FROM registry_secret WHERE id = 1"
 
 _targets = msgspec.json.Decoder(tuple[AliasTarget, ...])
 _encode = msgspec.json.Encoder()
-
-
-def numbered(sql: str) -> str:
-    """`sql` with its `?` placeholders as PostgreSQL's `$1, $2, ...` (statements here hold no other `?`)."""
-    counter = iter(range(1, 1000))
-    return re.sub(r"\?", lambda _m: f"${next(counter)}", sql)
 
 
 def encode_targets(targets: Sequence[AliasTarget]) -> str:

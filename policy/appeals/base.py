@@ -12,7 +12,9 @@ is append-only and the appeal row may only change its state along the arrows abo
 (triggers, `policy.audit.migrations`). The decision itself is never edited: the routes record the outcome of
 a review as a new audit record (`stage="review"`, decision `reversal` or `uphold`, `reverses` = its seq).
 
-The store lives in the audit store's database (SQLite file or PostgreSQL schema) and migrations.
+The store lives in the audit store's database (SQLite file or PostgreSQL schema) and migrations. Filing and
+each step are planned here (`filing`, `step`), once for both backends; the backends only run the SQL
+(`policy.appeals.sql`).
 
 Exceptions::
 
@@ -28,8 +30,8 @@ from __future__ import annotations
 
 import builtins
 import secrets
-from collections.abc import Collection, Iterable
-from typing import Any, Literal, Protocol
+from collections.abc import Collection
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -109,6 +111,50 @@ def check_transition(appeal: Appeal, to_state: str) -> AppealState:
     )
 
 
+def filing(
+    *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+) -> tuple[Appeal, AppealEvent]:
+    """A new open appeal of the tenant's decision `decision_seq`, and its filing event (n = 1)."""
+    appeal = Appeal(
+        appeal_id=new_appeal_id(),
+        tenant=tenant,
+        request_id=request_id,
+        decision_seq=decision_seq,
+        reason=reason,
+        state="open",
+        filed_by=filed_by,
+        filed_at=float(now),
+        updated_at=float(now),
+    )
+    event = AppealEvent(
+        appeal_id=appeal.appeal_id, n=1, at=appeal.filed_at, actor=filed_by, from_state=None, to_state="open"
+    )
+    return appeal, event
+
+
+def conflict(tenant: str, decision_seq: int) -> AppealConflictError:
+    """The error for a second appeal of one decision."""
+    return AppealConflictError(f"decision {decision_seq} of tenant {tenant!r} has already been appealed")
+
+
+def step(
+    appeal: Appeal, to_state: str, *, n: int, actor: str, note: str, now: float
+) -> tuple[Appeal, AppealEvent]:
+    """The appeal moved to `to_state` and its event number `n` (InvalidTransitionError for a step
+    TRANSITIONS lacks)."""
+    target = check_transition(appeal, to_state)
+    event = AppealEvent(
+        appeal_id=appeal.appeal_id,
+        n=int(n),
+        at=float(now),
+        actor=actor,
+        from_state=appeal.state,
+        to_state=target,
+        note=note,
+    )
+    return msgspec.structs.replace(appeal, state=target, updated_at=float(now)), event
+
+
 def states_of(state: AppealState | tuple[AppealState, ...] | None) -> tuple[AppealState, ...] | None:
     """The states a `list` selects: one, several, or None for any."""
     return (state,) if isinstance(state, str) else state
@@ -117,23 +163,6 @@ def states_of(state: AppealState | tuple[AppealState, ...] | None) -> tuple[Appe
 def page_size(limit: int) -> int:
     """`limit` within 1..MAX_APPEAL_LIMIT."""
     return max(1, min(int(limit), MAX_APPEAL_LIMIT))
-
-
-# Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
-APPEAL_FIELDS: tuple[str, ...] = Appeal.__struct_fields__
-APPEAL_COLUMNS = ", ".join(APPEAL_FIELDS)
-EVENT_FIELDS: tuple[str, ...] = AppealEvent.__struct_fields__
-EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
-
-
-def appeal_from_row(row: Iterable[Any]) -> Appeal:
-    """An appeal from a row selected as APPEAL_COLUMNS."""
-    return msgspec.convert(dict(zip(APPEAL_FIELDS, row, strict=True)), Appeal)
-
-
-def event_from_row(row: Iterable[Any]) -> AppealEvent:
-    """An event from a row selected as EVENT_COLUMNS."""
-    return msgspec.convert(dict(zip(EVENT_FIELDS, row, strict=True)), AppealEvent)
 
 
 class AppealStore(Protocol):

@@ -1,0 +1,93 @@
+"""The statements both appeal stores run, and how appeals and events map to rows.
+
+Statements use SQLite's `?` placeholders; the PostgreSQL store runs them through
+`registry.db.postgres.numbered`. Column lists are fixed so rows decode by position on both drivers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from policy.appeals.base import Appeal, AppealEvent, AppealState, page_size, states_of
+
+# Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
+APPEAL_FIELDS: tuple[str, ...] = Appeal.__struct_fields__
+APPEAL_COLUMNS = ", ".join(APPEAL_FIELDS)
+EVENT_FIELDS: tuple[str, ...] = AppealEvent.__struct_fields__
+EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
+
+INSERT = f"INSERT INTO appeals ({APPEAL_COLUMNS}) VALUES ({', '.join('?' for _ in APPEAL_FIELDS)})"
+INSERT_EVENT = f"INSERT INTO appeal_events ({EVENT_COLUMNS}) VALUES ({', '.join('?' for _ in EVENT_FIELDS)})"
+SET_STATE = "UPDATE appeals SET state = ?, updated_at = ? WHERE appeal_id = ?"
+NEXT_EVENT = "SELECT COALESCE(MAX(n), 0) + 1 FROM appeal_events WHERE appeal_id = ?"
+EVENTS = f"SELECT {EVENT_COLUMNS} FROM appeal_events WHERE appeal_id = ? ORDER BY n"
+
+
+def appeal_row(appeal: Appeal) -> tuple[Any, ...]:
+    """An appeal as a row of APPEAL_COLUMNS."""
+    return tuple(getattr(appeal, name) for name in APPEAL_FIELDS)
+
+
+def event_row(event: AppealEvent) -> tuple[Any, ...]:
+    """An event as a row of EVENT_COLUMNS."""
+    return tuple(getattr(event, name) for name in EVENT_FIELDS)
+
+
+def appeal_from_row(row: Iterable[Any]) -> Appeal:
+    """An appeal from a row selected as APPEAL_COLUMNS."""
+    return msgspec.convert(dict(zip(APPEAL_FIELDS, row, strict=True)), Appeal)
+
+
+def event_from_row(row: Iterable[Any]) -> AppealEvent:
+    """An event from a row selected as EVENT_COLUMNS."""
+    return msgspec.convert(dict(zip(EVENT_FIELDS, row, strict=True)), AppealEvent)
+
+
+def scoped(tenant: str | None, appeal_id: str) -> tuple[str, tuple[Any, ...]]:
+    """The WHERE clause (and arguments) selecting one appeal the caller may see."""
+    if tenant is None:
+        return "appeal_id = ?", (appeal_id,)
+    return "appeal_id = ? AND tenant = ?", (appeal_id, tenant)
+
+
+def find(tenant: str | None, appeal_id: str, *, lock: bool = False) -> tuple[str, tuple[Any, ...]]:
+    """The statement selecting one appeal in the caller's view (FOR UPDATE if `lock`: PostgreSQL only)."""
+    where, args = scoped(tenant, appeal_id)
+    return f"SELECT {APPEAL_COLUMNS} FROM appeals WHERE {where}{' FOR UPDATE' if lock else ''}", args
+
+
+def list_query(
+    tenant: str | None,
+    state: AppealState | tuple[AppealState, ...] | None,
+    limit: int,
+    after: str | None,
+    *,
+    collate: str = "",
+) -> tuple[str, list[Any]]:
+    """The statement of one `AppealStore.list` page, ordered by (filed_at, appeal_id): ids compared with
+    `collate` (PostgreSQL's ` COLLATE "C"`: code-point order whatever the server's default)."""
+    where: list[str] = []
+    args: list[Any] = []
+    if tenant is not None:
+        where.append("tenant = ?")
+        args.append(tenant)
+    states = states_of(state)
+    if states is not None:
+        # No states selects nothing (`IN ()` is not PostgreSQL).
+        where.append(f"state IN ({', '.join('?' for _ in states)})" if states else "1 = 0")
+        args.extend(states)
+    if after is not None:
+        # The keyset row is looked up in the caller's view too: an unseen id matches nothing.
+        key_where, key_args = scoped(tenant, after)
+        where.append(
+            f"(filed_at, appeal_id{collate}) >"
+            f" (SELECT filed_at, appeal_id{collate} FROM appeals WHERE {key_where})"
+        )
+        args.extend(key_args)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    args.append(page_size(limit))
+    statement = f"SELECT {APPEAL_COLUMNS} FROM appeals {clause} ORDER BY filed_at, appeal_id{collate} LIMIT ?"
+    return statement, args

@@ -1,0 +1,125 @@
+"""`SqliteAppealStore`: appeals in the audit store's SQLite file, on one worker thread.
+
+Each write is one `BEGIN IMMEDIATE` transaction, so reading an appeal's state, changing it and appending its
+event cannot interleave with another writer (another task, a replica, the CLI). An operational error (the
+file locked past `busy_timeout`, a disk error) is `AuditUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sqlite3
+from collections.abc import Collection
+
+from policy.appeals import sql
+from policy.appeals.base import Appeal, AppealEvent, AppealNotFoundError, AppealState, conflict, filing, step
+from policy.audit.base import AuditStoreError, AuditUnavailableError
+from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
+from registry.db.sqlite import Conn, SqliteStore, transaction
+
+# Decision seqs asked in one statement (well under SQLite's bound on parameters).
+_SEQS_PER_QUERY = 500
+
+
+def _find(conn: Conn, tenant: str | None, appeal_id: str) -> Appeal:
+    row = conn.execute(*sql.find(tenant, appeal_id)).fetchone()
+    if row is None:
+        raise AppealNotFoundError(f"no appeal {appeal_id!r}")
+    return sql.appeal_from_row(row)
+
+
+class SqliteAppealStore(SqliteStore):
+    """An `AppealStore` in one SQLite file (the audit store's), or in memory for ":memory:"."""
+
+    what = "appeal"
+    unavailable = AuditUnavailableError
+    closed_error = AuditStoreError
+    migrations = MIGRATIONS
+    migrations_table = MIGRATIONS_TABLE
+    foreign_keys = True
+
+    async def file(
+        self, *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+    ) -> Appeal:
+        """Open an appeal of the decision (and its filing event); AppealConflictError if it has one."""
+        appeal, filed = filing(
+            tenant=tenant,
+            request_id=request_id,
+            decision_seq=decision_seq,
+            reason=reason,
+            filed_by=filed_by,
+            now=now,
+        )
+
+        def file(conn: Conn) -> None:
+            with transaction(conn):
+                conn.execute(sql.INSERT, sql.appeal_row(appeal))
+                conn.execute(sql.INSERT_EVENT, sql.event_row(filed))
+
+        try:
+            await self._run(file)
+        except sqlite3.IntegrityError as exc:
+            raise conflict(tenant, decision_seq) from exc
+        return appeal
+
+    async def get(self, tenant: str | None, appeal_id: str) -> Appeal:
+        """One appeal, or AppealNotFoundError."""
+        return await self._run(lambda conn: _find(conn, tenant, appeal_id))
+
+    async def list(
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> builtins.list[Appeal]:
+        """A page of appeals, ordered by (filed_at, appeal_id), after the appeal `after`."""
+        statement, args = sql.list_query(tenant, state, limit, after)
+        rows = await self._run(lambda conn: conn.execute(statement, args).fetchall())
+        return [sql.appeal_from_row(row) for row in rows]
+
+    async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
+        """The appeals of the tenant's decisions `seqs` (by the one-appeal-per-decision index)."""
+        wanted = sorted({int(seq) for seq in seqs})
+
+        def read(conn: Conn) -> builtins.list[Appeal]:
+            found: builtins.list[Appeal] = []
+            for start in range(0, len(wanted), _SEQS_PER_QUERY):
+                chunk = wanted[start : start + _SEQS_PER_QUERY]
+                statement = (
+                    f"SELECT {sql.APPEAL_COLUMNS} FROM appeals WHERE tenant = ? "
+                    f"AND decision_seq IN ({', '.join('?' for _ in chunk)})"
+                )
+                found.extend(sql.appeal_from_row(row) for row in conn.execute(statement, (tenant, *chunk)))
+            return found
+
+        return await self._run(read)
+
+    async def transition(
+        self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float
+    ) -> Appeal:
+        """Move the appeal to `to_state` and append the event, in one transaction."""
+
+        def move(conn: Conn) -> Appeal:
+            with transaction(conn):
+                appeal = _find(conn, tenant, appeal_id)
+                (n,) = conn.execute(sql.NEXT_EVENT, (appeal_id,)).fetchone()
+                after, event = step(appeal, to_state, n=n, actor=actor, note=note, now=now)
+                conn.execute(sql.SET_STATE, (after.state, after.updated_at, appeal_id))
+                conn.execute(sql.INSERT_EVENT, sql.event_row(event))
+            return after
+
+        return await self._run(move)
+
+    async def events(self, tenant: str | None, appeal_id: str) -> builtins.list[AppealEvent]:
+        """The appeal's events in order, or AppealNotFoundError."""
+
+        def read(conn: Conn) -> builtins.list[AppealEvent]:
+            conn.execute("BEGIN")
+            try:
+                _find(conn, tenant, appeal_id)
+                return [sql.event_from_row(row) for row in conn.execute(sql.EVENTS, (appeal_id,))]
+            finally:
+                conn.execute("COMMIT")
+
+        return await self._run(read)
