@@ -218,7 +218,7 @@ def test_public_names() -> None:
     assert set(registry_pkg.__all__) == {
         *("Registry", "RegistryView", "ResolvedModel", "ResolvedGuard", "ResolvedPolicy", "RegistryStore"),
         "RegistryHealth",
-        *("SqliteRegistryStore", "PostgresRegistryStore", "MIGRATIONS"),
+        *("SqliteRegistryStore", "PostgresRegistryStore", "MIGRATIONS", "REGISTRY_STORE"),
         *("RegistryError", "NotFoundError", "ConflictError", "InvalidError", "UnavailableError"),
         *("Kind", "KINDS", "Severity", "Spec", "SPEC_TYPES", "ModelArch", "ModelSpec", "TokenizerSpec"),
         *("ChatTemplateSpec", "GuardModelSpec", "PolicySpec", "PolicyCategory", "CascadeStage"),
