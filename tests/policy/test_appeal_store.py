@@ -201,6 +201,7 @@ async def test_the_queue_filters_by_state_and_pages(store: AppealStore) -> None:
     in_review = await store.list("acme", "in_review")
     assert {a.appeal_id for a in in_review} == {a.appeal_id for a in filed[:4] if a.tenant == "acme"}
     assert len(await store.list(None, limit=0)) == 1  # cut to 1..MAX_APPEAL_LIMIT
+    assert await store.list(None, ()) == []  # no state selected: nothing, on both backends
 
 
 async def test_the_undecided_queue_pages_past_decided_appeals(store: AppealStore) -> None:
