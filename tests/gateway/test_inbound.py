@@ -1,5 +1,5 @@
-"""The fast path reads a request without Litestar's request object (`gateway.inbound`, `read_limited`): the
-same headers and body, the same limits and errors as Litestar's `Request.body()`."""
+"""The fast path reads a request without Litestar's request object (`gateway.edge.inbound`,
+`read_limited`): the same headers and body, the same limits and errors as Litestar's `Request.body()`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from litestar import Litestar, Request, post
 from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
-from gateway.decoding import read_limited
+from gateway.edge.decoding import read_limited
+from gateway.edge.inbound import AsgiInbound
 from gateway.errors import ClientClosedError
-from gateway.inbound import AsgiInbound
 
 _Message = dict[str, Any]
 
