@@ -11,6 +11,7 @@ from litestar import Litestar, Request, post
 from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
+from gateway.edge.adapter import find_route
 from gateway.edge.decoding import read_limited
 from gateway.edge.inbound import AsgiInbound
 from gateway.errors import ClientClosedError
@@ -34,8 +35,8 @@ def _scope(headers: list[tuple[bytes, bytes]], limit: int | None = None) -> Any:
     async def handler() -> None: ...
 
     app = Litestar([handler])
-    _, route_handler, _, _, _ = app.asgi_router.handle_routing(path="/", method="POST")
-    return {"type": "http", "method": "POST", "headers": headers, "state": {}, "route_handler": route_handler}
+    route = find_route(app, "/", "POST")
+    return {"type": "http", "method": "POST", "headers": headers, "state": {}, "route_handler": route.handler}
 
 
 def _chunks(*parts: bytes) -> list[_Message]:
