@@ -17,11 +17,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engines.breaker import BreakerPolicy
 from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
-from guard.breaker import BreakerPolicy
 from policy.audit.keys import MIN_MAC_KEY_CHARS
 from policy.quota.lease import LeasePolicy
 from policy.tenants.models import Limits

@@ -17,8 +17,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from engines.base import EngineRequest, SamplingSpec
+from engines.breaker import BreakerPolicy
 from engines.simulated import SimulatedEngine, SimulatorConfig
-from guard.breaker import BreakerPolicy
 from routing.admission_config import Ticket
 from routing.config import ReplicaConfig, RouterConfig
 from routing.replicas import Replica
