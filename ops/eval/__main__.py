@@ -47,7 +47,7 @@ from guard.evaluation import (
 from ops.eval.calibrate import Budget, calibrate
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.report import render
-from registry.base import InvalidError
+from registry.errors import InvalidError
 
 
 def _evaluated(

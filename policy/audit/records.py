@@ -344,3 +344,13 @@ def verify_chain(
         if not verifier.feed(record):
             break
     return verifier.report()
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tenant's chain head at one time: the record at `seq` has `hash` (and `mac`)."""
+
+    tenant: str
+    seq: int
+    hash: str
+    mac: str | None
+    at: float

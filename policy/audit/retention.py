@@ -27,8 +27,7 @@ from typing import Protocol
 import msgspec
 
 from policy.audit.base import AuditQuery, AuditStore, AuditUnavailableError, BadRow
-from policy.audit.checkpoints import Checkpoint
-from policy.audit.records import AuditDraft, AuditRecord, ChainReport
+from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Checkpoint
 from policy.auth import Clock
 from policy.tenants.base import NotFoundError as TenantNotFoundError
 from policy.tenants.base import TenantStore

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from registry.base import NotFoundError, UnavailableError
 from registry.db.postgres import PostgresStore, numbered
+from registry.errors import NotFoundError, UnavailableError
 from registry.models import (
     Alias,
     AliasChange,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from registry.base import NotFoundError, RegistryError, UnavailableError
 from registry.db.sqlite import Conn, SqliteStore, transaction
+from registry.errors import NotFoundError, RegistryError, UnavailableError
 from registry.models import (
     Alias,
     AliasChange,

@@ -40,8 +40,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from guard.default_guard import DEFAULT_MIN_LABEL_MASS, JUDGE_PROMPT, SAFE_VARIANTS, UNSAFE_VARIANTS
 from guard.one_token import SYSTEM_PROMPT
-from ops.guards.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
-from ops.guards.layers import (
+from ops.guard_training.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
+from ops.guard_training.layers import (
     SAFE_TOKENS,
     UNSAFE_TOKENS,
     SplitModel,
