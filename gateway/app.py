@@ -54,8 +54,9 @@ from policy.audit.keys import MacKey
 from policy.audit.refusals import RefusalTally
 from policy.audit.retention import RetainedAuditStore, run_retention
 from policy.audit.writer import AuditWriter
-from policy.auth import Authenticator, Clock
+from policy.auth import Authenticator
 from policy.auth_limit import FailedAuthLimit
+from policy.clock import Clock
 from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter

@@ -30,7 +30,8 @@ from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer
 from policy.audit.refusals import RefusalTally
 from policy.audit.writer import AuditWriter
-from policy.auth import Authenticator, Clock, Principal
+from policy.auth import Authenticator, Principal
+from policy.clock import Clock
 from policy.quota.meter import Charge, QuotaMeter
 from policy.safety.gate import SafetyGate
 from policy.tenants.base import TenantStore

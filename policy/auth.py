@@ -44,11 +44,11 @@ from typing import TypeVar
 import msgspec
 
 from policy.auth_limit import FailedAuthLimit
+from policy.clock import Clock
 from policy.tenants.base import NotFoundError, TenantStore, UnavailableError
 from policy.tenants.keys import parse_key, verify
 from policy.tenants.models import ApiKey, Role, StoredKey, Tenant
 
-Clock = Callable[[], float]
 _V = TypeVar("_V")
 SYSTEM_TENANT = "lockgate"
 

@@ -11,7 +11,7 @@ from gateway.sessions.base import (
 )
 from gateway.sessions.memory import MemorySessionStore
 from gateway.sessions.redis import RedisSessionStore
-from policy.auth import Clock
+from policy.clock import Clock
 
 __all__ = [
     "MemorySessionStore",

@@ -28,7 +28,7 @@ import msgspec
 
 from policy.audit.base import AuditQuery, AuditStore, AuditUnavailableError, BadRow
 from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Checkpoint
-from policy.auth import Clock
+from policy.clock import Clock
 from policy.tenants.base import NotFoundError as TenantNotFoundError
 from policy.tenants.base import TenantStore
 from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
