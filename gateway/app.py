@@ -74,9 +74,9 @@ from registry.manifest import apply_manifest_file
 from registry.service import Registry
 from registry.store import REGISTRY_STORE
 from registry.view import ResolvedPolicy
+from routing.guard_calls import by_pool
 from routing.router import Router
 from routing.scheduler import Scheduler
-from routing.scorer import by_pool
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing or the OTLP metrics push is on
     from opentelemetry.sdk.metrics.export import MetricExporter

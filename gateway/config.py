@@ -25,7 +25,7 @@ from gateway.overload import OverloadConfig
 from policy.audit.keys import MIN_MAC_KEY_CHARS
 from policy.quota.lease import LeasePolicy
 from policy.tenants.models import Limits
-from routing.admission_config import AdmissionConfig
+from routing.admission_types import AdmissionConfig
 from routing.config import RoutingConfig
 
 ENV_PREFIX = "LOCKGATE_"

@@ -72,27 +72,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from routing.admission_config import (
+from routing.admission_types import (
     CLASSES,
     AdmissionConfig,
-    AdmissionError,
     DeadlineUnmeetableError,
     Klass,
     QueueFullError,
     Ticket,
-    ceil_retry_after,
 )
-
-__all__ = [
-    "AdmissionConfig",
-    "AdmissionError",
-    "DeadlineUnmeetableError",
-    "FairQueue",
-    "QueueFullError",
-    "ServiceRate",
-    "Ticket",
-    "ceil_retry_after",
-]
 
 T = TypeVar("T")
 Key = tuple[float, int]
