@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gateway import cli
 from guard.dataset import dataset_dir_sha256
 from guard.embedding import LogisticHead
-from guard.evaluation import LabelledItem, save_items
+from guard.labelled import LabelledItem
 from guard.one_token import SYSTEM_PROMPT
+from ops.eval.evaluation import save_items
 from ops.guard_training import prepare as guards_prepare
 from ops.guard_training.embedding import EmbeddingReport, EmbeddingSettings
 from ops.guard_training.layers import build_renderer

@@ -32,20 +32,19 @@ from pathlib import Path
 
 import msgspec
 
-from guard.evaluation import (
+from guard.labelled import LabelledItem, load_items
+from ops.eval.calibrate import Budget, calibrate
+from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
+from ops.eval.evaluation import (
     ItemScores,
-    LabelledItem,
     Thresholds,
     dataset_sha256,
     evaluate,
-    load_items,
     load_scores,
     parse_thresholds,
     save_scores,
     score_with_cascade,
 )
-from ops.eval.calibrate import Budget, calibrate
-from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.report import render
 from registry.errors import InvalidError
 

@@ -56,7 +56,7 @@ from registry.hashing import sha256_file
 METHOD = "last-layers"
 GUARD_JSON = "guard.json"
 WEIGHTS_FILE = "model.safetensors"
-# The harm categories of the labelled sets (guard.evaluation.Category without "benign"), in that order:
+# The harm categories of the labelled sets (guard.labelled.Category without "benign"), in that order:
 # the prompt lists them, so a policy whose stages name these categories asks the trained question.
 DEFAULT_CATEGORIES = ("violence", "self_harm", "weapons", "malware", "prompt_injection", "hate")
 # Largest difference allowed between a held-out score from the cached states and from a whole forward pass
