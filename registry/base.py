@@ -69,10 +69,6 @@ class RegistryStore(Protocol):
         """
         ...
 
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
-        ...
-
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:
         """All aliases (of one kind, or all), ordered by kind and name."""
         ...

@@ -267,11 +267,6 @@ class FairQueue:
         state = self._tenants.get(tenant)
         return state.counter if state is not None else self._vtime
 
-    def oldest_wait(self, klass: Klass, now: float) -> float:
-        """Seconds the oldest ticket of a class has waited (0 when the class is empty)."""
-        arrivals = self._classes[klass].arrivals
-        return max(now - arrivals.peek()[0][0], 0.0) if len(arrivals) else 0.0
-
     @property
     def service_rate(self) -> float:
         """The measured service rate, tokens per second."""

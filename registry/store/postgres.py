@@ -113,11 +113,6 @@ class PostgresRegistryStore(PostgresStore):
             )
             return move if isinstance(move, Alias) else await _write(conn, move)
 
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
-        async with self._tx(write=False) as conn:
-            return await _alias(conn, kind, name)
-
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:
         """All aliases (of one kind, or all), ordered by kind and name."""
         async with self._tx(write=False) as conn:

@@ -86,10 +86,6 @@ class SqliteRegistryStore(SqliteStore):
 
         return await self._run(set_alias)
 
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
-        return await self._run(lambda conn: _alias(conn, kind, name))
-
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:
         """All aliases (of one kind, or all), ordered by kind and name."""
         where, args = ("", ()) if kind is None else (" WHERE kind = ?", (kind,))
