@@ -100,7 +100,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 async def _score_service_policy(args: argparse.Namespace, items: list[LabelledItem]) -> list[ItemScores]:
     from gateway.config import load_config
-    from ops.eval.service import service_cascade
+    from ops.eval.served_guards import service_cascade
 
     async with service_cascade(load_config(args.config), args.policy) as (ref, cascade):
         print(f"scoring {len(items)} items with policy {ref} ({len(cascade.stages)} stages)", file=sys.stderr)
