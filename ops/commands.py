@@ -2,7 +2,9 @@
 
 `lockgate` (`gateway.cli`) finds them through the `lockgate.commands` entry points that pyproject.toml
 registers, so the serving packages never import `ops` (the import-linter contracts in pyproject.toml). Each
-entry point adds its command to `lockgate`'s subcommands (`gateway.cli.Command`).
+entry point adds its command to `lockgate`'s subcommands (`gateway.cli.Command`). `lockgate` loads them on
+every run (`lockgate serve` too), so what they import at the top stays light: the training and preparation
+code (torch, transformers) is imported by the command that runs it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,6 @@ from gateway.cli import Subcommands, add_config_option
 from gateway.config import Config, load_config
 from ops.bench.load.cli import add_arguments as add_bench_arguments
 from ops.bench.load.cli import main as bench_main
-from ops.guard_training.data import TrainError, describe
-from ops.guard_training.ngram import DEFAULT_GUARD_DATA
-from ops.guard_training.ngram import describe as describe_ngram
-from ops.guard_training.one_token import OneTokenSettings
-from ops.guard_training.prepare import prepare_default_guards, prepare_guards
-from ops.models.prepare import PrepareError, prepare_default_model, verify
 
 if TYPE_CHECKING:
     from registry.default_guards import GuardRefs
@@ -86,6 +82,10 @@ def bench(commands: Subcommands) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from ops.guard_training.data import TrainError
+    from ops.guard_training.prepare import prepare_default_guards
+    from ops.models.prepare import PrepareError, prepare_default_model
+
     config = load_config(args.config)
     os.environ["HF_HUB_OFFLINE"] = "1"
     data_dir = Path(config.model.data_dir)
@@ -107,6 +107,13 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _guard_train(args: argparse.Namespace) -> int:
+    from ops.guard_training.data import TrainError, describe
+    from ops.guard_training.ngram import DEFAULT_GUARD_DATA
+    from ops.guard_training.ngram import describe as describe_ngram
+    from ops.guard_training.one_token import OneTokenSettings
+    from ops.guard_training.prepare import prepare_guards
+    from ops.models.prepare import PrepareError, verify
+
     config = load_config(args.config)
     os.environ["HF_HUB_OFFLINE"] = "1"
     data_dir = Path(config.model.data_dir).expanduser()

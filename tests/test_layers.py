@@ -110,3 +110,10 @@ def test_a_bad_configuration_of_an_entry_point_command_is_a_configuration_error(
     bad.write_text("[server]\nport = -1\n")
     assert cli.main(["models", "prepare", "--config", str(bad)], commands=_declared_commands()) == 2
     assert "lockgate: configuration error" in capsys.readouterr().err
+
+
+def test_the_entry_point_commands_load_without_the_training_stack() -> None:
+    """`lockgate` loads them on every run, `serve` included: torch and transformers wait for the command."""
+    code = "import sys, ops.commands; sys.exit(sorted({'torch', 'transformers'} & set(sys.modules)) or 0)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
