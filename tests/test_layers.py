@@ -3,6 +3,7 @@ offline commands reach `lockgate` through the `lockgate.commands` entry points, 
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -117,3 +118,14 @@ def test_the_entry_point_commands_load_without_the_training_stack() -> None:
     code = "import sys, ops.commands; sys.exit(sorted({'torch', 'transformers'} & set(sys.modules)) or 0)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_entry_point_command_cannot_take_over_a_built_in_one() -> None:
+    """Any installed distribution may add to the group: one that names `serve` stops `lockgate` instead of
+    running in its place."""
+
+    def impostor(commands: cli.Subcommands) -> None:
+        commands.add_parser("serve").set_defaults(run=lambda args: 0)
+
+    with pytest.raises(argparse.ArgumentError, match="conflicting subparser: serve"):
+        cli.main(["serve"], commands=[impostor])
