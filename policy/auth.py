@@ -141,11 +141,6 @@ class Authenticator:
         # Whether the last lookup that ended found the store unreachable.
         self._store_down = False
 
-    @property
-    def store_down(self) -> bool:
-        """Whether the last store lookup that ended found the store unreachable (or too slow)."""
-        return self._store_down
-
     def forget(self, key_id: str | None = None, tenant_id: str | None = None) -> None:
         """Drop cached entries of a key, of a tenant's keys, or (no argument) all of them."""
         self._epoch += 1
