@@ -17,15 +17,14 @@ from litestar.di import Provide
 from litestar.logging.config import LoggingConfig
 
 from engines.base import Engine
-from gateway import audit_keys
-from gateway.admin import ADMIN_ROUTES
-from gateway.admin_registry import REGISTRY_ROUTES
-from gateway.appeal_routes import APPEAL_ROUTES
-from gateway.audit_routes import AUDIT_ROUTES
+from gateway import api, audit_keys
+from gateway.api.openapi import openapi_config
 from gateway.config import Config
-from gateway.console import CONSOLE_ROUTES
+from gateway.console import pages as console
+from gateway.console.sessions import open_session_store
+from gateway.edge.security import provide_principal
+from gateway.edge.stack import Gateway
 from gateway.errors import exception_handlers
-from gateway.fastpath import fast_generation
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
@@ -36,16 +35,11 @@ from gateway.guards import GuardFactory
 from gateway.observe.collectors import ServiceCollector
 from gateway.observe.metrics import tenant_labels
 from gateway.observe.multiproc import CollectorMirror, repeat
-from gateway.observe.observer import RequestObserver, observe_middleware
-from gateway.observe.routes import OBSERVE_ROUTES
-from gateway.openapi import openapi_config
+from gateway.observe.observer import RequestObserver
 from gateway.overload import LoopLagMonitor, OverloadGate
 from gateway.publish_check import PublishCheck
-from gateway.routes import ROUTES
 from gateway.secret import load_secret
-from gateway.security import provide_principal
 from gateway.service import Services
-from gateway.sessions import open_session_store
 from guard.default_guard import judge_spec
 from policy.appeals import APPEAL_STORE
 from policy.audit import AUDIT_STORE
@@ -545,16 +539,11 @@ def create_app(
                 # them, bounded, while the quota store is still open.
                 await meter.drain(config.quota.settle_drain_timeout)
 
-    app = Litestar(
-        route_handlers=[
-            *ROUTES,
-            *ADMIN_ROUTES,
-            *REGISTRY_ROUTES,
-            *AUDIT_ROUTES,
-            *APPEAL_ROUTES,
-            *CONSOLE_ROUTES,
-            *OBSERVE_ROUTES,
-        ],
+    # The edge in front of Litestar (overload gate, observer, fast path: `gateway.edge.stack`).
+    app = Gateway(
+        overload=overload,
+        observer=observer,
+        route_handlers=[*api.ROUTES, *console.ROUTES],
         lifespan=[lifespan],
         dependencies={
             "services": Provide(_services, sync_to_thread=False),
@@ -567,14 +556,5 @@ def create_app(
         # (`lockgate serve` sets it from server.log_level), so a level above INFO silences the request log.
         logging_config=LoggingConfig(configure_root_logger=False),
     )
-    # Around the whole app, not per route: Litestar's route middleware never sees the router's own errors
-    # (unknown route, wrong method), and those responses need an `x-request-id` too (the observe middleware
-    # sets it, and the gate on its refusals).
-    # Shedding in front of everything else: a shed request costs no routing, parsing or auth.
-    # Each request that passes the door timed from its arrival (shed ones cost nothing more and are counted by
-    # the gate: lockgate:shed_requests_total), under its request id.
-    # The generation routes skip Litestar's request cycle (gateway/fastpath.py), inside the observe
-    # middleware.
-    app.asgi_handler = overload.wrap(observe_middleware(fast_generation(app, app.asgi_handler), observer))
     app.state.overload = overload
     return app

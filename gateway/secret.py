@@ -1,5 +1,5 @@
 """The deployment's server secret, and the values it keys: canary pick keys, tenants' cache salts, their
-hashed metrics labels and the console sign-in form's CSRF tokens (`gateway.console_login`).
+hashed metrics labels and the console sign-in form's CSRF tokens (`gateway.console.login`).
 
 Whatever a client could compute, it could choose for: a canary split hashed from the client's own request id
 let a consumer pick ids that land on the weaker policy version, or retry a blocked prompt under the other

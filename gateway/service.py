@@ -10,7 +10,8 @@ from collections.abc import Callable
 from engines.base import Engine
 from engines.supervisor import SupervisedEngine
 from gateway.config import Config
-from gateway.decoding import Decoder
+from gateway.console.sessions.base import SessionStore
+from gateway.edge.decoding import Decoder
 from gateway.errors import EngineUnavailableError, InvalidRequestError, NotFoundError
 from gateway.generation.flow import TaskSet
 from gateway.generation.planning import Limits
@@ -24,7 +25,6 @@ from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
-from gateway.sessions.base import SessionStore
 from policy.appeals.base import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer

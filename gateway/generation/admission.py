@@ -21,10 +21,10 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from engines.base import EngineDelta, EngineRequest
+from gateway.edge.inbound import Inbound
 from gateway.errors import APIError, InvalidRequestError, retry_after_headers
 from gateway.generation.flow import ClientWatch
 from gateway.generation.planning import Plan
-from gateway.inbound import Inbound
 from gateway.service import Services
 from policy.auth import Principal
 from routing.admission_types import CLASSES, AdmissionError, Klass, Ticket

@@ -39,6 +39,8 @@ from engines.base import (
     Usage,
 )
 from engines.choices import split_choices
+from gateway.edge.inbound import Inbound
+from gateway.edge.requestid import request_id_of
 from gateway.errors import (
     APIError,
     EngineFailedError,
@@ -64,10 +66,8 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.responses import Formatter, sse
 from gateway.generation.streaming import SSEResponse
 from gateway.generation.tracking import Outcome, RequestTracker, Status
-from gateway.inbound import Inbound
 from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.observe.trace import traceparent_of
-from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Services
 from guard.base import GuardInput, Span

@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gateway.config import Config
+from gateway.edge.adapter import route_template
+from gateway.edge.requestid import assign_request_id, stamp
 from gateway.observe.metrics import RequestMetrics, tenant_labels
 from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
 from gateway.observe.timeline import STATE_KEY, RequestTimeline
 from gateway.observe.trace import inbound_trace
-from gateway.requestid import assign_request_id, stamp
 from policy.clock import Clock
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
@@ -110,7 +111,7 @@ def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
         finally:
             if streaming:
                 observer.metrics.active_streams.dec()
-            timeline.route = str(scope.get("path_template", ""))
+            timeline.route = route_template(scope)
             timeline.response_ended(status)
 
     return middleware

@@ -15,7 +15,7 @@ import pytest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import AppealsConfig, Config
-from gateway.console_sessions import COOKIE
+from gateway.console.plumbing import COOKIE
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from guard.figures import Figures

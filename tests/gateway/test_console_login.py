@@ -1,4 +1,4 @@
-"""Signing in to the reviewer console (`gateway.console_login`), as an attacker would try it: the sign-in
+"""Signing in to the reviewer console (`gateway.console.login`), as an attacker would try it: the sign-in
 form's CSRF token, the attempt limit per client address and per key id (an injected clock, clients at chosen
 addresses through httpx's ASGI transport on the running app), the cookies' `Secure` and `__Host-` default
 whatever scheme the gateway sees, and a full session store refusing rather than signing others out."""
@@ -17,8 +17,8 @@ from litestar import Litestar
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import ConsoleConfig
-from gateway.console_login import LOGIN_COOKIE
-from gateway.console_sessions import COOKIE
+from gateway.console.login import LOGIN_COOKIE
+from gateway.console.plumbing import COOKIE
 from gateway.generation.prompts import PromptRenderer
 from tests.backends import FakeClock
 from tests.conftest import OutcomeLog, Tenancy, add_key, make_config, serving

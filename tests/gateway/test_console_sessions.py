@@ -22,13 +22,12 @@ import pytest
 import redis.asyncio
 import redis.exceptions
 
-import gateway.sessions
+import gateway.console.sessions
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import Config, ConsoleConfig
-from gateway.console_sessions import COOKIE, PageError, session_call
-from gateway.generation.prompts import PromptRenderer
-from gateway.sessions import (
+from gateway.console.plumbing import COOKIE, PageError, session_call
+from gateway.console.sessions import (
     MemorySessionStore,
     RedisSessionStore,
     Session,
@@ -37,7 +36,8 @@ from gateway.sessions import (
     SessionStoreUnavailableError,
     open_session_store,
 )
-from gateway.sessions.redis import NONCE_BYTES, PREFIX, key_name
+from gateway.console.sessions.redis import NONCE_BYTES, PREFIX, key_name
+from gateway.generation.prompts import PromptRenderer
 from tests.backends import REDIS_URL, FakeClock
 from tests.conftest import OutcomeLog, Tenancy, add_key, free_port, make_config, serving
 from tests.gateway.test_console import form_token
@@ -123,7 +123,7 @@ async def store(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterat
 
 
 def test_the_package_exports_exactly_its_public_names() -> None:
-    assert set(gateway.sessions.__all__) == {
+    assert set(gateway.console.sessions.__all__) == {
         "MemorySessionStore",
         "RedisSessionStore",
         "Session",
@@ -133,7 +133,7 @@ def test_the_package_exports_exactly_its_public_names() -> None:
         "SessionStoreUnavailableError",
         "open_session_store",
     }
-    assert all(hasattr(gateway.sessions, name) for name in gateway.sessions.__all__)
+    assert all(hasattr(gateway.console.sessions, name) for name in gateway.console.sessions.__all__)
 
 
 # The contract: every backend.

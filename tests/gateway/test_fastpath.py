@@ -1,4 +1,4 @@
-"""The generation routes' fast path (`gateway.fastpath`) answers as the Litestar handlers do: the same
+"""The generation routes' fast path (`gateway.edge.fastpath`) answers as the Litestar handlers do: the same
 request through both (the Litestar route is reached behind a root path, which the fast path leaves to it)
 gets the same status, error body and answer shape."""
 
@@ -13,7 +13,7 @@ from litestar import MediaType, Request, Response
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.fastpath import send_encoded
+from gateway.edge.adapter import send_encoded
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, OutcomeLog, Tenancy, lifespan, make_config
 

@@ -1,5 +1,5 @@
-"""The fast path reads a request without Litestar's request object (`gateway.inbound`, `read_limited`): the
-same headers and body, the same limits and errors as Litestar's `Request.body()`."""
+"""The fast path reads a request without Litestar's request object (`gateway.edge.inbound`,
+`read_limited`): the same headers and body, the same limits and errors as Litestar's `Request.body()`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from litestar import Litestar, Request, post
 from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
-from gateway.decoding import read_limited
+from gateway.edge.adapter import find_route
+from gateway.edge.decoding import read_limited
+from gateway.edge.inbound import AsgiInbound
 from gateway.errors import ClientClosedError
-from gateway.inbound import AsgiInbound
 
 _Message = dict[str, Any]
 
@@ -34,8 +35,8 @@ def _scope(headers: list[tuple[bytes, bytes]], limit: int | None = None) -> Any:
     async def handler() -> None: ...
 
     app = Litestar([handler])
-    _, route_handler, _, _, _ = app.asgi_router.handle_routing(path="/", method="POST")
-    return {"type": "http", "method": "POST", "headers": headers, "state": {}, "route_handler": route_handler}
+    route = find_route(app, "/", "POST")
+    return {"type": "http", "method": "POST", "headers": headers, "state": {}, "route_handler": route.handler}
 
 
 def _chunks(*parts: bytes) -> list[_Message]:

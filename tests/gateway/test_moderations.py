@@ -17,8 +17,8 @@ from langchain_openai.middleware import OpenAIModerationMiddleware
 from openai.types import ModerationMultiModalInputParam
 from pydantic import SecretStr
 
+from gateway.api.moderations import OPENAI_CATEGORIES, moderation_result
 from gateway.generation.prompts import PromptRenderer
-from gateway.moderations import OPENAI_CATEGORIES, moderation_result
 from policy.safety.decision import GuardDecision
 from policy.safety.records import audit_draft
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec

@@ -10,9 +10,9 @@ import pytest
 from litestar.types import Receive, Scope, Send
 
 from gateway.config import Config
+from gateway.edge.requestid import assign_request_id, request_id_in
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.overload import LoopLagMonitor, OverloadConfig, OverloadGate
-from gateway.requestid import assign_request_id, request_id_in
 
 
 async def _call(app: Any, inbound: list[tuple[bytes, bytes]]) -> list[Any]:

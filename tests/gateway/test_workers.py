@@ -24,7 +24,7 @@ import pytest
 
 from gateway.cli import main
 from gateway.config import Config, ConfigError, ReplicaSpec, check_workers, load_config, with_workers
-from gateway.console_sessions import COOKIE
+from gateway.console.plumbing import COOKIE
 from policy.tenants import TENANT_STORE, keys
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 from registry.db.stores import open_store

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observe import routes
+from gateway.api import metrics as metrics_route
 from gateway.observe.multiproc import ENV, CollectorMirror, mark_worker_dead, multiprocess_dir
 from gateway.observe.otlp_metrics import MetricsPusher, process_instance_id
 
@@ -165,7 +165,7 @@ async def scrape(directory: Path) -> dict[Key, float]:
         observer=SimpleNamespace(multiprocess_dir=directory, metrics=SimpleNamespace(flush=lambda: None)),
         config=SimpleNamespace(metrics=SimpleNamespace(require_key=False)),  # no key: the request is not read
     )
-    response = await routes.metrics.fn(request=None, services=services)
+    response = await metrics_route.metrics.fn(request=None, services=services)
     return {
         key(s.name, **s.labels): float(s.value)
         for family in text_string_to_metric_families(response.content.decode())

@@ -9,9 +9,9 @@
     GET  /console/policies                      per policy version: decisions per hour, score histograms,
                                                 and (operator reviewers) the publish check's figures
 
-Sessions (`gateway.console_sessions`, stored by `gateway.sessions`): the cookie holds a random session id
-only; the key is authenticated again on every request; every POST after sign-in carries the session's CSRF
-token; an unreachable session store is a 503 page. Sign-in itself (`gateway.console_login`) carries a CSRF
+Sessions (`gateway.console.plumbing`, stored by `gateway.console.sessions`): the cookie holds a random session
+id only; the key is authenticated again on every request; every POST after sign-in carries the session's CSRF
+token; an unreachable session store is a 503 page. Sign-in itself (`gateway.console.login`) carries a CSRF
 token bound to a login cookie and is rate limited per client address and key id; each key holds at most
 `[console] sessions_per_key` sessions, its own oldest ending first. Another tenant's decision is 404, like a
 missing one.
@@ -31,11 +31,11 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect
 
-from gateway import console_views as views
-from gateway.appeal_routes import REVIEW_DECISION, record_review
-from gateway.console_figures import figures_body
-from gateway.console_login import LOGIN_COOKIE, attempt_wait, login_page, token_ok
-from gateway.console_sessions import (
+from gateway.api.appeals import REVIEW_DECISION, record_review
+from gateway.console import views
+from gateway.console.figures import figures_body
+from gateway.console.login import LOGIN_COOKIE, attempt_wait, login_page, token_ok
+from gateway.console.plumbing import (
     COOKIE,
     HEADERS,
     PageError,
@@ -50,8 +50,7 @@ from gateway.console_sessions import (
     session_call,
     signed_in,
 )
-from gateway.console_stats import collect, stats_body
-from gateway.review_queue import (
+from gateway.console.review_queue import (
     appeal_of,
     check_not_own,
     may_decide,
@@ -59,6 +58,7 @@ from gateway.review_queue import (
     reviewable,
     take_up,
 )
+from gateway.console.stats import collect, stats_body
 from gateway.service import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
@@ -248,7 +248,7 @@ async def policies(request: Request[Any, Any, Any], services: NamedDependency[Se
     return html(body)
 
 
-CONSOLE_ROUTES = [
+ROUTES = [
     Router(
         path="/console",
         route_handlers=[queue, login, logout, decision, decide, policies],

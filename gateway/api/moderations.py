@@ -23,14 +23,20 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any, Final
 
-from litestar import Request, Response
+from litestar import Request, Response, post
+from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.status_codes import HTTP_200_OK
 
+from gateway.api.openapi import errors, request_body, secured
+from gateway.edge.decoding import read_body
+from gateway.edge.requestid import request_id_of
+from gateway.edge.security import allow
 from gateway.errors import APIError, InvalidRequestError
 from gateway.generation.audit import record_refusal
 from gateway.generation.metering import charge_headers, reserve_tokens
 from gateway.generation.pipeline import GUARD_HEADER, guard_api_error
 from gateway.observe.timeline import RequestTimeline, timeline_in
-from gateway.requestid import request_id_of
 from gateway.schemas import (
     ModerationInputPart,
     ModerationRequest,
@@ -269,3 +275,40 @@ def _flagged(decision: GuardDecision) -> bool:
         return False
     # Past the last stage with no failure: every stage scored the text in its band.
     return any(run.guard != "rules" for run in decision.result.runs)
+
+
+@post(
+    "/v1/moderations",
+    status_code=HTTP_200_OK,
+    dependencies=request_body(
+        ModerationRequest,
+        {"input": "I want to hurt them."},
+        {"model": "omni-moderation-latest", "input": ["first text", "second text"]},
+    ),
+    responses={
+        HTTP_200_OK: ResponseSpec(
+            ModerationResponse,
+            generate_examples=False,
+            description=(
+                "One result per input, in order, in OpenAI's `ModerationCreateResponse` shape: every OpenAI "
+                "category key (false and 0.0 where the policy has no such category), the policy's other "
+                "categories under their own names, and `lockgate` (what the policy decided, and how)."
+            ),
+        ),
+        # Invalid input, a quota that can never fit, body over the limit, quota short.
+        **errors(400, 413, 429),
+    },
+)
+async def moderations(
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+) -> Response[ModerationResponse]:
+    """OpenAI moderations, answered by the tenant's own safety policy: each input is checked as a request's
+    input is (recorded in the audit trail, metered), and nothing is generated."""
+    allow(principal, "consumer")
+    body = await read_body(request)
+    return await run_moderation(services, services.moderation_decoder.decode(body), request, principal)
+
+
+ROUTES = [secured("openai", [moderations])]

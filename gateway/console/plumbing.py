@@ -1,14 +1,14 @@
-"""Console sessions and the request plumbing of the reviewer console's pages (`gateway.console`).
+"""Console sessions and the request plumbing of the reviewer console's pages (`gateway.console.pages`).
 
 The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/, no Domain, and `Secure` with
 the `__Host-` prefix unless `[console] insecure_cookie` opts out for plain-HTTP development: the scheme the
 gateway sees never decides, since a TLS proxy in front of it speaks plain HTTP); the app's
 `SessionStore` (`services.console_sessions`, built in the lifespan from `[console]`: in this process, or in
-Redis for every gateway process to share, see `gateway.sessions`) maps the id to the key's Authorization
-value, which is authenticated again on every request, so a revoked key or a removed role ends its console
-session at once. Sessions expire `[console] session_ttl` after sign-in (injected clock). Every POST after
-sign-in carries the session's CSRF token. Store and auth failures become `PageError`s, which the console
-renders as HTML error pages (an unreachable session store: 503).
+Redis for every gateway process to share, see `gateway.console.sessions`) maps the id to the key's
+Authorization value, which is authenticated again on every request, so a revoked key or a removed role ends
+its console session at once. Sessions expire `[console] session_ttl` after sign-in (injected clock). Every
+POST after sign-in carries the session's CSRF token. Store and auth failures become `PageError`s, which the
+console renders as HTML error pages (an unreachable session store: 503).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import msgspec
 from litestar import MediaType, Request, Response
 from litestar.datastructures import Cookie
 
-from gateway import console_views as views
 from gateway.config import ConsoleConfig
+from gateway.console import views
+from gateway.console.sessions import Session, SessionStoreFullError, SessionStoreUnavailableError
+from gateway.edge.security import reviewer_scope
 from gateway.errors import APIError
-from gateway.security import reviewer_scope
 from gateway.service import Services
-from gateway.sessions import Session, SessionStoreFullError, SessionStoreUnavailableError
 from policy.appeals.base import AppealConflictError, AppealNotFoundError, InvalidTransitionError
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError

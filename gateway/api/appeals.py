@@ -10,7 +10,7 @@ Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of 
 
     GET  /audit/queue?limit=&after=             what waits for review: a page of undecided appeals, oldest
                                                 first, and flagged decisions nobody appealed yet
-                                                (gateway.review_queue)
+                                                (gateway.console.review_queue)
     POST /audit/decisions/{tenant}/{seq}/appeal take up a flagged decision: files its appeal on the
                                                 reviewer's behalf, to be decided like any other
     GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
@@ -37,12 +37,10 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.admin import ConflictAPIError
-from gateway.audit_routes import reviewer_record
-from gateway.decoding import Decoder, read_body
-from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StoreUnavailableError
-from gateway.openapi import errors, request_body, secured
-from gateway.review_queue import (
+from gateway.api.admin import ConflictAPIError
+from gateway.api.audit import reviewer_record
+from gateway.api.openapi import errors, request_body, secured
+from gateway.console.review_queue import (
     APPEALABLE,
     AppealPage,
     NotReviewableError,
@@ -53,7 +51,9 @@ from gateway.review_queue import (
     review_queue,
     take_up,
 )
-from gateway.security import allow, reviewer_scope
+from gateway.edge.decoding import Decoder, read_body
+from gateway.edge.security import allow, reviewer_scope
+from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StoreUnavailableError
 from gateway.service import Services
 from policy.appeals.base import (
     APPEAL_STATES,
@@ -328,7 +328,7 @@ async def record_review(
     return reviews[-1].seq if reviews else None
 
 
-APPEAL_ROUTES = [
+ROUTES = [
     secured(
         "appeals",
         [

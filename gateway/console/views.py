@@ -1,7 +1,7 @@
 """The reviewer console's HTML: server-rendered pages, every value passed through `html.escape`.
 
 No script and no external asset: the only styles are the inline sheet below, and the page's
-Content-Security-Policy (set by `gateway.console`) forbids fetching anything else.
+Content-Security-Policy (set by `gateway.console.pages`) forbids fetching anything else.
 """
 
 from __future__ import annotations

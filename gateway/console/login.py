@@ -24,8 +24,8 @@ from typing import Any
 
 from litestar import Request, Response
 
-from gateway import console_views as views
-from gateway.console_sessions import PageError, cookie, cookie_name, html
+from gateway.console import views
+from gateway.console.plumbing import PageError, cookie, cookie_name, html
 from gateway.service import Services
 from policy.quota import BucketSpec, QuotaBackendError, QuotaBusyError, QuotaExceededError
 from policy.tenants.keys import parse_key

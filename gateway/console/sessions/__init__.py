@@ -2,15 +2,15 @@
 that picks one from `[console]`."""
 
 from gateway.config import ConsoleConfig
-from gateway.sessions.base import (
+from gateway.console.sessions.base import (
     Session,
     SessionStore,
     SessionStoreError,
     SessionStoreFullError,
     SessionStoreUnavailableError,
 )
-from gateway.sessions.memory import MemorySessionStore
-from gateway.sessions.redis import RedisSessionStore
+from gateway.console.sessions.memory import MemorySessionStore
+from gateway.console.sessions.redis import RedisSessionStore
 from policy.clock import Clock
 
 __all__ = [

@@ -37,6 +37,8 @@ from litestar.openapi.spec import OpenAPIType, Schema
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from gateway.api.openapi import errors, query, query_parameters, secured
+from gateway.edge.security import reviewer_scope
 from gateway.errors import (
     ErrorBody,
     InvalidRequestError,
@@ -44,8 +46,6 @@ from gateway.errors import (
     PermissionDeniedError,
     StoreUnavailableError,
 )
-from gateway.openapi import errors, query, query_parameters, secured
-from gateway.security import reviewer_scope
 from gateway.service import Services
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore, AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
@@ -373,6 +373,6 @@ async def verify_chains(
     )
 
 
-AUDIT_ROUTES = [
+ROUTES = [
     secured("audit", [list_decisions, get_decision, request_decisions, export_decisions, verify_chains])
 ]

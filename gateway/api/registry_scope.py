@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.security import allow
+from gateway.edge.security import allow
 from gateway.service import Services
 from policy.auth import Principal
 from registry.models import Kind, PolicySpec

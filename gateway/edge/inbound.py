@@ -1,7 +1,7 @@
 """What the generation pipeline reads of an HTTP request: its ASGI scope, its receive channel and its headers.
 
 Litestar's `Request` is an `Inbound` (the generation routes' Litestar handlers pass theirs). The fast path
-(`gateway.fastpath`) builds an `AsgiInbound` straight from the ASGI call instead: Litestar's connection
+(`gateway.edge.fastpath`) builds an `AsgiInbound` straight from the ASGI call instead: Litestar's connection
 object, its case-insensitive header multidict and its body stream (an async generator) cost about 10 us
 per request, more than the fast path uses of them.
 """

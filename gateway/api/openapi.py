@@ -1,5 +1,5 @@
 """The API contract: the OpenAPI 3.1 document Litestar generates from the route handlers, at
-`/schema/openapi.json`, and its docs page at `/schema` (gateway/docs_page.py). What every handler declares
+`/schema/openapi.json`, and its docs page at `/schema` (gateway/api/docs.py). What every handler declares
 the same way lives here, once:
 
 - Security: one scheme, `bearer` (an API key in `Authorization: Bearer lg-...`), on every route but the
@@ -7,8 +7,8 @@ the same way lives here, once:
 - Errors: every error answer is the OpenAI shape (`ErrorResponse`); `errors(...)` declares an operation's,
   with an example each. It always includes the answers any authenticated route can give: 401 (no valid key),
   403 (the key lacks the role) and 503 (a store that cannot answer now).
-- Request bodies: handlers read and decode the raw body themselves (gateway/decoding.py: errors in the OpenAI
-  shape that name the field, checked after authentication), so Litestar cannot see the type.
+- Request bodies: handlers read and decode the raw body themselves (gateway/edge/decoding.py: errors in the
+  OpenAI shape that name the field, checked after authentication), so Litestar cannot see the type.
   `request_body(T)` declares it through Litestar's own rule that the `data` parameter of a handler's
   dependency is the operation's request body; that dependency is never resolved (no handler parameter asks
   for it), so it documents the body without decoding it.
@@ -44,7 +44,7 @@ from litestar.openapi.spec import (
 from litestar.params import Body
 from litestar.types import ControllerRouterHandler
 
-from gateway.docs_page import DocsPagePlugin
+from gateway.api.docs import DocsPagePlugin
 from gateway.errors import ErrorBody, ErrorResponse
 
 SCHEME: Final = "bearer"

@@ -13,10 +13,10 @@ import msgspec
 from litestar import Request
 from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
-from litestar.handlers import HTTPRouteHandler
 
+from gateway.edge.adapter import body_limit
+from gateway.edge.inbound import Inbound
 from gateway.errors import ClientClosedError, InvalidRequestError
-from gateway.inbound import Inbound
 
 T = TypeVar("T")
 
@@ -36,11 +36,6 @@ def _param(message: str) -> tuple[str | None, str]:
         name = field.group("field")
         path = f"{path}.{name}" if path else name
     return (path or None), message
-
-
-def body_limit(handler: HTTPRouteHandler) -> int | None:
-    """The most bytes a route takes in a body (None: no limit), as Litestar resolves it."""
-    return handler.resolve_request_max_body_size() or None
 
 
 async def read_body(request: Request[Any, Any, Any]) -> bytes:

@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from gateway.sessions.base import Session, SessionStoreUnavailableError, new_session
+from gateway.console.sessions.base import Session, SessionStoreUnavailableError, new_session
 from policy.clock import Clock
 
 T = TypeVar("T")

@@ -11,9 +11,9 @@ from litestar import Request, Response, get
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.api.openapi import BEARER, errors
+from gateway.edge.security import allow_operator, provide_principal
 from gateway.observe.multiproc import aggregate
-from gateway.openapi import BEARER, errors
-from gateway.security import allow_operator, provide_principal
 from gateway.service import Services
 
 
@@ -42,4 +42,4 @@ async def metrics(request: Request[Any, Any, Any], services: NamedDependency[Ser
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 
-OBSERVE_ROUTES = [metrics]
+ROUTES = [metrics]

@@ -7,6 +7,7 @@ from typing import Any
 from litestar import Request
 from litestar.di import NamedDependency
 
+from gateway.edge.inbound import Inbound
 from gateway.errors import (
     AuthenticationError,
     PermissionDeniedError,
@@ -14,7 +15,6 @@ from gateway.errors import (
     StoreUnavailableError,
     retry_after_headers,
 )
-from gateway.inbound import Inbound
 from gateway.observe.timeline import timeline_in
 from gateway.service import Services
 from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, ThrottledError, require_role

@@ -18,10 +18,10 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.decoding import Decoder, read_body
+from gateway.api.openapi import errors, request_body, secured
+from gateway.edge.decoding import Decoder, read_body
+from gateway.edge.security import allow, allow_operator, allow_tenant, other_tenant_error
 from gateway.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
-from gateway.openapi import errors, request_body, secured
-from gateway.security import allow, allow_operator, allow_tenant, other_tenant_error
 from gateway.service import Services
 from policy.auth import Principal
 from policy.tenants import keys
@@ -381,7 +381,7 @@ async def list_changes(
     return await services.tenants.changes(limit, target=target)
 
 
-ADMIN_ROUTES = [
+ROUTES = [
     secured(
         "admin",
         [

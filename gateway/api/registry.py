@@ -2,7 +2,7 @@
 
 Policy administrators of the operating organisation may change the registry and read all of it; another
 tenant's `policy_admin` reads the model catalogue and what its tenant is bound to, and nothing else
-(`gateway.registry_scope`: the rest reads as an unpublished name does, an empty list). A change is served
+(`gateway.api.registry_scope`: the rest reads as an unpublished name does, an empty list). A change is served
 by this replica at once and by every other replica within `registry.refresh_interval`.
 """
 
@@ -17,12 +17,12 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.decoding import Decoder, read_body
+from gateway.api.openapi import errors, request_body, secured
+from gateway.api.registry_scope import registry_scope
+from gateway.edge.decoding import Decoder, read_body
+from gateway.edge.security import allow_operator
 from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
-from gateway.openapi import errors, request_body, secured
 from gateway.publish_check import PublishRefusedError
-from gateway.registry_scope import registry_scope
-from gateway.security import allow_operator
 from gateway.service import Services
 from guard.figures import Figures
 from policy.auth import Principal
@@ -297,7 +297,7 @@ async def list_aliases(
     return [a for a in aliases if scope.shows(a.kind, a.name)]
 
 
-REGISTRY_ROUTES = [
+ROUTES = [
     secured(
         "registry",
         [publish_version, list_versions, list_figures, set_alias, rollback, alias_history, list_aliases],

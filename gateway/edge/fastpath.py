@@ -1,0 +1,69 @@
+"""The generation routes without Litestar's request cycle: the gateway's hot path.
+
+`POST /v1/chat/completions` and `POST /v1/completions` are nearly all the traffic, and a profile of the event
+loop put about a third of its time in Litestar's request cycle around them: routing, the exception
+middleware, dependency injection and signature parsing, response handling (`ops.bench.overhead`,
+`docs/overhead.md`). `fast_generation` answers these two routes straight from ASGI with the same code the
+Litestar handlers run (`gateway.api.completions.generate`): the principal from `principal_of`, the body read
+within the route's limit (its 413 is the route's), the pipeline's own response objects, and errors rendered
+by the handler Litestar would pick for the route. The request is read through an `AsgiInbound`
+(`gateway.edge.inbound`), not Litestar's request object, which is built only to render an error or send a
+stream. Every other request, including other methods on these paths and any request under a root path, goes
+to Litestar; the two routes stay registered there, where the OpenAPI document is generated from them.
+
+Whatever this takes from Litestar's internals (the route lookup, the scope keys, the exception-handler
+lookup, the response encoding) is in `gateway.edge.adapter`. It sits inside the observe middleware (the
+request's timeline is in the scope) and in front of `Litestar.__call__` (`gateway.edge.stack`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from gateway.api.completions import FAST_PATHS, generate
+from gateway.edge.adapter import Route, enter_route, find_route, render_error, send_response
+from gateway.edge.inbound import AsgiInbound
+from gateway.edge.security import principal_of
+from gateway.generation.flow import close_client_watch
+from gateway.service import Services
+
+if TYPE_CHECKING:
+    from litestar import Litestar
+
+
+def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
+    """`inner` (Litestar's own entry point), with the generation routes answered directly (module
+    docstring)."""
+    routes: dict[str, Route] = {}
+
+    def route(path: str) -> Route:
+        # The registered route, looked up once per path.
+        if path not in routes:
+            routes[path] = find_route(app, path, "POST")
+        return routes[path]
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == ScopeType.HTTP else None
+            if kind is None or scope.get("method") != "POST" or scope.get("root_path"):
+                await inner(scope, receive, send)
+                return
+            found = route(scope["path"])
+            enter_route(scope, app, found)
+            inbound = AsgiInbound(scope, receive)
+            services: Services = app.state.services
+            try:
+                principal = await principal_of(inbound, services)
+                response = await generate(kind, services, inbound, principal, found.body_limit)
+            except Exception as exc:  # rendered as the app's handlers render it (never a traceback)
+                response = render_error(found, exc, scope, receive, send)
+            await send_response(response, scope, receive, send)
+        finally:
+            # The response has been sent (or never will be): the request's client is watched no more (the
+            # generation routes' Litestar handlers watch it too, `ClientWatch`).
+            close_client_watch(scope)
+
+    return asgi
