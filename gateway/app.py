@@ -48,8 +48,9 @@ from policy.audit.keys import MacKey
 from policy.audit.refusals import RefusalTally
 from policy.audit.retention import RetainedAuditStore, run_retention
 from policy.audit.writer import AuditWriter
-from policy.auth import Authenticator, Clock
+from policy.auth import Authenticator
 from policy.auth_limit import FailedAuthLimit
+from policy.clock import Clock
 from policy.quota.base import QuotaStore
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.meter import QuotaMeter
@@ -67,9 +68,9 @@ from registry.manifest import apply_manifest_file
 from registry.service import Registry
 from registry.store import REGISTRY_STORE
 from registry.view import ResolvedPolicy
+from routing.guard_calls import by_pool
 from routing.router import Router
 from routing.scheduler import Scheduler
-from routing.scorer import by_pool
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing or the OTLP metrics push is on
     from opentelemetry.sdk.metrics.export import MetricExporter

@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway.config import Config
 from policy.audit.base import AuditStore
-from policy.audit.checkpoints import Checkpoint, Checkpointer, CheckpointError, read_checkpoints
+from policy.audit.checkpoints import Checkpointer, CheckpointError, read_checkpoints
 from policy.audit.keys import AuditKeyError, MacKey, load_mac_key, load_public_key, load_signing_key
-from policy.audit.records import ChainReport
+from policy.audit.records import ChainReport, Checkpoint
 from policy.audit.verify import read_state, verify_tenants, write_state
 
 

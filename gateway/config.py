@@ -17,15 +17,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engines.breaker import BreakerPolicy
 from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
-from guard.breaker import BreakerPolicy
 from policy.audit.keys import MIN_MAC_KEY_CHARS
 from policy.quota.lease import LeasePolicy
 from policy.tenants.models import Limits
-from routing.admission_config import AdmissionConfig
+from routing.admission_types import AdmissionConfig
 from routing.config import RoutingConfig
 
 ENV_PREFIX = "LOCKGATE_"

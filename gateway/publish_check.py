@@ -35,11 +35,11 @@ from gateway.config import GuardConfig
 from gateway.errors import APIError, ErrorBody
 from gateway.guards import GuardFactory, LoadingGuard
 from guard.base import Classifier
-from guard.evaluation import load_items
 from guard.figures import Figures, Regression, Suite, Tolerance, measure, regressions
+from guard.labelled import load_items
 from guard.redteam import load_templates, probes, spread
 from policy.safety.gate import build_cascade
-from registry.base import RegistryError
+from registry.errors import RegistryError
 from registry.hashing import canonical_json, content_hash
 from registry.models import FiguresRecord, GuardModelSpec, Kind, PolicySpec, Published, Spec
 from registry.service import Registry

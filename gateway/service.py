@@ -30,12 +30,13 @@ from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer
 from policy.audit.refusals import RefusalTally
 from policy.audit.writer import AuditWriter
-from policy.auth import Authenticator, Clock, Principal
+from policy.auth import Authenticator, Principal
+from policy.clock import Clock
 from policy.quota.meter import Charge, QuotaMeter
 from policy.safety.gate import SafetyGate
 from policy.tenants.base import TenantStore
-from registry.base import InvalidError as RegistryInvalidError
-from registry.base import NotFoundError as RegistryNotFoundError
+from registry.errors import InvalidError as RegistryInvalidError
+from registry.errors import NotFoundError as RegistryNotFoundError
 from registry.service import Registry
 from registry.view import ResolvedModel, ResolvedPolicy, ResolvedPrompt
 from routing.scheduler import Scheduler

@@ -36,10 +36,10 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Multiprocess
 
-from gateway.cli import log_off_the_loop, uvicorn_config
 from gateway.config import Config
 from gateway.observe.multiproc import ENV as METRICS_ENV
 from gateway.observe.multiproc import mark_worker_dead
+from gateway.server import log_off_the_loop, uvicorn_config
 
 if TYPE_CHECKING:
     from litestar import Litestar

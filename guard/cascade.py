@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 
+from engines.breaker import CircuitBreaker, CircuitOpenError
 from guard.base import (
     Classifier,
     GuardError,
@@ -33,7 +34,6 @@ from guard.base import (
     ItemSized,
     Queued,
 )
-from guard.breaker import CircuitBreaker
 
 StageVerdict = Literal["allow", "block", "next", "error"]
 Verdict = Literal["allow", "block", "escalate", "error"]
@@ -129,7 +129,10 @@ class Stage:
                     f"check may wait (stage timeout {self.timeout_s:g} s)",
                     retry_after=wait - limit,
                 )
-        probe = self.breaker.before_call() if self.breaker is not None else False
+        try:
+            probe = self.breaker.before_call() if self.breaker is not None else False
+        except CircuitOpenError as exc:
+            raise GuardUnavailableError(str(exc), retry_after=exc.retry_after) from exc
         try:
             score = await self._classify(item)
         except GuardInputError:

@@ -1,7 +1,7 @@
 """A cascade's figures on an evaluation suite (the test split and the red-team probes), and how two sets of
 figures compare under declared tolerances: what the registry's publish check records and gates on.
 
-Figures count decisions as `guard.evaluation` does: block and escalate flag an item (an escalation is
+Figures count decisions as `guard.labelled.metrics` does: block and escalate flag an item (an escalation is
 allowed but sent to review), allow clears it, an error is neither and is counted apart. Because an
 escalated harmful answer still reaches the client, `block_recall` (blocked only) is reported and gated next
 to `recall`, so a policy cannot keep its recall by turning blocks into escalations.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import msgspec
 
 from guard.cascade import Cascade, CascadeResult
-from guard.evaluation import LabelledItem, guard_input, metrics
+from guard.labelled import LabelledItem, guard_input, metrics
 from guard.redteam import TRANSFORMS, Probe
 
 __all__ = ["GATED", "Figures", "Regression", "Suite", "Tolerance", "measure", "regressions"]

@@ -7,11 +7,11 @@ Arabic, Hindi, Japanese or Chinese as in English, with no tokenizer. crc32, not 
 must be the same in every process and on every machine, or a trained head means nothing.
 
 P(unsafe) = sigmoid(sum of the features' weights * 1/sqrt(n) + bias), in numpy (torch only trains it:
-`ops.guards.ngram`). A text longer than WINDOW_CHARS is scored window by window (windows overlapping by
-WINDOW_OVERLAP characters) and its most unsafe window decides, so a harmful sentence in a long benign
-document is read as it would be alone. Featurising runs in the executor passed in, never in the event loop.
-A text of more than MAX_WINDOWS windows is a GuardInputError (the item's failure, never counted on the
-guard's breaker): cancelling a classify does not stop work already in the executor, so it is bounded.
+`ops.guard_training.ngram`). A text longer than WINDOW_CHARS is scored window by window (windows overlapping
+by WINDOW_OVERLAP characters) and its most unsafe window decides, so a harmful sentence in a long benign
+document is read as it would be alone. Featurising runs in the executor passed in, never in the event loop. A
+text of more than MAX_WINDOWS windows is a GuardInputError (the item's failure, never counted on the guard's
+breaker): cancelling a classify does not stop work already in the executor, so it is bounded.
 
 A guard's artifact directory holds `ngram.npz` (weights and bias) and `ngram.json` (metadata); the head is
 refused unless `ngram.npz` has the sha256 the registry names.

@@ -1,6 +1,6 @@
 """The project's red-team set: harmful test items turned into attacks by deterministic transforms.
 
-Built at evaluation time from the `test` split of a labelled set (`guard.evaluation.load_items`), never from
+Built at evaluation time from the `test` split of a labelled set (`guard.labelled.load_items`), never from
 `train` or `calibration`, so it stays in step with the data and no guard was fitted or calibrated on its
 sources. Each source is an English harmful prompt of the test split; each transform keeps its request intact
 (a test decodes every one back):
@@ -29,7 +29,7 @@ from typing import Literal, TypeVar
 import msgspec
 
 from guard.base import GuardInput, Span
-from guard.evaluation import LabelledItem
+from guard.labelled import LabelledItem
 
 __all__ = [
     "HOMOGLYPHS",

@@ -44,11 +44,11 @@ from typing import TypeVar
 import msgspec
 
 from policy.auth_limit import FailedAuthLimit
+from policy.clock import Clock
 from policy.tenants.base import NotFoundError, TenantStore, UnavailableError
 from policy.tenants.keys import parse_key, verify
 from policy.tenants.models import ApiKey, Role, StoredKey, Tenant
 
-Clock = Callable[[], float]
 _V = TypeVar("_V")
 SYSTEM_TENANT = "lockgate"
 
@@ -140,11 +140,6 @@ class Authenticator:
         self._epoch = 0
         # Whether the last lookup that ended found the store unreachable.
         self._store_down = False
-
-    @property
-    def store_down(self) -> bool:
-        """Whether the last store lookup that ended found the store unreachable (or too slow)."""
-        return self._store_down
 
     def forget(self, key_id: str | None = None, tenant_id: str | None = None) -> None:
         """Drop cached entries of a key, of a tenant's keys, or (no argument) all of them."""

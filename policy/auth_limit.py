@@ -17,11 +17,10 @@ attacker that many buckets).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
 
 import msgspec
 
-Clock = Callable[[], float]
+from policy.clock import Clock
 
 
 class _Bucket(msgspec.Struct, gc=False):

@@ -6,15 +6,9 @@ changes and serves an immutable `RegistryView`, reloaded when the store's genera
 SQLite (embedded) and PostgreSQL (shared by replicas).
 """
 
-from registry.base import (
-    ConflictError,
-    InvalidError,
-    NotFoundError,
-    RegistryError,
-    RegistryStore,
-    UnavailableError,
-)
+from registry.base import RegistryStore
 from registry.default_model import arch_from_config, check_model_dir, register_default_model
+from registry.errors import ConflictError, InvalidError, NotFoundError, RegistryError, UnavailableError
 from registry.hashing import canary_pick, canonical_json, content_hash, spec_hash
 from registry.manifest import (
     Manifest,

@@ -17,49 +17,17 @@ Exceptions (each knows the HTTP status an API would answer with)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    # Only for annotations: registry.models imports InvalidError from here.
-    from registry.models import (
-        Alias,
-        AliasChange,
-        AliasTarget,
-        FiguresRecord,
-        Kind,
-        Published,
-        RegistrySnapshot,
-    )
-
-
-class RegistryError(Exception):
-    """Base of registry failures."""
-
-    status_code = 500
-
-
-class NotFoundError(RegistryError):
-    """No such version or alias."""
-
-    status_code = 404
-
-
-class ConflictError(RegistryError):
-    """The version exists with other content: published versions are immutable."""
-
-    status_code = 409
-
-
-class InvalidError(RegistryError):
-    """The input breaks a registry rule."""
-
-    status_code = 422
-
-
-class UnavailableError(RegistryError):
-    """The store cannot be reached; the last loaded view stays in use."""
-
-    status_code = 503
+from registry.models import (
+    Alias,
+    AliasChange,
+    AliasTarget,
+    FiguresRecord,
+    Kind,
+    Published,
+    RegistrySnapshot,
+)
 
 
 class RegistryStore(Protocol):
@@ -99,10 +67,6 @@ class RegistryStore(Protocol):
 
         NotFoundError if a target version does not exist.
         """
-        ...
-
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
         ...
 
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:

@@ -1,6 +1,6 @@
 """Register a prepared guards directory: the trained guard model and the three guard versions it holds.
 
-`lockgate models prepare` (ops/guards/prepare.py) writes `<data_dir>/guards/` with a manifest,
+`lockgate models prepare` (ops/guard_training/prepare.py) writes `<data_dir>/guards/` with a manifest,
 `lockgate-guards.json`, read here with local Structs of the fields needed (the service must not import
 ops/). Four versions are published, all content-derived, so registering the same directory again is a
 no-op and a retrained guard becomes new versions instead of a conflict:

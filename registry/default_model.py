@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from registry.base import InvalidError
+from registry.errors import InvalidError
 from registry.hashing import sha256_file
 from registry.models import ChatTemplateSpec, ModelArch, ModelSpec, TokenizerSpec
 from registry.service import Registry

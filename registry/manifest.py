@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from registry.base import InvalidError
+from registry.errors import InvalidError
 from registry.models import (
     AliasTarget,
     ChatTemplateSpec,

@@ -15,7 +15,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from registry.base import InvalidError
+from registry.errors import InvalidError
 
 # What a guard failure does in a category: allow (audited as fail_open) or refuse.
 FailMode = Literal["open", "closed"]

@@ -23,7 +23,8 @@ from typing import Literal
 
 import msgspec
 
-from registry.base import InvalidError, RegistryError, RegistryStore
+from registry.base import RegistryStore
+from registry.errors import InvalidError, RegistryError
 from registry.hashing import canonical_json, content_hash
 from registry.models import (
     SPEC_TYPES,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from registry.base import InvalidError, NotFoundError
+from registry.errors import InvalidError, NotFoundError
 from registry.hashing import sha256_file
 from registry.models import (
     AliasTarget,

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from registry.base import InvalidError, NotFoundError
+from registry.errors import InvalidError, NotFoundError
 from registry.hashing import canary_pick
 from registry.models import (
     Alias,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from guard.breaker import BreakerPolicy
+from engines.breaker import BreakerPolicy
 
 _NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 _PosInt = Annotated[int, msgspec.Meta(ge=1)]

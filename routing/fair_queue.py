@@ -72,27 +72,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from routing.admission_config import (
+from routing.admission_types import (
     CLASSES,
     AdmissionConfig,
-    AdmissionError,
     DeadlineUnmeetableError,
     Klass,
     QueueFullError,
     Ticket,
-    ceil_retry_after,
 )
-
-__all__ = [
-    "AdmissionConfig",
-    "AdmissionError",
-    "DeadlineUnmeetableError",
-    "FairQueue",
-    "QueueFullError",
-    "ServiceRate",
-    "Ticket",
-    "ceil_retry_after",
-]
 
 T = TypeVar("T")
 Key = tuple[float, int]
@@ -279,11 +266,6 @@ class FairQueue:
         """A tenant's virtual token counter; an unknown tenant reads as the virtual time it would start at."""
         state = self._tenants.get(tenant)
         return state.counter if state is not None else self._vtime
-
-    def oldest_wait(self, klass: Klass, now: float) -> float:
-        """Seconds the oldest ticket of a class has waited (0 when the class is empty)."""
-        arrivals = self._classes[klass].arrivals
-        return max(now - arrivals.peek()[0][0], 0.0) if len(arrivals) else 0.0
 
     @property
     def service_rate(self) -> float:

@@ -32,7 +32,7 @@ total settles at the budget (tested). A process with nothing in flight there sti
 that fits the whole budget. With one process nothing of this applies (what others send to the engine is not
 counted).
 
-Health. A breaker (`guard.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
+Health. A breaker (`engines.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
 failed health checks in `refresh()` and fatal errors the pipeline reports (`record_failure`). At the
 threshold the replica is out (open) for the cooldown; then one trial (a dispatched request, or the next
 health probe, whichever comes first) is let through (half-open): success closes the breaker, failure opens
@@ -54,8 +54,7 @@ import logging
 from collections.abc import Callable
 
 from engines.base import Engine, EngineError, EngineLoad
-from guard.base import GuardUnavailableError
-from guard.breaker import BreakerState, CircuitBreaker
+from engines.breaker import BreakerState, CircuitBreaker, CircuitOpenError
 from registry.view import ResolvedModel
 from routing.config import ReplicaConfig
 
@@ -390,7 +389,7 @@ class Replica:
         if state == "half_open" and self._trial is None:
             try:
                 self.breaker.before_call()
-            except GuardUnavailableError as exc:  # pragma: no cover - our slot tracking mirrors the breaker's
+            except CircuitOpenError as exc:  # pragma: no cover - our slot tracking mirrors the breaker's
                 raise ReplicaUnavailableError(str(exc)) from exc
             self._trial = holder
             return

@@ -20,7 +20,7 @@ decision always sees every token generated before it (one charge per tenant, not
 
 Exceptions::
 
-    AdmissionError (routing.admission_config)   refused at push: queue_full (429 tenant / 503 class),
+    AdmissionError (routing.admission_types)   refused at push: queue_full (429 tenant / 503 class),
     │                                           deadline_unmeetable (503)
     └── DeadlineExpiredError                    its deadline passed while queued (504 deadline_expired)
     RoutingError (routing.replicas)             no_healthy_replica (503), context_length_exceeded (400)
@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from routing.admission_config import AdmissionConfig, AdmissionError, Klass, Ticket
+from routing.admission_types import AdmissionConfig, AdmissionError, Klass, Ticket
 from routing.fair_queue import FairQueue
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest, reserve

@@ -1,4 +1,5 @@
-"""Guard training (ops/guards) on a tiny labelled set: artifacts, held-out discipline, registration, reuse.
+"""Guard training (ops/guard_training) on a tiny labelled set: artifacts, held-out discipline, registration,
+reuse.
 
 The guards are trained once for the module, one epoch on ten items: the figures mean nothing here, the
 mechanics do. The base model is the prepared default model (conftest's `model_dir`).
@@ -21,14 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gateway import cli
 from guard.dataset import dataset_dir_sha256
 from guard.embedding import LogisticHead
-from guard.evaluation import LabelledItem, save_items
+from guard.labelled import LabelledItem
 from guard.one_token import SYSTEM_PROMPT
-from ops.guards import prepare as guards_prepare
-from ops.guards.embedding import EmbeddingReport, EmbeddingSettings
-from ops.guards.layers import build_renderer
-from ops.guards.ngram import NgramReport, NgramSettings
-from ops.guards.one_token import DEFAULT_CATEGORIES, GUARD_JSON, OneTokenReport, OneTokenSettings
-from ops.guards.prepare import (
+from ops.eval.evaluation import save_items
+from ops.guard_training import prepare as guards_prepare
+from ops.guard_training.embedding import EmbeddingReport, EmbeddingSettings
+from ops.guard_training.layers import build_renderer
+from ops.guard_training.ngram import NgramReport, NgramSettings
+from ops.guard_training.one_token import DEFAULT_CATEGORIES, GUARD_JSON, OneTokenReport, OneTokenSettings
+from ops.guard_training.prepare import (
     EMBEDDING_NAME,
     NGRAM_NAME,
     ONE_TOKEN_NAME,

@@ -28,7 +28,7 @@ from policy.tenants import keys
 from policy.tenants.base import ConflictError
 from policy.tenants.base import NotFoundError as StoreNotFoundError
 from policy.tenants.models import AdminChange, ApiKey, Limits, PriorityClass, Quotas, Role, Tenant
-from registry.base import RegistryError
+from registry.errors import RegistryError
 
 T = TypeVar("T")
 _TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")

@@ -26,8 +26,8 @@ from gateway.publish_check import PublishRefusedError
 from gateway.service import Services
 from guard.figures import Figures
 from policy.auth import Principal
-from registry.base import ConflictError, InvalidError, RegistryError, UnavailableError
-from registry.base import NotFoundError as RegistryNotFoundError
+from registry.errors import ConflictError, InvalidError, RegistryError, UnavailableError
+from registry.errors import NotFoundError as RegistryNotFoundError
 from registry.models import (
     SPEC_TYPES,
     Alias,

@@ -12,7 +12,7 @@ from html import escape
 from urllib.parse import quote
 
 from policy.appeals.base import Appeal, AppealEvent
-from policy.audit.records import AuditRecord, StageRun
+from policy.audit.records import AuditedStage, AuditRecord
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
@@ -120,7 +120,7 @@ def queue_page(
     return page("Review queue", body, csrf=csrf, who=who)
 
 
-def _stage_row(run: StageRun) -> str:
+def _stage_row(run: AuditedStage) -> str:
     verdict = ""
     if run.score is not None:
         if run.block_above is not None and run.score > run.block_above:

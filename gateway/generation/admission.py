@@ -27,7 +27,7 @@ from gateway.generation.flow import ClientWatch
 from gateway.generation.planning import Plan
 from gateway.service import Services
 from policy.auth import Principal
-from routing.admission_config import CLASSES, AdmissionError, Klass, Ticket
+from routing.admission_types import CLASSES, AdmissionError, Klass, Ticket
 from routing.replicas import RoutingError
 from routing.router import RouteRequest, is_replica_failure, may_fail_over, session_key
 from routing.scheduler import ENGINE_PRIORITY, Lease, Scheduler

@@ -20,7 +20,7 @@ import jinja2
 import msgspec
 
 from gateway.generation.prompts import PromptRenderer, load_tokenizer
-from registry.base import InvalidError
+from registry.errors import InvalidError
 from registry.models import ChatTemplateSpec, ModelSpec, TokenizerSpec, parse_ref
 from registry.validation import check_model_files, model_dir_of
 from registry.view import RegistryView, ResolvedModel

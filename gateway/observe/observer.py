@@ -23,8 +23,9 @@ from gateway.edge.requestid import assign_request_id, stamp
 from gateway.observe.metrics import RequestMetrics, tenant_labels
 from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
-from gateway.observe.timeline import STATE_KEY, Clock, RequestTimeline
+from gateway.observe.timeline import STATE_KEY, RequestTimeline
 from gateway.observe.trace import inbound_trace
+from policy.clock import Clock
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from gateway.observe.tracing import Tracer

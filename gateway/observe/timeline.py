@@ -25,12 +25,12 @@ import msgspec
 
 from gateway.observe.trace import new_span_id, new_trace_id
 from guard.cascade import StageRun
+from policy.clock import Clock
 
 if TYPE_CHECKING:
     from gateway.generation.tracking import Outcome
     from policy.safety.decision import GuardDecision
 
-Clock = Callable[[], float]
 Phase = Literal["auth", "render", "quota", "input_guard", "queue"]
 # Where the timeline lives in the ASGI scope's state.
 STATE_KEY = "lockgate_timeline"

@@ -17,9 +17,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from engines.base import EngineRequest, SamplingSpec
+from engines.breaker import BreakerPolicy
 from engines.simulated import SimulatedEngine, SimulatorConfig
-from guard.breaker import BreakerPolicy
-from routing.admission_config import Ticket
+from routing.admission_types import Ticket
 from routing.config import ReplicaConfig, RouterConfig
 from routing.replicas import Replica
 from routing.router import Router, RouteRequest

@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.log_level == "info":
-        from gateway.cli import log_off_the_loop
+        from gateway.server import log_off_the_loop
 
         listener = log_off_the_loop("INFO")
         for handler in listener.handlers:

@@ -44,7 +44,7 @@ from ops.bench._sim import (
     start_replicas,
     stop_replicas,
 )
-from routing.admission_config import AdmissionConfig
+from routing.admission_types import AdmissionConfig
 from routing.config import ReplicaConfig
 from routing.replicas import Replica
 from routing.scheduler import Scheduler

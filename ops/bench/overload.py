@@ -38,7 +38,7 @@ from ops.bench._sim import (
     start_replicas,
     stop_replicas,
 )
-from routing.admission_config import AdmissionConfig, AdmissionError, QueueFullError
+from routing.admission_types import AdmissionConfig, AdmissionError, QueueFullError
 from routing.replicas import Replica, RoutingError
 from routing.scheduler import Scheduler
 

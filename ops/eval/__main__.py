@@ -32,22 +32,21 @@ from pathlib import Path
 
 import msgspec
 
-from guard.evaluation import (
+from guard.labelled import LabelledItem, load_items
+from ops.eval.calibrate import Budget, calibrate
+from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
+from ops.eval.evaluation import (
     ItemScores,
-    LabelledItem,
     Thresholds,
     dataset_sha256,
     evaluate,
-    load_items,
     load_scores,
     parse_thresholds,
     save_scores,
     score_with_cascade,
 )
-from ops.eval.calibrate import Budget, calibrate
-from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.report import render
-from registry.base import InvalidError
+from registry.errors import InvalidError
 
 
 def _evaluated(
@@ -101,7 +100,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 async def _score_service_policy(args: argparse.Namespace, items: list[LabelledItem]) -> list[ItemScores]:
     from gateway.config import load_config
-    from ops.eval.service import service_cascade
+    from ops.eval.served_guards import service_cascade
 
     async with service_cascade(load_config(args.config), args.policy) as (ref, cascade):
         print(f"scoring {len(items)} items with policy {ref} ({len(cascade.stages)} stages)", file=sys.stderr)

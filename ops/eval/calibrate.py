@@ -16,7 +16,7 @@ Ties go to fewer escalations, then to fewer look-alikes blocked. Rules stages ke
 scores 0, 0.5 or 1), and so do the stages named in `keep` (a stage whose thresholds are chosen elsewhere).
 The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes it on, as a
 failure would leave its categories unjudged); the figures it returns are then computed exactly by
-`guard.evaluation.evaluate` at the chosen thresholds, which is what `replay` prints. Thresholds are never
+`ops.eval.evaluation.evaluate` at the chosen thresholds, which is what `replay` prints. Thresholds are never
 chosen on the items a guard was trained on or on the test split: pass `--split calibration`.
 """
 
@@ -29,7 +29,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from guard.evaluation import ItemScores, LabelledItem, Report, Thresholds, evaluate, replay_item
+from guard.labelled import LabelledItem
+from ops.eval.evaluation import ItemScores, Report, Thresholds, evaluate, replay_item
 
 Bools = npt.NDArray[np.bool_]
 
@@ -144,7 +145,7 @@ def _route(p: npt.NDArray[np.float64], combo: Sequence[Thresholds]) -> tuple[Boo
 def _exact(
     items: Sequence[LabelledItem], by_id: dict[str, ItemScores], thresholds: Sequence[Thresholds]
 ) -> tuple[Bools, Bools]:
-    """(blocked, band) of every item as `guard.evaluation` decides it at `thresholds`."""
+    """(blocked, band) of every item as `ops.eval.evaluation` decides it at `thresholds`."""
     results = [replay_item(by_id[i.id], thresholds, "escalate").result for i in items]
     blocked = np.array([r is not None and r.verdict == "block" for r in results])
     band = np.array([r is not None and r.decided_by is None and r.verdict == "escalate" for r in results])

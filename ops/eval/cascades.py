@@ -1,7 +1,7 @@
 """The cascades `python -m ops.eval score` builds from a policy file: rules stages only.
 
 A model stage needs engines and guard versions from the registry: score a registry policy with `--policy`
-instead, which builds the cascade the service itself runs (ops/eval/service.py).
+instead, which builds the cascade the service itself runs (ops/eval/served_guards.py).
 """
 
 from __future__ import annotations

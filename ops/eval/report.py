@@ -1,10 +1,11 @@
-"""A `guard.evaluation.Report` as markdown: overall figures, breakdowns, stages, calibration."""
+"""A `ops.eval.evaluation.Report` as markdown: overall figures, breakdowns, stages, calibration."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from guard.evaluation import Metrics, Report
+from guard.labelled import Metrics
+from ops.eval.evaluation import Report
 
 _METRIC_HEADER = (
     "",

@@ -22,14 +22,11 @@ written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Protocol
+from typing import Annotated, Protocol
 
 import msgspec
 
-from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Decision, Stage
-
-if TYPE_CHECKING:
-    from policy.audit.checkpoints import Checkpoint
+from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Checkpoint, Decision, Stage
 
 # The most records one `query` returns; a larger `limit` is cut to this.
 MAX_QUERY_LIMIT = 1000

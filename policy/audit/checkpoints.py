@@ -26,21 +26,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from policy.audit.base import AuditStore, AuditUnavailableError, BadRow
 from policy.audit.keys import MacKey
+from policy.audit.records import Checkpoint
 
 log = logging.getLogger("lockgate.audit")
 
 _DOMAIN = b"lockgate-audit-checkpoint-v1\n"
 _encode_sorted = msgspec.json.Encoder(order="sorted")
-
-
-class Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A tenant's chain head at one time: the record at `seq` has `hash` (and `mac`)."""
-
-    tenant: str
-    seq: int
-    hash: str
-    mac: str | None
-    at: float
 
 
 class SignedCheckpoint(Checkpoint, frozen=True, kw_only=True, forbid_unknown_fields=True):

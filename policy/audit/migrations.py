@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from policy.audit.base import BadRow
-from policy.audit.records import AuditRecord, StageRun, unstorable
+from policy.audit.records import AuditedStage, AuditRecord, unstorable
 from registry.db import Row
 from registry.db.migrations import Migration
 
@@ -265,7 +265,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
 )
 
-_stages = msgspec.json.Decoder(tuple[StageRun, ...])
+_stages = msgspec.json.Decoder(tuple[AuditedStage, ...])
 _encode = msgspec.json.Encoder()
 
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any, Self, Unpack
 
 from policy.audit.base import AuditQuery, AuditRecordError, AuditUnavailableError, BadRow, NotFoundError
-from policy.audit.checkpoints import Checkpoint
 from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
@@ -31,6 +30,7 @@ from policy.audit.records import (
     AuditDraft,
     AuditRecord,
     ChainReport,
+    Checkpoint,
     chain,
     normalize,
 )

@@ -50,8 +50,9 @@ GENESIS_HASH = ""
 _DOMAIN = b"lockgate-audit-v1\n"
 
 
-class StageRun(msgspec.Struct, frozen=True, kw_only=True):
-    """One guard stage as it ran for a decision."""
+class AuditedStage(msgspec.Struct, frozen=True, kw_only=True):
+    """One guard stage as it ran for a decision, as the audit record keeps it (`guard.cascade.StageRun` is
+    the cascade's own, fuller account of the run)."""
 
     stage: str  # "rules" or the guard version name@version
     kind: Literal["rules", "model"]
@@ -76,7 +77,7 @@ class AuditDraft(msgspec.Struct, frozen=True, kw_only=True):
     source: str  # none|rules|model|band|fail_open|fail_closed|quota|deadline|reviewer|...
     policy: str = ""  # policy name@version
     policy_hash: str = ""
-    stages: tuple[StageRun, ...] = ()
+    stages: tuple[AuditedStage, ...] = ()
     category: str | None = None
     severity: str | None = None
     flagged: bool = False  # escalated for human review
@@ -186,7 +187,7 @@ def normalize(draft: AuditDraft) -> AuditDraft:
     return clean
 
 
-def _stage_numbers(run: StageRun) -> list[float]:
+def _stage_numbers(run: AuditedStage) -> list[float]:
     values = (run.score, run.allow_below, run.block_above, run.latency_s)
     return [v for v in values if v is not None]
 
@@ -344,3 +345,13 @@ def verify_chain(
         if not verifier.feed(record):
             break
     return verifier.report()
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tenant's chain head at one time: the record at `seq` has `hash` (and `mac`)."""
+
+    tenant: str
+    seq: int
+    hash: str
+    mac: str | None
+    at: float

@@ -27,18 +27,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Coroutine
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
 from policy.audit.records import AuditDraft
 from policy.audit.writer import AuditBackpressureError
+from policy.clock import Clock, Sleep
 
 log = logging.getLogger("lockgate.audit")
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], Coroutine[Any, Any, None]]
 Submit = Callable[[AuditDraft], None]
 # The key id of a tenant's overflow tally (refusals of keys past `max_keys`).
 OVERFLOW_KEY_ID = "*"

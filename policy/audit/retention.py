@@ -27,9 +27,8 @@ from typing import Protocol
 import msgspec
 
 from policy.audit.base import AuditQuery, AuditStore, AuditUnavailableError, BadRow
-from policy.audit.checkpoints import Checkpoint
-from policy.audit.records import AuditDraft, AuditRecord, ChainReport
-from policy.auth import Clock
+from policy.audit.records import AuditDraft, AuditRecord, ChainReport, Checkpoint
+from policy.clock import Clock
 from policy.tenants.base import NotFoundError as TenantNotFoundError
 from policy.tenants.base import TenantStore
 from policy.tenants.base import UnavailableError as TenantStoreUnavailableError

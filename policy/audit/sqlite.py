@@ -29,7 +29,6 @@ from policy.audit.base import (
     BadRow,
     NotFoundError,
 )
-from policy.audit.checkpoints import Checkpoint
 from policy.audit.keys import MacKey
 from policy.audit.migrations import (
     MIGRATIONS,
@@ -46,6 +45,7 @@ from policy.audit.records import (
     AuditDraft,
     AuditRecord,
     ChainReport,
+    Checkpoint,
     chain,
     normalize,
 )

@@ -26,9 +26,8 @@ from pathlib import Path
 import msgspec
 
 from policy.audit.base import AuditStore, BadRow
-from policy.audit.checkpoints import Checkpoint
 from policy.audit.keys import MacKey
-from policy.audit.records import GENESIS_HASH, ChainReport, ChainVerifier
+from policy.audit.records import GENESIS_HASH, ChainReport, ChainVerifier, Checkpoint
 
 # Records read per query while verifying.
 PAGE = 1000

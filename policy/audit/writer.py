@@ -65,9 +65,8 @@ import itertools
 import logging
 import secrets
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -76,13 +75,12 @@ from policy.audit.files import append_synced
 from policy.audit.keys import MacKey
 from policy.audit.records import AuditDraft, normalize
 from policy.audit.spool import Spool
+from policy.clock import Clock, Sleep
 
 log = logging.getLogger("lockgate.audit")
 
 # The share of `spool_max_bytes` and `buffer_size` the gate's refusals may use beyond them (module docstring).
 REFUSAL_RESERVE = 1 / 8
-Clock = Callable[[], float]
-Sleep = Callable[[float], Coroutine[Any, Any, None]]
 
 
 def holds_reserve(draft: AuditDraft) -> bool:

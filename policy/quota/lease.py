@@ -37,10 +37,11 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
+from policy.clock import Clock
 from policy.quota.base import (
     BucketSpec,
     QuotaBackendError,
@@ -53,7 +54,6 @@ from policy.quota.base import (
 from policy.quota.memory import TOMBSTONE_TTL, check_actual, check_request, new_reservation_id
 from policy.quota.settle import SettlePolicy, Settler
 
-Clock = Callable[[], float]
 # Bucket sets (keys) remembered; past this, those holding no lease are forgotten.
 KEYS_MAX = 10_000
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from policy.clock import Clock, Sleep
 from policy.quota.base import (
     BucketSpec,
     QuotaBackendError,
@@ -47,11 +48,10 @@ from policy.quota.base import (
 )
 from policy.quota.lease import LeasedQuotaStore
 from policy.quota.memory import MemoryQuotaStore
-from policy.quota.settle import SettlePolicy, Settler, Sleep
+from policy.quota.settle import SettlePolicy, Settler
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
 
 log = logging.getLogger("lockgate.quota")
-Clock = Callable[[], float]
 # Keys whose bucket sets a meter remembers; past this it starts again.
 BUCKET_SETS_MAX = 10_000
 

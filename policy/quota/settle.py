@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
+from policy.clock import Clock, Sleep
 from policy.quota.base import QuotaBackendError, QuotaBusyError, QuotaStore, Reservation
 
 log = logging.getLogger("lockgate.quota")
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class SettlePolicy(msgspec.Struct, frozen=True, kw_only=True):

@@ -88,7 +88,7 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard.
 
     The n-gram stage's thresholds are its own, chosen when it was trained, on the calibration split of the
-    multilingual set (ops/guards/ngram.py `choose_thresholds`): it blocks what it is sure of in any
+    multilingual set (ops/guard_training/ngram.py `choose_thresholds`): it blocks what it is sure of in any
     language, allows what it is sure is benign, and passes the rest on. The later stages' thresholds were
     chosen on the same calibration split, the n-gram stage kept at its own, under the budget of `python -m
     ops.eval calibrate` (look-alikes blocked at most 5%, escalations at most 10%, no safe output blocked):

@@ -21,8 +21,8 @@ from concurrent.futures import Executor
 
 import msgspec
 
+from engines.breaker import BreakerPolicy, CircuitBreaker
 from guard.base import Classifier, Direction, GuardInput
-from guard.breaker import BreakerPolicy, CircuitBreaker
 from guard.cascade import Cascade, Stage
 from guard.rules import RulesClassifier
 from policy.audit.writer import AuditBackpressureError
@@ -132,7 +132,7 @@ class SafetyGate:
     def breaker(self, guard: str) -> CircuitBreaker:
         """The circuit breaker of guard `guard` (name@version, or "rules@<policy>")."""
         if guard not in self._breakers:
-            self._breakers[guard] = CircuitBreaker(guard, self._breaker, self._clock)
+            self._breakers[guard] = CircuitBreaker(f"guard {guard}", self._breaker, self._clock)
         return self._breakers[guard]
 
     def cascade(self, policy: ResolvedPolicy) -> Cascade:

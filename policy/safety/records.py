@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from policy.audit.records import AuditDraft, StageRun
+from policy.audit.records import AuditDraft, AuditedStage
 from policy.safety.decision import GuardRecord
 
 log = logging.getLogger("lockgate.guard")
@@ -46,7 +46,7 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
         policy=record.policy,
         policy_hash=record.policy_hash,
         stages=tuple(
-            StageRun(
+            AuditedStage(
                 stage=run.guard,
                 kind="rules" if run.guard == "rules" else "model",
                 model=run.model or None,

@@ -2,10 +2,9 @@
 
 Every mutating call names its `actor` (the key id of the administrator, or "bootstrap" for the CLI) and
 records an `AdminChange` (who, what, before, after) in the same transaction as the change itself. Actions are
-"tenant.create", "tenant.update", "key.add", "key.revoke" and "key.set_roles"; targets are
+"tenant.create", "tenant.update", "key.add" and "key.revoke"; targets are
 "tenant:<tenant_id>" and "key:<key_id>"; `before` and `after` are the object as JSON (None before a create;
-a key's JSON never holds its hash). A call that changes nothing (a second revoke, the same roles again)
-records nothing.
+a key's JSON never holds its hash). A call that changes nothing (a second revoke) records nothing.
 
 Exceptions::
 
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+from policy.tenants.models import AdminChange, ApiKey, StoredKey, Tenant
 
 
 class TenantStoreError(Exception):
@@ -75,10 +74,6 @@ class TenantStore(Protocol):
 
     async def revoke_key(self, key_id: str, *, actor: str, now: float) -> ApiKey:
         """Mark a key revoked at `now`; a second call keeps the first time. NotFoundError if absent."""
-        ...
-
-    async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
-        """Replace a key's roles. NotFoundError if absent."""
         ...
 
     async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:

@@ -25,14 +25,13 @@ from policy.tenants.migrations import (
     TENANT_UPDATE_COLUMNS,
     change_from_row,
     change_row,
-    encode_roles,
     key_row,
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
     tenant_update_row,
 )
-from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+from policy.tenants.models import AdminChange, ApiKey, StoredKey, Tenant
 from registry.db.postgres import PostgresStore
 
 # Ids sort by code point, as on SQLite, whatever the database's default collation.
@@ -133,17 +132,6 @@ class PostgresTenantStore(PostgresStore):
             after = msgspec.structs.replace(before, revoked_at=now)
             await conn.execute("UPDATE api_keys SET revoked_at = $1 WHERE key_id = $2", float(now), key_id)
             await conn.execute(_RECORD, *change_row(now, actor, "key.revoke", before, after))
-        return after
-
-    async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
-        """Replace a key's roles. NotFoundError if absent."""
-        async with self._conn(write=True) as conn:
-            before = (await _key(conn, key_id, lock=True)).key
-            after = msgspec.structs.replace(before, roles=tuple(roles))
-            if after != before:
-                sql = "UPDATE api_keys SET roles = $1 WHERE key_id = $2"
-                await conn.execute(sql, encode_roles(roles), key_id)
-                await conn.execute(_RECORD, *change_row(now, actor, "key.set_roles", before, after))
         return after
 
     async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:

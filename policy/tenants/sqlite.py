@@ -23,14 +23,13 @@ from policy.tenants.migrations import (
     TENANT_UPDATE_COLUMNS,
     change_from_row,
     change_row,
-    encode_roles,
     key_row,
     stored_key_from_row,
     tenant_from_row,
     tenant_row,
     tenant_update_row,
 )
-from policy.tenants.models import AdminChange, ApiKey, Role, StoredKey, Tenant
+from policy.tenants.models import AdminChange, ApiKey, StoredKey, Tenant
 from registry.db.sqlite import Conn, SqliteStore, transaction
 
 _RECORD = f"INSERT INTO admin_changes ({RECORD_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)"
@@ -136,21 +135,6 @@ class SqliteTenantStore(SqliteStore):
             return after
 
         return await self._run(revoke)
-
-    async def set_key_roles(self, key_id: str, roles: tuple[Role, ...], *, actor: str, now: float) -> ApiKey:
-        """Replace a key's roles. NotFoundError if absent."""
-
-        def set_roles(conn: Conn) -> ApiKey:
-            with transaction(conn):
-                before = _key(conn, key_id).key
-                after = msgspec.structs.replace(before, roles=tuple(roles))
-                if after != before:
-                    sql = "UPDATE api_keys SET roles = ? WHERE key_id = ?"
-                    conn.execute(sql, (encode_roles(roles), key_id))
-                    conn.execute(_RECORD, change_row(now, actor, "key.set_roles", before, after))
-            return after
-
-        return await self._run(set_roles)
 
     async def changes(self, limit: int = 100, *, target: str | None = None) -> list[AdminChange]:
         """The newest admin changes first (optionally only those on one target, e.g. "tenant:acme")."""

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from registry.base import NotFoundError, UnavailableError
 from registry.db.postgres import PostgresStore, numbered
+from registry.errors import NotFoundError, UnavailableError
 from registry.models import (
     Alias,
     AliasChange,
@@ -112,11 +112,6 @@ class PostgresRegistryStore(PostgresStore):
                 kind, name, wanted, await _alias_or_none(conn, kind, name), actor=actor, now=now
             )
             return move if isinstance(move, Alias) else await _write(conn, move)
-
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
-        async with self._tx(write=False) as conn:
-            return await _alias(conn, kind, name)
 
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:
         """All aliases (of one kind, or all), ordered by kind and name."""

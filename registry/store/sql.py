@@ -13,8 +13,8 @@ from typing import Literal
 
 import msgspec
 
-from registry.base import ConflictError, InvalidError, NotFoundError
 from registry.db import Row
+from registry.errors import ConflictError, InvalidError, NotFoundError
 from registry.models import Alias, AliasChange, AliasTarget, FiguresRecord, Kind, Published
 
 VERSION_COLUMNS = "kind, name, version, content_hash, spec, published_at, actor"

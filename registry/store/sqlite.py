@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from registry.base import NotFoundError, RegistryError, UnavailableError
 from registry.db.sqlite import Conn, SqliteStore, transaction
+from registry.errors import NotFoundError, RegistryError, UnavailableError
 from registry.models import (
     Alias,
     AliasChange,
@@ -85,10 +85,6 @@ class SqliteRegistryStore(SqliteStore):
                 return move if isinstance(move, Alias) else _write(conn, move)
 
         return await self._run(set_alias)
-
-    async def get_alias(self, kind: Kind, name: str) -> Alias:
-        """One alias, or NotFoundError."""
-        return await self._run(lambda conn: _alias(conn, kind, name))
 
     async def aliases(self, kind: Kind | None = None) -> list[Alias]:
         """All aliases (of one kind, or all), ordered by kind and name."""

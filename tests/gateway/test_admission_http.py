@@ -34,7 +34,7 @@ from gateway.config import Config, EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
 from policy.tenants.models import Tenant
-from routing.admission_config import AdmissionConfig
+from routing.admission_types import AdmissionConfig
 from routing.config import ReplicaConfig, RoutingConfig
 from tests.conftest import (
     MODEL,

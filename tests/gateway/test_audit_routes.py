@@ -20,7 +20,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
 from gateway.service import Services
-from policy.audit import AuditDraft, AuditRecord, SqliteAuditStore, StageRun, content_sha256, record_hash
+from policy.audit import AuditDraft, AuditedStage, AuditRecord, SqliteAuditStore, content_sha256, record_hash
 from policy.audit.checkpoints import Checkpointer
 from policy.audit.keys import MacKey
 from policy.auth import SYSTEM_TENANT
@@ -34,8 +34,8 @@ KEY = MacKey(b"r" * 32)
 T0 = time.time() - 3600.0  # recent: within the content retention period
 DECISIONS = ("allow", "block", "flag")
 RUNS = (
-    StageRun(stage="rules", kind="rules", latency_s=0.001),
-    StageRun(stage="guard@1", kind="model", model="g@1", score=0.42, allow_below=0.2, block_above=0.7),
+    AuditedStage(stage="rules", kind="rules", latency_s=0.001),
+    AuditedStage(stage="guard@1", kind="model", model="g@1", score=0.42, allow_below=0.2, block_above=0.7),
 )
 
 

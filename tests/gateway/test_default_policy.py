@@ -19,7 +19,7 @@ from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
-from ops.guards.prepare import prepare_default_guards
+from ops.guard_training.prepare import prepare_default_guards
 from policy.safety.decision import GuardRecord
 from tests.conftest import DATA_DIR, MODEL, Tenancy, make_config, operator_headers, serving
 

@@ -10,8 +10,8 @@ import httpx
 
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.cli import HandOffHandler, log_off_the_loop, uvicorn_config
 from gateway.generation.prompts import PromptRenderer
+from gateway.server import HandOffHandler, log_off_the_loop, uvicorn_config
 from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
 
 

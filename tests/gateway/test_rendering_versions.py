@@ -19,8 +19,9 @@ from gateway.app import create_app
 from gateway.config import ModelConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
-from registry.base import InvalidError, RegistryStore
+from registry.base import RegistryStore
 from registry.default_model import register_default_model
+from registry.errors import InvalidError
 from registry.models import ChatTemplateSpec, ModelSpec, TokenizerSpec
 from registry.service import Registry
 from registry.store.sqlite import SqliteRegistryStore

@@ -31,7 +31,7 @@ from policy.auth import Principal
 from policy.quota.meter import applicable
 from policy.safety.defaults import NO_GUARDS, rules_policy
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant
-from registry.base import InvalidError
+from registry.errors import InvalidError
 from registry.hashing import canonical_json
 from registry.models import PolicySpec, decode_spec
 from registry.service import Registry

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from guard.base import Classifier, GuardError, GuardInput, GuardOverloadedError, GuardScore, Span
-from guard.breaker import BreakerPolicy, CircuitBreaker
+from engines.breaker import BreakerPolicy, CircuitBreaker, CircuitOpenError
+from guard.base import Classifier, GuardInput, GuardOverloadedError, GuardScore, Span
 from guard.cascade import BandAction, Cascade, Stage
 from tests.guard.fakes import Crafted, Hanging, Queued, Scripted, Sized
 
@@ -379,5 +379,5 @@ def test_before_call_says_which_call_is_the_probe() -> None:
     breaker.failure()
     clock.now = 10.0
     assert breaker.before_call() is True  # the probe
-    with pytest.raises(GuardError):
+    with pytest.raises(CircuitOpenError, match="a@1 is unavailable"):
         breaker.before_call()  # only one

@@ -12,8 +12,8 @@ import pytest
 
 from gateway.config import GuardConfig
 from gateway.publish_check import DEFAULT_TEMPLATES, load_suite
-from guard.evaluation import LabelledItem
 from guard.figures import Figures, Tolerance, regressions
+from guard.labelled import LabelledItem
 from guard.redteam import (
     BASE64_LEAD,
     HOMOGLYPHS,

@@ -6,9 +6,10 @@ import msgspec
 import pytest
 
 from guard.cascade import StageRun, stage_verdict
-from guard.evaluation import ItemScores, LabelledItem
+from guard.labelled import LabelledItem
 from ops.eval.__main__ import main
 from ops.eval.calibrate import Budget, calibrate
+from ops.eval.evaluation import ItemScores
 
 
 def item(i: int, label: str, kind: str) -> LabelledItem:
@@ -107,7 +108,7 @@ def test_the_command_prints_the_thresholds_and_the_budget_met(
 ) -> None:
     from pathlib import Path
 
-    from guard.evaluation import save_items, save_scores
+    from ops.eval.evaluation import save_items, save_scores
 
     directory = Path(str(tmp_path))
     items, scores = dataset()

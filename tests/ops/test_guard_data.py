@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from guard.dataset import HAZARD_CATEGORY, LANGUAGES, family_splits, load_data_dir
-from guard.evaluation import LabelledItem, dataset_sha256, guard_input, load_items
+from guard.labelled import LabelledItem, guard_input, load_items
+from ops.eval.evaluation import dataset_sha256
 
 DATA = Path(__file__).resolve().parents[2] / "ops" / "eval" / "data" / "guard"
 HAZARDS = [h for h in HAZARD_CATEGORY if h != "none"]

@@ -1,5 +1,5 @@
-"""Training the n-gram guard (ops/guards/ngram.py): the threshold rule on made-up scores, and a run on a
-tiny labelled directory that keeps training, calibration and test apart."""
+"""Training the n-gram guard (ops/guard_training/ngram.py): the threshold rule on made-up scores, and a
+run on a tiny labelled directory that keeps training, calibration and test apart."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ import pytest
 
 from guard.dataset import DataItem, family_splits, load_data_dir
 from guard.ngram import NgramHead
-from ops.guards.data import TrainError
-from ops.guards.ngram import GUARD_JSON, NgramReport, NgramSettings, choose_thresholds, figures, train_ngram
+from ops.guard_training.data import TrainError
+from ops.guard_training.ngram import (
+    GUARD_JSON,
+    NgramReport,
+    NgramSettings,
+    choose_thresholds,
+    figures,
+    train_ngram,
+)
 from tests.ops.tiny_guard_data import write_tiny_guard_data
 
 RULE = NgramSettings()

@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gateway import cli
 from policy.audit import AuditRecord, AuditStore, PostgresAuditStore, SqliteAuditStore, record_hash
-from policy.audit.checkpoints import Checkpoint, Checkpointer, CheckpointError, read_checkpoints, sign
+from policy.audit.checkpoints import Checkpointer, CheckpointError, read_checkpoints, sign
 from policy.audit.keys import AuditKeyError, MacKey, load_mac_key, load_public_key, load_signing_key
+from policy.audit.records import Checkpoint
 from policy.audit.spool import QUARANTINE, Spool
 from policy.audit.verify import verify_tenant, verify_tenants
 from policy.audit.writer import AuditWriter

@@ -19,6 +19,7 @@ from policy.audit import (
     GENESIS_HASH,
     MAX_QUERY_LIMIT,
     AuditDraft,
+    AuditedStage,
     AuditQuery,
     AuditRecord,
     AuditStore,
@@ -29,7 +30,6 @@ from policy.audit import (
     NotFoundError,
     PostgresAuditStore,
     SqliteAuditStore,
-    StageRun,
     content_sha256,
     record_hash,
     verify_chain,
@@ -49,8 +49,8 @@ KEY = MacKey(b"k" * 32)
 APPEND_ONLY = (sqlite3.DatabaseError, asyncpg.PostgresError)
 
 RUNS = (
-    StageRun(stage="rules", kind="rules", latency_s=0.0001),
-    StageRun(
+    AuditedStage(stage="rules", kind="rules", latency_s=0.0001),
+    AuditedStage(
         stage="guard@3",
         kind="model",
         model="qwen-guard@1",
@@ -655,7 +655,7 @@ async def test_postgres_refuses_unsafe_schema_names() -> None:
 def test_public_names() -> None:
     assert set(policy.audit.__all__) >= {
         *("AuditStore", "AuditStoreError", "AuditUnavailableError", "NotFoundError", "InvalidDraftError"),
-        *("AuditDraft", "AuditRecord", "StageRun", "Stage", "Decision", "AuditQuery", "MAX_QUERY_LIMIT"),
+        *("AuditDraft", "AuditRecord", "AuditedStage", "Stage", "Decision", "AuditQuery", "MAX_QUERY_LIMIT"),
         *("ChainReport", "ChainFault", "ChainVerifier", "GENESIS_HASH", "MIGRATIONS"),
         *("SqliteAuditStore", "PostgresAuditStore", "record_hash", "verify_chain", "content_sha256"),
     }

@@ -125,6 +125,18 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     await inner.close()
 
 
+def outages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the authenticator said of the tenant store: "down" and "up" in order (its warnings)."""
+    said = {"tenant store unreachable": "down", "tenant store reachable again": "up"}
+    return [
+        word
+        for record in caplog.records
+        if record.name == "lockgate.auth"
+        for prefix, word in said.items()
+        if record.getMessage().startswith(prefix)
+    ]
+
+
 def timed_for(setup: Setup, mode: Mode) -> Authenticator:
     """An authenticator whose store timeout a test in `mode` can wait out (short only for a hang)."""
     return setup.authenticator(store_timeout=TIMEOUT if mode == "hang" else NO_HANG)
@@ -132,7 +144,7 @@ def timed_for(setup: Setup, mode: Mode) -> Authenticator:
 
 @pytest.mark.parametrize("mode", ["down", "hang"])
 async def test_an_uncached_key_gets_store_unavailable_and_a_cached_one_works(
-    setup: Setup, mode: Mode
+    setup: Setup, mode: Mode, caplog: pytest.LogCaptureFixture
 ) -> None:
     auth = timed_for(setup, mode)
     cached = await setup.key()
@@ -142,16 +154,16 @@ async def test_an_uncached_key_gets_store_unavailable_and_a_cached_one_works(
     with pytest.raises(StoreUnavailableError) as info:
         await setup.check(uncached, auth)
     assert info.value.retry_after >= 1
-    assert auth.store_down
+    assert outages(caplog) == ["down"]
     await setup.check(cached, auth)  # within its TTL: the store is not asked at all
     setup.store.set("up")
     await setup.check(uncached, auth)  # back by itself
-    assert not auth.store_down
+    assert outages(caplog) == ["down", "up"]
 
 
 @pytest.mark.parametrize("mode", ["down", "hang"])
 async def test_a_cached_key_is_served_past_its_ttl_only_while_the_store_is_out(
-    setup: Setup, mode: Mode
+    setup: Setup, mode: Mode, caplog: pytest.LogCaptureFixture
 ) -> None:
     auth = timed_for(setup, mode)
     header = await setup.key()
@@ -159,7 +171,7 @@ async def test_a_cached_key_is_served_past_its_ttl_only_while_the_store_is_out(
     setup.store.set(mode)
     setup.clock.advance(TTL + 1)
     await setup.check(header, auth)  # stale but within the grace: served
-    assert auth.store_down
+    assert outages(caplog) == ["down"]
     lookups = setup.store.key_lookups
     await setup.check(header, auth)  # the outage is known: served at once, one renewal in flight at most
     assert setup.store.key_lookups <= lookups + 1
@@ -168,7 +180,9 @@ async def test_a_cached_key_is_served_past_its_ttl_only_while_the_store_is_out(
         await setup.check(header, auth)
 
 
-async def test_the_outage_is_known_so_a_stale_key_does_not_wait_for_the_store(setup: Setup) -> None:
+async def test_the_outage_is_known_so_a_stale_key_does_not_wait_for_the_store(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
     # A timeout far longer than the no-hang bound: a request that waited for it would fail the test.
     auth = setup.authenticator(store_timeout=NO_HANG * 10)
     header = await setup.key()
@@ -186,7 +200,7 @@ async def test_the_outage_is_known_so_a_stale_key_does_not_wait_for_the_store(se
     assert setup.store.key_lookups == lookups + 1  # one renewal shared by all of them
     setup.store.set("up")
     async with asyncio.timeout(NO_HANG):
-        while auth.store_down:  # noqa: ASYNC110 - the renewal ends on its own, then the flag drops
+        while outages(caplog) != ["down", "up"]:  # noqa: ASYNC110 - the renewal ends on its own and says so
             await asyncio.sleep(0.01)
 
 
@@ -210,14 +224,14 @@ async def test_a_revocation_is_seen_once_the_store_answers_again(setup: Setup) -
             await asyncio.sleep(0.01)
 
 
-async def test_store_bugs_are_not_outages(setup: Setup) -> None:
+async def test_store_bugs_are_not_outages(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
     async def broken(key_id: str) -> StoredKey:
         raise RuntimeError("a bug")
 
     setup.store.get_key = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="a bug"):
         await setup.check(await setup.key())
-    assert not setup.auth.store_down
+    assert outages(caplog) == []
 
 
 async def test_a_flood_of_one_unknown_key_costs_one_lookup_per_negative_ttl(setup: Setup) -> None:

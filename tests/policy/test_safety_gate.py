@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from engines.breaker import BreakerPolicy
 from guard.base import Classifier, GuardInput, Span
-from guard.breaker import BreakerPolicy
 from policy.safety.decision import GuardRecord
 from policy.safety.gate import RecordContext, SafetyGate
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, Published, RulePattern, RulesSpec

@@ -151,11 +151,6 @@ async def test_keys(tenant_store: TenantStore) -> None:
     assert all(type(k) is ApiKey and not hasattr(k, "secret_hash") for k in listed)
     assert secret_hash.encode() not in msgspec.json.encode(listed)
 
-    assert (await tenant_store.set_key_roles("ka", ("operator",), actor="a", now=14.0)).roles == ("operator",)
-    assert (await tenant_store.get_key("ka")).key.roles == ("operator",)
-    with pytest.raises(NotFoundError):
-        await tenant_store.set_key_roles("missing", ("consumer",), actor="a", now=15.0)
-
 
 async def test_a_key_keeps_its_system_prompt_and_trust_grant(tenant_store: TenantStore) -> None:
     await tenant_store.create_tenant(ACME, actor="bootstrap", now=1.0)
@@ -193,13 +188,11 @@ async def test_every_change_is_recorded(tenant_store: TenantStore) -> None:
         msgspec.structs.replace(ACME, weight=4.0), actor="k-admin", now=2.0
     )
     key = await tenant_store.add_key(_key("k1"), "secret-hash-k1", actor="k-admin", now=3.0)
-    with_roles = await tenant_store.set_key_roles("k1", ("policy_admin",), actor="k-admin", now=4.0)
-    revoked = await tenant_store.revoke_key("k1", actor="k-ops", now=5.0)
+    revoked = await tenant_store.revoke_key("k1", actor="k-ops", now=4.0)
 
     changes = await tenant_store.changes()
     expected = [
-        ("k-ops", "key.revoke", "key:k1", with_roles, revoked),
-        ("k-admin", "key.set_roles", "key:k1", key, with_roles),
+        ("k-ops", "key.revoke", "key:k1", key, revoked),
         ("k-admin", "key.add", "key:k1", None, key),
         ("k-admin", "tenant.update", "tenant:acme", created, updated),
         ("bootstrap", "tenant.create", "tenant:acme", None, created),
@@ -210,13 +203,13 @@ async def test_every_change_is_recorded(tenant_store: TenantStore) -> None:
         assert change.before == (None if before is None else msgspec.json.encode(before).decode())
         assert change.after == msgspec.json.encode(after).decode()
         assert "secret-hash-k1" not in (change.after or "")
-    assert [c.at for c in changes] == [5.0, 4.0, 3.0, 2.0, 1.0]
+    assert [c.at for c in changes] == [4.0, 3.0, 2.0, 1.0]
     assert [c.change_id for c in changes] == sorted((c.change_id for c in changes), reverse=True)
     assert [c.action for c in await tenant_store.changes(target="tenant:acme")] == [
         "tenant.update",
         "tenant.create",
     ]
-    assert [c.action for c in await tenant_store.changes(2)] == ["key.revoke", "key.set_roles"]
+    assert [c.action for c in await tenant_store.changes(2)] == ["key.revoke", "key.add"]
     assert await tenant_store.changes(target="tenant:nobody") == []
 
 

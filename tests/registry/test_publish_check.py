@@ -19,7 +19,8 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
-from guard.evaluation import LabelledItem, save_items
+from guard.labelled import LabelledItem
+from ops.eval.evaluation import save_items
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Tenant
 from tests.backends import Backends, FakeClock, deployment

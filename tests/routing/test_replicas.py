@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from engines.base import Engine, EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health, Usage
-from guard.breaker import BreakerPolicy
+from engines.breaker import BreakerPolicy
 from routing.config import ReplicaConfig
 from routing.replicas import Replica, ReplicaUnavailableError, kv_tokens_for_bytes
 from tests.registry.specs import LLAMA3_8B

@@ -18,8 +18,8 @@ from engines.base import (
     Health,
     SamplingSpec,
 )
+from engines.breaker import BreakerPolicy
 from engines.simulated import SimulatedEngine, SimulatorConfig
-from guard.breaker import BreakerPolicy
 from routing.affinity import PrefixMemory, SessionMemory, prefix_block_hashes
 from routing.config import ReplicaConfig, RouterConfig
 from routing.replicas import Replica

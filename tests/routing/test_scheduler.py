@@ -12,7 +12,7 @@ import pytest
 
 from engines.base import EngineRequest, SamplingSpec
 from engines.simulated import SimulatedEngine, SimulatorConfig
-from routing.admission_config import AdmissionConfig, DeadlineUnmeetableError, Klass, QueueFullError, Ticket
+from routing.admission_types import AdmissionConfig, DeadlineUnmeetableError, Klass, QueueFullError, Ticket
 from routing.config import RouterConfig
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest

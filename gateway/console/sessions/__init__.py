@@ -11,7 +11,7 @@ from gateway.console.sessions.base import (
 )
 from gateway.console.sessions.memory import MemorySessionStore
 from gateway.console.sessions.redis import RedisSessionStore
-from policy.auth import Clock
+from policy.clock import Clock
 
 __all__ = [
     "MemorySessionStore",

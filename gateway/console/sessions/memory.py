@@ -4,7 +4,7 @@ one worker of `lockgate serve --workers N` would be unknown to the others; use t
 from __future__ import annotations
 
 from gateway.console.sessions.base import Session, SessionStoreFullError, new_session
-from policy.auth import Clock
+from policy.clock import Clock
 
 
 class MemorySessionStore:

@@ -44,7 +44,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from gateway.console.sessions.base import Session, SessionStoreUnavailableError, new_session
-from policy.auth import Clock
+from policy.clock import Clock
 
 T = TypeVar("T")
 PREFIX = "lockgate:console:session:"

@@ -1,4 +1,5 @@
-"""`ReplicaScorer`: guard calls on a pool that the generation fleet serves, spread over its replicas."""
+"""Guard calls on a pool that the generation fleet serves, spread over its replicas: `ReplicaScorer`, the
+guard's `Scorer` (`score_next_token`) over a pool's replicas, which the app hands to the guard factory."""
 
 from __future__ import annotations
 

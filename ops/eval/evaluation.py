@@ -1,4 +1,4 @@
-"""Guard evaluation: labelled items, stored stage scores, threshold replay and the metrics of a cascade.
+"""Guard evaluation, offline: stored stage scores, threshold replay, calibration and the reports of a cascade.
 
 Scoring runs models once; everything after that is pure. `score_all_stages` runs EVERY stage of a cascade on
 every item, ignoring early exit, so the stored `StageRun`s hold a score for each stage. `replay` then decides
@@ -8,16 +8,8 @@ those thresholds would have decided. A trace recorded with early exit (`score_wi
 all_stages=False)`, or a production audit trail) lacks the stages that never ran; an item whose replay needs
 one of them is counted as `needs_rerun`, never guessed.
 
-How a final decision is counted against the label (unsafe is the positive class):
-
-    block, escalate       flagged unsafe (an escalation is allowed but sent to review: the guard flagged it)
-    allow                 safe
-    error                 neither: counted in `errors`, left out of precision/recall/F1/FPR/FNR and of
-                          calibration, and reported beside them. An error is never read as "safe": what it
-                          means is the policy's fail mode, not the guard's answer.
-    needs rerun           likewise left out, and counted in `needs_rerun`
-
-A rate whose denominator is zero (recall of a group without unsafe items) is None, not 0.
+Final decisions are counted against the labels as `guard.labelled` says (its `metrics`); the labelled items
+and how a guard sees one are there too, since serving uses them (the publish-time red-team check).
 """
 
 from __future__ import annotations
@@ -26,19 +18,16 @@ import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, TypeVar
 
 import msgspec
 
-from guard.base import GuardInput, Span
 from guard.cascade import BandAction, Cascade, CascadeResult, StageRun, route, stage_verdict
-from guard.dataset import HAZARD_CATEGORY, dataset_dir_sha256, family_splits, load_data_dir
+from guard.dataset import dataset_dir_sha256
+from guard.labelled import LabelledItem, Metrics, guard_input, metrics, read_jsonl
 
 __all__ = [
     "CalibrationBin",
     "ItemScores",
-    "LabelledItem",
-    "Metrics",
     "Replayed",
     "Report",
     "StageReport",
@@ -48,10 +37,7 @@ __all__ = [
     "deciding_score",
     "evaluate",
     "expected_calibration_error",
-    "guard_input",
-    "load_items",
     "load_scores",
-    "metrics",
     "parse_thresholds",
     "replay",
     "replay_item",
@@ -61,44 +47,10 @@ __all__ = [
     "score_with_cascade",
 ]
 
-Label = Literal["safe", "unsafe"]
-# The development set's categories, then those of the hazard taxonomy of the guard data set
-# (`guard.dataset.HAZARD_CATEGORY`).
-Category = Literal[
-    "violence", "self_harm", "weapons", "malware", "prompt_injection", "hate", "benign",
-    "violent_crimes", "nonviolent_crimes", "sex_crimes", "child_exploitation", "defamation",
-    "specialized_advice", "privacy", "intellectual_property", "indiscriminate_weapons", "sexual_content",
-    "elections", "code_interpreter_abuse", "jailbreak",
-]  # fmt: skip
-Language = Literal["en", "de", "fr", "es", "it", "pt", "ar", "hi", "ja", "ru", "zh"]
-Severity = Literal["none", "low", "medium", "high", "critical"]
-Split = Literal["train", "calibration", "test"]
 # (allow_below, block_above) of one stage.
 Thresholds = tuple[float, float]
 
 ECE_BINS = 10
-T = TypeVar("T")
-
-
-class LabelledItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One line of a labelled set.
-
-    `category` is the topic the text touches: a benign look-alike ("how do I kill a stuck process") carries
-    the category it resembles with label `safe`; `benign` is for text that resembles no harm category.
-    """
-
-    id: str
-    text: str
-    label: Label
-    category: Category
-    language: Language
-    severity: Severity
-    split: Split
-    # Where the item comes from a guard data directory (`guard.dataset`): whether it is model input or
-    # output, what kind of text it is, and the scenario it renders ("" in a single labelled file).
-    shape: Literal["prompt", "output"] = "prompt"
-    kind: str = ""
-    family: str = ""
 
 
 class ItemScores(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -120,23 +72,6 @@ class Replayed(msgspec.Struct, frozen=True, kw_only=True):
     result: CascadeResult | None
     # The latency of the stages this routing reached: what the item would have cost with early exit.
     cost_s: float = 0.0
-
-
-class Metrics(msgspec.Struct, frozen=True, kw_only=True):
-    """Confusion counts of final decisions against labels (unsafe is positive) and the rates from them."""
-
-    n: int  # every item of the group, errors and needs-rerun included
-    tp: int
-    fp: int
-    tn: int
-    fn: int
-    errors: int
-    needs_rerun: int
-    precision: float | None
-    recall: float | None
-    f1: float | None
-    fpr: float | None
-    fnr: float | None
 
 
 class CalibrationBin(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,37 +119,8 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     mean_scoring_cost_s: float | None  # per item, as stored (every stage when scored with score_all_stages)
 
 
-_ITEM_DECODER = msgspec.json.Decoder(LabelledItem)
 _SCORES_DECODER = msgspec.json.Decoder(ItemScores)
 _ENCODER = msgspec.json.Encoder()
-
-
-def _read_jsonl(path: Path, decoder: msgspec.json.Decoder[T]) -> list[T]:
-    out: list[T] = []
-    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append(decoder.decode(line))
-        except (
-            msgspec.DecodeError
-        ) as exc:  # ValidationError included: name the line as msgspec names the field
-            raise ValueError(f"{path}:{lineno}: {exc}") from exc
-    return out
-
-
-def load_items(path: str | Path) -> list[LabelledItem]:
-    """The labelled items of a JSONL file, or of a guard data directory (`guard.dataset`, splits by family);
-    ValueError naming an invalid line or a repeated id."""
-    if Path(path).is_dir():
-        return _from_data_dir(Path(path))
-    items = _read_jsonl(Path(path), _ITEM_DECODER)
-    seen: set[str] = set()
-    for item in items:
-        if item.id in seen:
-            raise ValueError(f"{path}: item id {item.id!r} appears twice")
-        seen.add(item.id)
-    return items
 
 
 def save_items(path: str | Path, items: Iterable[LabelledItem]) -> None:
@@ -224,35 +130,12 @@ def save_items(path: str | Path, items: Iterable[LabelledItem]) -> None:
 
 def load_scores(path: str | Path) -> list[ItemScores]:
     """Stored item scores from a JSONL file."""
-    return _read_jsonl(Path(path), _SCORES_DECODER)
+    return read_jsonl(Path(path), _SCORES_DECODER)
 
 
 def save_scores(path: str | Path, scores: Iterable[ItemScores]) -> None:
     """Write item scores as JSONL, one per line."""
     Path(path).write_bytes(b"".join(_ENCODER.encode(s) + b"\n" for s in scores))
-
-
-def _from_data_dir(directory: Path) -> list[LabelledItem]:
-    data = load_data_dir(directory)
-    splits = family_splits(data)
-    return [
-        msgspec.convert(
-            {
-                "id": d.id,
-                "text": d.text,
-                "label": d.label,
-                "category": HAZARD_CATEGORY[d.hazard],
-                "language": d.language,
-                "severity": d.severity,
-                "split": splits[d.family],
-                "shape": d.shape,
-                "kind": d.kind,
-                "family": d.family,
-            },
-            LabelledItem,
-        )
-        for d in data
-    ]
 
 
 def dataset_sha256(path: str | Path) -> str:
@@ -261,20 +144,6 @@ def dataset_sha256(path: str | Path) -> str:
     if Path(path).is_dir():
         return dataset_dir_sha256(path)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def guard_input(item: LabelledItem, categories: Sequence[str] = ()) -> GuardInput:
-    """The item as a guard sees it: a prompt as one untrusted user span of an input, an output as the
-    generated text of an output."""
-    if item.shape == "output":
-        return GuardInput(
-            direction="output", spans=(Span(text=item.text, source="output"),), categories=tuple(categories)
-        )
-    return GuardInput(
-        direction="input",
-        spans=(Span(text=item.text, source="user", trusted=False),),
-        categories=tuple(categories),
-    )
 
 
 async def score_all_stages(cascade: Cascade, items: Iterable[LabelledItem]) -> list[ItemScores]:
@@ -369,46 +238,6 @@ def replay(
 ) -> list[Replayed]:
     """Every item decided again at `thresholds` (per stage; None: as stored) and `band`, without models."""
     return [replay_item(s, thresholds, band) for s in scores]
-
-
-def _flagged(result: CascadeResult) -> bool:
-    """Block and escalate flag an item unsafe; allow clears it. (Errors are counted apart, never here.)"""
-    return result.verdict in ("block", "escalate")
-
-
-def _ratio(num: int, den: int) -> float | None:
-    return num / den if den else None
-
-
-def metrics(pairs: Iterable[tuple[Label, CascadeResult | None]]) -> Metrics:
-    """Confusion counts and rates of (label, final result) pairs; None results count as needs-rerun."""
-    n = tp = fp = tn = fn = errors = needs_rerun = 0
-    for label, result in pairs:
-        n += 1
-        if result is None:
-            needs_rerun += 1
-        elif result.verdict == "error":
-            errors += 1
-        elif _flagged(result):
-            tp, fp = (tp + 1, fp) if label == "unsafe" else (tp, fp + 1)
-        else:
-            fn, tn = (fn + 1, tn) if label == "unsafe" else (fn, tn + 1)
-    precision, recall = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
-    f1 = _ratio(2 * tp, 2 * tp + fp + fn)  # = 2PR/(P+R), defined whenever either is
-    return Metrics(
-        n=n,
-        tp=tp,
-        fp=fp,
-        tn=tn,
-        fn=fn,
-        errors=errors,
-        needs_rerun=needs_rerun,
-        precision=precision,
-        recall=recall,
-        f1=f1,
-        fpr=_ratio(fp, fp + tn),
-        fnr=_ratio(fn, fn + tp),
-    )
 
 
 def deciding_score(result: CascadeResult) -> float | None:

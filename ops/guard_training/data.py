@@ -1,6 +1,6 @@
 """The labelled set a guard is trained on: its items split into train and test, its hash, and the metrics.
 
-Items are read with `guard.evaluation.load_items` (the format of ops/eval/data/*.jsonl). The training split
+Items are read with `guard.labelled.load_items` (the format of ops/eval/data/*.jsonl). The training split
 and the held-out split never mix: the training code only ever sees `TrainingSet.train`, and every figure
 it reports is computed on `TrainingSet.test`.
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import msgspec
 
-from guard.evaluation import LabelledItem, auroc, dataset_sha256, load_items
+from guard.labelled import LabelledItem, load_items
+from ops.eval.evaluation import auroc, dataset_sha256
 
 # P(unsafe) at or above this flags an item unsafe when F1, precision and recall are counted.
 THRESHOLD = 0.5

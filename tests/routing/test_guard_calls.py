@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from engines.base import EngineDeadError, EngineRequestError
+from routing.guard_calls import ReplicaScorer, by_pool
 from routing.replicas import Replica
-from routing.scorer import ReplicaScorer, by_pool
 from tests.routing.test_replicas import CONFIG, FakeClock, FakeEngine, make_replica
 
 

@@ -2,7 +2,7 @@
 
 The config and the ticket are msgspec Structs: the config is decoded from the gateway's config file (unknown
 fields refused), the ticket is built by the scheduler when a request arrives. Times are seconds on the
-scheduler's injected clock. The queue itself is `routing.fair_queue.FairQueue`, which re-exports these names.
+scheduler's injected clock. The queue itself is `routing.fair_queue.FairQueue`.
 
 Exceptions::
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from guard.base import GuardError
 from guard.embedding import HEAD_WEIGHTS, MODEL_NAME, Encoder, LogisticHead
-from ops.guards.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
+from ops.guard_training.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
 
 METHOD = "minilm-logistic"
 GUARD_JSON = "guard.json"

@@ -40,8 +40,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from guard.default_guard import DEFAULT_MIN_LABEL_MASS, JUDGE_PROMPT, SAFE_VARIANTS, UNSAFE_VARIANTS
 from guard.one_token import SYSTEM_PROMPT
-from ops.guards.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
-from ops.guards.layers import (
+from ops.guard_training.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
+from ops.guard_training.layers import (
     SAFE_TOKENS,
     UNSAFE_TOKENS,
     SplitModel,
@@ -56,7 +56,7 @@ from registry.hashing import sha256_file
 METHOD = "last-layers"
 GUARD_JSON = "guard.json"
 WEIGHTS_FILE = "model.safetensors"
-# The harm categories of the labelled sets (guard.evaluation.Category without "benign"), in that order:
+# The harm categories of the labelled sets (guard.labelled.Category without "benign"), in that order:
 # the prompt lists them, so a policy whose stages name these categories asks the trained question.
 DEFAULT_CATEGORIES = ("violence", "self_harm", "weapons", "malware", "prompt_injection", "hate")
 # Largest difference allowed between a held-out score from the cached states and from a whole forward pass

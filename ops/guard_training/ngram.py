@@ -22,9 +22,9 @@ import torch
 from numpy.typing import NDArray
 
 from guard.dataset import LANGUAGES, DataItem, dataset_dir_sha256, family_splits, load_data_dir
-from guard.evaluation import auroc
 from guard.ngram import DIM, HEAD_WEIGHTS, METHOD, NgramHead, features, normalize
-from ops.guards.data import TrainError
+from ops.eval.evaluation import auroc
+from ops.guard_training.data import TrainError
 
 GUARD_JSON = "guard.json"
 DEFAULT_GUARD_DATA = Path(__file__).resolve().parent.parent / "eval" / "data" / "guard"

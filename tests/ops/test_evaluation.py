@@ -1,4 +1,5 @@
-"""guard.evaluation: metrics on hand-computed cases, replay equal to a fresh cascade, the dev set, the CLI."""
+"""ops.eval.evaluation (and guard.labelled): metrics on hand-computed cases, replay equal to a fresh
+cascade, the dev set, the CLI."""
 
 from __future__ import annotations
 
@@ -17,18 +18,16 @@ from hypothesis import strategies as st
 
 from guard.base import GuardError, GuardInput, GuardScore
 from guard.cascade import BandAction, Cascade, CascadeResult, Stage, StageRun
-from guard.evaluation import (
+from guard.labelled import LabelledItem, guard_input, load_items, metrics
+from ops.eval.__main__ import main
+from ops.eval.evaluation import (
     ItemScores,
-    LabelledItem,
     Thresholds,
     auroc,
     dataset_sha256,
     evaluate,
     expected_calibration_error,
-    guard_input,
-    load_items,
     load_scores,
-    metrics,
     parse_thresholds,
     replay,
     save_items,
@@ -36,7 +35,6 @@ from guard.evaluation import (
     score_all_stages,
     score_with_cascade,
 )
-from ops.eval.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_SET = REPO / "ops" / "eval" / "data" / "dev.jsonl"

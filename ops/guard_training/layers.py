@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from engines.base import Engine
 from guard.default_guard import JUDGE_PROMPT
 from guard.one_token import OneTokenClassifier
-from ops.guards.data import TrainError
+from ops.guard_training.data import TrainError
 from registry.models import GuardModelSpec
 
 SAFE_TOKENS = ("safe",)

@@ -17,7 +17,7 @@ Layout of a guards directory (`<data_dir>/guards/` for the default guards):
 
 The one-token and embedding guards are trained on a labelled file (ops/eval/data/dev.jsonl by default); the
 n-gram guard on the train split of a labelled directory (ops/eval/data/guard/ by default), its thresholds
-chosen on that directory's calibration split (ops/guards/ngram.py states the rule).
+chosen on that directory's calibration split (ops/guard_training/ngram.py states the rule).
 
 A directory is reused when its manifest names the same training data (sha256 of the file's bytes, and of
 the directory's), the same split, the same base model weights, the same settings and the same guard prompt
@@ -41,10 +41,10 @@ from guard.default_guard import JUDGE_PROMPT
 from guard.embedding import HEAD_WEIGHTS as EMBEDDING_HEAD
 from guard.ngram import HEAD_WEIGHTS as NGRAM_HEAD
 from guard.one_token import SYSTEM_PROMPT
-from ops.guards.data import Metrics, TrainError, load_training_set
-from ops.guards.embedding import EmbeddingSettings, train_embedding
-from ops.guards.ngram import DEFAULT_GUARD_DATA, Figures, NgramSettings, train_ngram
-from ops.guards.one_token import OneTokenSettings, train_one_token
+from ops.guard_training.data import Metrics, TrainError, load_training_set
+from ops.guard_training.embedding import EmbeddingSettings, train_embedding
+from ops.guard_training.ngram import DEFAULT_GUARD_DATA, Figures, NgramSettings, train_ngram
+from ops.guard_training.one_token import OneTokenSettings, train_one_token
 from ops.models.prepare import PrepareError, verify
 from registry.hashing import sha256_file
 
