@@ -1,7 +1,8 @@
 """The guard cascade: stages in order, each settling clear cases and passing uncertain ones on.
 
 A stage with score p allows when p < allow_below, blocks when p > block_above, and passes the item to the
-next stage in between. Past the last stage the policy's band action applies (`escalate`: allow and flag for
+next stage in between; a stage may judge outputs at a pair of its own (`Stage.thresholds`), chosen by the
+item's direction, which the gateway sets (a request's messages, whatever their role, are input). Past the last stage the policy's band action applies (`escalate`: allow and flag for
 review; `block`). A stage that fails (guard error, timeout, open breaker, an engine too busy to answer in
 time) settles nothing: later stages still run, and a later block still blocks, but without a block the
 result is `error` with the categories the failed stage was responsible for. Only the guard's own failures
@@ -24,6 +25,7 @@ import msgspec
 from engines.breaker import CircuitBreaker, CircuitOpenError
 from guard.base import (
     Classifier,
+    Direction,
     GuardError,
     GuardInput,
     GuardInputError,
@@ -84,7 +86,10 @@ class CascadeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Stage:
-    """A classifier in the cascade with its thresholds, categories, timeout and breaker."""
+    """A classifier in the cascade with its thresholds, categories, timeout and breaker.
+
+    `output_thresholds`: (allow_below, block_above) for output items; None: the input pair judges both.
+    """
 
     def __init__(
         self,
@@ -95,17 +100,25 @@ class Stage:
         categories: tuple[str, ...],
         timeout_s: float,
         breaker: CircuitBreaker | None = None,
+        output_thresholds: tuple[float, float] | None = None,
     ) -> None:
         self.classifier = classifier
         self.allow_below = allow_below
         self.block_above = block_above
+        self.output_thresholds = output_thresholds
         self.categories = categories
         self.timeout_s = timeout_s
         self.breaker = breaker
 
-    def verdict(self, p_unsafe: float) -> StageVerdict:
-        """What a score means at this stage's thresholds."""
-        return stage_verdict(p_unsafe, self.allow_below, self.block_above)
+    def thresholds(self, direction: Direction) -> tuple[float, float]:
+        """(allow_below, block_above) for items of `direction`."""
+        if direction == "output" and self.output_thresholds is not None:
+            return self.output_thresholds
+        return self.allow_below, self.block_above
+
+    def verdict(self, p_unsafe: float, direction: Direction = "input") -> StageVerdict:
+        """What a score means at this stage's thresholds for items of `direction`."""
+        return stage_verdict(p_unsafe, *self.thresholds(direction))
 
     async def score(self, item: GuardInput) -> GuardScore:
         """The classifier's score within the timeout, through the breaker; GuardError on any failure.
@@ -245,6 +258,7 @@ class Cascade:
 
     async def _run_stage(self, index: int, stage: Stage, item: GuardInput) -> StageRun:
         categories = stage.categories or self.categories
+        allow_below, block_above = stage.thresholds(item.direction)
         started = time.perf_counter()
         try:
             score = await stage.score(item)
@@ -252,8 +266,8 @@ class Cascade:
             return StageRun(
                 index=index,
                 guard=stage.classifier.name,
-                allow_below=stage.allow_below,
-                block_above=stage.block_above,
+                allow_below=allow_below,
+                block_above=block_above,
                 categories=categories,
                 p_unsafe=None,
                 verdict="error",
@@ -267,11 +281,11 @@ class Cascade:
             guard=score.guard,
             model=score.model,
             template_sha256=score.template_sha256,
-            allow_below=stage.allow_below,
-            block_above=stage.block_above,
+            allow_below=allow_below,
+            block_above=block_above,
             categories=categories,
             p_unsafe=score.p_unsafe,
             category=score.category,
-            verdict=stage.verdict(score.p_unsafe),
+            verdict=stage_verdict(score.p_unsafe, allow_below, block_above),
             latency_s=score.latency_s or time.perf_counter() - started,
         )

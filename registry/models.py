@@ -117,6 +117,9 @@ class CascadeStage(_Input, frozen=True, kw_only=True):
     """One guard stage: allow below one score, block above another, pass on to the next stage between.
 
     A `rules` stage runs the policy's own rules (no guard model); a `model` stage runs guard model `guard`.
+    `allow_below`/`block_above` judge inputs, and outputs too unless the stage has its own output pair
+    (`output_allow_below`/`output_block_above`, both or neither): a guard scores a harmful prompt and a
+    harmful answer differently, and everyday answers must never be cut.
     """
 
     kind: StageKind = "model"
@@ -124,10 +127,21 @@ class CascadeStage(_Input, frozen=True, kw_only=True):
     guard: str = ""
     allow_below: Fraction
     block_above: Fraction
+    # Unset: outputs are judged at the input pair. Unset fields stay out of the canonical JSON, so every
+    # policy published before these fields keeps its hash.
+    output_allow_below: Fraction | msgspec.UnsetType = msgspec.UNSET
+    output_block_above: Fraction | msgspec.UnsetType = msgspec.UNSET
     # Categories this stage judges (empty: all of the policy's); their fail modes decide when it fails.
     categories: tuple[str, ...] = ()
     # Seconds one call may take before it counts as a guard failure.
     timeout_s: Annotated[float, Meta(gt=0.0, le=60.0)] = 5.0
+
+    def thresholds(self, direction: Literal["input", "output"]) -> tuple[float, float]:
+        """(allow_below, block_above) for items of `direction`."""
+        if direction == "output" and not isinstance(self.output_allow_below, msgspec.UnsetType):
+            if not isinstance(self.output_block_above, msgspec.UnsetType):
+                return self.output_allow_below, self.output_block_above
+        return self.allow_below, self.block_above
 
 
 class RulePattern(_Input, frozen=True, kw_only=True):

@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from registry.errors import InvalidError, NotFoundError
 from registry.hashing import sha256_file
 from registry.models import (
     AliasTarget,
+    CascadeStage,
     GuardModelSpec,
     Kind,
     ModelSpec,
@@ -136,6 +139,7 @@ def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
                 f"{where} needs 0 <= allow_below <= block_above <= 1, "
                 f"got allow_below={stage.allow_below}, block_above={stage.block_above}"
             )
+        _check_output_pair(where, stage)
         strange = sorted(set(stage.categories) - set(names))
         if strange:
             raise InvalidError(f"{where} names unknown categories {strange}")
@@ -155,6 +159,26 @@ def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
                 re.compile(rule.pattern)
             except re.error as exc:
                 raise InvalidError(f"{where}: pattern {rule.pattern!r} does not compile: {exc}") from exc
+
+
+def _check_output_pair(where: str, stage: CascadeStage) -> None:
+    """A stage's output thresholds: both or neither, each within [0, 1], allow not above block."""
+    allow, block = stage.output_allow_below, stage.output_block_above
+    if isinstance(allow, msgspec.UnsetType) and isinstance(block, msgspec.UnsetType):
+        return
+    if isinstance(allow, msgspec.UnsetType) or isinstance(block, msgspec.UnsetType):
+        field = "output_allow_below" if isinstance(allow, msgspec.UnsetType) else "output_block_above"
+        raise InvalidError(
+            f"{where}.{field} is missing: set output_allow_below and output_block_above together"
+        )
+    for field, value in (("output_allow_below", allow), ("output_block_above", block)):
+        if not 0.0 <= value <= 1.0:
+            raise InvalidError(f"{where}.{field} must be within [0, 1], got {value}")
+    if allow > block:
+        raise InvalidError(
+            f"{where}.output_allow_below must not exceed output_block_above, "
+            f"got output_allow_below={allow}, output_block_above={block}"
+        )
 
 
 def check_tokenizer(

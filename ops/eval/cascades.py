@@ -53,6 +53,7 @@ def policy_cascade(spec: PolicySpec) -> Cascade:
                 block_above=stage.block_above,
                 categories=stage.categories,
                 timeout_s=stage.timeout_s,
+                output_thresholds=stage.thresholds("output"),
             )
         )
     return Cascade(stages, spec.past_last_stage, categories)

@@ -75,6 +75,7 @@ def build_cascade(
                 block_above=stage.block_above,
                 categories=stage.categories,
                 timeout_s=stage.timeout_s,
+                output_thresholds=stage.thresholds("output"),
                 breaker=guard_breaker,
             )
         )

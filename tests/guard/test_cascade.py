@@ -381,3 +381,39 @@ def test_before_call_says_which_call_is_the_probe() -> None:
     assert breaker.before_call() is True  # the probe
     with pytest.raises(CircuitOpenError, match="a@1 is unavailable"):
         breaker.before_call()  # only one
+
+
+@pytest.mark.parametrize(
+    ("score", "item", "verdict", "pair"),
+    [
+        # 0.6 blocks an output (above its 0.5) but is in the input band (0.2..0.8).
+        (0.6, OUTPUT, "block", (0.1, 0.5)),
+        (0.6, ITEM, "escalate", (0.2, 0.8)),
+        # 0.9 blocks an input, and an output still blocks above its own pair.
+        (0.9, ITEM, "block", (0.2, 0.8)),
+        # 0.15 is allowed on input (below 0.2) but not on output (allow_below 0.1).
+        (0.15, ITEM, "allow", (0.2, 0.8)),
+        (0.15, OUTPUT, "escalate", (0.1, 0.5)),
+    ],
+)
+async def test_a_stage_judges_outputs_at_its_output_pair_and_inputs_at_its_input_pair(
+    score: float, item: GuardInput, verdict: str, pair: tuple[float, float]
+) -> None:
+    directed = Stage(
+        Scripted("a@1", score),
+        allow_below=0.2,
+        block_above=0.8,
+        categories=(),
+        timeout_s=5.0,
+        output_thresholds=(0.1, 0.5),
+    )
+    result = await cascade(directed).run(item)
+    assert result.verdict == verdict
+    [run] = result.runs
+    assert (run.allow_below, run.block_above) == pair  # the record names the pair that judged it
+
+
+async def test_a_stage_without_an_output_pair_judges_outputs_at_its_input_pair() -> None:
+    result = await cascade(stage(Scripted("a@1", 0.6), block_above=0.5)).run(OUTPUT)
+    assert result.verdict == "block"
+    assert (result.runs[0].allow_below, result.runs[0].block_above) == (0.2, 0.5)

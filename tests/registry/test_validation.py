@@ -18,6 +18,8 @@ from registry import (
     check_tokenizer,
     parse_ref,
 )
+from policy.safety.defaults import rules_policy
+from registry.hashing import canonical_json, spec_hash
 from tests.registry import specs
 from tests.registry.specs import canary
 
@@ -145,3 +147,40 @@ async def test_an_ngram_guard_is_published_with_its_pinned_head(registry: Regist
     resolved = registry.view.resolve_guard(published.ref, key="")
     assert resolved.model is None
     assert resolved.spec == ngram
+
+
+def _with_output(allow: float | None, block: float | None) -> PolicySpec:
+    """specs.policy() whose stage has the given output thresholds (None: unset)."""
+    spec = specs.policy()
+    fields = {
+        name: value
+        for name, value in (("output_allow_below", allow), ("output_block_above", block))
+        if value is not None
+    }
+    return msgspec.structs.replace(spec, stages=(msgspec.structs.replace(spec.stages[0], **fields),))
+
+
+async def test_output_thresholds_are_both_or_neither_ordered_and_named_when_wrong(registry: Registry) -> None:
+    await specs.seed(registry, "1")
+    await registry.publish("guard_model", "guard", "1", specs.guard(), actor="t")
+    cases: list[tuple[PolicySpec, str]] = [
+        (_with_output(0.3, None), r"stages\[0\]\.output_block_above is missing"),
+        (_with_output(None, 0.9), r"stages\[0\]\.output_allow_below is missing"),
+        (_with_output(0.9, 0.3), r"stages\[0\]\.output_allow_below must not exceed output_block_above"),
+        # msgspec checks the bounds on decode and names the field.
+        (_with_output(0.3, 1.5), r"<= 1.0 - at `\$.stages\[0\].output_block_above`"),
+        (_with_output(-0.1, 0.5), r">= 0.0 - at `\$.stages\[0\].output_allow_below`"),
+    ]
+    for policy_spec, message in cases:
+        with pytest.raises(InvalidError, match=message):
+            await registry.publish("policy", "strict", "1", policy_spec, actor="t")
+    published = await registry.publish("policy", "strict", "1", _with_output(0.1, 0.95), actor="t")
+    assert '"output_allow_below":0.1,"output_block_above":0.95' in published.spec_json
+
+
+def test_a_policy_without_output_thresholds_keeps_its_published_hash() -> None:
+    # The hash of the built-in rules policy as published before stages had output thresholds.
+    spec = rules_policy()
+    assert "output_" not in canonical_json(spec)
+    assert spec_hash(spec) == "375119dd22580b6912d8cb8f43d42bbadcaaf55aa11da232ae326f54ea48dc98"
+    assert spec.stages[0].thresholds("output") == spec.stages[0].thresholds("input") == (0.25, 0.75)
