@@ -177,6 +177,8 @@ async def _trained_guards(config: Config, registry: Registry, served: str) -> Tr
         ngram=refs.ngram,
         ngram_allow_below=refs.ngram_allow_below,
         ngram_block_above=refs.ngram_block_above,
+        ngram_output_allow_below=refs.ngram_output_allow_below,
+        ngram_output_block_above=refs.ngram_output_block_above,
         categories=refs.categories,
     )
 

@@ -55,6 +55,8 @@ class _Ngram(msgspec.Struct, frozen=True):
     training_data_sha256: str
     allow_below: float
     block_above: float
+    output_allow_below: float
+    output_block_above: float
 
 
 class _Manifest(msgspec.Struct, frozen=True):
@@ -71,9 +73,12 @@ class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
     one_token: str  # guard_model version of kind one_token on `model`
     embedding: str  # guard_model version of kind embedding
     ngram: str  # guard_model version of kind ngram
-    # The n-gram stage's thresholds, chosen on the calibration split of the data it was trained on.
+    # The n-gram stage's thresholds, chosen on the calibration split of the data it was trained on: for
+    # inputs (on its prompts) and for outputs (on its outputs).
     ngram_allow_below: float
     ngram_block_above: float
+    ngram_output_allow_below: float
+    ngram_output_block_above: float
     # The categories the one-token guard's prompt listed in training, in that order: a stage that passes
     # these (the policy's categories) asks the guard exactly the question it was trained on.
     categories: tuple[str, ...] = ()
@@ -169,5 +174,7 @@ async def register_guards(
         ngram=ngram.ref,
         ngram_allow_below=manifest.ngram.allow_below,
         ngram_block_above=manifest.ngram.block_above,
+        ngram_output_allow_below=manifest.ngram.output_allow_below,
+        ngram_output_block_above=manifest.ngram.output_block_above,
         categories=manifest.one_token.categories,
     )

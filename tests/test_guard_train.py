@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,10 +189,15 @@ def test_the_ngram_guard_is_prepared_with_its_calibrated_thresholds(
     assert ngram.training_data_sha256 != prepared.manifest.training_data_sha256  # another data set
     assert ngram.weights_sha256 == report.weights_sha256 == _sha256(prepared.path / NGRAM_NAME / "ngram.npz")
     assert (ngram.allow_below, ngram.block_above) == (
-        report.thresholds.allow_below,
-        report.thresholds.block_above,
+        report.thresholds.input.allow_below,
+        report.thresholds.input.block_above,
+    )
+    assert (ngram.output_allow_below, ngram.output_block_above) == (
+        report.thresholds.output.allow_below,
+        report.thresholds.output.block_above,
     )
     assert 0.0 <= ngram.allow_below <= ngram.block_above <= 1.0
+    assert 0.0 <= ngram.output_allow_below <= ngram.output_block_above <= 1.0
     assert ngram.calibration == report.calibration
     assert prepared.manifest.ngram_settings == NgramSettings()
 
@@ -254,9 +260,16 @@ async def test_register_guards_publishes_trained_versions_idempotently(
         assert ngram.artifact == f"guards/{NGRAM_NAME}"
         assert ngram.weights_sha256 == prepared.manifest.ngram.weights_sha256
         assert ngram.training_data_sha256 == prepared.manifest.ngram.training_data_sha256
-        assert (refs.ngram_allow_below, refs.ngram_block_above) == (
+        assert (
+            refs.ngram_allow_below,
+            refs.ngram_block_above,
+            refs.ngram_output_allow_below,
+            refs.ngram_output_block_above,
+        ) == (
             prepared.manifest.ngram.allow_below,
             prepared.manifest.ngram.block_above,
+            prepared.manifest.ngram.output_allow_below,
+            prepared.manifest.ngram.output_block_above,
         )
 
         generation = view.generation
@@ -319,13 +332,25 @@ def test_other_data_or_settings_are_not_reused(prepared: GuardsResult) -> None:
     assert read_manifest(prepared.path / "missing") is None
 
 
-async def test_guards_prepared_before_the_ngram_guard_are_prepared_again(
-    prepared: GuardsResult, model_dir: Path, tmp_path: Path
+def _without_ngram(raw: dict[str, Any]) -> None:
+    del raw["ngram"], raw["ngram_settings"]
+
+
+def _with_one_ngram_pair(raw: dict[str, Any]) -> None:
+    # The layout before per-direction thresholds: one pair for both directions, figures not per direction.
+    del raw["ngram"]["output_allow_below"], raw["ngram"]["output_block_above"]
+    raw["ngram"]["calibration"] = raw["ngram"]["calibration"]["input"]
+    raw["ngram"]["test"] = raw["ngram"]["test"]["input"]
+
+
+@pytest.mark.parametrize("older", [_without_ngram, _with_one_ngram_pair])
+async def test_guards_prepared_by_an_older_layout_are_prepared_again(
+    prepared: GuardsResult, model_dir: Path, tmp_path: Path, older: Callable[[dict[str, Any]], None]
 ) -> None:
     old = tmp_path / "guards"
     old.mkdir()
     raw = json.loads((prepared.path / GUARDS_MANIFEST).read_bytes())
-    del raw["ngram"], raw["ngram_settings"]
+    older(raw)
     (old / GUARDS_MANIFEST).write_text(json.dumps(raw))
     assert read_manifest(old) is None  # so `prepare_guards` trains them all again
     registry = await _registry(tmp_path / "registry.db")

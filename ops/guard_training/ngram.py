@@ -3,7 +3,8 @@
 The set is a directory of JSONL files (`guard.dataset`, ops/eval/data/guard/); its families are split
 train / calibration / test (`family_splits`). The head (`guard.ngram.NgramHead`) is fit on the train split
 only: torch's EmbeddingBag, zero-initialised, full-batch Adam, L2 on the weights. The stage's thresholds are
-chosen on the calibration split only (`choose_thresholds`), and the test split is scored for the report.
+chosen on the calibration split only (`choose_thresholds`), one pair for inputs from the prompts and one for
+outputs from the outputs, and the test split is scored for the report, per direction.
 
 The artifact directory holds the head (`ngram.npz`, `ngram.json`) and `guard.json`, the NgramReport: the
 data's sha256, the ids trained on, the thresholds, the calibration and test figures, the test scores.
@@ -40,8 +41,11 @@ class NgramSettings(msgspec.Struct, frozen=True, kw_only=True):
     lr: float = 0.05
     l2: float = 1e-6  # times the sum of squared weights (1e-5 blocked fewer test items: 23% against 27%)
     lookalike_quantile: float = 0.95  # block_above keeps this share of benign look-alikes under it
-    band_share: float = 0.10  # at most this share of calibration items scores in the band
-    harmful_quantile: float = 0.20  # allow_below never above this quantile of harmful scores
+    # Input block_above keeps this share of everyday prompts under it too: look-alikes alone would let the
+    # threshold fall where everyday prompts score (~12% of them above the look-alikes' 95% quantile).
+    everyday_quantile: float = 0.99
+    band_share: float = 0.10  # at most this share of a direction's calibration items scores in the band
+    harmful_quantile: float = 0.20  # allow_below never above this quantile of the direction's harmful scores
 
 
 class Thresholds(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,6 +53,13 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True):
 
     allow_below: float
     block_above: float
+
+
+class DirectedThresholds(msgspec.Struct, frozen=True, kw_only=True):
+    """The stage's pair for inputs (chosen on prompts) and its pair for outputs (chosen on outputs)."""
+
+    input: Thresholds
+    output: Thresholds
 
 
 class Figures(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +76,13 @@ class Figures(msgspec.Struct, frozen=True, kw_only=True):
     auroc: float | None
 
 
+class DirectedFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """Figures of a split's prompts at the input pair and of its outputs at the output pair."""
+
+    input: Figures
+    output: Figures
+
+
 class NgramReport(msgspec.Struct, frozen=True, kw_only=True):
     """What was fit, its thresholds and how it does: `guard.json` of the artifact directory."""
 
@@ -73,9 +91,9 @@ class NgramReport(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: str
     train_ids: tuple[str, ...]
     settings: NgramSettings
-    thresholds: Thresholds
-    calibration: Figures
-    test: Figures
+    thresholds: DirectedThresholds
+    calibration: DirectedFigures
+    test: DirectedFigures
     losses: tuple[float, ...]  # training loss at each progress line
     test_scores: dict[str, float]  # P(unsafe) of each test item by id, for threshold and cascade studies
     weights_file: str
@@ -85,34 +103,69 @@ class NgramReport(msgspec.Struct, frozen=True, kw_only=True):
 
 def choose_thresholds(
     scores: Sequence[float], items: Sequence[DataItem], settings: NgramSettings
-) -> Thresholds:
-    """The stage's thresholds from calibration scores (never training ones). The rule:
+) -> DirectedThresholds:
+    """The stage's thresholds from calibration scores (never training ones), each direction's pair from
+    its own items: a guard scores prompts and answers differently, and one pair for both would be bound by
+    whichever direction needs the higher block threshold. The rule:
 
-    - block_above = max(the `lookalike_quantile` quantile of the benign look-alikes' scores, the highest
-      score of a safe output): at most ~5% of look-alikes are blocked, and no everyday reply or refusal of
-      the calibration split is (a stage blocks a score strictly above block_above);
-    - allow_below = the lowest threshold whose band [allow_below, block_above] holds at most `band_share`
-      of all calibration items (the widest band the later, slower stages are given), but never above the
-      `harmful_quantile` quantile of the harmful items' scores (so at most ~20% of harmful items are
-      allowed by this stage without a second opinion), and never above block_above. (Items scoring
-      exactly block_above are always in the band: a stage neither allows nor blocks them.)
+    - input block_above = max(the `lookalike_quantile` quantile of the benign look-alike prompts' scores,
+      the `everyday_quantile` quantile of the everyday prompts' scores): at most ~5% of look-alikes and ~1%
+      of everyday prompts are blocked (a stage blocks a score strictly above block_above);
+    - output block_above = max(the highest score of a safe output, the `lookalike_quantile` quantile of
+      any look-alike outputs): no everyday reply or refusal of the calibration split is cut;
+    - allow_below, per direction = the lowest threshold whose band [allow_below, block_above] holds at
+      most `band_share` of the direction's items (the widest band the later, slower stages are given), but
+      never above the `harmful_quantile` quantile of the direction's harmful items' scores (so at most ~20%
+      of them are allowed by this stage without a second opinion), and never above block_above. (Items
+      scoring exactly block_above are always in the band: a stage neither allows nor blocks them.)
 
-    TrainError when the calibration split lacks look-alikes, safe outputs or harmful items.
+    TrainError when the calibration split lacks look-alike prompts, safe outputs, or harmful items of
+    either direction.
     """
     values = np.asarray(scores, dtype=np.float64)
     if values.shape != (len(items),):
         raise ValueError(f"{values.size} scores for {len(items)} items")
-    lookalikes = values[[i.kind == "lookalike" for i in items]]
-    safe_outputs = values[[i.shape == "output" and i.label == "safe" for i in items]]
-    harmful = values[[i.label == "unsafe" for i in items]]
-    if not (lookalikes.size and safe_outputs.size and harmful.size):
-        raise TrainError("the calibration split needs look-alikes, safe outputs and harmful items")
-    block_above = max(float(np.quantile(lookalikes, settings.lookalike_quantile)), float(safe_outputs.max()))
+
+    def where(test: Callable[[DataItem], bool]) -> NDArray[np.float64]:
+        return values[np.array([test(i) for i in items], dtype=bool)]
+
+    prompts, outputs = where(lambda i: i.shape == "prompt"), where(lambda i: i.shape == "output")
+    lookalikes = where(lambda i: i.shape == "prompt" and i.kind == "lookalike")
+    everyday = where(lambda i: i.shape == "prompt" and i.kind == "everyday")
+    safe_outputs = where(lambda i: i.shape == "output" and i.label == "safe")
+    output_lookalikes = where(lambda i: i.shape == "output" and i.kind == "lookalike")
+    harmful_prompts = where(lambda i: i.shape == "prompt" and i.label == "unsafe")
+    harmful_outputs = where(lambda i: i.shape == "output" and i.label == "unsafe")
+    if not (lookalikes.size and safe_outputs.size and harmful_prompts.size and harmful_outputs.size):
+        raise TrainError(
+            "the calibration split needs look-alikes, safe outputs and harmful items of both shapes "
+            "(prompts and outputs)"
+        )
+    input_block = _quantile(lookalikes, settings.lookalike_quantile)
+    if everyday.size:
+        input_block = max(input_block, _quantile(everyday, settings.everyday_quantile))
+    output_block = float(safe_outputs.max())
+    if output_lookalikes.size:
+        output_block = max(output_block, _quantile(output_lookalikes, settings.lookalike_quantile))
+    return DirectedThresholds(
+        input=_band(prompts, harmful_prompts, input_block, settings),
+        output=_band(outputs, harmful_outputs, output_block, settings),
+    )
+
+
+def _quantile(values: NDArray[np.float64], q: float) -> float:
+    return float(np.quantile(values, q))
+
+
+def _band(
+    values: NDArray[np.float64], harmful: NDArray[np.float64], block_above: float, settings: NgramSettings
+) -> Thresholds:
+    """The pair of one direction: `block_above`, and allow_below by the band and harmful-quantile rule."""
     in_reach = np.sort(values[values <= block_above])[::-1]  # highest first
     room = int(settings.band_share * values.size)  # items the band may hold
     # Just above the first score that would not fit: ties with it stay out, so the band never holds more.
     widest = 0.0 if in_reach.size <= room else float(np.nextafter(in_reach[room], np.inf))
-    cap = float(np.quantile(harmful, settings.harmful_quantile))
+    cap = _quantile(harmful, settings.harmful_quantile)
     allow_below = min(widest, cap, block_above)
     return Thresholds(allow_below=_unit(allow_below), block_above=_unit(block_above))
 
@@ -149,6 +202,19 @@ def figures(scores: Sequence[float], items: Sequence[DataItem], thresholds: Thre
         },
         auroc=auroc(zip(values.tolist(), harmful.tolist(), strict=True)),
     )
+
+
+def directed_figures(
+    scores: Sequence[float], items: Sequence[DataItem], thresholds: DirectedThresholds
+) -> DirectedFigures:
+    """The prompts of `items` at the input pair and their outputs at the output pair."""
+    pairs = list(zip(scores, items, strict=True))
+
+    def of(shape: str, pair: Thresholds) -> Figures:
+        chosen = [(s, i) for s, i in pairs if i.shape == shape]
+        return figures([s for s, _ in chosen], [i for _, i in chosen], pair)
+
+    return DirectedFigures(input=of("prompt", thresholds.input), output=of("output", thresholds.output))
 
 
 def describe(figures: Figures) -> str:
@@ -225,11 +291,17 @@ def train_ngram(
     calibration_scores = [max(head.score_text(i.text)) for i in calibration]
     test_scores = [max(head.score_text(i.text)) for i in test]
     thresholds = choose_thresholds(calibration_scores, calibration, settings)
-    on_calibration = figures(calibration_scores, calibration, thresholds)
-    on_test = figures(test_scores, test, thresholds)
-    say(f"ngram guard: allow_below {thresholds.allow_below:.4f}, block_above {thresholds.block_above:.4f}")
-    say(f"ngram guard: calibration, {describe(on_calibration)}")
-    say(f"ngram guard: test, {describe(on_test)}")
+    on_calibration = directed_figures(calibration_scores, calibration, thresholds)
+    on_test = directed_figures(test_scores, test, thresholds)
+    for direction, pair, on_cal, on_tst in (
+        ("input", thresholds.input, on_calibration.input, on_test.input),
+        ("output", thresholds.output, on_calibration.output, on_test.output),
+    ):
+        say(
+            f"ngram guard, {direction}s: allow_below {pair.allow_below:.4f}, block_above {pair.block_above:.4f}"
+        )
+        say(f"ngram guard, {direction}s: calibration, {describe(on_cal)}")
+        say(f"ngram guard, {direction}s: test, {describe(on_tst)}")
     weights_sha256 = head.save(out_dir)
     report = NgramReport(
         method=METHOD,

@@ -43,7 +43,7 @@ from guard.ngram import HEAD_WEIGHTS as NGRAM_HEAD
 from guard.one_token import SYSTEM_PROMPT
 from ops.guard_training.data import Metrics, TrainError, load_training_set
 from ops.guard_training.embedding import EmbeddingSettings, train_embedding
-from ops.guard_training.ngram import DEFAULT_GUARD_DATA, Figures, NgramSettings, train_ngram
+from ops.guard_training.ngram import DEFAULT_GUARD_DATA, DirectedFigures, NgramSettings, train_ngram
 from ops.guard_training.one_token import OneTokenSettings, train_one_token
 from ops.models.prepare import PrepareError, verify
 from registry.hashing import sha256_file
@@ -82,7 +82,9 @@ class PreparedEmbedding(msgspec.Struct, frozen=True, kw_only=True):
 
 class PreparedNgram(msgspec.Struct, frozen=True, kw_only=True):
     """The n-gram guard of a guards directory: its artifact directory, the head's sha256, the data it was
-    trained on, and the stage thresholds chosen on that data's calibration split."""
+    trained on, and the stage thresholds chosen on that data's calibration split: a pair for inputs (chosen on
+    its prompts) and a pair for outputs (chosen on its outputs). A manifest of an older layout, with one pair,
+    fails to decode, so its guards are trained again."""
 
     name: str  # directory and guard name
     weights_sha256: str
@@ -90,8 +92,10 @@ class PreparedNgram(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: str
     allow_below: float
     block_above: float
-    calibration: Figures
-    test: Figures
+    output_allow_below: float
+    output_block_above: float
+    calibration: DirectedFigures
+    test: DirectedFigures
 
 
 class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,8 +249,10 @@ def prepare_guards(
                 weights_sha256=ngram_report.weights_sha256,
                 training_data_sha256=ngram_report.training_data_sha256,
                 data_dir=ngram_data_dir.name,
-                allow_below=ngram_report.thresholds.allow_below,
-                block_above=ngram_report.thresholds.block_above,
+                allow_below=ngram_report.thresholds.input.allow_below,
+                block_above=ngram_report.thresholds.input.block_above,
+                output_allow_below=ngram_report.thresholds.output.allow_below,
+                output_block_above=ngram_report.thresholds.output.block_above,
                 calibration=ngram_report.calibration,
                 test=ngram_report.test,
             ),

@@ -59,9 +59,12 @@ class TrainedGuards(msgspec.Struct, frozen=True, kw_only=True):
     embedding: str
     one_token: str
     ngram: str
-    # The n-gram stage's thresholds, chosen on the calibration split of its training data.
+    # The n-gram stage's thresholds, chosen on the calibration split of its training data: for inputs (on
+    # its prompts) and for outputs (on its outputs).
     ngram_allow_below: float
     ngram_block_above: float
+    ngram_output_allow_below: float
+    ngram_output_block_above: float
     # The categories the one-token guard's prompt listed in training, in order ("" = not recorded).
     categories: tuple[str, ...] = ()
 
@@ -88,8 +91,9 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard.
 
     The n-gram stage's thresholds are its own, chosen when it was trained, on the calibration split of the
-    multilingual set (ops/guard_training/ngram.py `choose_thresholds`): it blocks what it is sure of in any
-    language, allows what it is sure is benign, and passes the rest on. The later stages' thresholds were
+    multilingual set (ops/guard_training/ngram.py `choose_thresholds`), a pair for inputs chosen on its
+    prompts and a pair for outputs chosen on its outputs: it blocks what it is sure of in any language,
+    allows what it is sure is benign, and passes the rest on. The later stages' thresholds were
     chosen on the same calibration split, the n-gram stage kept at its own, under the budget of `python -m
     ops.eval calibrate` (look-alikes blocked at most 5%, escalations at most 10%, no safe output blocked):
     the most harmful items blocked within it. The one-token guard decides what reaches it (no band): on
@@ -102,6 +106,8 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 guard=guards.ngram,
                 allow_below=guards.ngram_allow_below,
                 block_above=guards.ngram_block_above,
+                output_allow_below=guards.ngram_output_allow_below,
+                output_block_above=guards.ngram_output_block_above,
                 timeout_s=2.0,
             ),
             CascadeStage(guard=guards.embedding, allow_below=0.4, block_above=0.75, timeout_s=2.0),

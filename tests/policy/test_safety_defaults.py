@@ -13,6 +13,8 @@ GUARDS = TrainedGuards(
     ngram="ngram-guard@cccccccccccc",
     ngram_allow_below=0.31,
     ngram_block_above=0.77,
+    ngram_output_allow_below=0.12,
+    ngram_output_block_above=0.93,
 )
 
 
@@ -20,7 +22,10 @@ def test_the_ngram_stage_runs_after_the_rules_and_before_the_embedding_guard() -
     stages = trained_policy(GUARDS).stages
     assert stages[0] == RULES_STAGE
     assert [s.guard for s in stages[1:]] == [GUARDS.ngram, GUARDS.embedding, GUARDS.one_token]
-    assert (stages[1].allow_below, stages[1].block_above) == (0.31, 0.77)
+    assert stages[1].thresholds("input") == (0.31, 0.77)
+    assert stages[1].thresholds("output") == (0.12, 0.93)
+    # The other stages judge both directions at one pair (their output pair is unset).
+    assert all(s.output_block_above is msgspec.UNSET for s in (stages[0], *stages[2:]))
     # The last stage decides what reaches it: no band, so nothing escalates past it.
     assert stages[-1].allow_below == stages[-1].block_above
     assert trained_policy(GUARDS).past_last_stage == "escalate"
@@ -34,5 +39,7 @@ def test_the_version_follows_the_ngram_guard_and_its_thresholds() -> None:
         {"ngram": "ngram-guard@dddddddddddd"},
         {"ngram_allow_below": 0.3},
         {"ngram_block_above": 0.8},
+        {"ngram_output_allow_below": 0.2},
+        {"ngram_output_block_above": 0.95},
     ):
         assert _trained_version(msgspec.structs.replace(GUARDS, **change)) != version, change
