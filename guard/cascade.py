@@ -1,14 +1,14 @@
 """The guard cascade: stages in order, each settling clear cases and passing uncertain ones on.
 
-A stage with score p allows when p < allow_below, blocks when p > block_above, and passes the item to the
-next stage in between; a stage may judge outputs at a pair of its own (`Stage.thresholds`), chosen by the
-item's direction, which the gateway sets (a request's messages, whatever their role, are input). Past the last stage the policy's band action applies (`escalate`: allow and flag for
-review; `block`). A stage that fails (guard error, timeout, open breaker, an engine too busy to answer in
-time) settles nothing: later stages still run, and a later block still blocks, but without a block the
-result is `error` with the categories the failed stage was responsible for. Only the guard's own failures
-count on its breaker, never an item's (`Stage.score`). What an error means (fail open
-or closed) is the policy's decision, not the cascade's (see `policy/safety.py`). Every stage run is recorded,
-with its score, thresholds, latency and the versions it ran, for the audit trail.
+A stage with score p allows when p < allow_below, blocks when p > block_above, and passes the item to the next
+stage in between; a stage may judge outputs at a pair of its own (`Stage.thresholds`), chosen by the item's
+direction, which the gateway sets (a request's messages, whatever their role, are input). Past the last stage
+the policy's band action applies (`escalate`: allow and flag for review; `block`). A stage that fails (guard
+error, timeout, open breaker, an engine too busy to answer in time) settles nothing: later stages still run,
+and a later block still blocks, but without a block the result is `error` with the categories the failed stage
+was responsible for. Only the guard's own failures count on its breaker, never an item's (`Stage.score`). What
+an error means (fail open or closed) is the policy's decision, not the cascade's (see `policy/safety.py`).
+Every stage run is recorded, with its score, thresholds, latency and the versions it ran, for the audit trail.
 
 `route` is the pure decision over stored scores, so evaluation can replay new thresholds without models.
 """

@@ -138,9 +138,10 @@ class CascadeStage(_Input, frozen=True, kw_only=True):
 
     def thresholds(self, direction: Literal["input", "output"]) -> tuple[float, float]:
         """(allow_below, block_above) for items of `direction`."""
-        if direction == "output" and not isinstance(self.output_allow_below, msgspec.UnsetType):
-            if not isinstance(self.output_block_above, msgspec.UnsetType):
-                return self.output_allow_below, self.output_block_above
+        allow, block = self.output_allow_below, self.output_block_above
+        unset = isinstance(allow, msgspec.UnsetType) or isinstance(block, msgspec.UnsetType)
+        if direction == "output" and not unset:
+            return float(allow), float(block)  # type: ignore[arg-type]  # both set: narrowed above
         return self.allow_below, self.block_above
 
 

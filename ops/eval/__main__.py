@@ -4,21 +4,23 @@
                               [--policy-file POLICY.json | --policy default [--config lockgate.toml]]
                               [--early-exit]
     python -m ops.eval replay --scores scores.jsonl --data ops/eval/data/dev.jsonl
-                              --thresholds '0.2,0.8;0.3,0.7' [--band escalate|block] [--split test] [--json]
+                              --thresholds '0.2,0.8;0.3,0.7/0.1,0.95' [--band escalate|block] [--split test]
+                              [--json]
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
                               [--step 0.05] [--keep INDEX] [--json]
 
-`score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds.
-With `--policy` it scores a registry policy with the guards and engines the service builds from its
-configuration; with `--policy-file` a policy of rules stages; with neither, the starter rules
-(`guard.rules.default_rules`) as one stage. `report` decides
-items at the thresholds stored with their scores; `replay` at the given ones (`allow_below,block_above` per
-stage, stages separated by `;`). `calibrate` chooses the model stages' thresholds on the calibration split
-under a declared budget (`ops/eval/calibrate.py`) and prints them with the budget met; replay them on
-`--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
+`score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds. With
+`--policy` it scores a registry policy with the guards and engines the service builds from its configuration;
+with `--policy-file` a policy of rules stages; with neither, the starter rules (`guard.rules.default_rules`)
+as one stage. `report` decides items at the thresholds stored with their scores; `replay` at the given ones
+(`allow_below,block_above` per stage, stages separated by `;`; a stage judges items of shape `output` at its
+output pair when one follows a `/`, as in `0.3,0.7/0.1,0.95`, else at the same pair). `calibrate` chooses the
+model stages' thresholds on the calibration split under a declared budget (`ops/eval/calibrate.py`), a pair
+for prompts and one for outputs, and prints them (in `--thresholds` syntax) with the budget met; replay them
+on `--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
 `--split`, when given) that have scores, and print markdown (or the report's JSON with `--json`).
 """
 
@@ -44,6 +46,7 @@ from ops.eval.evaluation import (
     parse_thresholds,
     save_scores,
     score_with_cascade,
+    show_thresholds,
 )
 from ops.eval.report import render
 from registry.errors import InvalidError
@@ -69,12 +72,24 @@ def _evaluated(
     return chosen
 
 
-def _print_report(args: argparse.Namespace, thresholds: Sequence[Thresholds] | None, title: str) -> int:
+def _print_report(
+    args: argparse.Namespace,
+    thresholds: tuple[list[Thresholds], list[Thresholds]] | None,
+    title: str,
+) -> int:
     items = load_items(args.data)
     scores = load_scores(args.scores)
     chosen = _evaluated(items, args.split, scores)
+    inputs, outputs = thresholds if thresholds is not None else (None, None)
     try:
-        report = evaluate(chosen, scores, thresholds, args.band, dataset_sha256=dataset_sha256(args.data))
+        report = evaluate(
+            chosen,
+            scores,
+            inputs,
+            args.band,
+            output_thresholds=outputs,
+            dataset_sha256=dataset_sha256(args.data),
+        )
     except ValueError as exc:  # e.g. a number of thresholds that does not match the stages
         raise SystemExit(str(exc)) from exc
     if args.json:
@@ -94,8 +109,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         thresholds = parse_thresholds(args.thresholds)
     except ValueError as exc:
         raise SystemExit(f"--thresholds: {exc}") from exc
-    shown = "; ".join(f"{a:g},{b:g}" for a, b in thresholds)
-    return _print_report(args, thresholds, f"Guard evaluation replayed at {shown}")
+    return _print_report(args, thresholds, f"Guard evaluation replayed at {show_thresholds(*thresholds)}")
 
 
 async def _score_service_policy(args: argparse.Namespace, items: list[LabelledItem]) -> list[ItemScores]:
@@ -149,7 +163,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(result)).decode() + "\n")
         return 0
-    shown = ";".join(f"{a:g},{b:g}" for a, b in result.thresholds)
+    shown = show_thresholds(result.thresholds, result.output_thresholds)
     verdict = "met" if result.met else "NOT met (the least over it)"
     sys.stdout.write(
         f"thresholds {shown} (--thresholds '{shown}'), on {len(chosen)} items of split {args.split}\n"
@@ -180,7 +194,12 @@ def _parser() -> argparse.ArgumentParser:
     score.set_defaults(run=_cmd_score)
 
     replay = commands.add_parser("replay", help="decide stored scores again at new thresholds, and report")
-    replay.add_argument("--thresholds", required=True, help="allow_below,block_above per stage, ';' between")
+    replay.add_argument(
+        "--thresholds",
+        required=True,
+        help="allow_below,block_above per stage, ';' between stages; a stage's pair for outputs (items of "
+        "shape output) after a '/', e.g. '0.25,0.75;0.3,0.7/0.1,0.95' (none: outputs at the same pair)",
+    )
     replay.set_defaults(run=_cmd_replay)
 
     report = commands.add_parser("report", help="report stored scores at their stored thresholds")

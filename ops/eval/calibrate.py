@@ -12,7 +12,10 @@ thresholds that block the most unsafe items while
   blocked: the same stages check the model's answers, and an everyday answer cut is a failure users see
   (none, by default).
 
-Ties go to fewer escalations, then to fewer look-alikes blocked. Rules stages keep their thresholds (a rule
+Each direction is searched on its own items under that budget: the prompts give every model stage its input
+pair, the outputs its output pair (`CascadeStage.output_allow_below`/`output_block_above`), so a pair that
+must spare everyday answers never binds the one that judges prompts. Ties go to fewer escalations, then to
+fewer look-alikes blocked. Rules stages keep their thresholds (a rule
 scores 0, 0.5 or 1), and so do the stages named in `keep` (a stage whose thresholds are chosen elsewhere).
 The search mirrors `guard.cascade.route` on arrays (a stage that failed on an item passes it on, as a
 failure would leave its categories unjudged); the figures it returns are then computed exactly by
@@ -44,9 +47,11 @@ class Budget(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
-    """The thresholds chosen, whether they meet the budget, and the exact figures at them."""
+    """The thresholds chosen (a pair per stage for inputs, one for outputs), whether they meet the budget,
+    and the exact figures at them."""
 
-    thresholds: tuple[Thresholds, ...]
+    thresholds: tuple[Thresholds, ...]  # judging inputs (items of shape `prompt`)
+    output_thresholds: tuple[Thresholds, ...]  # judging outputs (the stored pairs where there are none)
     budget: Budget
     met: bool  # False: no grid point met the budget; the thresholds are the least over it
     blocked_recall: float  # unsafe items blocked
@@ -61,6 +66,15 @@ def _grid(step: float) -> list[Thresholds]:
     return [(a, b) for a, b in itertools.product(points, points) if a <= b]
 
 
+class _Items(msgspec.Struct, frozen=True):
+    """One direction's items as arrays: scores (items x stages, NaN where a stage failed) and groups."""
+
+    p: npt.NDArray[np.float64]
+    unsafe: Bools
+    lookalike: Bools
+    safe_outputs: Bools
+
+
 def calibrate(
     items: Sequence[LabelledItem],
     scores: Sequence[ItemScores],
@@ -70,8 +84,9 @@ def calibrate(
     keep: Sequence[int] = (),
     dataset_sha256: str = "",
 ) -> Calibration:
-    """The best thresholds for `items` (each needs its stored scores; see the module docstring); the stages
-    at the indices in `keep` keep their stored thresholds, as rules stages do."""
+    """The best thresholds for `items` (each needs its stored scores; see the module docstring), searched
+    for each direction on its own items under the same budget: a pair per stage for prompts, and one for
+    outputs. The stages at the indices in `keep` keep their stored pairs, as rules stages do."""
     by_id = {s.id: s for s in scores}
     missing = [i.id for i in items if i.id not in by_id]
     if missing:
@@ -83,9 +98,8 @@ def calibrate(
     runs = [{r.index: r for r in by_id[i.id].runs} for i in items]
     if any(len(r) != count for r in runs):
         raise ValueError("a stored trace stops early (scored with --early-exit): score every stage")
-    first = runs[0]
-    fixed = [first[k].guard == "rules" or k in keep for k in range(count)]
-    stored: list[Thresholds] = [(first[k].allow_below, first[k].block_above) for k in range(count)]
+    output = np.array([i.shape == "output" for i in items])
+    fixed = [runs[0][k].guard == "rules" or k in keep for k in range(count)]
     nan = float("nan")
     p = np.array([[r[k].p_unsafe if r[k].p_unsafe is not None else nan for k in range(count)] for r in runs])
     unsafe = np.array([i.label == "unsafe" for i in items])
@@ -93,38 +107,62 @@ def calibrate(
     lookalike = np.array(
         [i.label == "safe" and (i.kind == "lookalike" if "lookalike" in kinds else True) for i in items]
     )
-    outputs = np.array([i.label == "safe" and i.shape == "output" for i in items])
-    choices = [[stored[k]] if fixed[k] else _grid(step) for k in range(count)]
+    safe_outputs = output & ~unsafe
+    chosen: list[tuple[Thresholds, ...]] = []
+    over = 0.0
+    for mask in (~output, output):
+        # The pairs stored with this direction's items (with the other's where it has none).
+        first = runs[int(np.argmax(mask))] if mask.any() else runs[0]
+        stored = [(first[k].allow_below, first[k].block_above) for k in range(count)]
+        if not mask.any():
+            # No items of this direction: inputs keep the stored pairs, outputs take the inputs' pairs.
+            chosen.append(chosen[0] if chosen else tuple(stored))
+            continue
+        choices = [[stored[k]] if fixed[k] else _grid(step) for k in range(count)]
+        direction = _Items(p[mask], unsafe[mask], lookalike[mask], safe_outputs[mask])
+        combo, direction_over = _search(direction, choices, budget)
+        chosen.append(combo)
+        over += direction_over
+    inputs, outputs = chosen
+    report = evaluate(
+        items, scores, inputs, "escalate", output_thresholds=outputs, dataset_sha256=dataset_sha256
+    )
+    blocked, band = _exact(items, by_id, inputs, outputs)
+    return Calibration(
+        thresholds=inputs,
+        output_thresholds=outputs,
+        budget=budget,
+        met=over == 0.0,
+        blocked_recall=float(blocked[unsafe].mean()) if unsafe.any() else 0.0,
+        lookalike_fpr=float(blocked[lookalike].mean()) if lookalike.any() else 0.0,
+        band_share=float(band.mean()),
+        safe_output_fpr=float(blocked[safe_outputs].mean()) if safe_outputs.any() else 0.0,
+        report=report,
+    )
+
+
+def _search(
+    items: _Items, choices: Sequence[Sequence[Thresholds]], budget: Budget
+) -> tuple[tuple[Thresholds, ...], float]:
+    """The best combination of `choices` (one list per stage) for `items`, and how far over budget it is.
+    Within budget first, then recall, then fewer escalations and look-alikes blocked."""
     best: tuple[tuple[float, ...], tuple[Thresholds, ...]] | None = None
     for combo in itertools.product(*choices):
-        blocked, band = _route(p, combo)
-        fpr = float(blocked[lookalike].mean()) if lookalike.any() else 0.0
+        blocked, band = _route(items.p, combo)
+        fpr = float(blocked[items.lookalike].mean()) if items.lookalike.any() else 0.0
         share = float(band.mean())
-        recall = float(blocked[unsafe].mean()) if unsafe.any() else 0.0
-        cut = float(blocked[outputs].mean()) if outputs.any() else 0.0
+        recall = float(blocked[items.unsafe].mean()) if items.unsafe.any() else 0.0
+        cut = float(blocked[items.safe_outputs].mean()) if items.safe_outputs.any() else 0.0
         over = (
             max(fpr - budget.lookalike_fpr, 0.0)
             + max(share - budget.band, 0.0)
             + max(cut - budget.safe_outputs, 0.0)
         )
-        # Within budget first (over 0), then recall, then fewer escalations and look-alikes blocked.
         key = (-over, recall, -share, -fpr)
         if best is None or key > best[0]:
             best = (key, tuple(combo))
     assert best is not None
-    thresholds = best[1]
-    report = evaluate(items, scores, thresholds, "escalate", dataset_sha256=dataset_sha256)
-    blocked, band = _exact(items, by_id, thresholds)
-    return Calibration(
-        thresholds=thresholds,
-        budget=budget,
-        met=best[0][0] == 0.0,
-        blocked_recall=float(blocked[unsafe].mean()) if unsafe.any() else 0.0,
-        lookalike_fpr=float(blocked[lookalike].mean()) if lookalike.any() else 0.0,
-        band_share=float(band.mean()),
-        safe_output_fpr=float(blocked[outputs].mean()) if outputs.any() else 0.0,
-        report=report,
-    )
+    return best[1], -best[0][0]
 
 
 def _route(p: npt.NDArray[np.float64], combo: Sequence[Thresholds]) -> tuple[Bools, Bools]:
@@ -143,10 +181,17 @@ def _route(p: npt.NDArray[np.float64], combo: Sequence[Thresholds]) -> tuple[Boo
 
 
 def _exact(
-    items: Sequence[LabelledItem], by_id: dict[str, ItemScores], thresholds: Sequence[Thresholds]
+    items: Sequence[LabelledItem],
+    by_id: dict[str, ItemScores],
+    thresholds: Sequence[Thresholds],
+    output_thresholds: Sequence[Thresholds],
 ) -> tuple[Bools, Bools]:
-    """(blocked, band) of every item as `ops.eval.evaluation` decides it at `thresholds`."""
-    results = [replay_item(by_id[i.id], thresholds, "escalate").result for i in items]
+    """(blocked, band) of every item as `ops.eval.evaluation` decides it at `thresholds` (outputs at
+    `output_thresholds`)."""
+    results = [
+        replay_item(by_id[i.id], thresholds, "escalate", output_thresholds, output=i.shape == "output").result
+        for i in items
+    ]
     blocked = np.array([r is not None and r.verdict == "block" for r in results])
     band = np.array([r is not None and r.decided_by is None and r.verdict == "escalate" for r in results])
     return blocked, band

@@ -4,9 +4,10 @@ Scoring runs models once; everything after that is pure. `score_all_stages` runs
 every item, ignoring early exit, so the stored `StageRun`s hold a score for each stage. `replay` then decides
 each item again under any thresholds and band action, through `guard.cascade.route` and the same early exit
 as `Cascade.run`, without a model: with every stage stored, a replay is exactly what a fresh cascade with
-those thresholds would have decided. A trace recorded with early exit (`score_with_cascade(...,
-all_stages=False)`, or a production audit trail) lacks the stages that never ran; an item whose replay needs
-one of them is counted as `needs_rerun`, never guessed.
+those thresholds would have decided. A stage has a pair for inputs and may have one for outputs: `evaluate`
+judges items of shape `output` at the output pairs, as the cascade judges the output guard's items. A trace
+recorded with early exit (`score_with_cascade(..., all_stages=False)`, or a production audit trail) lacks
+the stages that never ran; an item whose replay needs one of them is counted as `needs_rerun`, never guessed.
 
 Final decisions are counted against the labels as `guard.labelled` says (its `metrics`); the labelled items
 and how a guard sees one are there too, since serving uses them (the publish-time red-team check).
@@ -45,6 +46,7 @@ __all__ = [
     "save_scores",
     "score_all_stages",
     "score_with_cascade",
+    "show_thresholds",
 ]
 
 # (allow_below, block_above) of one stage.
@@ -91,6 +93,9 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     guard: str
     allow_below: float | None  # None: the stored thresholds were used and they differ between items
     block_above: float | None
+    # The pair outputs were judged at (None: no outputs, or stored pairs that differ between them).
+    output_allow_below: float | None = None
+    output_block_above: float | None = None
     reached: float  # share of items the routing ran this stage on
     allowed: float  # share of items this stage settled as allow
     blocked: float  # share of items this stage settled as block
@@ -183,18 +188,38 @@ async def score_with_cascade(
     return out
 
 
-def parse_thresholds(text: str) -> list[Thresholds]:
-    """`"0.2,0.8;0.3,0.7"` -> [(0.2, 0.8), (0.3, 0.7)]: allow_below,block_above per stage, stages by `;`."""
-    out: list[Thresholds] = []
+def parse_thresholds(text: str) -> tuple[list[Thresholds], list[Thresholds]]:
+    """`"0.2,0.8;0.3,0.7/0.1,0.95"` -> ([(0.2, 0.8), (0.3, 0.7)], [(0.2, 0.8), (0.1, 0.95)]): per stage,
+    stages by `;`, `allow_below,block_above` for inputs, then optionally `/allow_below,block_above` for
+    outputs (without it, outputs are judged at the input pair). Returns (input pairs, output pairs)."""
+    inputs: list[Thresholds] = []
+    outputs: list[Thresholds] = []
     for part in text.split(";"):
-        fields = [f.strip() for f in part.split(",")]
-        if len(fields) != 2:
-            raise ValueError(f"stage thresholds {part!r}: expected allow_below,block_above")
-        allow_below, block_above = float(fields[0]), float(fields[1])
-        if not 0.0 <= allow_below <= block_above <= 1.0:
-            raise ValueError(f"stage thresholds {part!r}: need 0 <= allow_below <= block_above <= 1")
-        out.append((allow_below, block_above))
-    return out
+        pairs = [_pair(part, half) for half in part.split("/")]
+        if len(pairs) > 2:
+            raise ValueError(f"stage thresholds {part!r}: expected allow_below,block_above[/allow,block]")
+        inputs.append(pairs[0])
+        outputs.append(pairs[-1])
+    return inputs, outputs
+
+
+def _pair(part: str, text: str) -> Thresholds:
+    fields = [f.strip() for f in text.split(",")]
+    if len(fields) != 2:
+        raise ValueError(f"stage thresholds {part!r}: expected allow_below,block_above")
+    allow_below, block_above = float(fields[0]), float(fields[1])
+    if not 0.0 <= allow_below <= block_above <= 1.0:
+        raise ValueError(f"stage thresholds {part!r}: need 0 <= allow_below <= block_above <= 1")
+    return allow_below, block_above
+
+
+def show_thresholds(inputs: Sequence[Thresholds], outputs: Sequence[Thresholds] | None = None) -> str:
+    """The `--thresholds` text of these pairs (the inverse of `parse_thresholds`)."""
+    outputs = outputs if outputs is not None else inputs
+    return ";".join(
+        f"{a:g},{b:g}" + ("" if (a, b) == (c, d) else f"/{c:g},{d:g}")
+        for (a, b), (c, d) in zip(inputs, outputs, strict=True)
+    )
 
 
 def _rethreshold(run: StageRun, thresholds: Thresholds | None) -> StageRun:
@@ -214,8 +239,18 @@ def _rethreshold(run: StageRun, thresholds: Thresholds | None) -> StageRun:
     )
 
 
-def replay_item(scores: ItemScores, thresholds: Sequence[Thresholds] | None, band: BandAction) -> Replayed:
-    """Decide one item again from its stored runs, with `Cascade.run`'s early exit, through `route`."""
+def replay_item(
+    scores: ItemScores,
+    thresholds: Sequence[Thresholds] | None,
+    band: BandAction,
+    output_thresholds: Sequence[Thresholds] | None = None,
+    *,
+    output: bool = False,
+) -> Replayed:
+    """Decide one item again from its stored runs, with `Cascade.run`'s early exit, through `route`: an
+    `output` item at `output_thresholds` (at `thresholds` when None), any other at `thresholds`."""
+    if output and output_thresholds is not None:
+        thresholds = output_thresholds
     if thresholds is not None and len(thresholds) != scores.stages:
         raise ValueError(f"item {scores.id}: {len(thresholds)} stage thresholds for {scores.stages} stages")
     stored = {run.index: run for run in scores.runs}
@@ -236,7 +271,8 @@ def replay(
     thresholds: Sequence[Thresholds] | None = None,
     band: BandAction = "escalate",
 ) -> list[Replayed]:
-    """Every item decided again at `thresholds` (per stage; None: as stored) and `band`, without models."""
+    """Every item decided again at `thresholds` (per stage; None: as stored) and `band`, without models.
+    Scores carry no shape: every item is judged at these pairs (`evaluate` judges outputs at theirs)."""
     return [replay_item(s, thresholds, band) for s in scores]
 
 
@@ -312,6 +348,7 @@ def _stage_reports(
     scores: Mapping[str, ItemScores],
     replayed: Mapping[str, Replayed],
     thresholds: Sequence[Thresholds] | None,
+    output_thresholds: Sequence[Thresholds] | None,
 ) -> tuple[StageReport, ...]:
     n = len(items)
     stages = max((scores[i.id].stages for i in items), default=0)
@@ -327,18 +364,20 @@ def _stage_reports(
         reached = sum(1 for r in results if len(r.runs) > index)
         settled = [r.verdict for r in results if r.decided_by == index]
         latencies = [run.latency_s for run, _ in stored]
-        if thresholds is not None:
-            allow_below: float | None = thresholds[index][0]
-            block_above: float | None = thresholds[index][1]
-        else:
-            pairs = {(run.allow_below, run.block_above) for run, _ in stored}
-            allow_below, block_above = pairs.pop() if len(pairs) == 1 else (None, None)
+        allow_below, block_above = _pair_of(_runs(items, scores, index, output=False), thresholds, index)
+        output_allow_below, output_block_above = _pair_of(
+            _runs(items, scores, index, output=True),
+            output_thresholds if output_thresholds is not None else thresholds,
+            index,
+        )
         out.append(
             StageReport(
                 index=index,
                 guard=stored[0][0].guard if stored else "",
                 allow_below=allow_below,
                 block_above=block_above,
+                output_allow_below=output_allow_below,
+                output_block_above=output_block_above,
                 reached=reached / n if n else 0.0,
                 allowed=settled.count("allow") / n if n else 0.0,
                 blocked=settled.count("block") / n if n else 0.0,
@@ -350,15 +389,43 @@ def _stage_reports(
     return tuple(out)
 
 
+def _runs(
+    items: Sequence[LabelledItem], scores: Mapping[str, ItemScores], index: int, *, output: bool
+) -> list[StageRun]:
+    """The stored runs of stage `index` on the outputs (or on the other items) of `items`."""
+    return [
+        run
+        for item in items
+        if (item.shape == "output") == output
+        for run in scores[item.id].runs
+        if run.index == index
+    ]
+
+
+def _pair_of(
+    runs: Sequence[StageRun], thresholds: Sequence[Thresholds] | None, index: int
+) -> tuple[float | None, float | None]:
+    """The pair stage `index` judged `runs` at: the given one, else the stored one when all agree; none for
+    no runs."""
+    if not runs:
+        return None, None
+    if thresholds is not None:
+        return thresholds[index]
+    pairs = {(run.allow_below, run.block_above) for run in runs}
+    return pairs.pop() if len(pairs) == 1 else (None, None)
+
+
 def evaluate(
     items: Sequence[LabelledItem],
     scores: Iterable[ItemScores],
     thresholds: Sequence[Thresholds] | None = None,
     band: BandAction = "escalate",
     *,
+    output_thresholds: Sequence[Thresholds] | None = None,
     dataset_sha256: str = "",
 ) -> Report:
-    """The report on `items` with their stored `scores` decided at `thresholds` (None: as stored) and `band`.
+    """The report on `items` with their stored `scores` decided at `thresholds` (None: as stored) and `band`;
+    items of shape `output` at `output_thresholds` (None: at `thresholds`).
 
     Every item needs scores (ValueError otherwise); scores of other items are ignored, so one scores file
     serves both splits.
@@ -367,7 +434,10 @@ def evaluate(
     missing = [i.id for i in items if i.id not in by_id]
     if missing:
         raise ValueError(f"no scores for {len(missing)} item(s), e.g. {missing[:3]}")
-    replayed = {i.id: replay_item(by_id[i.id], thresholds, band) for i in items}
+    replayed = {
+        i.id: replay_item(by_id[i.id], thresholds, band, output_thresholds, output=i.shape == "output")
+        for i in items
+    }
     results = {k: r.result for k, r in replayed.items()}
     n = len(items)
     decided = [(i, r) for i in items if (r := results[i.id]) is not None]
@@ -387,7 +457,7 @@ def evaluate(
         by_severity=_by(items, results, "severity"),
         ece=ece,
         calibration=bins,
-        stages=_stage_reports(items, by_id, replayed, thresholds),
+        stages=_stage_reports(items, by_id, replayed, thresholds, output_thresholds),
         band_share=_share(
             sum(1 for _, r in decided if r.decided_by is None and r.runs and r.verdict != "error"), n
         ),

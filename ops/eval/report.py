@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from guard.labelled import Metrics
-from ops.eval.evaluation import Report
+from ops.eval.evaluation import Report, StageReport
 
 _METRIC_HEADER = (
     "",
@@ -73,7 +73,7 @@ def render(report: Report, *, title: str = "Guard evaluation") -> str:
         [
             str(s.index),
             s.guard,
-            f"{_num(s.allow_below, 2)} / {_num(s.block_above, 2)}",
+            _pairs(s),
             _num(s.reached),
             _num(s.allowed),
             _num(s.blocked),
@@ -117,3 +117,12 @@ def render(report: Report, *, title: str = "Guard evaluation") -> str:
     ]
     lines += _table(("bin", "items", "mean score", "unsafe share"), bin_rows)
     return "\n".join(lines) + "\n"
+
+
+def _pairs(stage: StageReport) -> str:
+    """`allow / block`, and the outputs' pair after it where it differs."""
+    shown = f"{_num(stage.allow_below, 2)} / {_num(stage.block_above, 2)}"
+    output = (stage.output_allow_below, stage.output_block_above)
+    if output in ((None, None), (stage.allow_below, stage.block_above)):
+        return shown
+    return f"{shown}; outputs {_num(output[0], 2)} / {_num(output[1], 2)}"

@@ -127,7 +127,8 @@ def choose_thresholds(
         raise ValueError(f"{values.size} scores for {len(items)} items")
 
     def where(test: Callable[[DataItem], bool]) -> NDArray[np.float64]:
-        return values[np.array([test(i) for i in items], dtype=bool)]
+        chosen: NDArray[np.float64] = values[np.array([test(i) for i in items], dtype=bool)]
+        return chosen
 
     prompts, outputs = where(lambda i: i.shape == "prompt"), where(lambda i: i.shape == "output")
     lookalikes = where(lambda i: i.shape == "prompt" and i.kind == "lookalike")
@@ -297,9 +298,8 @@ def train_ngram(
         ("input", thresholds.input, on_calibration.input, on_test.input),
         ("output", thresholds.output, on_calibration.output, on_test.output),
     ):
-        say(
-            f"ngram guard, {direction}s: allow_below {pair.allow_below:.4f}, block_above {pair.block_above:.4f}"
-        )
+        shown = f"allow_below {pair.allow_below:.4f}, block_above {pair.block_above:.4f}"
+        say(f"ngram guard, {direction}s: {shown}")
         say(f"ngram guard, {direction}s: calibration, {describe(on_cal)}")
         say(f"ngram guard, {direction}s: test, {describe(on_tst)}")
     weights_sha256 = head.save(out_dir)

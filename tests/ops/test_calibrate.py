@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -9,7 +11,7 @@ from guard.cascade import StageRun, stage_verdict
 from guard.labelled import LabelledItem
 from ops.eval.__main__ import main
 from ops.eval.calibrate import Budget, calibrate
-from ops.eval.evaluation import ItemScores
+from ops.eval.evaluation import ItemScores, Report, save_items, save_scores
 
 
 def item(i: int, label: str, kind: str) -> LabelledItem:
@@ -127,19 +129,59 @@ def test_the_command_prints_the_thresholds_and_the_budget_met(
     assert ": met" in out
 
 
+def with_outputs(items: list[LabelledItem], scores: list[ItemScores]) -> None:
+    """Five everyday replies the model scores like the surest requests, and five harmful answers above."""
+    for i in range(50, 60):
+        label, kind, model = ("safe", "reply", 0.97) if i < 55 else ("unsafe", "harmful", 0.99)
+        items.append(msgspec.structs.replace(item(i, label, kind), shape="output"))
+        scores.append(scored(i, 0.5, model))
+
+
 def test_no_safe_output_is_blocked_unless_the_budget_allows_it() -> None:
-    # Five everyday replies the model scores like the surest requests: blocking them would cut answers.
     items, scores = dataset()
-    for i in range(50, 55):
-        reply = msgspec.structs.replace(item(i, "safe", "reply"), shape="output")
-        items.append(reply)
-        scores.append(scored(i, 0.5, 0.97))
+    with_outputs(items, scores)
     strict = calibrate(items, scores, Budget())
     assert strict.met
     assert strict.safe_output_fpr == 0.0
+    assert strict.output_thresholds[1][1] >= 0.97  # the output pair spares every reply
     loose = calibrate(items, scores, Budget(safe_outputs=1.0))
     assert loose.safe_output_fpr > 0.0
-    assert loose.blocked_recall > strict.blocked_recall
+
+
+def test_each_direction_gets_its_own_pairs_and_outputs_never_bind_the_input_pair() -> None:
+    items, scores = dataset()
+    alone = calibrate(items, scores, Budget())
+    with_outputs(items, scores)
+    both = calibrate(items, scores, Budget())
+    # The replies that score like the surest requests leave the input pair where the prompts put it.
+    assert both.thresholds == alone.thresholds
+    assert both.output_thresholds[1] != both.thresholds[1]
+    assert both.output_thresholds[0] == both.thresholds[0] == (0.25, 0.75)  # rules keep theirs
+    # The figures are those of the cascade at both pairs: every harmful answer blocked, no reply.
+    stage = both.report.stages[1]
+    assert (stage.output_allow_below, stage.output_block_above) == both.output_thresholds[1]
+    assert (stage.allow_below, stage.block_above) == both.thresholds[1]
+
+
+def test_the_cli_replays_output_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    items, scores = dataset()
+    with_outputs(items, scores)
+    data, stored = tmp_path / "items.jsonl", tmp_path / "scores.jsonl"
+    save_items(data, items)
+    save_scores(stored, scores)
+    common = ["--scores", str(stored), "--data", str(data), "--json"]
+    # One pair for both directions at 0.5: every reply (0.97) is blocked; with an output pair, none.
+    assert main(["replay", *common, "--thresholds", "0.25,0.75;0.5,0.5"]) == 0
+    one = msgspec.json.decode(capsys.readouterr().out, type=Report)
+    assert main(["replay", *common, "--thresholds", "0.25,0.75;0.5,0.5/0.98,0.98"]) == 0
+    two = msgspec.json.decode(capsys.readouterr().out, type=Report)
+    assert one.overall.fp - two.overall.fp == 5  # the five replies
+    assert one.overall.tp == two.overall.tp  # the harmful answers still blocked
+    assert (two.stages[1].output_allow_below, two.stages[1].output_block_above) == (0.98, 0.98)
+    assert (two.stages[1].allow_below, two.stages[1].block_above) == (0.5, 0.5)
+    assert main(["calibrate", *common[:4]]) == 0
+    printed = capsys.readouterr().out
+    assert "/" in printed.split("--thresholds '")[1].split("'")[0]  # an output pair of its own
 
 
 def test_a_kept_stage_keeps_its_stored_thresholds() -> None:

@@ -34,6 +34,7 @@ from ops.eval.evaluation import (
     save_scores,
     score_all_stages,
     score_with_cascade,
+    show_thresholds,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,8 +286,21 @@ def test_replay_at_new_thresholds_and_band() -> None:
 
 
 def test_parse_thresholds() -> None:
-    assert parse_thresholds("0.2,0.8;0.3,0.7") == [(0.2, 0.8), (0.3, 0.7)]
-    for bad in ("0.8,0.2", "0.2", "0.2,0.5,0.9", "x,1", "0.1,1.5"):
+    same = [(0.2, 0.8), (0.3, 0.7)]
+    assert parse_thresholds("0.2,0.8;0.3,0.7") == (same, same)  # outputs at the same pairs
+    directed = parse_thresholds("0.2,0.8;0.3,0.7/0.1,0.95")
+    assert directed == (same, [(0.2, 0.8), (0.1, 0.95)])
+    assert show_thresholds(*directed) == "0.2,0.8;0.3,0.7/0.1,0.95"
+    assert show_thresholds(same) == "0.2,0.8;0.3,0.7"
+    for bad in (
+        "0.8,0.2",
+        "0.2",
+        "0.2,0.5,0.9",
+        "x,1",
+        "0.1,1.5",
+        "0.2,0.8/0.9,0.1",
+        "0.1,0.2/0.1,0.2/0.1,0.2",
+    ):
         with pytest.raises(ValueError, match=r"thresholds|could not convert"):
             parse_thresholds(bad)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from policy.safety.defaults import rules_policy
 from registry import (
     AliasTarget,
     ConflictError,
@@ -18,7 +19,6 @@ from registry import (
     check_tokenizer,
     parse_ref,
 )
-from policy.safety.defaults import rules_policy
 from registry.hashing import canonical_json, spec_hash
 from tests.registry import specs
 from tests.registry.specs import canary
