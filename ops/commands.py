@@ -148,7 +148,9 @@ def _guard_train(args: argparse.Namespace) -> int:
     print(f"[guard train] {out} ({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"[guard train] one-token guard: {describe(manifest.one_token.metrics)}", flush=True)
     print(f"[guard train] embedding guard: {describe(manifest.embedding.metrics)}", flush=True)
-    print(f"[guard train] ngram guard on test, {describe_ngram(manifest.ngram.test)}", flush=True)
+    test = manifest.ngram.test
+    print(f"[guard train] ngram guard on test prompts, {describe_ngram(test.input)}", flush=True)
+    print(f"[guard train] ngram guard on test outputs, {describe_ngram(test.output)}", flush=True)
     if args.register:
         refs = asyncio.run(_register_guards(config, out, model_dir))
         print(f"model {refs.model}")
