@@ -13,7 +13,7 @@ The route handlers decode the body and call `run_chat` / `run_completion` with t
     planning    validate, render, count tokens
     metering    reserve quota (a denial is tallied in the audit trail)
     settlement  from the reservation on: refund, or the tracker's outcome and settlement (one path)
-    constraints compile the JSON schema
+    planning    compile the JSON schema (`constraints`), once paid for
     guarding    input guard; the output guard (`policy.safety.output`, beside the gate)
     admission   priority class, queue deadline, fair queue, replica, failover
     answer      engine output through the output guard to a JSON answer or SSE stream (`flow`, `responses`)
@@ -42,12 +42,11 @@ from gateway.generation.admission import (
     sources,
 )
 from gateway.generation.answer import answer
-from gateway.generation.constraints import compile_pending
 from gateway.generation.context import Generation
 from gateway.generation.flow import ClientDisconnectedError, client_watch
 from gateway.generation.guarding import check_alternatives, check_input, guard_api_error, output_guard
 from gateway.generation.metering import charge_headers, reserve
-from gateway.generation.planning import Plan, plan_chat, plan_completion
+from gateway.generation.planning import Plan, compile_pending, plan_chat, plan_completion
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.resolution import policy_for, prompt_for, renderer_for, target
 from gateway.generation.responses import Formatter
