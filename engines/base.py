@@ -120,7 +120,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     cached_tokens: int = 0
     # Generated tokens the gateway's output guard scored for this request (engines leave it 0): charged to
-    # the tenant as a line of its own (`Services.settle_on_outcome`) and reported as `usage.guard_tokens`.
+    # the tenant as a line of its own (`gateway.generation.settlement`) and reported as `usage.guard_tokens`.
     guard_tokens: int = 0
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from engines.supervisor import SupervisedEngine
+
 if TYPE_CHECKING:  # the services hold their readiness check
     from gateway.service import Services
 
@@ -41,6 +43,19 @@ class ReadinessCheck:
                 self._last = await _check(self._services)
                 self._expires = now + self._ttl
             return self._last
+
+
+def unrecoverable(services: Services) -> str:
+    """Why this gateway cannot recover without a restart of its process ("" while it can): an engine in this
+    process (any generation replica, or a guard pool's) whose supervisor gave up restarting it."""
+    engines = [r.engine for r in services.scheduler.replicas]
+    engines += [services.pools[pool] for pool in sorted(services.guard_pools)]
+    dead = {
+        id(e): f"engine {e.replica_id} could not be restarted: {e.last_error}"
+        for e in engines
+        if isinstance(e, SupervisedEngine) and not e.alive
+    }
+    return "; ".join(dead.values())
 
 
 async def _check(services: Services) -> Readiness:

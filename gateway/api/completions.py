@@ -48,8 +48,10 @@ async def generate(
     allow(principal, "consumer")
     body = await read_limited(inbound, max_body)
     if kind == "chat":
-        return await run_chat(services, services.chat_decoder.decode(body), inbound, principal)
-    return await run_completion(services, services.completion_decoder.decode(body), inbound, principal)
+        return await run_chat(services.generation, services.chat_decoder.decode(body), inbound, principal)
+    return await run_completion(
+        services.generation, services.completion_decoder.decode(body), inbound, principal
+    )
 
 
 @post(

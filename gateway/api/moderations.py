@@ -3,7 +3,7 @@
     decode -> texts -> count tokens -> reserve quota -> one input check per text -> settle -> results
 
 Nothing is generated. Each input is one untrusted span, checked with direction `input` by the policy cascade
-`services.policy_for` resolves, exactly as a chat request's input is checked; the gate records each decision
+`resolution.policy_for` resolves, exactly as a chat request's input is checked; the gate records each decision
 (marked `purpose=moderation` in the audit trail). Inputs are checked one after another, in order: one call
 never puts more than one check at a time on a guard's engine.
 
@@ -34,8 +34,9 @@ from gateway.edge.requestid import request_id_of
 from gateway.edge.security import allow
 from gateway.errors import APIError, InvalidRequestError
 from gateway.generation.audit import record_refusal
+from gateway.generation.guarding import GUARD_HEADER, guard_api_error
 from gateway.generation.metering import charge_headers, reserve_tokens
-from gateway.generation.pipeline import GUARD_HEADER, guard_api_error
+from gateway.generation.resolution import policy_for
 from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.schemas import (
     ModerationInputPart,
@@ -106,7 +107,7 @@ async def run_moderation(
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, services.clock)
     texts = input_texts(req.input, services.config.server.max_moderation_inputs)
-    policy = services.policy_for(principal)
+    policy = policy_for(services.generation, principal)
     timeline.policy = policy.ref
     start = timeline.now()
     tokens = sum([len(await services.renderer.text(text)) for text in texts])
@@ -122,7 +123,7 @@ async def run_moderation(
             advice="send fewer or shorter inputs, or ask for a larger quota",
         )
     except APIError as exc:
-        record_refusal(services, principal, request_id, "quota", exc)
+        record_refusal(services.generation, principal, request_id, "quota", exc)
         raise
     finally:
         timeline.phase("quota", start)

@@ -21,11 +21,14 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from engines.base import EngineDelta, EngineRequest
+from engines.choices import split_choices
 from gateway.edge.inbound import Inbound
 from gateway.errors import APIError, InvalidRequestError, retry_after_headers
-from gateway.generation.flow import ClientWatch
+from gateway.generation.audit import record_refusal
+from gateway.generation.context import Generation
+from gateway.generation.flow import ClientWatch, Source
 from gateway.generation.planning import Plan
-from gateway.service import Services
+from gateway.observe.timeline import RequestTimeline
 from policy.auth import Principal
 from routing.admission_types import CLASSES, AdmissionError, Klass, Ticket
 from routing.replicas import RoutingError
@@ -80,13 +83,11 @@ def priority_class(request: Inbound, principal: Principal) -> Klass:
     return klass
 
 
-def queue_deadline(request: Inbound, services: Services, klass: Klass) -> float:
-    """Seconds the request may wait in the queue: the class default, or less when the header says so."""
-    config = services.config.admission
-    default = config.interactive_deadline if klass == "interactive" else config.batch_deadline
+def queue_deadline(request: Inbound) -> float | None:
+    """Seconds the request asks to wait in the queue at most (None: its class default, `AdmissionConfig`)."""
     raw = request.headers.get(DEADLINE_HEADER)
     if raw is None:
-        return default
+        return None
     try:
         asked = float(raw)
     except ValueError:
@@ -95,7 +96,7 @@ def queue_deadline(request: Inbound, services: Services, klass: Klass) -> float:
         raise InvalidRequestError(
             f"{DEADLINE_HEADER} must be a positive number of seconds", param=DEADLINE_HEADER
         )
-    return min(asked, default)
+    return asked
 
 
 def for_engine(plan: Plan, klass: Klass, cache_salt: str) -> EngineRequest:
@@ -106,18 +107,43 @@ def for_engine(plan: Plan, klass: Klass, cache_salt: str) -> EngineRequest:
 
 
 async def admit(
-    services: Services,
+    gen: Generation,
     plan: Plan,
     req: EngineRequest,
     principal: Principal,
     klass: Klass,
-    wait: float,
+    asked: float | None,
+    session: str | None,
+    watch: ClientWatch,
+    timeline: RequestTimeline,
+) -> Lease:
+    """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens), until
+    the class's queue deadline or the `asked` one if sooner; raises ClientDisconnectedError if the client
+    leaves (`watch`) meanwhile. A refusal is tallied in the audit trail."""
+    start = timeline.now()
+    try:
+        return await _admit(gen, plan, req, principal, klass, asked, session, watch)
+    except APIError as exc:
+        record_refusal(gen, principal, plan.request_id, "admission", exc)
+        raise
+    finally:
+        timeline.phase("queue", start)
+
+
+async def _admit(
+    gen: Generation,
+    plan: Plan,
+    req: EngineRequest,
+    principal: Principal,
+    klass: Klass,
+    asked: float | None,
     session: str | None,
     watch: ClientWatch,
 ) -> Lease:
-    """Wait for a replica with room for the request (its whole KV reserve: prompt + n x max_tokens); raises
-    ClientDisconnectedError if the client leaves (`watch`) meanwhile."""
-    now = services.clock()
+    now = gen.clock()
+    deadline = gen.config.admission.default_deadline(klass, now)
+    if asked is not None:
+        deadline = min(deadline, now + asked)
     tenant = principal.tenant
     reserve = req.n * req.sampling.max_tokens
     ticket = Ticket(
@@ -126,7 +152,7 @@ async def admit(
         tenant_weight=tenant.weight,
         klass=klass,
         arrival=now,
-        deadline=now + wait,
+        deadline=deadline,
         prompt_tokens=len(req.prompt_token_ids),
         max_tokens=reserve,
     )
@@ -140,7 +166,7 @@ async def admit(
         pool=plan.model.spec.engine_pool,
         sequences=req.n,
     )
-    scheduler = services.scheduler
+    scheduler = gen.scheduler
     try:
         lease = scheduler.admit_now(ticket, route)
         if lease is not None:
@@ -154,6 +180,15 @@ async def admit(
 def session_of(request: Inbound, user: str | None, principal: Principal) -> str | None:
     """The request's session for replica affinity (`x-session-id`, else `user`), scoped to its tenant."""
     return session_key(request.headers.get(SESSION_HEADER), user, tenant=principal.tenant.tenant_id)
+
+
+def sources(scheduler: Scheduler, lease: Lease, req: EngineRequest) -> Source:
+    """The engine streams of `req` on the lease's replica: one per choice (engines generate one sequence
+    each), merged by index in the flow. A single choice fails over to another replica before its first
+    token."""
+    choices = split_choices(req)
+    streams = [routed(scheduler, lease, c, fail_over=len(choices) == 1) for c in choices]
+    return streams[0] if len(streams) == 1 else streams
 
 
 async def routed(

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Literal
 
 from gateway.errors import APIError
-from gateway.service import Services
+from gateway.generation.context import Generation
 from policy.audit.records import AuditDraft
 from policy.auth import Principal
 
 
 def record_refusal(
-    services: Services,
+    gen: Generation,
     principal: Principal,
     request_id: str,
     stage: Literal["quota", "admission"],
@@ -25,10 +25,10 @@ def record_refusal(
         tenant=principal.tenant.tenant_id,
         key_id=principal.key.key_id,
         request_id=request_id,
-        at=services.clock(),
+        at=gen.clock(),
         stage=stage,
         decision="deny" if stage == "quota" else "refuse",
         source=error.code or stage,
         detail=error.message,
     )
-    services.refusals.add(draft)
+    gen.refusals.add(draft)

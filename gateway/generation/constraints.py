@@ -3,8 +3,9 @@
 Planning (`constraint_of`) reads the request and runs only what is linear in it: the schema size limits
 (`structured.check_bounds`) and, for tool_choice "required", the combined schema. Compiling a schema
 (`structured.prepare_schema`: the JSON Schema validator, the `oneOf` disjointness check, xgrammar) costs up
-to about 2 s of CPU on the tokenizer threads every tenant shares, so the pipeline runs it
-(`compile_pending`) only after the request's quota is reserved: a client pays for its schemas in requests.
+to about 2 s of CPU on the tokenizer threads every tenant shares, so the pipeline runs it (`compile_schema`,
+from `planning.compile_pending`) only after the request's quota is reserved: a client pays for its schemas in
+requests.
 Nothing in the prompt depends on the compiled schema, so the token count that the reservation is made for
 is exact before it.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -22,9 +23,6 @@ from gateway.errors import InvalidRequestError
 from gateway.generation.structured import SchemaError, check_bounds, prepare_schema, tool_call_schema
 from gateway.generation.tools import ToolUse
 from gateway.schemas import ChatCompletionRequest
-
-if TYPE_CHECKING:
-    from gateway.generation.planning import Plan
 
 
 class PendingSchema(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,12 +86,9 @@ def constraint_of(
     return checked(given.schema_, bool(given.strict), "response_format.json_schema.schema")
 
 
-async def compile_pending(plan: Plan, executor: Executor) -> Plan:
-    """`plan` with its pending schema compiled into the engine request's constraint (itself if it has
-    none); 400 naming the field if the schema is refused. CPU work: run in `executor`, off the event loop."""
-    pending = plan.pending_schema
-    if pending is None:
-        return plan
+async def compile_schema(pending: PendingSchema, executor: Executor) -> OutputConstraint:
+    """The engine constraint of a pending schema; 400 naming the field if the schema is refused. CPU work: run
+    in `executor`, off the event loop."""
     loop = asyncio.get_running_loop()
     try:
         text = await loop.run_in_executor(
@@ -101,9 +96,4 @@ async def compile_pending(plan: Plan, executor: Executor) -> Plan:
         )
     except SchemaError as exc:
         raise schema_error(exc, pending.param) from exc
-    req = plan.engine_request
-    constraint = OutputConstraint(kind="json_schema", schema=text)
-    sampling = msgspec.structs.replace(req.sampling, constraint=constraint)
-    return msgspec.structs.replace(
-        plan, engine_request=msgspec.structs.replace(req, sampling=sampling), pending_schema=None
-    )
+    return OutputConstraint(kind="json_schema", schema=text)

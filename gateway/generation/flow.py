@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,10 +18,11 @@ from litestar.types import Receive, Scope
 from engines.base import EngineDelta
 from gateway.generation.tracking import RequestTracker
 
+# What stands between the tracked engine stream and the client (the output guard), if anything.
+from policy.safety.output import Transform
+
 T = TypeVar("T")
 _END = object()
-# What stands between the tracked engine stream and the client (the output guard), if anything.
-Transform = Callable[[AsyncGenerator[EngineDelta, None]], AsyncGenerator[EngineDelta, None]]
 
 
 # One request's engine output: one stream, or one per choice (n > 1).

@@ -7,8 +7,17 @@ connection of our own pool stayed busy past `quota.pool_timeout` (gateway overlo
 
 from __future__ import annotations
 
-from gateway.errors import EngineUnavailableError, InvalidRequestError, RateLimitedError, retry_after_headers
+from gateway.errors import (
+    APIError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RateLimitedError,
+    retry_after_headers,
+)
+from gateway.generation.audit import record_refusal
+from gateway.generation.context import Generation
 from gateway.generation.planning import Plan
+from gateway.observe.timeline import RequestTimeline
 from policy.auth import Principal
 from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
 from policy.quota.meter import BucketSet, Charge, QuotaMeter, QuotaUnavailableError, rate_limit_headers
@@ -22,17 +31,25 @@ def charge_headers(charge: Charge) -> dict[str, str]:
     return rate_limit_headers(charge.bucket_set, reservation.levels)
 
 
-async def reserve(meter: QuotaMeter, principal: Principal, plan: Plan) -> Charge:
-    """Reserve `prompt + n x max_tokens` tokens and one request for `plan`, or raise the HTTP error."""
+async def reserve(gen: Generation, principal: Principal, plan: Plan, timeline: RequestTimeline) -> Charge:
+    """Reserve `prompt + n x max_tokens` tokens and one request for `plan`, or raise the HTTP error (a
+    denial is tallied in the audit trail)."""
     req = plan.engine_request
-    return await reserve_tokens(
-        meter,
-        principal,
-        len(req.prompt_token_ids) + req.n * req.sampling.max_tokens,
-        need=f"prompt {len(req.prompt_token_ids)} + n {req.n} x max_tokens {req.sampling.max_tokens}",
-        param="max_tokens",
-        advice="lower max_tokens or n, or ask for a larger quota",
-    )
+    start = timeline.now()
+    try:
+        return await reserve_tokens(
+            gen.meter,
+            principal,
+            len(req.prompt_token_ids) + req.n * req.sampling.max_tokens,
+            need=f"prompt {len(req.prompt_token_ids)} + n {req.n} x max_tokens {req.sampling.max_tokens}",
+            param="max_tokens",
+            advice="lower max_tokens or n, or ask for a larger quota",
+        )
+    except APIError as exc:
+        record_refusal(gen, principal, plan.request_id, "quota", exc)
+        raise
+    finally:
+        timeline.phase("quota", start)
 
 
 async def reserve_tokens(

@@ -6,6 +6,7 @@ not fit the context, or a `max_tokens` that would overflow it, is refused with `
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Literal
 
 import msgspec
@@ -14,7 +15,7 @@ from engines.base import EngineRequest, OutputConstraint, SamplingSpec
 from gateway.edge.requestid import engine_request_id
 from gateway.errors import InvalidRequestError
 from gateway.generation.bounds import check_request
-from gateway.generation.constraints import PendingSchema, constraint_of
+from gateway.generation.constraints import PendingSchema, compile_schema, constraint_of
 from gateway.generation.messages import message_texts
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tools import ToolUse, template_messages, tool_use
@@ -373,4 +374,18 @@ async def plan_completion(
         logprobs=req.logprobs is not None,
         spans=(Span(text=text, source="user"),),
         user=req.user,
+    )
+
+
+async def compile_pending(plan: Plan, executor: Executor) -> Plan:
+    """`plan` with its pending schema compiled into the engine request's constraint (itself if it has none);
+    400 naming the field if the schema is refused (`constraints.compile_schema`, in `executor`)."""
+    pending = plan.pending_schema
+    if pending is None:
+        return plan
+    constraint = await compile_schema(pending, executor)
+    req = plan.engine_request
+    sampling = msgspec.structs.replace(req.sampling, constraint=constraint)
+    return msgspec.structs.replace(
+        plan, engine_request=msgspec.structs.replace(req, sampling=sampling), pending_schema=None
     )

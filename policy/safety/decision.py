@@ -102,7 +102,7 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     at: float
     severity: str | None = None  # the decided category's severity in the policy
     # Output: the checks of the request's output this one record stands for (the decisive one or the last,
-    # `gateway.generation.pipeline`), and the generated tokens they scored together.
+    # `policy.safety.output`), and the generated tokens they scored together.
     checks: int = 1
     guard_tokens: int = 0
     purpose: Purpose = "request"

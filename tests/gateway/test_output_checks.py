@@ -16,12 +16,12 @@ from engines.base import EngineDelta
 from engines.vllm_local import VllmLocalEngine
 from gateway.app import create_app
 from gateway.config import GuardConfig
-from gateway.generation.pipeline import _OutputChecks, _OutputGuard
 from gateway.generation.prompts import PromptRenderer
 from guard.base import GuardInput
 from guard.moderator import OutputBlocked, moderate
 from policy.safety.decision import Action, GuardDecision, GuardRecord, Source
 from policy.safety.gate import Evaluation
+from policy.safety.output import OutputChecks, OutputGuard
 from policy.safety.records import audit_draft
 from tests.conftest import MODEL, Tenancy, make_config, serving
 from tests.gateway import test_guard_http
@@ -98,8 +98,9 @@ async def test_the_guard_tokens_are_reported_in_usage_and_charged_as_a_line_of_t
 
 async def test_a_whole_answer_reports_its_guard_tokens_and_the_price_factor_applies(bed: Bed) -> None:
     await bed.bind(policy(hold_back=4, check_every=4))
-    services = bed.app.state.services
-    services.config = replace(services.config, quota=replace(services.config.quota, guard_token_price=0.5))
+    # The pipeline's settings (settlement reads the price there).
+    gen = bed.app.state.services.generation
+    gen.config = replace(gen.config, quota=replace(gen.config.quota, guard_token_price=0.5))
     before = await bed.tokens_level()
     response = await bed.chat("Tell me a story", max_tokens=40)
     usage = response.json()["usage"]
@@ -161,11 +162,10 @@ class FakeGate:
 
 
 class FakeGuard:
-    """What `_OutputChecks` reads of its request's `_OutputGuard`."""
+    """What `OutputChecks` reads of its request's `OutputGuard`."""
 
     def __init__(self) -> None:
         self.gate = FakeGate()
-        self.services = self
         self.ref = "p@1"
         self.policy = self
         self.context = None
@@ -196,7 +196,7 @@ async def words(texts: list[str]) -> AsyncGenerator[EngineDelta, None]:
 
 async def checked(texts: list[str], *, close_after: int | None = None) -> FakeGate:
     guard = FakeGuard()
-    checks = _OutputChecks(cast(_OutputGuard, guard))
+    checks = OutputChecks(cast(OutputGuard, guard))
     out = moderate(
         words(texts), checks.check, hold_back=1, check_every=2, scored=checks.scored, done=checks.done
     )

@@ -25,6 +25,7 @@ from gateway.generation import constraints, structured
 from gateway.generation.bounds import MAX_STOP_CHARS, MAX_USER_CHARS, check_request
 from gateway.generation.planning import plan_chat
 from gateway.generation.prompts import PromptRenderer
+from gateway.generation.resolution import target
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import Services
 from policy.auth import Principal
@@ -160,7 +161,7 @@ async def test_the_1600_branch_schema_is_refused_at_planning_before_anything_rea
         tenant=Tenant(tenant_id="acme", display_name="Acme"),
         key=ApiKey(key_id="k1", tenant_id="acme", roles=("consumer",)),
     )
-    model, limits = bed.services.target(MODEL, caller)
+    model, limits = target(bed.services.generation, MODEL, caller)
     req = msgspec.convert(
         {"model": MODEL, "messages": HELLO, "response_format": ATTACK}, ChatCompletionRequest
     )

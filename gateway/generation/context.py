@@ -1,0 +1,68 @@
+"""`Generation`: what the generation pipeline reads, built once in the app lifespan (`Services.generation`).
+
+The pipeline's stages take it instead of the whole `Services`, so this package never imports the assembly
+that builds it (`gateway.service` imports `gateway.generation`, never the other way).
+"""
+
+from __future__ import annotations
+
+from engines.base import Engine
+from gateway.config import Config
+from gateway.generation.flow import TaskSet
+from gateway.generation.prompts import PromptRenderer
+from gateway.generation.renderers import RendererCache
+from gateway.generation.tracking import OutcomeSink
+from gateway.secret import ServerSecret
+from policy.audit.refusals import RefusalTally
+from policy.clock import Clock
+from policy.quota.meter import QuotaMeter
+from policy.safety.gate import SafetyGate
+from registry.service import Registry
+from routing.scheduler import Scheduler
+
+
+class Generation:
+    """The stores, pools and settings one generation request reads, and nothing of the HTTP layer."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        clock: Clock,
+        registry: Registry,
+        secret: ServerSecret,
+        pools: dict[str, Engine],
+        guard_pools: frozenset[str],
+        renderer: PromptRenderer,
+        renderers: RendererCache | None,
+        scheduler: Scheduler,
+        meter: QuotaMeter,
+        gate: SafetyGate,
+        refusals: RefusalTally,
+        sink: OutcomeSink,
+        tasks: TaskSet,
+        traced: bool,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        # Model, policy and prompt versions, resolved per request (`resolution`).
+        self.registry = registry
+        # Keys canary picks and tenants' cache salts: nothing a client chooses does.
+        self.secret = secret
+        # Engine pools by name, and those only guard models run on (never served for generation).
+        self.pools = pools
+        self.guard_pools = guard_pools
+        # The served model's renderer; `renderers` holds every version pair's (None: `renderer` serves all).
+        self.renderer = renderer
+        self.renderers = renderers
+        # Fair admission and routing over the engine replicas.
+        self.scheduler = scheduler
+        self.meter = meter
+        self.gate = gate
+        # Repeated no-cost refusals (quota, admission) as counts per key, reason and interval.
+        self.refusals = refusals
+        # Where each request's `Outcome` goes (besides its timeline), and the tasks streams run in.
+        self.sink = sink
+        self.tasks = tasks
+        # Whether requests are traced: engine requests then carry the request's traceparent.
+        self.traced = traced
