@@ -93,11 +93,13 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     The n-gram stage's thresholds are its own, chosen when it was trained, on the calibration split of the
     multilingual set (ops/guard_training/ngram.py `choose_thresholds`), a pair for inputs chosen on its
     prompts and a pair for outputs chosen on its outputs: it blocks what it is sure of in any language,
-    allows what it is sure is benign, and passes the rest on. The later stages' thresholds were
-    chosen on the same calibration split, the n-gram stage kept at its own, under the budget of `python -m
-    ops.eval calibrate` (look-alikes blocked at most 5%, escalations at most 10%, no safe output blocked):
-    the most harmful items blocked within it. The one-token guard decides what reaches it (no band): on
-    this set an escalation bought no recall. Figures on the test split are in README.md ("Safety guard").
+    allows what it is sure is benign, and passes the rest on. The later stages' pairs were chosen on the
+    same calibration split (stored scores replayed, the n-gram stage kept at its own) under a declared
+    budget: look-alikes blocked at most 5%, everyday prompts at most 5%, escalations at most 10%, no
+    everyday reply blocked; among the pairs tried within it, the one blocking the most harmful items.
+    `ops.eval calibrate`'s own choice (its budget has no everyday-prompt term) blocked 45% of harmful
+    calibration items but 12% of everyday prompts. The one-token guard decides what reaches it (no band).
+    Figures on the test split are in README.md ("Safety guard").
     """
     return _policy(
         (
@@ -110,8 +112,22 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 output_block_above=guards.ngram_output_block_above,
                 timeout_s=2.0,
             ),
-            CascadeStage(guard=guards.embedding, allow_below=0.4, block_above=0.75, timeout_s=2.0),
-            CascadeStage(guard=guards.one_token, allow_below=0.7, block_above=0.7, timeout_s=5.0),
+            CascadeStage(
+                guard=guards.embedding,
+                allow_below=0.3,
+                block_above=0.6,
+                output_allow_below=0.4,
+                output_block_above=0.75,
+                timeout_s=2.0,
+            ),
+            CascadeStage(
+                guard=guards.one_token,
+                allow_below=0.65,
+                block_above=0.65,
+                output_allow_below=0.85,
+                output_block_above=0.85,
+                timeout_s=5.0,
+            ),
         )
     )
 
