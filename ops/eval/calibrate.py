@@ -10,7 +10,10 @@ thresholds that block the most unsafe items while
   exception), and
 - at most `safe_outputs` of the safe outputs (everyday replies and refusals: items of shape `output`) are
   blocked: the same stages check the model's answers, and an everyday answer cut is a failure users see
-  (none, by default).
+  (none, by default), and
+- at most `everyday_prompts` of the everyday prompts (safe prompts of kind `everyday`: recipes, cover
+  letters, "Tell me more.") are blocked: look-alikes are not the only benign traffic, and a guard that
+  blocks one everyday request in ten has failed its users however few look-alikes it blocks (5% by default).
 
 Each direction is searched on its own items under that budget: the prompts give every model stage its input
 pair, the outputs its output pair (`CascadeStage.output_allow_below`/`output_block_above`), so a pair that
@@ -39,11 +42,13 @@ Bools = npt.NDArray[np.bool_]
 
 
 class Budget(msgspec.Struct, frozen=True, kw_only=True):
-    """What a policy declares it may cost: look-alikes blocked, and items escalated to the band."""
+    """What a policy declares it may cost: look-alikes, safe outputs and everyday prompts blocked, and items
+    escalated to the band."""
 
     lookalike_fpr: float = 0.05
     band: float = 0.10
     safe_outputs: float = 0.0
+    everyday_prompts: float = 0.05
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +63,7 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     lookalike_fpr: float  # look-alikes blocked
     band_share: float  # items escalated
     safe_output_fpr: float  # safe outputs blocked
+    everyday_fpr: float  # everyday prompts blocked
     report: Report
 
 
@@ -73,6 +79,7 @@ class _Items(msgspec.Struct, frozen=True):
     unsafe: Bools
     lookalike: Bools
     safe_outputs: Bools
+    everyday: Bools
 
 
 def calibrate(
@@ -108,6 +115,7 @@ def calibrate(
         [i.label == "safe" and (i.kind == "lookalike" if "lookalike" in kinds else True) for i in items]
     )
     safe_outputs = output & ~unsafe
+    everyday = np.array([i.kind == "everyday" for i in items])
     chosen: list[tuple[Thresholds, ...]] = []
     over = 0.0
     for mask in (~output, output):
@@ -119,7 +127,7 @@ def calibrate(
             chosen.append(chosen[0] if chosen else tuple(stored))
             continue
         choices = [[stored[k]] if fixed[k] else _grid(step) for k in range(count)]
-        direction = _Items(p[mask], unsafe[mask], lookalike[mask], safe_outputs[mask])
+        direction = _Items(p[mask], unsafe[mask], lookalike[mask], safe_outputs[mask], everyday[mask])
         combo, direction_over = _search(direction, choices, budget)
         chosen.append(combo)
         over += direction_over
@@ -137,6 +145,7 @@ def calibrate(
         lookalike_fpr=float(blocked[lookalike].mean()) if lookalike.any() else 0.0,
         band_share=float(band.mean()),
         safe_output_fpr=float(blocked[safe_outputs].mean()) if safe_outputs.any() else 0.0,
+        everyday_fpr=float(blocked[everyday].mean()) if everyday.any() else 0.0,
         report=report,
     )
 
@@ -153,10 +162,12 @@ def _search(
         share = float(band.mean())
         recall = float(blocked[items.unsafe].mean()) if items.unsafe.any() else 0.0
         cut = float(blocked[items.safe_outputs].mean()) if items.safe_outputs.any() else 0.0
+        everyday = float(blocked[items.everyday].mean()) if items.everyday.any() else 0.0
         over = (
             max(fpr - budget.lookalike_fpr, 0.0)
             + max(share - budget.band, 0.0)
             + max(cut - budget.safe_outputs, 0.0)
+            + max(everyday - budget.everyday_prompts, 0.0)
         )
         key = (-over, recall, -share, -fpr)
         if best is None or key > best[0]:

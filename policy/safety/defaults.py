@@ -94,11 +94,10 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     multilingual set (ops/guard_training/ngram.py `choose_thresholds`), a pair for inputs chosen on its
     prompts and a pair for outputs chosen on its outputs: it blocks what it is sure of in any language,
     allows what it is sure is benign, and passes the rest on. The later stages' pairs were chosen on the
-    same calibration split (stored scores replayed, the n-gram stage kept at its own) under a declared
-    budget: look-alikes blocked at most 5%, everyday prompts at most 5%, escalations at most 10%, no
-    everyday reply blocked; among the pairs tried within it, the one blocking the most harmful items.
-    `ops.eval calibrate`'s own choice (its budget has no everyday-prompt term) blocked 45% of harmful
-    calibration items but 12% of everyday prompts. The one-token guard decides what reaches it (no band).
+    same calibration split by `python -m ops.eval calibrate --keep 1` (the n-gram stage kept at its own)
+    under its default budget: look-alikes blocked at most 5%, everyday prompts at most 5%, escalations at
+    most 10%, no safe output blocked; the most harmful items blocked within it. The one-token guard decides
+    what reaches it (no band).
     Figures on the test split are in README.md ("Safety guard").
     """
     return _policy(
@@ -114,16 +113,16 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
             ),
             CascadeStage(
                 guard=guards.embedding,
-                allow_below=0.3,
-                block_above=0.6,
-                output_allow_below=0.4,
+                allow_below=0.2,
+                block_above=0.7,
+                output_allow_below=0.0,
                 output_block_above=0.75,
                 timeout_s=2.0,
             ),
             CascadeStage(
                 guard=guards.one_token,
-                allow_below=0.65,
-                block_above=0.65,
+                allow_below=0.55,
+                block_above=0.55,
                 output_allow_below=0.85,
                 output_block_above=0.85,
                 timeout_s=5.0,

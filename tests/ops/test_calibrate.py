@@ -190,3 +190,23 @@ def test_a_kept_stage_keeps_its_stored_thresholds() -> None:
     assert chosen.thresholds[1] != (0.5, 0.5)
     kept = calibrate(items, scores, Budget(), keep=(1,))
     assert kept.thresholds == ((0.25, 0.75), (0.5, 0.5))
+
+
+def test_everyday_prompts_bind_the_input_pair_within_their_budget() -> None:
+    # Everyday prompts that score like harmful requests ("Write me a cover letter"): a budget without them
+    # blocks them; the default budget (at most 5% of everyday prompts) spares them at some cost in recall.
+    items, scores = dataset()
+    high = {f"x{i}": 0.9 for i in range(40, 50)}  # every everyday prompt scores 0.9 at the model stage
+    scores = [
+        msgspec.structs.replace(s, runs=(s.runs[0], msgspec.structs.replace(s.runs[1], p_unsafe=high[s.id])))
+        if s.id in high
+        else s
+        for s in scores
+    ]
+    loose = calibrate(items, scores, Budget(everyday_prompts=1.0))
+    assert loose.everyday_fpr == 1.0
+    strict = calibrate(items, scores, Budget())
+    assert strict.met
+    assert strict.everyday_fpr <= 0.05
+    assert strict.thresholds[1][1] >= 0.9  # the block threshold sits at or above the everyday scores
+    assert strict.blocked_recall < loose.blocked_recall
