@@ -24,10 +24,14 @@ def test_the_ngram_stage_runs_after_the_rules_and_before_the_embedding_guard() -
     assert [s.guard for s in stages[1:]] == [GUARDS.ngram, GUARDS.embedding, GUARDS.one_token]
     assert stages[1].thresholds("input") == (0.31, 0.77)
     assert stages[1].thresholds("output") == (0.12, 0.93)
-    # The other stages judge both directions at one pair (their output pair is unset).
-    assert all(s.output_block_above is msgspec.UNSET for s in (stages[0], *stages[2:]))
-    # The last stage decides what reaches it: no band, so nothing escalates past it.
-    assert stages[-1].allow_below == stages[-1].block_above
+    # The rules judge both directions at one pair (their output pair is unset); the later model stages have
+    # a pair per direction (chosen by `ops.eval calibrate`).
+    assert stages[0].output_block_above is msgspec.UNSET
+    assert all(s.output_block_above is not msgspec.UNSET for s in stages[2:])
+    # The last stage decides what reaches it in either direction: no band, so nothing escalates past it.
+    for direction in ("input", "output"):
+        allow_below, block_above = stages[-1].thresholds(direction)
+        assert allow_below == block_above
     assert trained_policy(GUARDS).past_last_stage == "escalate"
 
 
