@@ -22,16 +22,16 @@ from gateway.api.openapi import openapi_config
 from gateway.config import Config
 from gateway.console import pages as console
 from gateway.console.sessions import open_session_store
+from gateway.edge.handlers import exception_handlers
 from gateway.edge.security import provide_principal
 from gateway.edge.stack import Gateway
-from gateway.errors import exception_handlers
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
-from gateway.guards import GuardFactory
+from gateway.guard_factory import GuardFactory
 from gateway.observe.collectors import ServiceCollector
 from gateway.observe.metrics import tenant_labels
 from gateway.observe.multiproc import CollectorMirror, repeat
@@ -39,7 +39,7 @@ from gateway.observe.observer import RequestObserver
 from gateway.overload import LoopLagMonitor, OverloadGate
 from gateway.publish_check import PublishCheck
 from gateway.secret import load_secret
-from gateway.service import Services
+from gateway.services import Services
 from guard.default_guard import judge_spec
 from policy.appeals import APPEAL_STORE
 from policy.audit import AUDIT_STORE
@@ -443,6 +443,8 @@ def create_app(
             owned.push_async_callback(appeals.close)
             console_sessions = open_session_store(config.console, clock, config.quota.redis_url)
             owned.push_async_callback(console_sessions.aclose)
+            # The console's own state (`gateway.console.plumbing.sessions_of`), beside the services.
+            app.state.console_sessions = console_sessions
             days = config.audit.content_retention_days
             retention = run_retention(
                 audit_store, store, clock, days, config.audit.purge_interval, spool=writer
@@ -508,7 +510,6 @@ def create_app(
                 refusals=refusals,
                 audit_checkpoints=checkpoints,
                 appeals=appeals,
-                console_sessions=console_sessions,
                 observer=observer,
                 publish_check=(
                     PublishCheck(

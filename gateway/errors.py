@@ -15,25 +15,17 @@ Exceptions::
     └── EngineFailedError         502 engine_error (the engine failed this request)
 
 Litestar's own HTTP exceptions (unknown route, wrong method, body over the size limit) are rendered in the
-same shape by `exception_handlers()`, and so is a tenant store that cannot be reached on any route (the admin
-API included): 503 `store_unavailable`.
+same shape by the app's handlers (`gateway.edge.handlers`), and so is a tenant store that cannot be reached
+on any route (the admin API included): 503 `store_unavailable`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
-from litestar import MediaType, Request, Response
-from litestar.exceptions import HTTPException
-
-from gateway.observe.timeline import note_error
-from policy.tenants.base import UnavailableError as TenantStoreUnavailableError
-
-log = logging.getLogger("lockgate.errors")
+from litestar import MediaType, Response
 
 
 def retry_after_headers(seconds: float, *, exact: bool = False) -> dict[str, str]:
@@ -171,61 +163,3 @@ def error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> R
         media_type=MediaType.JSON,
         headers=dict(headers or {}),
     )
-
-
-_HTTP_TYPES = {
-    400: InvalidRequestError,
-    401: AuthenticationError,
-    403: PermissionDeniedError,
-    404: NotFoundError,
-    413: PayloadTooLargeError,
-    503: EngineUnavailableError,
-}
-
-
-def _on_api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[bytes]:
-    note_error(request.scope, exc.code, exc.status_code)
-    return error_response(exc, exc.headers)
-
-
-def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
-    status = exc.status_code
-    if status == 413:
-        api: APIError = PayloadTooLargeError(
-            "request body is larger than the configured limit", code="body_too_large"
-        )
-    elif status == 405:
-        api = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
-        api.status_code = 405
-    elif status == 404:
-        api = NotFoundError(f"no route {request.method} {request.url.path}")
-    else:
-        api = _HTTP_TYPES.get(status, APIError)(exc.detail)
-        api.status_code = status
-    note_error(request.scope, api.code, api.status_code)
-    return error_response(api, exc.headers)
-
-
-def _on_store_unavailable(
-    request: Request[Any, Any, Any], exc: TenantStoreUnavailableError
-) -> Response[bytes]:
-    log.warning("tenant store unavailable on %s %s: %s", request.method, request.url.path, exc)
-    api = StoreUnavailableError("the tenant store is unavailable; try again shortly", retry_after=1)
-    note_error(request.scope, api.code, api.status_code)
-    return error_response(api, api.headers)
-
-
-def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    # Still a bug: logged with its traceback, answered without internals.
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(APIError("internal error; the request id names it in the server log"))
-
-
-def exception_handlers() -> dict[type[Exception] | int, Any]:
-    """Handlers that render every error in the OpenAI shape."""
-    return {
-        APIError: _on_api_error,
-        HTTPException: _on_http_exception,
-        TenantStoreUnavailableError: _on_store_unavailable,
-        Exception: _on_unexpected,
-    }

@@ -33,7 +33,7 @@ import msgspec
 
 from gateway.config import GuardConfig
 from gateway.errors import APIError, ErrorBody
-from gateway.guards import GuardFactory, LoadingGuard
+from gateway.guard_factory import GuardFactory, LoadingGuard
 from guard.base import Classifier
 from guard.figures import Figures, Regression, Suite, Tolerance, measure, regressions
 from guard.labelled import load_items

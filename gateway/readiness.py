@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from engines.supervisor import SupervisedEngine
-
-if TYPE_CHECKING:  # the services hold their readiness check
-    from gateway.service import Services
+from gateway.generation.context import Generation
 
 
 class Readiness(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,8 +25,8 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 class ReadinessCheck:
     """The last `Readiness`, checked again once it is `ttl` seconds old."""
 
-    def __init__(self, services: Services, ttl: float) -> None:
-        self._services = services
+    def __init__(self, gen: Generation, ttl: float) -> None:
+        self._gen = gen
         self._ttl = ttl
         # Probes that arrive while a round runs wait for it instead of starting their own.
         self._lock = asyncio.Lock()
@@ -38,18 +36,18 @@ class ReadinessCheck:
     async def check(self) -> Readiness:
         """The readiness of at most `ttl` seconds ago (with ttl 0, of now)."""
         async with self._lock:
-            now = self._services.clock()
+            now = self._gen.clock()
             if self._last is None or now >= self._expires:
-                self._last = await _check(self._services)
+                self._last = await _check(self._gen)
                 self._expires = now + self._ttl
             return self._last
 
 
-def unrecoverable(services: Services) -> str:
+def unrecoverable(gen: Generation) -> str:
     """Why this gateway cannot recover without a restart of its process ("" while it can): an engine in this
     process (any generation replica, or a guard pool's) whose supervisor gave up restarting it."""
-    engines = [r.engine for r in services.scheduler.replicas]
-    engines += [services.pools[pool] for pool in sorted(services.guard_pools)]
+    engines = [r.engine for r in gen.scheduler.replicas]
+    engines += [gen.pools[pool] for pool in sorted(gen.guard_pools)]
     dead = {
         id(e): f"engine {e.replica_id} could not be restarted: {e.last_error}"
         for e in engines
@@ -58,18 +56,18 @@ def unrecoverable(services: Services) -> str:
     return "; ".join(dead.values())
 
 
-async def _check(services: Services) -> Readiness:
+async def _check(gen: Generation) -> Readiness:
     """Every pool has a ready engine (the generation replicas and the guards' pools), and the registry view is
     fresh (refreshed within `registry.max_staleness` seconds, its refresher running)."""
-    engines = [(r.pool, r.engine) for r in services.scheduler.replicas]
-    engines += [(pool, services.pools[pool]) for pool in sorted(services.guard_pools)]
+    engines = [(r.pool, r.engine) for r in gen.scheduler.replicas]
+    engines += [(pool, gen.pools[pool]) for pool in sorted(gen.guard_pools)]
     healths = [(pool, engine.replica_id, await engine.health()) for pool, engine in engines]
     pools: dict[str, bool] = {}
     for pool, _, health in healths:
         pools[pool] = pools.get(pool, False) or health.ready
     # The registry part: "stale" with the view's age while refreshes keep failing (the last view is still
     # served, but a replica that cannot see rollouts should leave the load balancer's rotation).
-    registry = services.registry.health(services.config.registry.max_staleness)
+    registry = gen.registry.health(gen.config.registry.max_staleness)
     ready = all(pools.values()) and registry.ready
     body: dict[str, Any] = {
         "status": "ready" if ready else "not_ready",

@@ -34,7 +34,7 @@ from gateway.config import (
     StorageConfig,
 )
 from gateway.generation.prompts import PromptRenderer
-from gateway.generation.tracking import Outcome
+from gateway.observe.outcome import Outcome
 from gateway.overload import OverloadConfig
 from ops.models.prepare import DEFAULT_MODEL_NAME, prepare_default_model
 from policy.auth import SYSTEM_TENANT

@@ -65,7 +65,7 @@ def test_the_contracts_hold_on_the_tree(tree: Path) -> None:
         ("policy/auth.py", "import gateway.errors", "Top-level layers"),
         ("gateway/workers.py", "import gateway.cli", "neither workers nor the server settings"),
         ("registry/errors.py", "import registry.view", "No import cycles"),
-        ("gateway/generation/admission.py", "import gateway.service", "does not import the assembly"),
+        ("gateway/generation/admission.py", "import gateway.services", "does not import the assembly"),
         ("gateway/generation/constraints.py", "import gateway.generation.planning", "No import cycles"),
     ],
 )

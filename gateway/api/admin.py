@@ -22,7 +22,7 @@ from gateway.api.openapi import errors, request_body, secured
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow, allow_operator, allow_tenant, other_tenant_error
 from gateway.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import Principal
 from policy.tenants import keys
 from policy.tenants.base import ConflictError

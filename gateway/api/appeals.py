@@ -42,19 +42,21 @@ from gateway.api.audit import reviewer_record
 from gateway.api.openapi import errors, request_body, secured
 from gateway.console.review_queue import (
     APPEALABLE,
+    REVIEW_DECISION,
     AppealPage,
     NotReviewableError,
     ReviewQueue,
     appeal_page,
     check_not_own,
     may_decide,
+    record_review,
     review_queue,
     take_up,
 )
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow, reviewer_scope
 from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StoreUnavailableError
-from gateway.service import Services
+from gateway.services import Services
 from policy.appeals.base import (
     APPEAL_STATES,
     MAX_APPEAL_LIMIT,
@@ -67,15 +69,10 @@ from policy.appeals.base import (
     OwnAppealError,
 )
 from policy.audit.base import AuditUnavailableError
-from policy.audit.records import AuditDraft, AuditRecord, Decision
-from policy.audit.writer import AuditWriterError
 from policy.auth import Principal
 
 T = TypeVar("T")
 log = logging.getLogger("lockgate.appeals")
-
-# The review record each decided state leaves in the audit chain.
-REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
 
 
 class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -282,50 +279,6 @@ async def transition_appeal(
         original = await _store(services.audit.get(appeal.tenant, appeal.decision_seq))
         review_seq = await record_review(services, original, decision, reviewer, body.note, now)
     return await _detail(services, appeal, review_seq)
-
-
-async def record_review(
-    services: Services, original: AuditRecord, decision: Decision, reviewer: str, note: str, now: float
-) -> int | None:
-    """Append the review record of a decided appeal of `original` (decision `reversal` or `uphold`, `reverses`
-    = its seq, `actor` = the reviewer's key id), durable before the answer; its seq once it is in the store
-    (None while it waits in the writer's spool). The API and the reviewer console both decide through this.
-    The appeal is already decided: a record that cannot be made durable is a 503 (StoreUnavailableError) the
-    reviewer sees, and logged, never silently dropped."""
-    draft = AuditDraft(
-        tenant=original.tenant,
-        key_id=original.key_id,
-        request_id=original.request_id,
-        at=now,
-        stage="review",
-        decision=decision,
-        source="reviewer",
-        policy=original.policy,
-        policy_hash=original.policy_hash,
-        category=original.category,
-        severity=original.severity,
-        content_hash=original.content_hash,
-        detail=note,
-        reverses=original.seq,
-        actor=reviewer,
-    )
-    try:
-        await services.audit_writer.record(draft)
-    except AuditWriterError as exc:
-        log.error("review record of %s seq %d not recorded: %s", original.tenant, original.seq, exc)
-        raise StoreUnavailableError(
-            f"the appeal is decided but its {decision} record could not be made durable: {exc}",
-            retry_after=1,
-            code="audit_unavailable",
-        ) from exc
-    try:
-        recorded = await services.audit.find(original.tenant, original.request_id)
-    except AuditUnavailableError:
-        return None
-    reviews = [
-        r for r in recorded if r.reverses == original.seq and r.actor == reviewer and r.decision == decision
-    ]
-    return reviews[-1].seq if reviews else None
 
 
 ROUTES = [

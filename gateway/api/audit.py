@@ -46,7 +46,7 @@ from gateway.errors import (
     PermissionDeniedError,
     StoreUnavailableError,
 )
-from gateway.service import Services
+from gateway.services import Services
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore, AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.audit.checkpoints import CheckpointError

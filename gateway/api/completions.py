@@ -1,13 +1,13 @@
 """`POST /v1/chat/completions` and `POST /v1/completions`: the generation routes (OpenAI tag `openai`).
 
-The fast path (`gateway.edge.fastpath`) answers them before Litestar's request cycle; these handlers
-document the routes in the OpenAPI document and answer only where the fast path is not in front (behind a
-root path).
+The fast path (`gateway.edge.fastpath`, which also holds `generate`, what both run) answers them before
+Litestar's request cycle; these handlers document the routes in the OpenAPI document and answer only where
+the fast path is not in front (behind a root path).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from litestar import Request, Response, post
 from litestar.di import NamedDependency
@@ -23,35 +23,14 @@ from gateway.api.openapi import (
     secured,
 )
 from gateway.edge.adapter import body_limit
-from gateway.edge.decoding import read_limited
-from gateway.edge.inbound import Inbound
-from gateway.edge.security import allow
-from gateway.generation.pipeline import run_chat, run_completion
+from gateway.edge.fastpath import generate
 from gateway.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import Principal
-
-Kind = Literal["chat", "completion"]
-# The paths the fast path answers (`gateway.edge.fastpath`), and which kind of generation each is.
-FAST_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 # What generation can answer besides 401/403/503: invalid fields, unknown model, body too large, quota,
 # a failed engine.
 _GENERATION_ERRORS = (400, 404, 413, 429, 502)
-
-
-async def generate(
-    kind: Kind, services: Services, inbound: Inbound, principal: Principal, max_body: int | None
-) -> Response[Any]:
-    """Chat or legacy completions for a consumer: the body (at most `max_body` bytes; None: no limit)
-    decoded, then the generation pipeline. What both the handlers below and the fast path run."""
-    allow(principal, "consumer")
-    body = await read_limited(inbound, max_body)
-    if kind == "chat":
-        return await run_chat(services.generation, services.chat_decoder.decode(body), inbound, principal)
-    return await run_completion(
-        services.generation, services.completion_decoder.decode(body), inbound, principal
-    )
 
 
 @post(

@@ -13,7 +13,7 @@ from gateway.api.openapi import BEARER, public
 from gateway.edge.security import allow_operator, principal_of
 from gateway.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
 from gateway.readiness import unrecoverable
-from gateway.service import Services
+from gateway.services import Services
 
 
 @get(
@@ -29,7 +29,7 @@ from gateway.service import Services
 async def healthz(services: NamedDependency[Services]) -> Response[dict[str, str]]:
     """Liveness: 200 while the gateway can serve or recover by itself; 503 once it cannot (its engine
     supervisor gave up), so that a process supervisor restarts it."""
-    detail = unrecoverable(services)
+    detail = unrecoverable(services.generation)
     if detail:
         return Response(
             content={"status": "dead", "detail": detail}, status_code=HTTP_503_SERVICE_UNAVAILABLE

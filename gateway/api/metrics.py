@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.api.openapi import BEARER, errors
 from gateway.edge.security import allow_operator, provide_principal
 from gateway.observe.multiproc import aggregate
-from gateway.service import Services
+from gateway.services import Services
 
 
 @get(

@@ -8,7 +8,7 @@ from litestar.di import NamedDependency
 from gateway.api.openapi import errors, secured
 from gateway.edge.security import allow
 from gateway.schemas import AliasTargetCard, ModelCard, ModelList
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import Principal
 from registry.models import ModelSpec
 

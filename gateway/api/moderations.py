@@ -29,8 +29,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from gateway.api.openapi import errors, request_body, secured
-from gateway.edge.decoding import read_body
-from gateway.edge.requestid import request_id_of
+from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
 from gateway.errors import APIError, InvalidRequestError
 from gateway.generation.audit import record_refusal
@@ -38,6 +37,7 @@ from gateway.generation.guarding import GUARD_HEADER, guard_api_error
 from gateway.generation.metering import charge_headers, reserve_tokens
 from gateway.generation.resolution import policy_for
 from gateway.observe.timeline import RequestTimeline, timeline_in
+from gateway.requestid import request_id_of
 from gateway.schemas import (
     ModerationInputPart,
     ModerationRequest,
@@ -45,13 +45,15 @@ from gateway.schemas import (
     ModerationResult,
     ModerationVerdict,
 )
-from gateway.service import Services
+from gateway.services import Services
 from guard.base import GuardInput, Span
 from policy.auth import Principal
 from policy.safety.decision import GuardDecision
 from policy.safety.gate import RecordContext
 from registry.view import ResolvedPolicy
 
+# The request body, decoded with errors that name the field (immutable: shared by every request).
+_REQUEST = Decoder(ModerationRequest)
 # Every category key of OpenAI's `Moderation` (openai/types/moderation.py), in its order: always present.
 OPENAI_CATEGORIES: Final = (
     "harassment",
@@ -309,7 +311,7 @@ async def moderations(
     input is (recorded in the audit trail, metered), and nothing is generated."""
     allow(principal, "consumer")
     body = await read_body(request)
-    return await run_moderation(services, services.moderation_decoder.decode(body), request, principal)
+    return await run_moderation(services, _REQUEST.decode(body), request, principal)
 
 
 ROUTES = [secured("openai", [moderations])]

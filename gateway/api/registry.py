@@ -23,7 +23,7 @@ from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow_operator
 from gateway.errors import APIError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from gateway.publish_check import PublishRefusedError
-from gateway.service import Services
+from gateway.services import Services
 from guard.figures import Figures
 from policy.auth import Principal
 from registry.errors import ConflictError, InvalidError, RegistryError, UnavailableError

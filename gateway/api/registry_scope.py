@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.edge.security import allow
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import Principal
 from registry.models import Kind, PolicySpec
 from registry.view import RegistryView

@@ -26,7 +26,7 @@ from litestar import Request, Response
 
 from gateway.console import views
 from gateway.console.plumbing import PageError, cookie, cookie_name, html
-from gateway.service import Services
+from gateway.services import Services
 from policy.quota import BucketSpec, QuotaBackendError, QuotaBusyError, QuotaExceededError
 from policy.tenants.keys import parse_key
 

@@ -31,7 +31,6 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect
 
-from gateway.api.appeals import REVIEW_DECISION, record_review
 from gateway.console import views
 from gateway.console.figures import figures_body
 from gateway.console.login import LOGIN_COOKIE, attempt_wait, login_page, token_ok
@@ -48,18 +47,21 @@ from gateway.console.plumbing import (
     html,
     posted,
     session_call,
+    sessions_of,
     signed_in,
 )
 from gateway.console.review_queue import (
+    REVIEW_DECISION,
     appeal_of,
     check_not_own,
     may_decide,
+    record_review,
     review_queue,
     reviewable,
     take_up,
 )
 from gateway.console.stats import collect, stats_body
-from gateway.service import Services
+from gateway.services import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, ThrottledError, require_role
@@ -122,7 +124,7 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
         raise PageError(429, str(exc)) from exc
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
-    console, sessions = services.config.console, services.console_sessions
+    console, sessions = services.config.console, sessions_of(request)
     await session_call(sessions.close(request.cookies.get(cookie_name(COOKIE, console))))
     sid, _session = await session_call(sessions.open(authorization, principal.key.key_id))
     cookies = [
@@ -136,7 +138,7 @@ async def login(request: Request[Any, Any, Any], services: NamedDependency[Servi
 async def logout(request: Request[Any, Any, Any], services: NamedDependency[Services]) -> Response[Any]:
     """End the session."""
     reviewer, _fields = await posted(request, services)
-    await session_call(services.console_sessions.close(reviewer.sid))
+    await session_call(sessions_of(request).close(reviewer.sid))
     ended = cookie(COOKIE, "", services.config.console, 0)
     return Redirect("/console", status_code=303, cookies=[ended], headers=HEADERS)
 

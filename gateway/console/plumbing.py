@@ -2,8 +2,8 @@
 
 The cookie holds a random session id only (HttpOnly, SameSite=Strict, Path=/, no Domain, and `Secure` with
 the `__Host-` prefix unless `[console] insecure_cookie` opts out for plain-HTTP development: the scheme the
-gateway sees never decides, since a TLS proxy in front of it speaks plain HTTP); the app's
-`SessionStore` (`services.console_sessions`, built in the lifespan from `[console]`: in this process, or in
+gateway sees never decides, since a TLS proxy in front of it speaks plain HTTP); the app's `SessionStore`
+(`sessions_of`: built in the lifespan from `[console]` and kept in the app state: in this process, or in
 Redis for every gateway process to share, see `gateway.console.sessions`) maps the id to the key's
 Authorization value, which is authenticated again on every request, so a revoked key or a removed role ends
 its console session at once. Sessions expire `[console] session_ttl` after sign-in (injected clock). Every
@@ -24,10 +24,15 @@ from litestar.datastructures import Cookie
 
 from gateway.config import ConsoleConfig
 from gateway.console import views
-from gateway.console.sessions import Session, SessionStoreFullError, SessionStoreUnavailableError
+from gateway.console.sessions import (
+    Session,
+    SessionStore,
+    SessionStoreFullError,
+    SessionStoreUnavailableError,
+)
 from gateway.edge.security import reviewer_scope
 from gateway.errors import APIError
-from gateway.service import Services
+from gateway.services import Services
 from policy.appeals.base import AppealConflictError, AppealNotFoundError, InvalidTransitionError
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
@@ -99,6 +104,12 @@ def error_response(_request: Request[Any, Any, Any], exc: PageError) -> Response
     return html(views.error_page(str(exc), csrf=csrf, who=exc.who), exc.status)
 
 
+def sessions_of(request: Request[Any, Any, Any]) -> SessionStore:
+    """The console's session store (built in the lifespan, kept in the app state beside the services)."""
+    store: SessionStore = request.app.state.console_sessions
+    return store
+
+
 async def session_call(step: Awaitable[T]) -> T:
     """Run a session store call; an unreachable store is a 503 page (which does not name the store's
     address: the page is shown before sign-in)."""
@@ -114,20 +125,20 @@ async def signed_in(request: Request[Any, Any, Any], services: Services) -> Revi
     """The reviewer whose session the request's cookie names, re-authenticated; None when there is none or
     its key no longer authenticates (that ends the session)."""
     sid = request.cookies.get(cookie_name(COOKIE, services.config.console))
-    session = await session_call(services.console_sessions.get(sid))
+    session = await session_call(sessions_of(request).get(sid))
     if sid is None or session is None:
         return None
     try:
         principal = await services.auth.authenticate(session.authorization)
     except AuthError:
-        await session_call(services.console_sessions.close(sid))
+        await session_call(sessions_of(request).close(sid))
         return None
     except KeyStoreUnavailableError as exc:
         raise PageError(503, f"{exc}; try again shortly") from exc
     try:
         scope = reviewer_scope(principal)
     except APIError as exc:
-        await session_call(services.console_sessions.close(sid))
+        await session_call(sessions_of(request).close(sid))
         raise PageError(403, "this key no longer has the reviewer role") from exc
     return Reviewer(sid=sid, session=session, principal=principal, scope=scope)
 

@@ -1,5 +1,6 @@
 """The review queue, shared by the reviewer API and the console: appeals waiting for a decision, and flagged
-(escalated) decisions that nobody has appealed or reviewed yet.
+(escalated) decisions that nobody has appealed or reviewed yet; and the review record a decided appeal leaves
+in the audit chain (`record_review`), through which both decide.
 
 Undecided appeals are listed a page at a time, oldest filed first, by keyset (`after` = the last appeal id
 of the previous page): a page reads only undecided appeals, so neither the number decided nor the number
@@ -17,12 +18,21 @@ own answer (JSON errors for the API, error pages for the console).
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
-from gateway.service import Services
+from gateway.errors import StoreUnavailableError
+from gateway.services import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
-from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery
-from policy.audit.records import AuditRecord, Decision
+from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
+from policy.audit.records import AuditDraft, AuditRecord, Decision
+from policy.audit.writer import AuditWriterError
+
+log = logging.getLogger("lockgate.appeals")
+
+# The review record each decided state leaves in the audit chain.
+REVIEW_DECISION: dict[str, Decision] = {"overturned": "reversal", "upheld": "uphold"}
 
 QUEUE_WINDOW_S = 30 * 86400.0
 QUEUE_MAX_RECORDS = 5000
@@ -161,3 +171,47 @@ async def take_up(services: Services, record: AuditRecord, actor: str, now: floa
         filed_by=actor,
         now=now,
     )
+
+
+async def record_review(
+    services: Services, original: AuditRecord, decision: Decision, reviewer: str, note: str, now: float
+) -> int | None:
+    """Append the review record of a decided appeal of `original` (decision `reversal` or `uphold`, `reverses`
+    = its seq, `actor` = the reviewer's key id), durable before the answer; its seq once it is in the store
+    (None while it waits in the writer's spool). The API and the reviewer console both decide through this.
+    The appeal is already decided: a record that cannot be made durable is a 503 (StoreUnavailableError) the
+    reviewer sees, and logged, never silently dropped."""
+    draft = AuditDraft(
+        tenant=original.tenant,
+        key_id=original.key_id,
+        request_id=original.request_id,
+        at=now,
+        stage="review",
+        decision=decision,
+        source="reviewer",
+        policy=original.policy,
+        policy_hash=original.policy_hash,
+        category=original.category,
+        severity=original.severity,
+        content_hash=original.content_hash,
+        detail=note,
+        reverses=original.seq,
+        actor=reviewer,
+    )
+    try:
+        await services.audit_writer.record(draft)
+    except AuditWriterError as exc:
+        log.error("review record of %s seq %d not recorded: %s", original.tenant, original.seq, exc)
+        raise StoreUnavailableError(
+            f"the appeal is decided but its {decision} record could not be made durable: {exc}",
+            retry_after=1,
+            code="audit_unavailable",
+        ) from exc
+    try:
+        recorded = await services.audit.find(original.tenant, original.request_id)
+    except AuditUnavailableError:
+        return None
+    reviews = [
+        r for r in recorded if r.reverses == original.seq and r.actor == reviewer and r.decision == decision
+    ]
+    return reviews[-1].seq if reviews else None

@@ -4,12 +4,12 @@
     fastpath    the generation routes answered without Litestar's request cycle
     adapter     every use of Litestar internals (route lookup, scope keys, exception-handler lookup,
                 response encoding), checked by tests/gateway/test_litestar_contract.py
-    inbound     the HTTP request as the generation pipeline reads it
+    handlers    the app's exception handlers: every error in the OpenAI shape, noted on the timeline
     decoding    request bodies within the route's limit, decoded with errors that name the field
-    requestid   `x-request-id` on every answer
     security    authentication and role checks (the `principal` dependency)
 
-Two layers: the plumbing (`adapter`, `inbound`, `decoding`, `requestid`, `security`) is imported by the API,
-the pipeline and the observer; `fastpath` and `stack` import those in turn. Nothing is re-exported here, so
-importing the plumbing never pulls in the stack.
+The API and the console import the edge; the edge imports the pipeline, the services and the observer, never
+a route module (the route handlers of the generation routes call `fastpath.generate`). The request
+vocabulary the pipeline shares with it (`gateway.inbound`, `gateway.requestid`) is at the package root.
+Nothing is re-exported here.
 """

@@ -15,8 +15,8 @@ from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from gateway.edge.adapter import body_limit
-from gateway.edge.inbound import Inbound
 from gateway.errors import ClientClosedError, InvalidRequestError
+from gateway.inbound import Inbound
 
 T = TypeVar("T")
 

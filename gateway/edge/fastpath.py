@@ -7,7 +7,7 @@ middleware, dependency injection and signature parsing, response handling (`ops.
 Litestar handlers run (`gateway.api.completions.generate`): the principal from `principal_of`, the body read
 within the route's limit (its 413 is the route's), the pipeline's own response objects, and errors rendered
 by the handler Litestar would pick for the route. The request is read through an `AsgiInbound`
-(`gateway.edge.inbound`), not Litestar's request object, which is built only to render an error or send a
+(`gateway.inbound`), not Litestar's request object, which is built only to render an error or send a
 stream. Every other request, including other methods on these paths and any request under a root path, goes
 to Litestar; the two routes stay registered there, where the OpenAPI document is generated from them.
 
@@ -18,20 +18,44 @@ request's timeline is in the scope) and in front of `Litestar.__call__` (`gatewa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
+from litestar import Response
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api.completions import FAST_PATHS, generate
 from gateway.edge.adapter import Route, enter_route, find_route, render_error, send_response
-from gateway.edge.inbound import AsgiInbound
-from gateway.edge.security import principal_of
+from gateway.edge.decoding import Decoder, read_limited
+from gateway.edge.security import allow, principal_of
 from gateway.generation.flow import close_client_watch
-from gateway.service import Services
+from gateway.generation.pipeline import run_chat, run_completion
+from gateway.inbound import AsgiInbound, Inbound
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.services import Services
+from policy.auth import Principal
 
 if TYPE_CHECKING:
     from litestar import Litestar
+
+Kind = Literal["chat", "completion"]
+# The request bodies, decoded with errors that name the field (immutable: shared by every request).
+_CHAT = Decoder(ChatCompletionRequest)
+_COMPLETION = Decoder(CompletionRequest)
+# The paths the fast path answers, and which kind of generation each is.
+FAST_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+async def generate(
+    kind: Kind, services: Services, inbound: Inbound, principal: Principal, max_body: int | None
+) -> Response[Any]:
+    """Chat or legacy completions for a consumer: the body (at most `max_body` bytes; None: no limit)
+    decoded, then the generation pipeline. What both the fast path and the Litestar handlers
+    (`gateway.api.completions`) run."""
+    allow(principal, "consumer")
+    body = await read_limited(inbound, max_body)
+    if kind == "chat":
+        return await run_chat(services.generation, _CHAT.decode(body), inbound, principal)
+    return await run_completion(services.generation, _COMPLETION.decode(body), inbound, principal)
 
 
 def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:

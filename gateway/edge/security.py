@@ -7,7 +7,6 @@ from typing import Any
 from litestar import Request
 from litestar.di import NamedDependency
 
-from gateway.edge.inbound import Inbound
 from gateway.errors import (
     AuthenticationError,
     PermissionDeniedError,
@@ -15,8 +14,9 @@ from gateway.errors import (
     StoreUnavailableError,
     retry_after_headers,
 )
+from gateway.inbound import Inbound
 from gateway.observe.timeline import timeline_in
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import SYSTEM_TENANT, AuthError, ForbiddenError, Principal, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
 from policy.auth_limit import source_of

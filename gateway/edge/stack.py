@@ -22,6 +22,7 @@ from typing import Any, cast
 from litestar import Litestar
 from litestar.types import ASGIApp, LifeSpanReceive, LifeSpanScope, LifeSpanSend, Receive, Scope, Send
 
+from gateway.edge.adapter import route_template
 from gateway.edge.fastpath import fast_generation
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.overload import OverloadGate
@@ -35,7 +36,7 @@ class Gateway(Litestar):
         super().__init__(**litestar)
         litestar_entry = cast("ASGIApp", super().__call__)
         self._edge: ASGIApp = overload.wrap(
-            observe_middleware(fast_generation(self, litestar_entry), observer)
+            observe_middleware(fast_generation(self, litestar_entry), observer, route_template)
         )
 
     async def __call__(

@@ -22,12 +22,12 @@ import msgspec
 
 from engines.base import EngineDelta, EngineRequest
 from engines.choices import split_choices
-from gateway.edge.inbound import Inbound
 from gateway.errors import APIError, InvalidRequestError, retry_after_headers
 from gateway.generation.audit import record_refusal
 from gateway.generation.context import Generation
 from gateway.generation.flow import ClientWatch, Source
 from gateway.generation.planning import Plan
+from gateway.inbound import Inbound
 from gateway.observe.timeline import RequestTimeline
 from policy.auth import Principal
 from routing.admission_types import CLASSES, AdmissionError, Klass, Ticket

@@ -1,7 +1,7 @@
 """`Generation`: what the generation pipeline reads, built once in the app lifespan (`Services.generation`).
 
 The pipeline's stages take it instead of the whole `Services`, so this package never imports the assembly
-that builds it (`gateway.service` imports `gateway.generation`, never the other way).
+that builds it (`gateway.services` imports `gateway.generation`, never the other way).
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from typing import Any
 from litestar import Response
 from msgspec.structs import replace
 
-from gateway.edge.inbound import Inbound
-from gateway.edge.requestid import request_id_of
 from gateway.generation.admission import (
     QUEUE_WAIT_HEADER,
     admit,
@@ -51,8 +49,10 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.resolution import policy_for, prompt_for, renderer_for, target
 from gateway.generation.responses import Formatter
 from gateway.generation.settlement import Settlement
+from gateway.inbound import Inbound
 from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.observe.trace import traceparent_of
+from gateway.requestid import request_id_of
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.auth import Principal
 from policy.safety.gate import RecordContext

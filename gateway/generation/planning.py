@@ -12,13 +12,13 @@ from typing import Literal
 import msgspec
 
 from engines.base import EngineRequest, OutputConstraint, SamplingSpec
-from gateway.edge.requestid import engine_request_id
 from gateway.errors import InvalidRequestError
 from gateway.generation.bounds import check_request
 from gateway.generation.constraints import PendingSchema, compile_schema, constraint_of
 from gateway.generation.messages import message_texts
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.tools import ToolUse, template_messages, tool_use
+from gateway.requestid import engine_request_id
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from guard.base import Span
 from registry.view import ResolvedModel, ResolvedPrompt

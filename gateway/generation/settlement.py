@@ -19,7 +19,8 @@ from engines.base import EngineRequest, Usage
 from gateway.generation.context import Generation
 from gateway.generation.flow import ClientDisconnectedError
 from gateway.generation.planning import Plan
-from gateway.generation.tracking import Outcome, OutcomeSink, RequestTracker, Status
+from gateway.generation.tracking import OutcomeSink, RequestTracker
+from gateway.observe.outcome import Outcome, Status
 from gateway.observe.timeline import RequestTimeline
 from policy.quota.meter import Charge
 from routing.scheduler import Lease

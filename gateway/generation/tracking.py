@@ -7,35 +7,13 @@ reader, engine error, shutdown) still has exact usage: later stages charge it to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from engines.base import EngineDelta, FinishReason, Usage
+from gateway.observe.outcome import Outcome, Status
 
 if TYPE_CHECKING:
     from gateway.observe.timeline import RequestTimeline
-
-# `blocked`: the output guard stopped it (its usage so far is charged). `refused`: admission refused it before
-# any engine saw it (refunded whole).
-Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked", "refused"]
-
-
-class Outcome(msgspec.Struct, frozen=True, kw_only=True):
-    """The end of one request: how it ended and the usage it had by then."""
-
-    request_id: str
-    # name@version of the model, tokenizer and chat template versions that served the request.
-    model: str
-    status: Status
-    finish_reason: FinishReason | None
-    usage: Usage
-    stream: bool
-    tokenizer: str = ""
-    chat_template: str = ""
-    # The client's `metadata` (chat completions), kept with the outcome.
-    metadata: dict[str, str] | None = None
-
 
 OutcomeSink = Callable[[Outcome], None]
 

@@ -10,6 +10,7 @@ the lifespan, once the services exist, and removed at shutdown). In a worker of 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from litestar.enums import ScopeType
@@ -18,13 +19,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gateway.config import Config
-from gateway.edge.adapter import route_template
-from gateway.edge.requestid import assign_request_id, stamp
 from gateway.observe.metrics import RequestMetrics, tenant_labels
 from gateway.observe.multiproc import multiprocess_dir
 from gateway.observe.requestlog import RequestLog
 from gateway.observe.timeline import STATE_KEY, RequestTimeline
 from gateway.observe.trace import inbound_trace
+from gateway.requestid import assign_request_id, stamp
 from policy.clock import Clock
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
@@ -84,9 +84,10 @@ class RequestObserver:
         self.registry.unregister(collector)
 
 
-def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
-    """Time every HTTP request from arrival, count active streams, end its timeline with its status, and set
-    its `x-request-id` on the response."""
+def observe_middleware(app: ASGIApp, observer: RequestObserver, route_of: Callable[[Scope], str]) -> ASGIApp:
+    """Time every HTTP request from arrival, count active streams, end its timeline with its status and the
+    template of the route that answered it (`route_of`: the edge reads it from the scope), and set its
+    `x-request-id` on the response."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -111,7 +112,7 @@ def observe_middleware(app: ASGIApp, observer: RequestObserver) -> ASGIApp:
         finally:
             if streaming:
                 observer.metrics.active_streams.dec()
-            timeline.route = route_template(scope)
+            timeline.route = route_of(scope)
             timeline.response_ended(status)
 
     return middleware

@@ -28,7 +28,7 @@ from guard.cascade import StageRun
 from policy.clock import Clock
 
 if TYPE_CHECKING:
-    from gateway.generation.tracking import Outcome
+    from gateway.observe.outcome import Outcome
     from policy.safety.decision import GuardDecision
 
 Phase = Literal["auth", "render", "quota", "input_guard", "queue"]

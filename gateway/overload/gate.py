@@ -9,12 +9,12 @@ import msgspec
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, HTTPResponseStartEvent, Message, Receive, Scope, Send
 
-from gateway.edge.requestid import assign_request_id, stamp
 from gateway.errors import ErrorBody, ErrorResponse, retry_after_headers
 from gateway.overload.config import OverloadConfig
 from gateway.overload.cpu import CpuShedder
 from gateway.overload.lag import LoopLagMonitor
 from gateway.overload.limit import ConcurrencyLimit
+from gateway.requestid import assign_request_id, stamp
 
 ShedReason = Literal["concurrency", "cpu", "in_flight", "loop_lag"]
 SHED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})

@@ -32,7 +32,7 @@ from engines.supervisor import RestartPolicy, SupervisedEngine
 from gateway.app import create_app
 from gateway.config import Config, EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from policy.tenants.models import Tenant
 from routing.admission_types import AdmissionConfig
 from routing.config import ReplicaConfig, RoutingConfig

@@ -16,7 +16,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from policy.audit.records import AuditRecord
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys

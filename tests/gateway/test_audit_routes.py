@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from policy.audit import AuditDraft, AuditedStage, AuditRecord, SqliteAuditStore, content_sha256, record_hash
 from policy.audit.checkpoints import Checkpointer
 from policy.audit.keys import MacKey

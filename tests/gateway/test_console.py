@@ -17,7 +17,7 @@ from gateway.app import create_app
 from gateway.config import AppealsConfig, Config
 from gateway.console.plumbing import COOKIE
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from guard.figures import Figures
 from policy.audit import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT

@@ -21,7 +21,8 @@ from gateway.generation.flow import (
     collect,
     pump,
 )
-from gateway.generation.tracking import Outcome, RequestTracker
+from gateway.generation.tracking import RequestTracker
+from gateway.observe.outcome import Outcome
 from tests.conftest import eventually
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.config import GuardConfig
 from gateway.generation.prompts import PromptRenderer
-from gateway.guards import GuardFactory, LoadingGuard
+from gateway.guard_factory import GuardFactory, LoadingGuard
 from guard.base import Classifier, GuardError, GuardInput, ItemSized, Span
 from guard.ngram import DIM, NgramHead, features, normalize
 from registry.models import GuardModelSpec, Published

@@ -1,4 +1,4 @@
-"""The fast path reads a request without Litestar's request object (`gateway.edge.inbound`,
+"""The fast path reads a request without Litestar's request object (`gateway.inbound`,
 `read_limited`): the same headers and body, the same limits and errors as Litestar's `Request.body()`."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from gateway.edge.adapter import find_route
 from gateway.edge.decoding import read_limited
-from gateway.edge.inbound import AsgiInbound
 from gateway.errors import ClientClosedError
+from gateway.inbound import AsgiInbound
 
 _Message = dict[str, Any]
 

@@ -25,7 +25,7 @@ from gateway.config import Config, EngineConfig, ReplicaSpec, SloConfig, SloTarg
 from gateway.generation.prompts import PromptRenderer
 from gateway.observe.metrics import tenant_labels
 from gateway.secret import ServerSecret
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import SYSTEM_TENANT
 from policy.tenants.models import Limits, Quotas, Tenant
 from registry.models import CascadeStage, PolicyCategory, PolicySpec, RulePattern, RulesSpec

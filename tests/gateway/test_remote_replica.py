@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import Config, ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
 from gateway.overload import OverloadConfig, OverloadGate
-from gateway.service import Services
+from gateway.services import Services
 from routing.config import ReplicaConfig, RoutingConfig
 from tests.conftest import (
     MODEL,

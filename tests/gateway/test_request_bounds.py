@@ -27,7 +27,7 @@ from gateway.generation.planning import plan_chat
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.resolution import target
 from gateway.schemas import ChatCompletionRequest
-from gateway.service import Services
+from gateway.services import Services
 from policy.auth import Principal
 from policy.quota.meter import applicable
 from policy.safety.defaults import NO_GUARDS, rules_policy

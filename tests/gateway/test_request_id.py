@@ -10,9 +10,10 @@ import pytest
 from litestar.types import Receive, Scope, Send
 
 from gateway.config import Config
-from gateway.edge.requestid import assign_request_id, request_id_in
+from gateway.edge.adapter import route_template
 from gateway.observe.observer import RequestObserver, observe_middleware
 from gateway.overload import LoopLagMonitor, OverloadConfig, OverloadGate
+from gateway.requestid import assign_request_id, request_id_in
 
 
 async def _call(app: Any, inbound: list[tuple[bytes, bytes]]) -> list[Any]:
@@ -38,7 +39,9 @@ async def _answer(headers: list[tuple[bytes, bytes]], inbound: list[tuple[bytes,
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    sent = await _call(observe_middleware(app, RequestObserver(Config(), time.monotonic)), inbound)
+    sent = await _call(
+        observe_middleware(app, RequestObserver(Config(), time.monotonic), route_template), inbound
+    )
     return sent[0]["headers"], seen["id"]
 
 

@@ -17,7 +17,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import AuditConfig, Config
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from policy.audit import AuditDraft, AuditRecord, AuditStore, PostgresAuditStore, SqliteAuditStore
 from policy.audit.retention import DAY_S
 from policy.auth import SYSTEM_TENANT

@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.base import Usage
 from gateway.config import Config, SloConfig, SloTargets
-from gateway.generation.tracking import Outcome
 from gateway.observe.metrics import ITL_BUCKETS, Observer, RequestMetrics
+from gateway.observe.outcome import Outcome
 from gateway.observe.requestlog import RequestLogLine, log_line
 from gateway.observe.tally import Tally
 from gateway.observe.timeline import RequestTimeline

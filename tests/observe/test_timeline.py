@@ -6,8 +6,8 @@ import pytest
 
 from engines.base import Usage
 from gateway.config import SloTargets
-from gateway.generation.tracking import Outcome, Status
 from gateway.observe import slo
+from gateway.observe.outcome import Outcome, Status
 from gateway.observe.timeline import RequestTimeline, note_error, timeline_in
 from gateway.observe.trace import inbound_trace, parse_traceparent
 from policy.safety.decision import GuardDecision

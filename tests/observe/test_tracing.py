@@ -9,7 +9,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from engines.base import Usage
 from gateway.config import TracingConfig
-from gateway.generation.tracking import Outcome
+from gateway.observe.outcome import Outcome
 from gateway.observe.timeline import GuardCheck, Phase, RequestTimeline
 from gateway.observe.trace import traceparent_of
 from gateway.observe.tracing import Tracer

@@ -15,7 +15,7 @@ from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import QuotaConfig
 from gateway.generation.prompts import PromptRenderer
-from gateway.service import Services
+from gateway.services import Services
 from policy.quota import BucketSpec, MemoryQuotaStore, QuotaBackendError, QuotaBusyError, Reservation
 from policy.quota.meter import applicable
 from policy.tenants.models import ApiKey, Limits, Quotas, Tenant

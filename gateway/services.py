@@ -4,22 +4,17 @@ generation pipeline reads its own part, `Services.generation`)."""
 
 from __future__ import annotations
 
-import time
-
 from engines.base import Engine
 from gateway.config import Config
-from gateway.console.sessions.base import SessionStore
-from gateway.edge.decoding import Decoder
 from gateway.generation.context import Generation
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import OutcomeSink
-from gateway.guards import GuardFactory
+from gateway.guard_factory import GuardFactory
 from gateway.observe.observer import RequestObserver
 from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModerationRequest
 from gateway.secret import ServerSecret
 from policy.appeals.base import AppealStore
 from policy.audit.base import AuditStore
@@ -62,7 +57,6 @@ class Services:
         refusals: RefusalTally,
         audit_checkpoints: Checkpointer | None = None,
         appeals: AppealStore,
-        console_sessions: SessionStore,
         pools: dict[str, Engine] | None = None,
         renderers: RendererCache | None = None,
         observer: RequestObserver,
@@ -83,8 +77,6 @@ class Services:
         self.refusals = refusals
         # Appeals of recorded decisions and their review (the appeal routes), in the audit store's database.
         self.appeals = appeals
-        # The reviewer console's sessions ([console] session_store: this process's, or shared in Redis).
-        self.console_sessions = console_sessions
         # Engine pools by name; a model version names the pool that serves it. One embedded engine: "default".
         self.pools: dict[str, Engine] = pools or {DEFAULT_POOL: engine}
         # Pools that only guard models run on (every pool no generation replica serves).
@@ -107,12 +99,6 @@ class Services:
         # Builds each guard version's classifier (the gate uses it; tools wait for a policy's guards with it).
         self.guards = guards
         self.clock = clock
-        # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
-        self.readiness = ReadinessCheck(self, config.server.readiness_cache)
-        self.chat_decoder = Decoder(ChatCompletionRequest)
-        self.completion_decoder = Decoder(CompletionRequest)
-        self.moderation_decoder = Decoder(ModerationRequest)
-        self.started = int(time.time())
         # What the generation pipeline reads (`gateway.generation`: it never imports this module).
         self.generation = Generation(
             config=config,
@@ -131,3 +117,5 @@ class Services:
             tasks=tasks,
             traced=observer.tracer is not None,
         )
+        # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
+        self.readiness = ReadinessCheck(self.generation, config.server.readiness_cache)
