@@ -13,6 +13,12 @@ the gateway (`tests/gateway/test_litestar_contract.py` fails, naming it, when a 
 - the exception middleware's handler lookup, `get_exception_handler` (a private module), over the route's
   resolved handlers (`HTTPRouteHandler.resolve_exception_handlers`) (`render_error`);
 - a route's body limit as Litestar resolves it (`HTTPRouteHandler.resolve_request_max_body_size`);
+- whether Litestar would run anything between the router and the handler or around the app (`plain`): the
+  middleware it stacks on a route (`routing_trie.mapping.build_route_middleware_stack`: the CSRF,
+  compression, response cache and allowed-hosts configs and the handler's resolved middleware) or in front
+  of the router (CORS), and `before_send` hooks (Litestar wraps `send` with them). The fast path answers
+  only plain routes, so configuring any of these on the app
+  (an allowed-hosts list, say) can never be skipped by it;
 - what a plain JSON `Response` sends: two ASGI messages, its own headers, then content type and length
   (`send_encoded`, checked against Litestar's own encoding by `tests/gateway/test_fastpath.py`).
 """
@@ -50,6 +56,8 @@ class Route:
     template: str
     body_limit: int | None
     exception_handlers: ExceptionHandlersMap
+    # Nothing of Litestar runs between its router and the handler, or around the app (module docstring).
+    plain: bool
 
 
 def body_limit(handler: HTTPRouteHandler) -> int | None:
@@ -63,7 +71,16 @@ def find_route(app: Litestar, path: str, method: str) -> Route:
     _, handler, _, _, template = app.asgi_router.handle_routing(path=path, method=method)
     if not isinstance(handler, HTTPRouteHandler):
         raise TypeError(f"{method} {path} is not an HTTP route handler: {handler!r}")
-    return Route(handler, template, body_limit(handler), handler.resolve_exception_handlers())
+    wrapped = (
+        app.csrf_config
+        or app.compression_config
+        or app.allowed_hosts
+        or app.cors_config
+        or app.before_send
+        or handler.cache
+        or handler.resolve_middleware()
+    )
+    return Route(handler, template, body_limit(handler), handler.resolve_exception_handlers(), not wrapped)
 
 
 def enter_route(scope: Scope, app: Litestar, route: Route) -> None:

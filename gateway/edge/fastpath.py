@@ -8,8 +8,10 @@ Litestar handlers run (`gateway.api.completions.generate`): the principal from `
 within the route's limit (its 413 is the route's), the pipeline's own response objects, and errors rendered
 by the handler Litestar would pick for the route. The request is read through an `AsgiInbound`
 (`gateway.inbound`), not Litestar's request object, which is built only to render an error or send a
-stream. Every other request, including other methods on these paths and any request under a root path, goes
-to Litestar; the two routes stay registered there, where the OpenAPI document is generated from them.
+stream. Every other request goes to Litestar: other methods on these paths, any request under a root path,
+and every request to a route on which Litestar would run middleware of its own (allowed hosts, CORS, CSRF,
+compression, a cache, a handler's middleware: `adapter.Route.plain`), so no such setting is ever skipped.
+The two routes stay registered there, where the OpenAPI document is generated from them.
 
 Whatever this takes from Litestar's internals (the route lookup, the scope keys, the exception-handler
 lookup, the response encoding) is in `gateway.edge.adapter`. It sits inside the observe middleware (the
@@ -76,6 +78,9 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
                 await inner(scope, receive, send)
                 return
             found = route(scope["path"])
+            if not found.plain:  # Litestar's own middleware must see it (`adapter.Route.plain`)
+                await inner(scope, receive, send)
+                return
             enter_route(scope, app, found)
             inbound = AsgiInbound(scope, receive)
             services: Services = app.state.services

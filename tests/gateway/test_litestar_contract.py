@@ -12,11 +12,15 @@ from typing import Any
 
 import pytest
 from litestar import Litestar, Request, Response, get, post
+from litestar.config.compression import CompressionConfig
+from litestar.config.cors import CORSConfig
+from litestar.config.csrf import CSRFConfig
 from litestar.handlers import HTTPRouteHandler
 from litestar.middleware._internal.exceptions.middleware import get_exception_handler
 
 from gateway.app import create_app
 from gateway.edge import adapter
+from gateway.edge.fastpath import fast_generation
 from gateway.edge.stack import Gateway
 from tests.conftest import make_config
 
@@ -157,3 +161,69 @@ def test_the_gateway_replaces_nothing_in_litestar_and_has_no_send_hooks() -> Non
     assert isinstance(app, Gateway)
     assert not app.before_send, "a before_send hook would not run on the fast path"
     assert type(app.asgi_handler).__module__.startswith("litestar."), app.asgi_handler
+
+
+def _chat_app(**settings: Any) -> Litestar:
+    """A Litestar app whose own handler answers the chat route ("litestar"), with `settings` (Litestar's)."""
+
+    @post("/v1/chat/completions")
+    async def chat() -> str:
+        return "litestar"
+
+    return Litestar([chat], **settings)
+
+
+async def _post(app: Any, host: str) -> tuple[int, bytes]:
+    sent: list[Any] = []
+    received = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
+
+    async def receive() -> Any:
+        return next(received)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", host.encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+    }
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"allowed_hosts": ["gw.example"]},
+        {"cors_config": CORSConfig(allow_origins=["https://gw.example"])},
+        {"csrf_config": CSRFConfig(secret="s" * 32)},
+        {"compression_config": CompressionConfig(backend="gzip")},
+        {"before_send": [lambda message, scope: None]},
+    ],
+    ids=["allowed_hosts", "cors", "csrf", "compression", "before_send"],
+)
+def test_a_route_litestar_wraps_in_middleware_is_not_plain(setting: dict[str, Any]) -> None:
+    assert adapter.find_route(_chat_app(), "/v1/chat/completions", "POST").plain
+    assert not adapter.find_route(_chat_app(**setting), "/v1/chat/completions", "POST").plain
+    # The gateway's own app runs none of these: its generation routes take the fast path.
+    assert adapter.find_route(create_app(make_config()), "/v1/chat/completions", "POST").plain
+
+
+async def test_the_fast_path_leaves_a_wrapped_route_to_litestar_so_a_forged_host_is_refused() -> None:
+    # An attacker's Host header on an app that lists its hosts: Litestar's middleware refuses it, the fast
+    # path in front never answers (it would need the gateway's services, which this app has not got).
+    app = _chat_app(allowed_hosts=["gw.example"])
+    edge = fast_generation(app, app)
+    status, _ = await _post(edge, "evil.example")
+    assert status == 400
+    assert await _post(edge, "gw.example") == (201, b"litestar")
