@@ -174,6 +174,7 @@ def _forget(services: Services, tenant_id: str) -> None:
             },
             "max_priority": "interactive",
         },
+        component="TenantCreate",
     ),
     responses=errors(400, 409, 413),
 )

@@ -154,10 +154,15 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
     return {status: error_spec(status) for status in sorted({*AUTH_STATUSES, *statuses})}
 
 
-def request_body(struct: type[Any], *examples: Any, description: str | None = None) -> dict[str, Provide]:
+def request_body(
+    struct: type[Any], *examples: Any, description: str | None = None, component: str | None = None
+) -> dict[str, Provide]:
     """The dependencies that document a handler's JSON request body as `struct` (see the module docstring).
 
-    `examples` are request bodies as JSON values."""
+    `examples` are request bodies as JSON values. `component`: the body's own schema name, for a struct that
+    responses return too. Litestar keeps the first schema it meets under a name, and the order in which it
+    meets a path's methods follows string hashing: without a name of its own, the request body's description
+    and examples would be in the document or not depending on `PYTHONHASHSEED`."""
 
     def documentation_only(data: Any) -> None:
         raise RuntimeError("this dependency documents a request body and is never resolved")
@@ -166,7 +171,11 @@ def request_body(struct: type[Any], *examples: Any, description: str | None = No
     documentation_only.__annotations__ = {
         "data": Annotated[
             struct,
-            Body(description=description or struct.__doc__, examples=[Example(value=e) for e in examples]),
+            Body(
+                description=description or struct.__doc__,
+                examples=[Example(value=e) for e in examples],
+                schema_component_key=component,
+            ),
         ],
         "return": None,
     }
