@@ -4,7 +4,7 @@
 loop put about a third of its time in Litestar's request cycle around them: routing, the exception
 middleware, dependency injection and signature parsing, response handling (`ops.bench.overhead`,
 `docs/overhead.md`). `fast_generation` answers these two routes straight from ASGI with the same code the
-Litestar handlers run (`gateway.api.completions.generate`): the principal from `principal_of`, the body read
+Litestar handlers run (`generate` below): the principal from `principal_of`, the body read
 within the route's limit (its 413 is the route's), the pipeline's own response objects, and errors rendered
 by the handler Litestar would pick for the route. The request is read through an `AsgiInbound`
 (`gateway.inbound`), not Litestar's request object, which is built only to render an error or send a
