@@ -1,6 +1,7 @@
-"""The console's policy statistics: per policy version, decisions per hour and guard-score histograms per
-stage, drawn as inline SVG so that drift (scores moving) and a threshold change (a second threshold line)
-are visible without any script or external asset.
+"""The console's policy statistics: per policy version, decisions per hour, and per guard stage its score
+histogram over the window and its scores hour by hour (median, and the 10th to 90th percentile), drawn as
+inline SVG so that drift (scores moving over time) and a threshold change (a second threshold line) are
+visible without any script or external asset.
 
 Bounded: at most `MAX_RECORDS` records of the last `WINDOW_S` seconds in the reviewer's scope are read
 (`AuditStore.query` pages); the page says when that cut the window short.
@@ -28,11 +29,32 @@ _COLOURS = {
 
 
 class StageScores(msgspec.Struct, kw_only=True):
-    """One stage's scores (histogram bins over 0..1) and the thresholds it ran with."""
+    """One stage's scores (histogram bins over 0..1, and every score by hour) and the thresholds it ran
+    with."""
 
     bins: list[int]
     allow_below: set[float]
     block_above: set[float]
+    hourly: dict[int, list[float]] = msgspec.field(default_factory=dict)  # unix hour -> scores in it
+
+
+class HourSpread(msgspec.Struct, frozen=True, kw_only=True):
+    """One hour of a stage's scores: how many, their median and 10th and 90th percentiles."""
+
+    n: int
+    p10: float
+    p50: float
+    p90: float
+
+
+def spread(scores: list[float]) -> HourSpread:
+    """The spread of one hour's scores (nearest-rank percentiles; `scores` not empty)."""
+    ordered = sorted(scores)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return HourSpread(n=len(ordered), p10=rank(0.1), p50=rank(0.5), p90=rank(0.9))
 
 
 class PolicyStats(msgspec.Struct, kw_only=True):
@@ -72,6 +94,7 @@ def _add(stats: dict[str, PolicyStats], record: AuditRecord) -> None:
         )
         clamped = min(max(run.score, 0.0), 1.0)
         scores.bins[min(int(clamped * BINS), BINS - 1)] += 1
+        scores.hourly.setdefault(int(record.at // _HOUR), []).append(clamped)
         if run.allow_below is not None:
             scores.allow_below.add(run.allow_below)
         if run.block_above is not None:
@@ -127,6 +150,31 @@ def histogram_svg(scores: StageScores) -> str:
     return "".join(parts)
 
 
+def drift_svg(hourly: dict[int, list[float]], now: float) -> str:
+    """A stage's scores hour by hour over the window, oldest left: a bar from the 10th to the 90th
+    percentile and a dot at the median, on a 0..1 scale (an hour with no score is left empty)."""
+    hours = int(WINDOW_S // _HOUR)
+    last = int(now // _HOUR)
+    width, height = hours * 12, 100
+    parts = [f'<svg class="drift" width="{width}" height="{height + 20}" role="img">']
+    for i in range(hours):
+        scores = hourly.get(last - hours + 1 + i)
+        if not scores:
+            continue
+        s = spread(scores)
+        x = i * 12 + 5
+        top, bottom, mid = ((1 - v) * height for v in (s.p90, s.p10, s.p50))
+        title = f"<title>n {s.n}: median {s.p50:.3f}, 10-90% {s.p10:.3f}-{s.p90:.3f}</title>"
+        parts.append(
+            f'<line x1="{x}" y1="{top:.1f}" x2="{x}" y2="{bottom:.1f}" stroke="#9bb7e0" stroke-width="6">'
+            f"{title}</line>"
+            f'<circle cx="{x}" cy="{mid:.1f}" r="3" fill="#2a6fdb">{title}</circle>'
+        )
+    parts.append(f'<text x="0" y="{height + 15}" font-size="10">{hours} h ago</text>')
+    parts.append(f'<text x="{width - 30}" y="{height + 15}" font-size="10">now</text></svg>')
+    return "".join(parts)
+
+
 def stats_body(stats: dict[str, PolicyStats], now: float, truncated: bool) -> str:
     """The statistics page's body, one section per policy version."""
     hours = int(WINDOW_S // _HOUR)
@@ -151,6 +199,7 @@ def stats_body(stats: dict[str, PolicyStats], now: float, truncated: bool) -> st
             thresholds = f"allow below {sorted(scores.allow_below)}, block above {sorted(scores.block_above)}"
             sections.append(
                 f"<h3>Scores of {escape(stage)}</h3><p>{escape(thresholds)}</p>{histogram_svg(scores)}"
+                f"<p>By hour (median, 10th-90th percentile):</p>{drift_svg(scores.hourly, now)}"
             )
         sections.append("</section>")
     if not stats:
