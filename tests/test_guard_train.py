@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gateway import cli
 from guard.dataset import dataset_dir_sha256
 from guard.embedding import LogisticHead
-from guard.labelled import LabelledItem
+from guard.labelled import LabelledItem, load_items
 from guard.one_token import SYSTEM_PROMPT
 from ops.eval.evaluation import save_items
 from ops.guard_training import prepare as guards_prepare
@@ -159,25 +159,29 @@ def test_label_tokens_are_single_tokens(prepared: GuardsResult) -> None:
 
 
 def test_reports_record_the_data_hash_the_split_and_held_out_figures(
-    prepared: GuardsResult, data_file: Path
+    prepared: GuardsResult, data_file: Path, guard_data: Path
 ) -> None:
     sha = _sha256(data_file)
     one, emb = _one_token_report(prepared), _embedding_report(prepared)
-    assert (
-        prepared.manifest.training_data_sha256 == one.training_data_sha256 == emb.training_data_sha256 == sha
-    )
+    assert prepared.manifest.training_data_sha256 == one.training_data_sha256 == sha
+    # The embedding guard is trained on the multilingual directory, as the n-gram guard is.
+    assert emb.training_data_sha256 == dataset_dir_sha256(guard_data)
     assert prepared.manifest.split == one.split == emb.split == "train"
     assert one.system_prompt == SYSTEM_PROMPT
     assert one.settings == SETTINGS
     assert len(one.losses) == 1
     test_items = sum(1 for *_, split in _TEXTS if split == "test")
-    assert one.metrics.n == one.zero_shot.n == emb.metrics.n == test_items
+    assert one.metrics.n == one.zero_shot.n == test_items
     assert one.verified_items == 4
     assert 0.0 < one.label_mass_min <= 1.0
     test_ids = {i for i, *_, split in _TEXTS if split == "test"}
-    assert set(one.test_scores) == set(one.zero_shot_test_scores) == set(emb.test_scores) == test_ids
+    assert set(one.test_scores) == set(one.zero_shot_test_scores) == test_ids
+    # Measured on the directory's test split only (never its calibration split).
+    guard_test_ids = {i.id for i in load_items(guard_data) if i.split == "test"}
+    assert set(emb.test_scores) == guard_test_ids
+    assert emb.metrics.n == len(guard_test_ids)
     head = LogisticHead.load(prepared.path / EMBEDDING_NAME, emb.weights_sha256)
-    assert head.training_data_sha256 == sha
+    assert head.training_data_sha256 == dataset_dir_sha256(guard_data)
 
 
 def test_the_ngram_guard_is_prepared_with_its_calibrated_thresholds(
@@ -202,12 +206,16 @@ def test_the_ngram_guard_is_prepared_with_its_calibrated_thresholds(
     assert prepared.manifest.ngram_settings == NgramSettings()
 
 
-def test_the_test_split_is_never_trained_on(prepared: GuardsResult) -> None:
+def test_the_test_split_is_never_trained_on(prepared: GuardsResult, guard_data: Path) -> None:
     train_ids = {i for i, *_, split in _TEXTS if split == "train"}
     test_ids = {i for i, *_, split in _TEXTS if split == "test"}
-    for report in (_one_token_report(prepared), _embedding_report(prepared)):
-        assert set(report.train_ids) == train_ids
-        assert not set(report.train_ids) & test_ids
+    one = _one_token_report(prepared)
+    assert set(one.train_ids) == train_ids
+    assert not set(one.train_ids) & test_ids
+    items = load_items(guard_data)
+    emb = _embedding_report(prepared)
+    assert set(emb.train_ids) == {i.id for i in items if i.split == "train"}
+    assert not set(emb.train_ids) & {i.id for i in items if i.split != "train"}
 
 
 async def _registry(path: Path) -> Registry:

@@ -7,6 +7,7 @@ it reports is computed on `TrainingSet.test`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,6 +57,19 @@ def load_training_set(path: Path, split: str = "train") -> TrainingSet:
     if not test:
         raise ValueError(f"{path} has no items outside split {split!r} to measure the guard on")
     return TrainingSet(path=str(path), sha256=dataset_sha256(path), split=split, train=train, test=test)
+
+
+def sample(data: TrainingSet, train: int, test: int, test_split: str = "test") -> TrainingSet:
+    """At most `train` of the items to train on and `test` held-out items of `test_split` (0: all of them),
+    chosen by the sha256 of their ids: the same items of the same data on every machine, spread over
+    languages, hazards and labels as the whole is (no item's choice depends on its label or text)."""
+
+    def first(items: Sequence[LabelledItem], n: int) -> tuple[LabelledItem, ...]:
+        ranked = sorted(items, key=lambda i: hashlib.sha256(i.id.encode()).digest())
+        return tuple(ranked[:n] if n else ranked)
+
+    held_out = [i for i in data.test if i.split == test_split]
+    return msgspec.structs.replace(data, train=first(data.train, train), test=first(held_out, test))
 
 
 def label_of(item: LabelledItem) -> int:

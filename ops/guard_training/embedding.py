@@ -19,7 +19,15 @@ import numpy as np
 
 from guard.base import GuardError
 from guard.embedding import HEAD_WEIGHTS, MODEL_NAME, Encoder, LogisticHead
-from ops.guard_training.data import Metrics, TrainError, TrainingSet, describe, label_of, score_metrics
+from ops.guard_training.data import (
+    Metrics,
+    TrainError,
+    TrainingSet,
+    describe,
+    label_of,
+    sample,
+    score_metrics,
+)
 
 METHOD = "minilm-logistic"
 GUARD_JSON = "guard.json"
@@ -29,9 +37,13 @@ Say = Callable[[str], None]
 
 
 class EmbeddingSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How the embedding head is fit."""
+    """How the embedding head is fit: on at most `train_items` of the training split, measured on at most
+    `test_items` of the test split (`data.sample`; 0: all), so that encoding them fits `models prepare`'s
+    budget on 2 cores (MiniLM encodes about 40 items/s there)."""
 
     l2: float = 0.1
+    train_items: int = 2_500
+    test_items: int = 1_000
 
 
 class EmbeddingReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,12 +76,15 @@ def _embed(encoder: Encoder, texts: Sequence[str], say: Say, total: int, done: i
 def train_embedding(
     data: TrainingSet, out_dir: Path, settings: EmbeddingSettings | None = None, say: Say = print
 ) -> EmbeddingReport:
-    """Fit a logistic head on MiniLM embeddings of `data.train`; write it to `out_dir` (which must not exist).
+    """Fit a logistic head on MiniLM embeddings of `data.train` (at most `settings.train_items` of them,
+    measured on at most `settings.test_items` of the test split); write it to `out_dir` (which must not
+    exist).
 
     Blocking and synchronous: it loads the encoder in its own event loop and thread, so call it from a
     worker thread when an event loop is running.
     """
     settings = settings or EmbeddingSettings()
+    data = sample(data, settings.train_items, settings.test_items)
     started = time.perf_counter()
     if out_dir.exists():
         raise TrainError(f"{out_dir} already exists")

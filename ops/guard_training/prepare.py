@@ -15,9 +15,11 @@ Layout of a guards directory (`<data_dir>/guards/` for the default guards):
         ngram.npz, ngram.json   the head (guard/ngram.py)
         guard.json              NgramReport: its thresholds, chosen on the set's calibration split
 
-The one-token and embedding guards are trained on a labelled file (ops/eval/data/dev.jsonl by default); the
-n-gram guard on the train split of a labelled directory (ops/eval/data/guard/ by default), its thresholds
-chosen on that directory's calibration split (ops/guard_training/ngram.py states the rule).
+The one-token guard is trained on a labelled file (ops/eval/data/dev.jsonl by default: training it on the
+multilingual set does not fit the budget, see README "Safety guard"); the n-gram guard on the train split
+of a labelled directory (ops/eval/data/guard/ by default), its thresholds chosen on that directory's
+calibration split (ops/guard_training/ngram.py states the rule); the embedding guard on a sample of the same
+train split (`EmbeddingSettings.train_items`).
 
 A directory is reused when its manifest names the same training data (sha256 of the file's bytes, and of
 the directory's), the same split, the same base model weights, the same settings and the same guard prompt
@@ -184,8 +186,8 @@ def prepare_guards(
     ngram: NgramSettings | None = None,
     say: Say = print,
 ) -> GuardsResult:
-    """Train the one-token and the embedding guard on `split` of `data_file`, and the n-gram guard on the
-    train split of `ngram_data_dir`, into `guards_dir`, unless it already holds guards trained on the same
+    """Train the one-token guard on `split` of `data_file`, and the n-gram and embedding guards on the train
+    split of `ngram_data_dir`, into `guards_dir`, unless it already holds guards trained on the same
     data, split, base model and settings (then nothing is done).
 
     Raises TrainError (or ValueError for a malformed data file) when the guards cannot be trained.
@@ -218,7 +220,8 @@ def prepare_guards(
     try:
         ngram_report = train_ngram(ngram_data_dir, work / NGRAM_NAME, ngram, say=say)
         say(f"ngram guard trained ({time.perf_counter() - started:.0f} s)")
-        emb = train_embedding(data, work / EMBEDDING_NAME, embedding, say=say)
+        emb_data = load_training_set(ngram_data_dir, "train")
+        emb = train_embedding(emb_data, work / EMBEDDING_NAME, embedding, say=say)
         say(f"embedding guard trained ({time.perf_counter() - started:.0f} s)")
         one = train_one_token(data, base_model_dir, work / ONE_TOKEN_NAME, one_token, say=say)
         manifest = PreparedGuards(
@@ -271,6 +274,6 @@ def prepare_guards(
 
 
 def prepare_default_guards(data_dir: Path, base_model_dir: Path, say: Say = print) -> GuardsResult:
-    """The default guards in `<data_dir>/guards/`, trained on the train split of ops/eval/data/dev.jsonl
-    (the n-gram guard on that of ops/eval/data/guard/)."""
+    """The default guards in `<data_dir>/guards/`: the one-token guard trained on the train split of
+    ops/eval/data/dev.jsonl, the n-gram and embedding guards on that of ops/eval/data/guard/."""
     return prepare_guards(data_dir.expanduser() / GUARDS_DIR, base_model_dir, DEFAULT_DATA, say=say)

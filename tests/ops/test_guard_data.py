@@ -7,11 +7,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from guard.dataset import HAZARD_CATEGORY, LANGUAGES, family_splits, load_data_dir
 from guard.labelled import LabelledItem, guard_input, load_items
 from ops.eval.evaluation import dataset_sha256
+from ops.guard_training.data import load_training_set, sample
 
 DATA = Path(__file__).resolve().parents[2] / "ops" / "eval" / "data" / "guard"
 HAZARDS = [h for h in HAZARD_CATEGORY if h != "none"]
@@ -123,3 +125,22 @@ def test_splits_are_by_family_and_a_later_family_moves_none(tmp_path: Path) -> N
         out.write("\n" + "\n".join(_line("s1-p11", lang) for lang in LANGUAGES))
     after = family_splits(load_data_dir(tmp_path))
     assert {f: after[f] for f in before} == before
+
+
+def test_a_sample_is_the_same_whatever_the_order_and_holds_out_only_the_test_split() -> None:
+    data = load_training_set(DATA, "train")
+    small = sample(data, 300, 100)
+    assert (len(small.train), len(small.test)) == (300, 100)
+    assert {i.split for i in small.train} == {"train"}
+    assert {i.split for i in small.test} == {"test"}  # calibration items are never its held-out figures
+    shuffled = msgspec.structs.replace(data, train=data.train[::-1], test=data.test[::-1])
+    again = sample(shuffled, 300, 100)
+    assert [i.id for i in again.train] == [i.id for i in small.train]
+    assert [i.id for i in again.test] == [i.id for i in small.test]
+    # Spread like the whole: every language, both labels.
+    assert {i.language for i in small.train} == set(LANGUAGES)
+    assert {i.label for i in small.train} == {"safe", "unsafe"}
+    # 0: all of them.
+    whole = sample(data, 0, 0)
+    assert len(whole.train) == len(data.train)
+    assert len(whole.test) == sum(i.split == "test" for i in data.test)
