@@ -47,6 +47,7 @@ class _OneToken(msgspec.Struct, frozen=True):
 class _Embedding(msgspec.Struct, frozen=True):
     name: str
     weights_sha256: str
+    training_data_sha256: str
 
 
 class _Ngram(msgspec.Struct, frozen=True):
@@ -149,7 +150,7 @@ async def register_guards(
         kind="embedding",
         artifact=f"{guards_dir.name}/{manifest.embedding.name}",
         weights_sha256=manifest.embedding.weights_sha256,
-        training_data_sha256=manifest.training_data_sha256,
+        training_data_sha256=manifest.embedding.training_data_sha256,
     )
     embedding = await registry.publish(
         "guard_model",

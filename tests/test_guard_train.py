@@ -260,7 +260,7 @@ async def test_register_guards_publishes_trained_versions_idempotently(
         assert embedding.kind == "embedding"
         assert embedding.artifact == f"guards/{EMBEDDING_NAME}"
         assert embedding.weights_sha256 == prepared.manifest.embedding.weights_sha256
-        assert embedding.training_data_sha256 == sha
+        assert embedding.training_data_sha256 == prepared.manifest.embedding.training_data_sha256 != sha
 
         name, version = parse_ref(refs.ngram)
         ngram = view.spec("guard_model", name, version, GuardModelSpec)

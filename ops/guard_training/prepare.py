@@ -75,10 +75,11 @@ class PreparedOneToken(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PreparedEmbedding(msgspec.Struct, frozen=True, kw_only=True):
-    """The embedding guard of a guards directory: its artifact directory and the head's sha256."""
+    """The embedding guard of a guards directory: its artifact directory, the head's sha256 and its data's."""
 
     name: str  # directory and guard name
     weights_sha256: str
+    training_data_sha256: str  # of the multilingual directory it is trained on (as the n-gram guard)
     metrics: Metrics
 
 
@@ -245,7 +246,10 @@ def prepare_guards(
                 zero_shot=one.zero_shot,
             ),
             embedding=PreparedEmbedding(
-                name=EMBEDDING_NAME, weights_sha256=emb.weights_sha256, metrics=emb.metrics
+                name=EMBEDDING_NAME,
+                weights_sha256=emb.weights_sha256,
+                training_data_sha256=emb.training_data_sha256,
+                metrics=emb.metrics,
             ),
             ngram=PreparedNgram(
                 name=NGRAM_NAME,
