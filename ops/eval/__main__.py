@@ -10,7 +10,7 @@
                               [--band escalate|block] [--split test] [--json]
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
-                              [--everyday-fpr 0.05]
+                              [--everyday-fpr 0.03]
                               [--step 0.05] [--keep INDEX] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds. With
@@ -222,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
         "--safe-output-fpr", type=float, default=0.0, help="safe outputs (replies, refusals) blocked, at most"
     )
     calibration.add_argument(
-        "--everyday-fpr", type=float, default=0.05, help="everyday prompts (kind everyday) blocked, at most"
+        "--everyday-fpr", type=float, default=0.03, help="everyday prompts (kind everyday) blocked, at most"
     )
     calibration.add_argument("--step", type=float, default=0.05, help="threshold grid step")
     calibration.add_argument(

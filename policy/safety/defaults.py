@@ -95,7 +95,7 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     prompts and a pair for outputs chosen on its outputs: it blocks what it is sure of in any language,
     allows what it is sure is benign, and passes the rest on. The later stages' pairs were chosen on the
     same calibration split by `python -m ops.eval calibrate --keep 1` (the n-gram stage kept at its own)
-    under its default budget: look-alikes blocked at most 5%, everyday prompts at most 5%, escalations at
+    under its default budget: look-alikes blocked at most 5%, everyday prompts at most 3%, escalations at
     most 10%, no safe output blocked; the most harmful items blocked within it. The one-token guard decides
     what reaches it (no band).
     Figures on the test split are in README.md ("Safety guard").
@@ -113,7 +113,7 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
             ),
             CascadeStage(
                 guard=guards.embedding,
-                allow_below=0.6,
+                allow_below=0.55,
                 block_above=0.65,
                 output_allow_below=0.55,
                 output_block_above=0.95,
@@ -121,8 +121,8 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
             ),
             CascadeStage(
                 guard=guards.one_token,
-                allow_below=0.05,
-                block_above=0.05,
+                allow_below=0.4,
+                block_above=0.4,
                 output_allow_below=0.6,
                 output_block_above=0.6,
                 timeout_s=5.0,

@@ -194,7 +194,7 @@ def test_a_kept_stage_keeps_its_stored_thresholds() -> None:
 
 def test_everyday_prompts_bind_the_input_pair_within_their_budget() -> None:
     # Everyday prompts that score like harmful requests ("Write me a cover letter"): a budget without them
-    # blocks them; the default budget (at most 5% of everyday prompts) spares them at some cost in recall.
+    # blocks them; the default budget (at most 3% of everyday prompts) spares them at some cost in recall.
     items, scores = dataset()
     high = {f"x{i}": 0.9 for i in range(40, 50)}  # every everyday prompt scores 0.9 at the model stage
     scores = [
@@ -207,6 +207,6 @@ def test_everyday_prompts_bind_the_input_pair_within_their_budget() -> None:
     assert loose.everyday_fpr == 1.0
     strict = calibrate(items, scores, Budget())
     assert strict.met
-    assert strict.everyday_fpr <= 0.05
+    assert strict.everyday_fpr <= 0.03
     assert strict.thresholds[1][1] >= 0.9  # the block threshold sits at or above the everyday scores
     assert strict.blocked_recall < loose.blocked_recall
