@@ -12,16 +12,28 @@ import msgspec
 from ops.bench.load.arrivals import arrival_times
 from ops.bench.load.workload import Fixed, Length, LogNormal, Priority, Tenant, Uniform, Workload
 
-# Short common words, about one token each in the usual BPE vocabularies: a prompt of N words is about N
-# tokens (plus the chat template's own).
-_WORD_TEXT = (
-    "the of and to in is was for on are with as at be this have from or one had by word but not what all "
-    "were we when your can said there use an each which she do how their if will up other about out many "
-    "then them these so some her would make like him into time has look two more write go see number no "
-    "way could people my than first water been call who oil its now find long down day did get come made "
-    "may part"
+# Everyday sentences of short common words, about one token per word in the usual BPE vocabularies: a prompt
+# of N words is about N tokens (plus the chat template's own). Sentences, not words drawn at random: word
+# salad reads to a safety guard like nothing a user writes, and the default cascade blocks it at the input,
+# so a bench of it would measure refusals, not serving (2026-12-06: 31 of 31 blocked).
+_SENTENCES = (
+    "The weather was mild this morning and the park was quiet.",
+    "We planted tomatoes and basil in the garden last spring.",
+    "My sister is learning to play the piano on weekends.",
+    "The train to the city leaves every twenty minutes.",
+    "Our team meeting moved to Thursday afternoon.",
+    "The library opens at nine and closes at six.",
+    "He baked a loaf of bread with whole wheat flour.",
+    "The children drew pictures of boats and birds.",
+    "A cup of tea is nice after a long walk.",
+    "The museum has a new exhibit about old maps.",
+    "She wrote a short note to thank her neighbour.",
+    "The river was high after the rain.",
+    "We watched a film about the ocean and its fish.",
+    "The bakery on the corner sells fresh bread every day.",
+    "They painted the kitchen a pale shade of green.",
+    "The bus was late, so we walked home together.",
 )
-_WORDS = tuple(_WORD_TEXT.split())
 
 
 class Planned(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,11 +66,13 @@ def draw(length: Length, rng: random.Random) -> int:
 
 
 def synthetic_prompt(index: int, words: int, rng: random.Random) -> str:
-    """About `words` tokens of filler text. The request's own tag comes first, so no two prompts share a
-    prefix and a prefix cache cannot skip their prefill."""
+    """About `words` tokens of everyday filler text (`words` words, the tag first). The request's own tag
+    comes first, so no two prompts share a prefix and a prefix cache cannot skip their prefill."""
     tag = f"[{index}-{rng.getrandbits(48):012x}]"
-    body = " ".join(rng.choice(_WORDS) for _ in range(max(0, words - 1)))
-    return f"{tag} {body}"
+    body: list[str] = []
+    while len(body) < words - 1:
+        body += rng.choice(_SENTENCES).split()
+    return " ".join([tag, *body[: max(0, words - 1)]])
 
 
 def _pick(tenants: Sequence[Tenant], rng: random.Random) -> Tenant:
