@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -381,6 +382,23 @@ def test_a_changed_guard_prompt_is_not_reused(
     assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
     monkeypatch.setattr(guards_prepare, "SYSTEM_PROMPT", "You are another classifier.")
     assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings(), *ngram) is None
+
+
+def test_guards_prepared_before_a_setting_existed_are_prepared_again(
+    prepared: GuardsResult, tmp_path: Path
+) -> None:
+    # A setting added since the directory was prepared decodes at its default, but was not in force then.
+    copy = tmp_path / "guards"
+    shutil.copytree(prepared.path, copy)
+    manifest = prepared.manifest
+    args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
+    ngram = (manifest.ngram.training_data_sha256, NgramSettings())
+    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
+    written = json.loads((copy / guards_prepare.MANIFEST).read_text())
+    del written["ngram_settings"]["output_block_floor"]
+    (copy / guards_prepare.MANIFEST).write_text(json.dumps(written))
+    assert guards_prepare.read_manifest(copy) is not None  # still decodes, at the default
+    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is None
 
 
 def test_the_manifest_name_is_the_one_the_registry_reads() -> None:

@@ -46,6 +46,10 @@ class NgramSettings(msgspec.Struct, frozen=True, kw_only=True):
     everyday_quantile: float = 0.99
     band_share: float = 0.10  # at most this share of a direction's calibration items scores in the band
     harmful_quantile: float = 0.20  # allow_below never above this quantile of the direction's harmful scores
+    # Output block_above is never under this: the calibration split's safe outputs are a few dozen
+    # hand-written replies, too few to bound the tail of generated text (a bench's everyday answers from the
+    # embedded default scored up to 0.973; at 0.860, the highest safe output's score, 32 of 198 were cut).
+    output_block_floor: float = 0.97
 
 
 class Thresholds(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,7 +116,8 @@ def choose_thresholds(
       the `everyday_quantile` quantile of the everyday prompts' scores): at most ~5% of look-alikes and ~1%
       of everyday prompts are blocked (a stage blocks a score strictly above block_above);
     - output block_above = max(the highest score of a safe output, the `lookalike_quantile` quantile of
-      any look-alike outputs): no everyday reply or refusal of the calibration split is cut;
+      any look-alike outputs, `output_block_floor`): no everyday reply or refusal of the calibration split is
+      cut, and this stage cuts an answer only when it is near certain (later stages judge the rest);
     - allow_below, per direction = the lowest threshold whose band [allow_below, block_above] holds at
       most `band_share` of the direction's items (the widest band the later, slower stages are given), but
       never above the `harmful_quantile` quantile of the direction's harmful items' scores (so at most ~20%
@@ -145,7 +150,7 @@ def choose_thresholds(
     input_block = _quantile(lookalikes, settings.lookalike_quantile)
     if everyday.size:
         input_block = max(input_block, _quantile(everyday, settings.everyday_quantile))
-    output_block = float(safe_outputs.max())
+    output_block = max(float(safe_outputs.max()), settings.output_block_floor)
     if output_lookalikes.size:
         output_block = max(output_block, _quantile(output_lookalikes, settings.lookalike_quantile))
     return DirectedThresholds(

@@ -148,14 +148,16 @@ def _reusable(
     manifest = read_manifest(guards_dir)
     if manifest is None:
         return None
+    # Settings as written, not as decoded: a setting added since (decoded at its default) was not in force.
+    written = msgspec.json.decode((guards_dir / MANIFEST).read_bytes())
+    settings = {"one_token_settings": one_token, "embedding_settings": embedding, "ngram_settings": ngram}
+    as_written = {key: msgspec.json.decode(msgspec.json.encode(value)) for key, value in settings.items()}
     same = (
         manifest.training_data_sha256 == data_sha256
         and manifest.split == split
         and manifest.base_weights_sha256 == base_weights_sha256
-        and manifest.one_token_settings == one_token
-        and manifest.embedding_settings == embedding
+        and all(written.get(key) == value for key, value in as_written.items())
         and manifest.ngram.training_data_sha256 == ngram_data_sha256
-        and manifest.ngram_settings == ngram
         # The served prompt must be the trained one, token for token.
         and manifest.one_token.prompt_template == JUDGE_PROMPT
         and manifest.one_token.system_prompt == SYSTEM_PROMPT

@@ -110,7 +110,11 @@ def test_each_direction_gets_its_own_pair_from_its_own_items() -> None:
     )
     chosen = choose_thresholds(scores, items, RULE)
     assert chosen.input.block_above < 0.5 < chosen.output.block_above
-    assert chosen.output.block_above == pytest.approx(0.85)
+    # Outputs: never under the floor (generated text's tail is not bounded by a few dozen replies) ...
+    assert chosen.output.block_above == pytest.approx(RULE.output_block_floor)
+    # ... and above every safe output where they score higher than it.
+    unfloored = msgspec.structs.replace(RULE, output_block_floor=0.0)
+    assert choose_thresholds(scores, items, unfloored).output.block_above == pytest.approx(0.85)
     prompts = [(s, i) for s, i in zip(scores, items, strict=True) if i.shape == "prompt"]
     assert all(s > chosen.input.block_above for s, i in prompts if i.label == "unsafe")
 
