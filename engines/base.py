@@ -157,6 +157,9 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
 
     ready: bool
     detail: str = ""
+    # The longest step the engine takes at its token budget, by its measured profile (None where not
+    # measured): how slow this host runs the model, for an operator reading `/readyz`.
+    step_seconds: float | None = None
 
 
 class Scorer(Protocol):

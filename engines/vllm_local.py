@@ -201,7 +201,7 @@ class VllmLocalEngine:
     @property
     def step_seconds(self) -> float | None:
         """The longest an engine step takes at the budget in force, by the measured profile (None when the
-        budget was configured rather than measured)."""
+        budget was configured rather than measured); `/readyz` shows it to operators."""
         if self.profile is None:
             return None
         return self.profile.decode_step_s + self.max_num_batched_tokens * self.profile.worst_token_s
@@ -499,7 +499,7 @@ class VllmLocalEngine:
             await self._llm.check_health()
         except VllmDeadError as exc:
             return Health(ready=False, detail=f"{type(exc).__name__}: {exc}")
-        return Health(ready=True)
+        return Health(ready=True, step_seconds=self.step_seconds)
 
     async def shutdown(self) -> None:
         """Abort every request and stop the engine core and its worker processes."""

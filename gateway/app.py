@@ -468,7 +468,7 @@ def create_app(
                 stage_failures=gate.stage_failures,
                 guard_backlogs=factory.backlogs,
                 overload=overload,
-                lease_counters=buckets.counters if isinstance(buckets, LeasedQuotaStore) else None,
+                leases=buckets if isinstance(buckets, LeasedQuotaStore) else None,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`

@@ -73,6 +73,12 @@ async def _check(gen: Generation) -> Readiness:
         "status": "ready" if ready else "not_ready",
         "engines": {replica_id: health.ready for _, replica_id, health in healths},
         "pools": pools,
+        # Measured step times (seconds) of the engines that have them: how fast this host runs each model.
+        "step_seconds": {
+            replica_id: round(health.step_seconds, 4)
+            for _, replica_id, health in healths
+            if health.step_seconds is not None
+        },
         "registry": {
             "status": "fresh" if registry.ready else "stale",
             "age_s": round(registry.age_s, 3),

@@ -23,6 +23,18 @@ Klass = Literal["interactive", "batch"]
 CLASSES: tuple[Klass, ...] = ("interactive", "batch")
 
 
+class TenantShare(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one tenant stands in one fair queue (`GET /admin/tenants/{id}/admission`)."""
+
+    # Its requests waiting (both classes) and those dispatched and not yet finished.
+    queued: int
+    in_flight: int
+    # Its virtual token counter (weighted tokens served, over its weight) and the queue's virtual time: a
+    # tenant whose counter is ahead waits while tenants behind it are served.
+    counter: float
+    virtual_time: float
+
+
 class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Bounds, weights and timing of the fair admission queue (`routing.fair_queue.FairQueue`)."""
 

@@ -78,6 +78,7 @@ from routing.admission_types import (
     DeadlineUnmeetableError,
     Klass,
     QueueFullError,
+    TenantShare,
     Ticket,
 )
 
@@ -252,20 +253,15 @@ class FairQueue:
         """Tickets queued in one priority class."""
         return len(self._classes[klass].arrivals)
 
-    def tenant_depth(self, tenant: str) -> int:
-        """Tickets queued for one tenant, both classes."""
+    def share(self, tenant: str) -> TenantShare:
+        """Where `tenant` stands: its requests queued and in flight, its counter against the virtual time (an
+        unknown tenant's counter reads as the virtual time it would start at)."""
         state = self._tenants.get(tenant)
-        return state.queued if state is not None else 0
-
-    def in_flight(self, tenant: str) -> int:
-        """Requests of one tenant popped and not yet finished."""
-        state = self._tenants.get(tenant)
-        return state.in_flight if state is not None else 0
-
-    def counter(self, tenant: str) -> float:
-        """A tenant's virtual token counter; an unknown tenant reads as the virtual time it would start at."""
-        state = self._tenants.get(tenant)
-        return state.counter if state is not None else self._vtime
+        if state is None:
+            return TenantShare(queued=0, in_flight=0, counter=self._vtime, virtual_time=self._vtime)
+        return TenantShare(
+            queued=state.queued, in_flight=state.in_flight, counter=state.counter, virtual_time=self._vtime
+        )
 
     @property
     def service_rate(self) -> float:

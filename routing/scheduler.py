@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from routing.admission_types import AdmissionConfig, AdmissionError, Klass, Ticket
+from routing.admission_types import AdmissionConfig, AdmissionError, Klass, TenantShare, Ticket
 from routing.fair_queue import FairQueue
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest, reserve
@@ -128,9 +128,15 @@ class Scheduler:
             queue = self._queues[weights_sha256] = FairQueue(self.config)
         return queue
 
-    def depth(self) -> int:
-        """Requests queued, all weights."""
-        return sum(len(q) for q in self._queues.values())
+    def depth(self, klass: Klass | None = None) -> int:
+        """Requests queued, all weights: in one priority class, or in both (None)."""
+        if klass is None:
+            return sum(len(q) for q in self._queues.values())
+        return sum(q.depth(klass) for q in self._queues.values())
+
+    def shares(self, tenant: str) -> dict[str, TenantShare]:
+        """Where `tenant` stands in each fair queue (one per model weights hash, as its sha256)."""
+        return {weights: queue.share(tenant) for weights, queue in sorted(self._queues.items())}
 
     async def admit(self, ticket: Ticket, route: RouteRequest) -> Lease:
         """Queue `ticket` and wait until a replica serving `route.weights_sha256` has room for it.

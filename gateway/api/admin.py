@@ -29,6 +29,7 @@ from policy.tenants.base import ConflictError
 from policy.tenants.base import NotFoundError as StoreNotFoundError
 from policy.tenants.models import AdminChange, ApiKey, Limits, PriorityClass, Quotas, Role, Tenant
 from registry.errors import RegistryError
+from routing.admission_types import TenantShare
 
 T = TypeVar("T")
 _TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -347,6 +348,25 @@ async def list_keys(
     return await services.tenants.list_keys(tenant_id)
 
 
+class TenantAdmission(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /admin/tenants/{id}/admission`: where a tenant stands in this gateway process's fair admission
+    queues, one per model weights hash (by its sha256)."""
+
+    tenant_id: str
+    queues: dict[str, TenantShare]
+
+
+@get("/admin/tenants/{tenant_id:str}/admission", responses=errors(400, 404))
+async def tenant_admission(
+    tenant_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> TenantAdmission:
+    """A tenant's requests queued and in flight, and its virtual token counter against each queue's virtual
+    time (why its requests wait), as this gateway process sees them."""
+    allow_tenant(principal, tenant_id)
+    await _store(services.tenants.get_tenant(tenant_id))
+    return TenantAdmission(tenant_id=tenant_id, queues=services.scheduler.shares(tenant_id))
+
+
 @post("/admin/keys/{key_id:str}/revoke", status_code=HTTP_200_OK, responses=errors(400, 404))
 async def revoke_key(
     key_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
@@ -393,6 +413,7 @@ ROUTES = [
             set_quotas,
             create_key,
             list_keys,
+            tenant_admission,
             revoke_key,
             list_changes,
         ],

@@ -1,7 +1,7 @@
 """Series read at scrape time from the state the gateway already keeps: the router's view of every engine
-replica, the admission queue, the quota meter's counters, the safety gate's decision and stage failure
-counts, the guard pools' backlogs, and the overload gate's counts (requests shed at the door never reach the
-request metrics).
+replica, the admission queue (by priority class), the quota meter's counters and a leased store's keys, the
+safety gate's decision and stage failure counts, the guard pools' backlogs, and the overload gate's counts
+(requests shed at the door never reach the request metrics).
 
 Nothing on the request path feeds these: each scrape reads the live objects (in the event loop, where they
 are changed, so a scrape never sees one half-updated).
@@ -18,6 +18,8 @@ from prometheus_client.metrics_core import Metric
 from gateway.observe.metrics import PREFIX
 from gateway.overload import OverloadGate
 from guard.backlog import Backlog
+from policy.quota.lease import LeasedQuotaStore
+from routing.admission_types import CLASSES, Klass
 from routing.replicas import Replica
 
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -55,21 +57,22 @@ class ServiceCollector:
     def __init__(
         self,
         replicas: Sequence[Replica],
-        queue_depth: Callable[[], int],
+        queue_depth: Callable[[Klass], int],
         quota_counters: Counter[str],
         guard_counts: Counter[tuple[str, str, str]],
         *,
         stage_failures: Counter[tuple[str, str, str]] | None = None,
         guard_backlogs: Mapping[str, Backlog] | None = None,
         overload: OverloadGate | None = None,
-        lease_counters: Mapping[str, int] | None = None,
+        leases: LeasedQuotaStore | None = None,
     ) -> None:
         self._replicas = replicas
         self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
-        # A leased quota store's counters (LEASE_COUNTERS of them, added to the meter's).
-        self._lease = lease_counters if lease_counters is not None else {}
+        # A leased quota store: its counters (LEASE_COUNTERS of them, added to the meter's) and its keys.
+        self._leases = leases
+        self._lease: Mapping[str, int] = leases.counters if leases is not None else {}
         self._guard = guard_counts
         self._stage_failures = stage_failures if stage_failures is not None else Counter()
         self._backlogs = guard_backlogs if guard_backlogs is not None else {}
@@ -77,14 +80,24 @@ class ServiceCollector:
     def collect(self) -> Iterable[Metric]:
         """The series as of now."""
         yield from self._engines()
-        yield GaugeMetricFamily(
+        depth = GaugeMetricFamily(
             f"{PREFIX}admission_queue_depth",
-            "Requests waiting in the admission queue.",
-            value=self._queue_depth(),
+            "Requests waiting in the admission queue, by priority class.",
+            labels=("class",),
         )
+        for klass in CLASSES:
+            depth.add_metric((klass,), self._queue_depth(klass))
+        yield depth
         for key, (name, doc) in QUOTA_COUNTERS.items():
             value = self._quota.get(key, 0) + (self._lease.get(key, 0) if key in LEASE_COUNTERS else 0)
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
+        if self._leases is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}quota_lease_keys",
+                "Bucket sets (keys) the leased quota store holds leases or learned limits for (bounded: keys "
+                "without a lease are forgotten past the bound).",
+                value=self._leases.keys_known,
+            )
         yield from self._guards()
         if self._overload is not None:
             yield from self._door(self._overload)

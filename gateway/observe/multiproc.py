@@ -42,6 +42,8 @@ LiveMode = Literal["livesum", "livemax", "liveall"]
 GAUGE_MODES: Mapping[str, LiveMode] = {
     # Each worker's own admission queue, in-flight requests and KV reservations: the total is the sum.
     f"{PREFIX}admission_queue_depth": "livesum",
+    # Each worker's own leased quota store keeps its own keys.
+    f"{PREFIX}quota_lease_keys": "livesum",
     f"{PREFIX}in_flight_requests": "livesum",
     f"{PREFIX}engine_in_flight": "livesum",
     f"{PREFIX}engine_held_tokens": "livesum",

@@ -38,6 +38,8 @@ async def test_the_budget_was_measured_for_the_step_target(vllm_engine: VllmLoca
     # What the profile predicts for a full step fits the target, unless the host cannot meet it at all.
     assert vllm_engine.step_seconds is not None
     assert vllm_engine.step_seconds <= vllm_engine.step_target_s or budget == 16
+    # and the engine's health (what `/readyz` shows an operator) carries it.
+    assert (await vllm_engine.health()).step_seconds == vllm_engine.step_seconds
 
 
 async def test_a_long_prompt_delays_running_streams_by_about_one_step(vllm_engine: VllmLocalEngine) -> None:

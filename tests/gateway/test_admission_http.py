@@ -116,6 +116,10 @@ async def gateway_for(
         yield Gateway(http, app.state.services, tenancy.consumer, bulk)
 
 
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
 def error_of(response: httpx.Response) -> tuple[int, str]:
     return response.status_code, response.json()["error"]["code"]
 
@@ -163,6 +167,17 @@ async def test_requests_beyond_the_sequences_an_engine_runs_wait_in_the_gateway(
         await gw.queued(1)
         assert replica.in_flight == 1
         assert (await replica.engine.load()).waiting == 0
+        # An administrator sees where the tenant stands in the queue; another tenant's administrator does not.
+        admission = await gw.http.get("/admin/tenants/acme/admission", headers=bearer(tenancy.admin))
+        assert admission.status_code == 200, admission.text
+        ((weights, share),) = admission.json()["queues"].items()
+        assert weights == replica.weights_sha256
+        assert (share["queued"], share["in_flight"]) == (1, 1)
+        assert share["counter"] >= share["virtual_time"]
+        bulk_admin = await add_key(tenancy.store, "bulk", ("policy_admin",))
+        other = await gw.http.get("/admin/tenants/acme/admission", headers=bearer(bulk_admin))
+        assert other.status_code in (403, 404), other.text
+        assert "queues" not in other.text
         first, second = await asyncio.gather(both, later)
         assert [len(first.json()["choices"]), second.status_code] == [2, 200]
         assert float(second.headers["x-lockgate-queue-wait"]) > 0

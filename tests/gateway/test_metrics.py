@@ -249,6 +249,8 @@ async def test_requests_tokens_refusals_and_latencies_are_counted_exactly(
         assert scrape.value(f"{P}shed_requests_total") == 0
         assert scrape.value(f"{P}in_flight_requests") == 0
         assert scrape.value(f"{P}admission_queue_depth") == 0
+        classes = {ls["class"] for ls in scrape.labelsets(f"{P}admission_queue_depth")}
+        assert classes == {"interactive", "batch"}
         # The scrape itself is a request too.
         again = await gw.scrape()
         assert again.value(requests, route="/metrics", status="200") >= 1

@@ -34,11 +34,14 @@ class ProbedEngine(DeadEngine):
         super().__init__(replica_id)
         self.checks = 0
         self.ready = True
+        self.step_seconds: float | None = None
 
     async def health(self) -> Health:
         self.checks += 1
         await asyncio.sleep(0)  # a real check awaits the engine: let other probes arrive meanwhile
-        return Health(ready=True) if self.ready else Health(ready=False, detail=LEAK)
+        if not self.ready:
+            return Health(ready=False, detail=LEAK)
+        return Health(ready=True, step_seconds=self.step_seconds)
 
 
 class Bed:
@@ -141,3 +144,14 @@ async def test_only_an_operator_key_of_the_operating_organisation_reads_the_deta
         assert LEAK in str(body["detail"])
         assert body["registry"]["status"] == "fresh"  # type: ignore[index]
         assert b.checks() == [1, 1]  # one round answered every caller
+
+
+async def test_the_operator_reads_each_measured_engines_step_time(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    async with bed(config(), renderer, outcomes, tenancy) as b:
+        b.engines[0].step_seconds = 0.123456  # measured; the other engine's budget was configured
+        status, body = await b.probe(await operator_headers(tenancy.store))
+        assert status == 200
+        assert body["step_seconds"] == {b.engines[0].replica_id: 0.1235}
+        assert "step_seconds" not in (await b.probe())[1]

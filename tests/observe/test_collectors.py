@@ -69,7 +69,7 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     registry.register(
         ServiceCollector(
             [replica("r0", "closed", True), replica("r1", "open", False)],
-            lambda: depth[0],
+            lambda klass: depth[0] if klass == "interactive" else 1,
             quota,
             guard,
             stage_failures=failures,
@@ -96,7 +96,8 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     assert got[(f"{p}guard_backlog_seconds", (("pool", "guard"),))] == pytest.approx(4.0)
     assert got[(f"{p}shed_requests_total", (("reason", "in_flight"),))] == 5
     assert got[(f"{p}in_flight_requests", ())] == 7
-    assert got[(f"{p}admission_queue_depth", ())] == 4
+    assert got[(f"{p}admission_queue_depth", (("class", "interactive"),))] == 4
+    assert got[(f"{p}admission_queue_depth", (("class", "batch"),))] == 1
     r1 = (("pool", "default"), ("replica", "r1"))
     assert got[(f"{p}engine_routable", r1)] == 0
     assert got[(f"{p}engine_held_tokens", r1)] == 250
@@ -110,7 +111,7 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     backlog.end(300, completed=False)
     got = samples(registry)
     assert got[(f"{p}quota_denials_total", ())] == 3
-    assert got[(f"{p}admission_queue_depth", ())] == 0
+    assert got[(f"{p}admission_queue_depth", (("class", "interactive"),))] == 0
     assert got[(f"{p}guard_backlog_seconds", (("pool", "guard"),))] == 0.0
 
 
@@ -120,7 +121,7 @@ def test_the_adaptive_limit_and_the_cpu_signal_are_shown_only_when_on() -> None:
             shed={}, in_flight=0, monitor=SimpleNamespace(lag=0.0), limit=limit, cpu=cpu
         )
         registry = CollectorRegistry()
-        registry.register(ServiceCollector([], lambda: 0, Counter(), Counter(), overload=overload))
+        registry.register(ServiceCollector([], lambda klass: 0, Counter(), Counter(), overload=overload))
         return samples(registry)
 
     off = scrape(None, None)
@@ -137,8 +138,10 @@ def test_a_leased_stores_counters_add_its_leases_and_their_settling_but_refuse_n
         {"lease_taken": 4, "lease_grants": 60, "lease_misses": 3, "settle_given_up": 1, "pool_exhausted": 5}
     )
     registry = CollectorRegistry()
-    registry.register(ServiceCollector([], lambda: 0, meter, Counter(), lease_counters=leases))
+    store: Any = SimpleNamespace(counters=leases, keys_known=7)
+    registry.register(ServiceCollector([], lambda klass: 0, meter, Counter(), leases=store))
     got = samples(registry)
+    assert got[("lockgate:quota_lease_keys", ())] == 7
     assert got[("lockgate:quota_leases_total", ())] == 4
     assert got[("lockgate:quota_lease_grants_total", ())] == 60
     assert got[("lockgate:quota_lease_misses_total", ())] == 3

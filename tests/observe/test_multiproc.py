@@ -69,7 +69,10 @@ overload = SimpleNamespace(
     cpu=None,
 )
 collector = ServiceCollector(
-    [replica], lambda: spec["queue"], quota, Counter({("input", "rules", "block"): spec["blocks"]}),
+    [replica],
+    lambda klass: spec["queue"] if klass == "batch" else 0,
+    quota,
+    Counter({("input", "rules", "block"): spec["blocks"]}),
     overload=overload,
 )
 observer.watch(collector)  # as the app does: its own registry keeps the live collector
@@ -190,7 +193,7 @@ async def test_a_scrape_answers_for_every_worker_and_a_dead_ones_live_gauges_lea
     assert got[key(f"{P}shed_requests_total", reason="in_flight")] == 1
     # Each worker's own load sums; the engine's own report (seen alike by all) is not multiplied.
     assert got[key(f"{P}active_streams")] == 3
-    assert got[key(f"{P}admission_queue_depth")] == 5
+    assert got[key(f"{P}admission_queue_depth", **{"class": "batch"})] == 5
     assert got[key(f"{P}in_flight_requests")] == 4
     assert got[key(f"{P}engine_in_flight", **R0)] == 3
     assert got[key(f"{P}engine_held_tokens", **R0)] == 150
@@ -216,7 +219,7 @@ async def test_a_scrape_answers_for_every_worker_and_a_dead_ones_live_gauges_lea
     mark_worker_dead(a["pid"], tmp_path)
     after = await scrape(tmp_path)
     assert after[key(f"{P}active_streams")] == 1
-    assert after[key(f"{P}admission_queue_depth")] == 1
+    assert after[key(f"{P}admission_queue_depth", **{"class": "batch"})] == 1
     assert after[key(f"{P}engine_in_flight", **R0)] == 1
     assert after[key(f"{P}event_loop_lag_seconds")] == 0.2
     assert not [k for k in after if ("pid", a_pid) in k[1]]

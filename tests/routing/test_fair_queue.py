@@ -128,7 +128,7 @@ def test_service_gap_between_backlogged_tenants_is_bounded(
     weight_of = dict(zip(tenants, weights, strict=True))
     flying: list[tuple[Ticket, int]] = []
     for choice in choices:
-        if any(queue.tenant_depth(name) == 0 for name in tenants):
+        if any(queue.share(name).queued == 0 for name in tenants):
             break  # the bound is about tenants that stay backlogged
         if len(flying) < concurrency and (not flying or choice % 2):
             popped = queue.pop(0.0)
@@ -148,7 +148,7 @@ def test_service_gap_between_backlogged_tenants_is_bounded(
                 flying[index] = (t, left - chunk)
         assert max(served.values()) - min(served.values()) <= bound
         for name in tenants:
-            assert queue.counter(name) == pytest.approx(served[name])
+            assert queue.share(name).counter == pytest.approx(served[name])
 
 
 def test_weighted_shares_converge_to_weights() -> None:
@@ -175,17 +175,17 @@ def test_idle_tenant_cannot_bank_credit() -> None:
     for _ in range(100):
         serve(queue)
     # a started at the virtual time b had reached (one request), and then was served 100.
-    assert queue.counter("a") == pytest.approx(101 * request_cost)
+    assert queue.share("a").counter == pytest.approx(101 * request_cost)
     for _ in range(100):
         queue.push(ticket("b"), 0.0)
     # Lifted to a's counter: the 99 requests' worth of idle time is not banked.
-    assert queue.counter("b") == queue.counter("a")
-    start = {"a": queue.counter("a"), "b": queue.counter("b")}
+    assert queue.share("b").counter == queue.share("a").counter
+    start = {"a": queue.share("a").counter, "b": queue.share("b").counter}
     counts = {"a": 0, "b": 0}
     for _ in range(100):
         t = serve(queue)
         counts[t.tenant] += 1
-        gap = (queue.counter("b") - start["b"]) - (queue.counter("a") - start["a"])
+        gap = (queue.share("b").counter - start["b"]) - (queue.share("a").counter - start["a"])
         assert gap <= request_cost
     assert abs(counts["a"] - counts["b"]) <= 1
 
@@ -202,16 +202,16 @@ def test_returning_tenant_is_lifted_to_the_least_served_active_tenant() -> None:
     for _ in range(3):
         queue.push(ticket("b"), 0.0)
     queue.charge_output("b", 100)
-    assert queue.counter("b") > queue.counter("a")
+    assert queue.share("b").counter > queue.share("a").counter
     queue.push(ticket("c"), 0.0)
-    assert queue.counter("c") == queue.counter("a") == 10 * cfg.w_in + 5 * cfg.w_out
+    assert queue.share("c").counter == queue.share("a").counter == 10 * cfg.w_in + 5 * cfg.w_out
     # Once a finishes and everyone idles, nobody restarts below the virtual time reached.
     queue.finish(flying.request_id)
     while len(queue):
         serve(queue)
-    level = min(queue.counter("b"), queue.counter("c"))
+    level = min(queue.share("b").counter, queue.share("c").counter)
     queue.push(ticket("new"), 1.0)
-    assert queue.counter("new") >= level
+    assert queue.share("new").counter >= level
 
 
 # -- priority classes and the queue-age guard ----------------------------------------------------------
@@ -317,8 +317,8 @@ def test_expired_tickets_are_removed_by_expire_and_never_popped() -> None:
     assert queue.pop(21.0) is None
     assert queue.expire(21.0) == [later]
     assert len(queue) == 0
-    assert queue.tenant_depth("a") == 0
-    assert queue.in_flight("a") == 1
+    assert queue.share("a").queued == 0
+    assert queue.share("a").in_flight == 1
 
 
 # -- bounds --------------------------------------------------------------------------------------------
@@ -427,8 +427,9 @@ def test_start_is_a_push_and_a_pop_with_nothing_queued() -> None:
     assert pushed.pop(1.0) == late
     for queue in (started, pushed):
         assert len(queue) == 0
-        assert queue.in_flight("b") == 1
-    assert started.counter("b") == pushed.counter("b") == pushed.counter("a") + 30 * cfg.w_in / 2.0
+        assert queue.share("b").in_flight == 1
+    ahead = pushed.share("a").counter + 30 * cfg.w_in / 2.0
+    assert started.share("b").counter == pushed.share("b").counter == ahead
     # Refused as a push is; never ahead of a queued ticket.
     with pytest.raises(ValueError, match="already queued or in flight"):
         started.start(late, 1.0)
@@ -448,7 +449,7 @@ def test_remove_at_any_position() -> None:
         assert queue.remove(pushed[index].request_id) == pushed[index]
     assert queue.remove(pushed[0].request_id) is None
     assert pushed[0].request_id not in queue
-    assert queue.tenant_depth("a") == 4
+    assert queue.share("a").queued == 4
     assert [serve(queue).request_id for _ in range(4)] == [pushed[i].request_id for i in (1, 2, 4, 5)]
     assert queue.pop(0.0) is None
     again = ticket("a")
@@ -574,7 +575,7 @@ def test_heaps_agree_with_a_brute_force_model(ops: list[tuple[object, ...]]) -> 
                 assert model.push(t) is None
                 assert model.pop(now) == t
                 queue.start(t, now)
-                assert queue.in_flight(tenant) == sum(n == tenant for n in model.in_flight.values())
+                assert queue.share(tenant).in_flight == sum(n == tenant for n in model.in_flight.values())
             case ("pop", int(dt)):
                 now += dt
                 popped = queue.pop(now)
@@ -603,6 +604,6 @@ def test_heaps_agree_with_a_brute_force_model(ops: list[tuple[object, ...]]) -> 
         for klass in CLASSES:
             assert queue.depth(klass) == sum(t.klass == klass for t, _ in model.queued.values())
         for tenant in TENANTS:
-            assert queue.tenant_depth(tenant) == sum(t.tenant == tenant for t, _ in model.queued.values())
+            assert queue.share(tenant).queued == sum(t.tenant == tenant for t, _ in model.queued.values())
         for tenant in model.active():
-            assert queue.counter(tenant) == model.counter[tenant]
+            assert queue.share(tenant).counter == model.counter[tenant]

@@ -356,7 +356,7 @@ async def test_observed_tokens_charge_the_tenant_and_grow_the_replica_when_settl
     lease = await scheduler.admit(ticket("r1", clock, max_tokens=150), route("r1", max_tokens=150))
     queue = scheduler.queue(SHA_A)
     config = scheduler.config
-    assert queue.counter("t") == pytest.approx(PROMPT * config.w_in)
+    assert queue.share("t").counter == pytest.approx(PROMPT * config.w_in)
     assert replicas[0].held_tokens == PROMPT + 100  # reserve capped at 100
     lease.observe(60)
     scheduler.settle()
@@ -364,18 +364,18 @@ async def test_observed_tokens_charge_the_tenant_and_grow_the_replica_when_settl
     lease.observe(50)
     lease.observe(10)  # counted, not yet charged: the next decision settles both
     assert replicas[0].held_tokens == PROMPT + 100
-    assert queue.counter("t") == pytest.approx(PROMPT * config.w_in + 60 * config.w_out)
+    assert queue.share("t").counter == pytest.approx(PROMPT * config.w_in + 60 * config.w_out)
     scheduler.dispatch()
     assert replicas[0].held_tokens == PROMPT + 120  # 120 output tokens, past the reserve
-    assert queue.counter("t") == pytest.approx(PROMPT * config.w_in + 120 * config.w_out)
+    assert queue.share("t").counter == pytest.approx(PROMPT * config.w_in + 120 * config.w_out)
     lease.observe(10)
     lease.observe(0)
     lease.release()  # what was observed before the release is charged by it
-    assert queue.counter("t") == pytest.approx(PROMPT * config.w_in + 130 * config.w_out)
+    assert queue.share("t").counter == pytest.approx(PROMPT * config.w_in + 130 * config.w_out)
     lease.observe(10)  # after release: ignored
     scheduler.settle()
     assert replicas[0].held_tokens == 0
-    assert queue.counter("t") == pytest.approx(PROMPT * config.w_in + 130 * config.w_out)
+    assert queue.share("t").counter == pytest.approx(PROMPT * config.w_in + 130 * config.w_out)
 
 
 async def test_service_counts_tokens_as_they_are_generated_and_refuses_what_it_cannot_serve_in_time() -> None:
@@ -410,13 +410,13 @@ async def test_one_settle_charges_each_tenant_the_tokens_of_all_its_leases() -> 
     leases = [await scheduler.admit(ticket(f"r{i}", clock), route(f"r{i}")) for i in range(3)]
     other = await scheduler.admit(ticket("o", clock, tenant="u"), route("o"))
     queue, config = scheduler.queue(SHA_A), scheduler.config
-    before = queue.counter("t"), queue.counter("u")
+    before = queue.share("t").counter, queue.share("u").counter
     for i, lease in enumerate(leases):
         lease.observe(i + 1)
     other.observe(5)
     scheduler.settle()
-    assert queue.counter("t") == pytest.approx(before[0] + 6 * config.w_out)
-    assert queue.counter("u") == pytest.approx(before[1] + 5 * config.w_out)
+    assert queue.share("t").counter == pytest.approx(before[0] + 6 * config.w_out)
+    assert queue.share("u").counter == pytest.approx(before[1] + 5 * config.w_out)
     assert scheduler.unsettled == []
     for lease in (*leases, other):
         lease.release()
@@ -428,7 +428,7 @@ async def test_release_is_idempotent_and_frees_the_budget() -> None:
     lease.release()
     lease.release()
     assert replicas[0].held_tokens == 0
-    assert scheduler.queue(SHA_A).in_flight("t") == 0
+    assert scheduler.queue(SHA_A).share("t").in_flight == 0
     again = await scheduler.admit(ticket("r1", clock), route("r1"))  # the id is free again
     again.release()
 
