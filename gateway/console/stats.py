@@ -15,6 +15,7 @@ from html import escape
 
 import msgspec
 
+from gateway.quantile import nearest_rank
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditStore
 from policy.audit.records import AuditRecord
 
@@ -49,12 +50,12 @@ class HourSpread(msgspec.Struct, frozen=True, kw_only=True):
 
 def spread(scores: list[float]) -> HourSpread:
     """The spread of one hour's scores (nearest-rank percentiles; `scores` not empty)."""
-    ordered = sorted(scores)
-
-    def rank(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-    return HourSpread(n=len(ordered), p10=rank(0.1), p50=rank(0.5), p90=rank(0.9))
+    return HourSpread(
+        n=len(scores),
+        p10=nearest_rank(scores, 0.1),
+        p50=nearest_rank(scores, 0.5),
+        p90=nearest_rank(scores, 0.9),
+    )
 
 
 class PolicyStats(msgspec.Struct, kw_only=True):

@@ -32,7 +32,7 @@ from gateway.overload.config import OverloadConfig
 from gateway.overload.cpu import SCHEDSTAT, CpuShedder, cgroup_cpu_limit, thread_demand, usable_cores
 from gateway.overload.gate import SHED_PATHS, OverloadGate, ShedReason
 from gateway.overload.lag import LoopLagMonitor
-from gateway.overload.limit import ConcurrencyLimit, percentile
+from gateway.overload.limit import ConcurrencyLimit
 
 __all__ = [
     "SCHEDSTAT",
@@ -44,7 +44,6 @@ __all__ = [
     "OverloadGate",
     "ShedReason",
     "cgroup_cpu_limit",
-    "percentile",
     "thread_demand",
     "usable_cores",
 ]

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from gateway.overload.config import OverloadConfig
+from gateway.quantile import nearest_rank
 
 # How far one update may move the adaptive limit (Envoy's bounds): at most halved, at most doubled.
 MIN_GRADIENT = 0.5
 MAX_GRADIENT = 2.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile `q` (0-1) of a non-empty sequence."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class ConcurrencyLimit:
@@ -67,11 +62,11 @@ class ConcurrencyLimit:
         config = self._config
         full = len(self._uncontended) == self._uncontended.maxlen
         if full and now >= self._next_min_rtt:
-            self.min_rtt = percentile(self._uncontended, config.latency_percentile)
+            self.min_rtt = nearest_rank(self._uncontended, config.latency_percentile)
             self._uncontended.clear()
             self._next_min_rtt = now + config.min_rtt_interval
         if self.min_rtt is not None:
-            sample = percentile(self._samples, config.latency_percentile)
+            sample = nearest_rank(self._samples, config.latency_percentile)
             target = self.min_rtt * (1 + config.latency_tolerance)
             gradient = min(MAX_GRADIENT, max(MIN_GRADIENT, target / max(sample, 1e-9)))
             # Under half the limit used: it was not what held requests back, nothing is learnt about a

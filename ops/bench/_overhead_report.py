@@ -9,6 +9,8 @@ from typing import Literal
 
 import msgspec
 
+from gateway.quantile import nearest_rank
+
 Mode = Literal["whole", "stream"]
 # The mock server, or a gateway: named by its quota store ("memory", "redis") or, with several processes,
 # "workers-N".
@@ -170,14 +172,7 @@ class OverheadReport(msgspec.Struct, frozen=True, kw_only=True):
 
 def percentiles(values: Sequence[float]) -> Latency:
     """Nearest-rank p50 and p99."""
-    ordered = sorted(values)
-    if not ordered:
-        return Latency(p50=0.0, p99=0.0)
-
-    def rank(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return Latency(p50=rank(0.5), p99=rank(0.99))
+    return Latency(p50=nearest_rank(values, 0.5), p99=nearest_rank(values, 0.99))
 
 
 def _cpu_rate(pairs: Sequence[tuple[Point, Measure]]) -> float:

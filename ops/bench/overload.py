@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.quantile import nearest_rank
 from ops.bench._sim import (
     Dispatcher,
     FifoDispatcher,
@@ -56,12 +57,6 @@ def pick(workload: Workload, args: argparse.Namespace) -> tuple[str, str]:
     tenant = f"tenant-{workload.rng.randrange(args.tenants)}"
     klass = "interactive" if workload.rng.random() < args.interactive else "batch"
     return tenant, klass
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile; 0 for no samples."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 async def capacity(args: argparse.Namespace) -> dict[str, float]:
@@ -179,11 +174,11 @@ def summarise(
         else 0.0,
         "goodput_per_s": len(good) / (last - first),
         "goodput_interactive_per_s": sum(o["klass"] == "interactive" for o in good) / (last - first),
-        "ttft_p50": percentile(ttfts, 0.5),
-        "ttft_p99": percentile(ttfts, 0.99),
+        "ttft_p50": nearest_rank(ttfts, 0.5),
+        "ttft_p99": nearest_rank(ttfts, 0.99),
         "refused": {reason: len(lat) for reason, lat in sorted(refused.items())},
-        "refusal_latency_p50": {r: percentile(lat, 0.5) for r, lat in sorted(refused.items())},
-        "refusal_latency_p99": {r: percentile(lat, 0.99) for r, lat in sorted(refused.items())},
+        "refusal_latency_p50": {r: nearest_rank(lat, 0.5) for r, lat in sorted(refused.items())},
+        "refusal_latency_p99": {r: nearest_rank(lat, 0.99) for r, lat in sorted(refused.items())},
     }
 
 

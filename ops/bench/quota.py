@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 import redis.asyncio
 
+from gateway.quantile import nearest_rank
 from policy.quota import BucketSpec, LeasedQuotaStore, MemoryQuotaStore, QuotaStore, RedisQuotaStore
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -46,13 +47,6 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
         return self.ops / self.seconds if self.seconds > 0 else 0.0
 
 
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile; 0 for no samples."""
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
-
-
 async def measure(name: str, operation: Operation, seconds: float, tasks: int) -> Row:
     """Run `operation` back to back in `tasks` tasks until `seconds` have passed."""
     latencies: list[float] = []
@@ -73,8 +67,8 @@ async def measure(name: str, operation: Operation, seconds: float, tasks: int) -
         tasks=tasks,
         ops=len(latencies),
         seconds=elapsed,
-        p50=percentile(latencies, 0.50),
-        p99=percentile(latencies, 0.99),
+        p50=nearest_rank(latencies, 0.50),
+        p99=nearest_rank(latencies, 0.99),
     )
 
 
