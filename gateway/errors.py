@@ -28,13 +28,18 @@ import msgspec
 from litestar import MediaType, Response
 
 
+def retry_after_seconds(seconds: float) -> int:
+    """A wait of `seconds` as `Retry-After` says it: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(seconds))
+
+
 def retry_after_headers(seconds: float, *, exact: bool = False) -> dict[str, str]:
     """The headers of a refusal that may succeed in `seconds`: `Retry-After` in whole seconds (HTTP's unit),
     rounded up, at least 1. `exact`: the wait is known to the millisecond (a quota bucket's refill), so
     `retry-after-ms` says it too; the openai SDKs prefer it, so their automatic retry of a request that fits
     again in 0.12 s waits 0.12 s, not a whole second. Estimates (a queue's wait, an engine's restart) stay in
     whole seconds: clients told the same millisecond would come back together."""
-    headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
+    headers = {"Retry-After": str(retry_after_seconds(seconds))}
     if exact:
         headers["retry-after-ms"] = str(max(1, math.ceil(seconds * 1000)))
     return headers

@@ -13,7 +13,6 @@ Exceptions::
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import msgspec
@@ -148,8 +147,3 @@ class DeadlineUnmeetableError(AdmissionError):
             retry_after,
         )
         self.predicted_wait = predicted_wait
-
-
-def ceil_retry_after(seconds: float) -> int:
-    """`Retry-After` header value for a refusal: whole seconds, at least 1."""
-    return max(1, math.ceil(seconds))

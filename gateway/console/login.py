@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import math
 import re
 import secrets
 from typing import Any
@@ -26,6 +25,7 @@ from litestar import Request, Response
 
 from gateway.console import views
 from gateway.console.plumbing import PageError, cookie, cookie_name, html
+from gateway.errors import retry_after_seconds
 from gateway.services import Services
 from policy.quota import BucketSpec, QuotaBackendError, QuotaBusyError, QuotaExceededError
 from policy.tenants.keys import parse_key
@@ -89,7 +89,7 @@ async def attempt_wait(request: Request[Any, Any, Any], services: Services, key:
     try:
         await services.meter.store.reserve(buckets, [1.0] * len(buckets), services.clock())
     except QuotaExceededError as exc:
-        return max(1, math.ceil(exc.retry_after))
+        return retry_after_seconds(exc.retry_after)
     except (QuotaBackendError, QuotaBusyError) as exc:
         raise PageError(503, "sign-in is unavailable; try again shortly") from exc
     return None

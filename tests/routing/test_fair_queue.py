@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.errors import retry_after_headers
 from routing.admission_types import (
     CLASSES,
     AdmissionConfig,
@@ -20,7 +21,6 @@ from routing.admission_types import (
     Klass,
     QueueFullError,
     Ticket,
-    ceil_retry_after,
 )
 from routing.fair_queue import FairQueue
 
@@ -280,7 +280,7 @@ def test_unmeetable_deadline_is_refused_at_push_with_retry_after() -> None:
     assert refused.value.retry_after == pytest.approx(5.0)
     assert refused.value.predicted_wait == pytest.approx(10.0)
     assert refused.value.status_code == 503
-    assert ceil_retry_after(refused.value.retry_after) == 5
+    assert retry_after_headers(refused.value.retry_after)["Retry-After"] == "5"
     # Another tenant is served by its fair share, not behind the flood: admitted.
     other = ticket("other", deadline=5.0)
     assert queue.predicted_wait(other) == 0.0
