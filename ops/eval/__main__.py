@@ -8,6 +8,7 @@
                               [--json]
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
+    python -m ops.eval replies --key KEY [--url http://127.0.0.1:8080] [--count 200] [--split test]
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
                               [--everyday-fpr 0.03]
@@ -33,9 +34,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from guard.labelled import LabelledItem, load_items
+from ops.eval import reply_check
 from ops.eval.calibrate import Budget, calibrate
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.evaluation import (
@@ -49,6 +52,7 @@ from ops.eval.evaluation import (
     score_with_cascade,
     show_thresholds,
 )
+from ops.eval.reply_check import ReplyCheck
 from ops.eval.report import render
 from registry.errors import InvalidError
 
@@ -183,6 +187,27 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replies(args: argparse.Namespace) -> int:
+
+    prompts = reply_check.everyday_prompts(load_items(args.data), args.split, args.count)
+    if not prompts:
+        raise SystemExit(f"no everyday prompts in split {args.split} of {args.data}")
+
+    async def run() -> ReplyCheck:
+        headers = {"authorization": f"Bearer {args.key}"}
+        async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout) as http:
+            return await reply_check.check(
+                http, prompts, args.model, concurrency=args.concurrency, max_tokens=args.max_tokens
+            )
+
+    result = asyncio.run(run())
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(result)).decode() + "\n")
+    else:
+        sys.stdout.write(reply_check.render(result))
+    return 0 if result.verdicts["cut"] == 0 else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ops.eval", description="Evaluate guard cascades.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +258,25 @@ def _parser() -> argparse.ArgumentParser:
         help="index of a stage that keeps its stored thresholds (repeatable)",
     )
     calibration.set_defaults(run=_cmd_calibrate)
+
+    replies = commands.add_parser(
+        "replies", help="send everyday prompts to a running gateway; count the answers the output guard cuts"
+    )
+    replies.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway's base URL")
+    replies.add_argument("--key", required=True, help="a consumer key")
+    replies.add_argument("--model", default="SmolLM2-135M-Instruct", help="the model to ask")
+    replies.add_argument("--count", type=int, default=200, help="prompts to send (whole scenarios first)")
+    replies.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    replies.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
+    replies.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    replies.add_argument("--json", action="store_true", help="print every answer as JSON")
+    replies.add_argument(
+        "--data", type=Path, default=Path("ops/eval/data/guard"), help="a guard data directory"
+    )
+    replies.add_argument(
+        "--split", choices=("train", "calibration", "test"), default="test", help="the prompts' split"
+    )
+    replies.set_defaults(run=_cmd_replies)
 
     for sub in (replay, report, calibration):
         sub.add_argument("--scores", type=Path, required=True, help="scores written by `score` (JSONL)")
