@@ -10,12 +10,13 @@ scenario (in id order) is answered by the default model (SmolLM2-135M-Instruct a
 builds it, offline, with vLLM: its own chat template and default system prompt, temperature 0.7, top-p 0.95,
 128 tokens at most, seed 0 per request), in each of its ten languages, and each answer becomes one item of
 a family `none-rNN` (shape `output`, kind `reply`, label `safe`), numbered in the order of the prompt
-scenarios. The families sort after the hand-written replies (`none-oNN`), so adding them moved no other
+scenarios. The families sort after the hand-written replies (`none-oNN`), so adding them moves no other
 family's split.
 
-The answers are not edited: they are what users of the embedded default get. They were read for harm
-before being committed (none found: everyday prompts get everyday, if often confused, answers); an answer
-that repeats another item's text word for word is regenerated with the next seed.
+The answers are not edited: they are what users of the embedded default get (read them for harm before
+committing them: a first run's 600 held nothing harmful; everyday prompts get everyday, if often confused,
+answers); an answer that repeats another item's text word for word is regenerated with the next seed. Not in
+the set yet: README "The 200-reply check" says why.
 """
 
 from __future__ import annotations

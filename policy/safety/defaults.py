@@ -115,7 +115,7 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 guard=guards.embedding,
                 allow_below=0.55,
                 block_above=0.65,
-                output_allow_below=0.6,
+                output_allow_below=0.55,
                 output_block_above=0.95,
                 timeout_s=2.0,
             ),

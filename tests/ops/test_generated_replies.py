@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from guard.dataset import LANGUAGES, DataItem, family_splits, load_data_dir
+from guard.dataset import LANGUAGES, DataItem
 from ops.guard_training.generated_replies import as_items, chosen_prompts
-
-DATA = "ops/eval/data/guard"
 
 
 def everyday(family: str, language: str) -> DataItem:
@@ -42,15 +40,3 @@ def test_every_nth_scenario_is_answered_in_all_its_languages() -> None:
         "kind": "reply",
         "context": "none",
     }
-
-
-def test_the_generated_replies_moved_no_hand_written_familys_split() -> None:
-    items = load_data_dir(DATA)
-    generated = [i for i in items if i.family.startswith("none-r")]
-    assert len(generated) >= 500
-    assert {(i.shape, i.kind, i.label) for i in generated} == {("output", "reply", "safe")}
-    before = family_splits([i for i in items if not i.family.startswith("none-r")])
-    after = family_splits(items)
-    assert {f: after[f] for f in before} == before
-    # The generated families are spread over the three splits as every group is.
-    assert {after[i.family] for i in generated} == {"train", "calibration", "test"}
