@@ -52,7 +52,12 @@ _PAGE = (
     f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND seq > $2 AND seq <= $3"
     " ORDER BY seq LIMIT $4"
 )
-_BY_DRAFTS = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = $1 AND draft_id = ANY($2::text[])"
+# `draft_id <> ''` repeats the partial unique index's condition, which is what lets the planner use that
+# index (audit_records_by_draft) for any parameters: without it a lookup read the tenant's whole chain.
+_BY_DRAFTS = (
+    f"SELECT {RECORD_COLUMNS} FROM audit_records"
+    " WHERE tenant = $1 AND draft_id = ANY($2::text[]) AND draft_id <> ''"
+)
 
 
 class PostgresAuditStore(PostgresStore):

@@ -65,7 +65,9 @@ _PAGE = (
     f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND seq > ? AND seq <= ?"
     " ORDER BY seq LIMIT ?"
 )
-_BY_DRAFT = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND draft_id = ?"
+# `draft_id <> ''` repeats the partial unique index's condition, which is what lets the planner use that
+# index (audit_records_by_draft): without it every lookup scanned the tenant's whole chain.
+_BY_DRAFT = f"SELECT {RECORD_COLUMNS} FROM audit_records WHERE tenant = ? AND draft_id = ? AND draft_id <> ''"
 
 
 class SqliteAuditStore(SqliteStore):
