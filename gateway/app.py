@@ -160,7 +160,7 @@ def _recording(writer: AuditWriter, sink: RecordSink) -> tuple[RecordSink, Durab
 
 async def _trained_guards(config: Config, registry: Registry, served: str) -> TrainedGuards | None:
     """The guards `lockgate models prepare` trained, registered (None when the default policy needs none)."""
-    if config.guard.default_policy != "trained":
+    if config.guard.default_policy not in ("trained", "embedding"):
         return None
     from registry.default_guards import register_guards
 

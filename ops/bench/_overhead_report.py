@@ -12,8 +12,8 @@ import msgspec
 from gateway.quantile import nearest_rank
 
 Mode = Literal["whole", "stream"]
-# The mock server, or a gateway: named by its quota store ("memory", "redis") or, with several processes,
-# "workers-N".
+# The mock server, or a gateway: named by its quota store ("memory", "redis"), then its default policy and
+# storage where a run compares several ("memory/rules/postgres"), or, with several processes, "workers-N".
 Target = str
 
 
@@ -156,18 +156,46 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     saturated_at: float | None  # the offered rate where it first saturated; None: not reached
 
 
+class GateCost(msgspec.Struct, frozen=True, kw_only=True):
+    """What a gated gateway costs beyond the same gateway without a gate (`baseline`, policy `none`), in one
+    mode, each figure at one rate for both."""
+
+    mode: Mode
+    target: Target
+    baseline: Target
+    cpu_rate: float  # the gated gateway's highest unsaturated rate (or its lowest)
+    cpu_per_request_ms: float
+    baseline_cpu_per_request_ms: float
+    # Streams: the CPU beyond the baseline's over the baseline's chunks per stream (the gate's cost per
+    # chunk; a gate that holds text back sends the same tokens in fewer chunks).
+    cpu_per_chunk_beyond_us: float | None
+    rate: float  # the lowest rate: the latency
+    added_p50_ms: float  # p50 latency beyond the baseline's
+    added_p99_ms: float
+
+    @property
+    def cpu_ratio(self) -> float:
+        return (
+            self.cpu_per_request_ms / self.baseline_cpu_per_request_ms
+            if self.baseline_cpu_per_request_ms
+            else 0.0
+        )
+
+
 class OverheadReport(msgspec.Struct, frozen=True, kw_only=True):
     """The whole run."""
 
     seconds_per_step: float
     max_tokens: int
     prompt_words: int
-    guard: str
+    guards: list[str]
+    storages: list[str]
     server_core: int
     client_core: int
     points: list[Point]
     summaries: list[Summary]
     overloads: list[OverloadMeasure] = []
+    gate_costs: list[GateCost] = []
 
 
 def percentiles(values: Sequence[float]) -> Latency:
@@ -221,9 +249,50 @@ def summarise(points: Sequence[Point]) -> list[Summary]:
     return out
 
 
+def gate_costs(points: Sequence[Point], baselines: dict[Target, Target]) -> list[GateCost]:
+    """For each gated target (`baselines` maps it to its twin without a gate), mode by mode: its CPU per
+    request against the twin's at the same rate, and its latency against the twin's at the lowest rate."""
+    out: list[GateCost] = []
+    at = {(p.mode, p.rate, g.target): g for p in points for g in p.gateways}
+    for mode in dict.fromkeys(p.mode for p in points):
+        rows = [p for p in points if p.mode == mode]
+        for target, baseline in baselines.items():
+            pairs = [
+                (p, at[(mode, p.rate, target)], at[(mode, p.rate, baseline)])
+                for p in rows
+                if (mode, p.rate, target) in at and (mode, p.rate, baseline) in at
+            ]
+            if not pairs:
+                continue
+            fine = [(p, g, b) for p, g, b in pairs if not g.saturated and not b.saturated]
+            point, gated, twin = fine[-1] if fine else pairs[0]
+            beyond = None
+            if mode == "stream" and twin.completed and twin.chunks:
+                # Over the twin's chunks: the tokens a stream carries (a gate holding text back for its
+                # checks sends them in fewer, larger chunks).
+                per_stream = twin.chunks / twin.completed
+                beyond = 1000 * (gated.cpu_per_request_ms - twin.cpu_per_request_ms) / per_stream
+            _, low, low_twin = pairs[0]
+            out.append(
+                GateCost(
+                    mode=mode,
+                    target=target,
+                    baseline=baseline,
+                    cpu_rate=point.rate,
+                    cpu_per_request_ms=gated.cpu_per_request_ms,
+                    baseline_cpu_per_request_ms=twin.cpu_per_request_ms,
+                    cpu_per_chunk_beyond_us=beyond,
+                    rate=pairs[0][0].rate,
+                    added_p50_ms=1000 * (low.latency.p50 - low_twin.latency.p50),
+                    added_p99_ms=1000 * (low.latency.p99 - low_twin.latency.p99),
+                )
+            )
+    return out
+
+
 def format_table(report: OverheadReport) -> str:
     """One line per point and target, then the summaries."""
-    header = f"{'mode':>6} {'rate/s':>7} {'target':>11} {'done/s':>7} {'err':>5} {'p50 ms':>7} {'p99 ms':>7} "
+    header = f"{'mode':>6} {'rate/s':>7} {'target':>18} {'done/s':>7} {'err':>5} {'p50 ms':>7} {'p99 ms':>7} "
     header += f"{'+p50':>6} {'+p99':>6} {'cpu/req ms':>10} {'cpu/chunk us':>12} {'lag ms':>7}"
     lines = [header]
     for point in report.points:
@@ -232,7 +301,7 @@ def format_table(report: OverheadReport) -> str:
             cells = [
                 f"{point.mode:>6}",
                 f"{point.rate:>7g}",
-                f"{m.target:>11}",
+                f"{m.target:>18}",
                 f"{m.achieved_per_s:>7.0f}",
                 f"{m.errors:>5}",
                 f"{1000 * m.latency.p50:>7.2f}",
@@ -254,6 +323,17 @@ def format_table(report: OverheadReport) -> str:
             f"{s.mode:>6} {s.quota:>6}: added p50 {s.added_p50_ms:.2f} ms, p99 {s.added_p99_ms:.2f} ms at "
             f"{s.rate:g}/s; at {s.cpu_rate:g}/s gateway {s.cpu_per_request_ms:.3f} ms CPU/request{chunk} "
             f"(mock {s.mock_cpu_per_request_ms:.3f}); best unsaturated {s.max_unsaturated_per_s:.0f}/s, {sat}"
+        )
+    for c in report.gate_costs:
+        chunk = (
+            f", {c.cpu_per_chunk_beyond_us:.1f} us CPU per chunk beyond it"
+            if c.cpu_per_chunk_beyond_us is not None
+            else ""
+        )
+        lines.append(
+            f"{c.mode:>6} {c.target} against {c.baseline}: CPU/request {c.cpu_per_request_ms:.3f} ms = "
+            f"{c.cpu_ratio:.2f}x ({c.baseline_cpu_per_request_ms:.3f} ms) at {c.cpu_rate:g}/s{chunk}; "
+            f"p50 +{c.added_p50_ms:.2f} ms, p99 +{c.added_p99_ms:.2f} ms at {c.rate:g}/s"
         )
     lines.extend(f"overload {o.target:>6} at {o.offered_per_s:.0f}/s: {o.brief()}" for o in report.overloads)
     return "\n".join(lines)

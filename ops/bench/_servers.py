@@ -24,12 +24,15 @@ _HUGE = 1e9
 class Server:
     """One child process serving HTTP on `port`; `api_key` for the gateway."""
 
-    def __init__(self, target: Target, proc: subprocess.Popen[bytes], port: int, api_key: str = "") -> None:
-        """Wrap a started process."""
+    def __init__(
+        self, target: Target, proc: subprocess.Popen[bytes], port: int, api_key: str = "", schema: str = ""
+    ) -> None:
+        """Wrap a started process (`schema`: its PostgreSQL schema, for `drop_schema` once it stopped)."""
         self.target = target
         self.proc = proc
         self.port = port
         self.api_key = api_key
+        self.schema = schema
         self.ps = psutil.Process(proc.pid)
 
     def cpu_s(self) -> float:
@@ -115,10 +118,25 @@ async def start_mock(core: int, workdir: Path) -> Server:
 QUOTAS = ("memory", "redis", "redis-lease")
 
 
-def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, str]:
+# Where the gateway keeps tenants, registry and audit trail: `postgres` in a schema of its own on this one.
+STORAGES = ("sqlite", "postgres")
+POSTGRES_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def gateway_env(quota: str, port: int, workdir: Path, guard: str, storage: str = "sqlite") -> dict[str, str]:
     """The environment of a `lockgate serve` on the zero-delay simulated engine, with the quota store
-    `quota` (one of QUOTAS)."""
+    `quota` (one of QUOTAS), the default policy `guard` and its stores on `storage` (one of STORAGES: a
+    PostgreSQL schema of its own, which `drop_schema` removes)."""
     lease = {"LOCKGATE_QUOTA__LEASE__SECONDS": "1.0"} if quota == "redis-lease" else {}
+    stores = (
+        {
+            "LOCKGATE_STORAGE__BACKEND": "postgres",
+            "LOCKGATE_STORAGE__POSTGRES_DSN": POSTGRES_DSN,
+            "LOCKGATE_STORAGE__POSTGRES_SCHEMA": f"bench_{os.getpid()}_{port}",
+        }
+        if storage == "postgres"
+        else {}
+    )
     return {
         **os.environ,
         "LOCKGATE_ENGINE__KIND": "simulated",
@@ -133,6 +151,7 @@ def gateway_env(quota: str, port: int, workdir: Path, guard: str) -> dict[str, s
         # The bench reads the shed counts on loopback, without a key.
         "LOCKGATE_METRICS__REQUIRE_KEY": "false",
         **lease,
+        **stores,
     }
 
 
@@ -170,12 +189,26 @@ async def start_gateway(
     workers: int = 1,
     env: dict[str, str] | None = None,
     target: Target = "",
+    storage: str = "sqlite",
 ) -> Server:
-    """`lockgate serve [--workers N]` with `quota` as its quota store and a fresh tenant and key, ready; `env`
-    is added to its environment, and `target` names it (default: the quota store)."""
+    """`lockgate serve [--workers N]` with `quota` as its quota store, its stores on `storage`, and a fresh
+    tenant and key, ready; `env` is added to its environment, and `target` names it (default: the quota
+    store)."""
     port = free_port()
-    environ = {**gateway_env(quota, port, workdir, guard), **(env or {})}
+    environ = {**gateway_env(quota, port, workdir, guard, storage), **(env or {})}
     key = await provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
     proc = _spawn(["-m", "gateway.cli", "serve", "--workers", str(workers)], environ, cores, log)
-    return await _ready(Server(target or quota, proc, port, key), "/readyz", 300, log)
+    schema = environ["LOCKGATE_STORAGE__POSTGRES_SCHEMA"] if storage == "postgres" else ""
+    return await _ready(Server(target or quota, proc, port, key, schema), "/readyz", 300, log)
+
+
+async def drop_schema(schema: str) -> None:
+    """Remove a stopped gateway's PostgreSQL schema (`gateway_env`)."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    conn = await asyncpg.connect(POSTGRES_DSN, timeout=10)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()

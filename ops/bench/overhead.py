@@ -1,7 +1,8 @@
 """Overhead benchmark: what the gateway adds to an engine, in latency and CPU, up to saturation.
 
     python -m ops.bench.overhead [--rates 100 200 400 ...] [--seconds 3] [--modes whole stream]
-                                 [--quotas memory redis [redis-lease]] [--max-tokens 16] [--guard none]
+                                 [--quotas memory redis [redis-lease]] [--max-tokens 16]
+                                 [--guards none [rules] [embedding]] [--storage sqlite [postgres]]
                                  [--out DIR] [--overload [--overload-rate R]] [--quick]
 
 Three servers on the same zero-delay simulated engine, each a child process pinned to `--server-core`: the
@@ -16,12 +17,19 @@ lowest rate; server CPU per request and per streamed chunk (user + system of its
 work included) at the highest unsaturated rate, and per chunk beyond a whole answer; the best rate served
 unsaturated. Written as `overhead.json` and `overhead.png` under `--out`. The machine is shared and has two
 cores: figures are noisy, so compare within one run.
+
+The gate (issue 44): `--guards none rules embedding` starts one gateway per default policy (for each quota
+store and each `--storage`), the audit trail on as always, and reports what each gated one costs beyond its
+twin with `none` in the same run: CPU per request at the same rate (and its ratio), CPU per streamed chunk
+beyond the twin's, and the p50 and p99 latency beyond the twin's at the lowest rate. `embedding` is rules
+then the MiniLM embedding guard on this CPU (`policy.safety.defaults.embedding_policy`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import tempfile
@@ -42,12 +50,13 @@ from ops.bench._overhead_report import (
     OverloadMeasure,
     Point,
     format_table,
+    gate_costs,
     onset_bins,
     percentiles,
     plot,
     summarise,
 )
-from ops.bench._servers import QUOTAS, Server, start_gateway, start_mock
+from ops.bench._servers import QUOTAS, STORAGES, Server, drop_schema, start_gateway, start_mock
 from ops.bench.load.arrivals import arrival_times
 from ops.bench.load.plan import synthetic_prompt
 from ops.bench.load.run import quiet_gc
@@ -230,10 +239,23 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
     servers: list[Server] = []
     targets: list[Endpoint] = []
     pools: list[Pool] = []
+    baselines: dict[str, str] = {}  # a gated gateway -> the same without a gate
     try:
         servers.append(await start_mock(args.server_core, workdir / "mock"))
-        for quota in args.quotas:
-            servers.append(await start_gateway(quota, {args.server_core}, workdir / quota, args.guard))
+        for quota, storage, guard in itertools.product(args.quotas, args.storage, args.guards):
+            name = target_name(args, quota, storage, guard)
+            if guard != "none" and "none" in args.guards:
+                baselines[name] = target_name(args, quota, storage, "none")
+            servers.append(
+                await start_gateway(
+                    quota,
+                    {args.server_core},
+                    workdir / name.replace("/", "-"),
+                    guard,
+                    target=name,
+                    storage=storage,
+                )
+            )
         for server in servers:
             print(f"[overhead] {server.target}: pid {server.proc.pid}, port {server.port}", flush=True)
         targets = [Endpoint(s, args.model) for s in servers]
@@ -278,17 +300,32 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
             await pool.close()
         for server in servers:
             server.stop()
+            if server.schema:
+                await drop_schema(server.schema)
     return OverheadReport(
         seconds_per_step=args.seconds,
         max_tokens=args.max_tokens,
         prompt_words=args.prompt_words,
-        guard=args.guard,
+        guards=args.guards,
+        storages=args.storage,
         server_core=args.server_core,
         client_core=args.client_core,
         points=points,
         summaries=summaries,
         overloads=overloads,
+        gate_costs=gate_costs(points, baselines),
     )
+
+
+def target_name(args: argparse.Namespace, quota: str, storage: str, guard: str) -> str:
+    """A gateway's name in the report: its quota store, then its policy and storage where the run varies
+    them or they are not the defaults (`none`, `sqlite`)."""
+    parts = [quota]
+    if args.guards != ["none"]:
+        parts.append(guard)
+    if args.storage != ["sqlite"]:
+        parts.append(storage)
+    return "/".join(parts)
 
 
 def warmup(args: argparse.Namespace) -> argparse.Namespace:
@@ -333,7 +370,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quotas", nargs="+", choices=QUOTAS, default=["memory", "redis"])
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
     parser.add_argument("--prompt-words", type=int, default=20, help="prompt length, ~tokens (20)")
-    parser.add_argument("--guard", choices=["none", "rules"], default="none", help="gateway guard policy")
+    parser.add_argument(
+        "--guards",
+        nargs="+",
+        choices=["none", "rules", "embedding"],
+        default=["none"],
+        help="the gateways' default policies (guard.default_policy); each gated one is compared with `none` "
+        "when that runs too. `embedding` needs the prepared guards (`lockgate models prepare`)",
+    )
+    parser.add_argument(
+        "--storage",
+        nargs="+",
+        choices=STORAGES,
+        default=["sqlite"],
+        help="where the gateways keep tenants, registry and the audit trail",
+    )
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds one request may take (15)")
     cores = sorted(os.sched_getaffinity(0))

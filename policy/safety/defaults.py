@@ -8,6 +8,7 @@ Every tenant is bound to the `default` policy alias until an administrator binds
   one-token guard, all of which `lockgate models prepare` builds offline; `<hash>` follows the guard versions
   and the policy's thresholds, so retraining or new thresholds publish a new policy version instead of
   changing one.
+- `default@embedding-<hash>`: rules, then the embedding guard alone (`embedding_policy`), versioned alike.
 
 At start-up the alias is created when missing, and moved to the configured choice only while it was last set
 by start-up itself: a policy an administrator chose is never overridden by a restart.
@@ -29,7 +30,7 @@ from registry.service import Registry
 
 DEFAULT_POLICY = "default"
 STARTUP_ACTOR = "startup"
-Choice = Literal["trained", "rules", "none"]
+Choice = Literal["trained", "embedding", "rules", "none"]
 
 # In the order the trained one-token guard saw them in its prompt (ops/eval/data/dev.jsonl's categories).
 _CATEGORIES: tuple[tuple[str, Severity, FailMode], ...] = (
@@ -87,6 +88,26 @@ def rules_policy() -> PolicySpec:
     return _policy((RULES_STAGE,))
 
 
+def _embedding_stage(guards: TrainedGuards) -> CascadeStage:
+    """The embedding guard's stage, at the pairs chosen for it in the trained policy (`trained_policy`)."""
+    return CascadeStage(
+        guard=guards.embedding,
+        allow_below=0.55,
+        block_above=0.65,
+        output_allow_below=0.55,
+        output_block_above=0.95,
+        timeout_s=2.0,
+    )
+
+
+def embedding_policy(guards: TrainedGuards) -> PolicySpec:
+    """Rules, then the embedding guard alone, at its pairs of the trained policy: the cheapest gate with a
+    model in it (MiniLM on the CPU, no guard engine), and weaker than `trained_policy`, whose other stages
+    it lacks (its band, 0.55-0.65 there, is escalated here). For a deployment without a guard engine, and
+    for measuring what a model stage costs the hot path (`ops.bench.overhead --guard embedding`)."""
+    return _policy((RULES_STAGE, _embedding_stage(guards)))
+
+
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
     """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard.
 
@@ -111,14 +132,7 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 output_block_above=guards.ngram_output_block_above,
                 timeout_s=2.0,
             ),
-            CascadeStage(
-                guard=guards.embedding,
-                allow_below=0.55,
-                block_above=0.65,
-                output_allow_below=0.55,
-                output_block_above=0.95,
-                timeout_s=2.0,
-            ),
+            _embedding_stage(guards),
             CascadeStage(
                 guard=guards.one_token,
                 allow_below=0.4,
@@ -131,12 +145,19 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
     )
 
 
-def _trained_version(guards: TrainedGuards) -> str:
+def _version(prefix: str, spec: PolicySpec, guards: tuple[str, ...]) -> str:
     # The guards and the policy's own content (thresholds): a change of either is a new version.
-    content = msgspec.json.encode(trained_policy(guards)).decode()
-    refs = f"{guards.ngram}|{guards.embedding}|{guards.one_token}"
-    digest = hashlib.sha256(f"{refs}|{content}".encode()).hexdigest()
-    return f"trained-{digest[:12]}"
+    content = msgspec.json.encode(spec).decode()
+    digest = hashlib.sha256(f"{'|'.join(guards)}|{content}".encode()).hexdigest()
+    return f"{prefix}-{digest[:12]}"
+
+
+def _trained_version(guards: TrainedGuards) -> str:
+    return _version("trained", trained_policy(guards), (guards.ngram, guards.embedding, guards.one_token))
+
+
+def _embedding_version(guards: TrainedGuards) -> str:
+    return _version("embedding", embedding_policy(guards), (guards.embedding,))
 
 
 async def register_default_policy(
@@ -144,16 +165,19 @@ async def register_default_policy(
 ) -> str:
     """Publish the built-in policy versions (idempotent) and point `default` at `choice`; its name@version.
 
-    `trained` needs `guards`; without them it is a start-up error, not a silent downgrade.
+    `trained` and `embedding` need `guards`; without them it is a start-up error, not a silent downgrade.
     """
+    if choice in ("trained", "embedding") and guards is None:
+        raise ValueError(
+            f"the {choice} default policy needs the prepared guards; run `lockgate models prepare`"
+        )
     await registry.publish("policy", DEFAULT_POLICY, "1", NO_GUARDS, actor=actor)
     await registry.publish("policy", DEFAULT_POLICY, "rules-1", rules_policy(), actor=actor)
     version = {"none": "1", "rules": "rules-1"}.get(choice, "")
-    if choice == "trained":
-        if guards is None:
-            raise ValueError(
-                "the trained default policy needs the prepared guards; run `lockgate models prepare`"
-            )
+    if choice == "embedding" and guards is not None:
+        version = _embedding_version(guards)
+        await registry.publish("policy", DEFAULT_POLICY, version, embedding_policy(guards), actor=actor)
+    if choice == "trained" and guards is not None:
         names = tuple(n for n, _, _ in _CATEGORIES)
         if guards.categories and guards.categories != names:
             # The guard would be asked another question than the one it learnt to answer.

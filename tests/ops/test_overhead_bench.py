@@ -9,7 +9,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ops.bench._overhead_report import Latency, Measure, OverheadReport, OverloadMeasure, onset_bins
+from ops.bench._overhead_report import (
+    Latency,
+    Measure,
+    OverheadReport,
+    OverloadMeasure,
+    Point,
+    gate_costs,
+    onset_bins,
+)
 from ops.bench.overhead import main
 
 
@@ -91,3 +99,72 @@ def test_the_onset_is_sliced_by_send_time_with_the_slowest_of_each_kind() -> Non
         "in the first 0.1 s: slowest admitted 90.0 ms (sent 0 ms in), slowest shed 4.0 ms (sent 50 ms in)"
         in (measure.brief())
     )
+
+
+def _measure(
+    target: str, *, p50_ms: float, cpu_ms: float, chunks: int = 0, saturated: bool = False
+) -> Measure:
+    completed = 100
+    return Measure(
+        target=target,
+        offered_per_s=100.0,
+        sent=completed,
+        completed=completed,
+        errors=0,
+        achieved_per_s=100.0,
+        latency=Latency(p50=p50_ms / 1000, p99=2 * p50_ms / 1000),
+        first_chunk=None,
+        chunks=chunks,
+        cpu_s=cpu_ms * completed / 1000,
+        cpu_per_request_ms=cpu_ms,
+        cpu_per_chunk_us=1000 * cpu_ms * completed / chunks if chunks else None,
+        client_lag_p99_ms=0.1,
+        saturated=saturated,
+    )
+
+
+def test_a_gated_gateway_is_compared_with_its_twin_at_the_same_rate() -> None:
+    mock = _measure("mock", p50_ms=1.0, cpu_ms=0.2)
+    points = [
+        Point(
+            mode="stream",
+            rate=100.0,
+            mock=mock,
+            gateways=[
+                _measure("memory/none", p50_ms=2.0, cpu_ms=0.8, chunks=1600),
+                _measure("memory/rules", p50_ms=2.5, cpu_ms=1.2, chunks=1600),
+            ],
+        ),
+        Point(
+            mode="stream",
+            rate=200.0,
+            mock=mock,
+            gateways=[
+                _measure("memory/none", p50_ms=2.0, cpu_ms=0.6, chunks=1600),
+                # Held back for its checks: the same tokens in fewer chunks.
+                _measure("memory/rules", p50_ms=2.5, cpu_ms=0.9, chunks=200),
+            ],
+        ),
+        # Saturated: not where the CPU is compared.
+        Point(
+            mode="stream",
+            rate=400.0,
+            mock=mock,
+            gateways=[
+                _measure("memory/none", p50_ms=2.0, cpu_ms=0.5, chunks=1600),
+                _measure("memory/rules", p50_ms=90.0, cpu_ms=0.7, chunks=1600, saturated=True),
+            ],
+        ),
+    ]
+    (cost,) = gate_costs(points, {"memory/rules": "memory/none"})
+    assert (cost.mode, cost.target, cost.baseline, cost.cpu_rate) == (
+        "stream",
+        "memory/rules",
+        "memory/none",
+        200,
+    )
+    assert cost.cpu_ratio == pytest.approx(1.5)
+    # 0.3 ms more per stream of 16 chunks.
+    assert cost.cpu_per_chunk_beyond_us == pytest.approx(300 / 16)
+    assert cost.rate == 100
+    assert (cost.added_p50_ms, cost.added_p99_ms) == pytest.approx((0.5, 1.0))

@@ -4,8 +4,17 @@ follows every guard and threshold in it."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from policy.safety.defaults import RULES_STAGE, TrainedGuards, _trained_version, trained_policy
+from policy.safety.defaults import (
+    RULES_STAGE,
+    TrainedGuards,
+    _embedding_version,
+    _trained_version,
+    embedding_policy,
+    register_default_policy,
+    trained_policy,
+)
 
 GUARDS = TrainedGuards(
     embedding="minilm-guard@aaaaaaaaaaaa",
@@ -47,3 +56,23 @@ def test_the_version_follows_the_ngram_guard_and_its_thresholds() -> None:
         {"ngram_output_block_above": 0.95},
     ):
         assert _trained_version(msgspec.structs.replace(GUARDS, **change)) != version, change
+
+
+def test_the_embedding_policy_is_the_trained_embedding_stage_after_the_rules() -> None:
+    stages = embedding_policy(GUARDS).stages
+    assert stages == (RULES_STAGE, trained_policy(GUARDS).stages[2])
+    assert stages[1].guard == GUARDS.embedding
+    version = _embedding_version(GUARDS)
+    assert version.startswith("embedding-")
+    assert version.removeprefix("embedding-") != _trained_version(GUARDS).removeprefix("trained-")
+    # It follows the embedding guard, not the guards it does not run.
+    assert (
+        _embedding_version(msgspec.structs.replace(GUARDS, embedding="minilm-guard@eeeeeeeeeeee")) != version
+    )
+    assert _embedding_version(msgspec.structs.replace(GUARDS, ngram="ngram-guard@dddddddddddd")) == version
+
+
+@pytest.mark.parametrize("choice", ["trained", "embedding"])
+async def test_a_policy_with_model_stages_needs_the_prepared_guards(choice: str) -> None:
+    with pytest.raises(ValueError, match="needs the prepared guards"):
+        await register_default_policy(None, choice, None)  # type: ignore[arg-type]
