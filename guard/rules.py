@@ -85,19 +85,58 @@ def _compile(rule: RulePattern) -> re.Pattern[str]:
 class _Rule:
     """A compiled block rule, with its position in the spec (what the audit records)."""
 
-    __slots__ = ("applies_to", "category", "index", "regex")
+    __slots__ = ("applies_to", "category", "index", "joined", "regex")
 
     def __init__(self, index: int, rule: RulePattern) -> None:
         self.index = index
         self.category = rule.category
         self.applies_to = rule.applies_to
         self.regex = _compile(rule)
+        # Whether the stage's prefilter covers it (`_prefilter`); one that refers to its own groups runs
+        # on its own.
+        self.joined = _BACKREFERENCE.search(self.regex.pattern) is None
+
+
+# What a span is to the rules: an output's, an input's trusted one, an input's untrusted one (`_reads`).
+_Reader = Literal["output", "trusted", "untrusted"]
+_READERS: dict[_Reader, frozenset[str]] = {
+    "output": frozenset({"all"}),
+    "trusted": frozenset({"all", "input"}),
+    "untrusted": frozenset({"all", "input", "untrusted"}),
+}
+# A pattern whose meaning depends on its own group numbers or names, which joining it to others would change.
+_BACKREFERENCE = re.compile(r"\\[1-9]|\\g<|\(\?P=")
+
+
+def _reader(item: GuardInput, span: Span) -> _Reader:
+    if item.direction == "output":
+        return "output"
+    return "trusted" if span.trusted else "untrusted"
+
+
+def _prefilter(rules: tuple[_Rule, ...], applies: frozenset[str]) -> re.Pattern[str] | None:
+    """One pattern matching wherever any of `rules` that read spans of this kind (`applies`) matches, or
+    None when they cannot be joined into one. A span it does not match matches none of them: a single scan
+    of the text instead of one per rule (benign text, the common case, matches nothing). Rules that refer to
+    their own groups are left out of it and always run (`_Rule.joined`)."""
+    parts = [f"(?:{r.regex.pattern})" for r in rules if r.joined and r.applies_to in applies]
+    if not parts:
+        return None
+    try:
+        # Case-insensitive throughout (regex rules are; a term rule's match is one too), which keeps `re`'s
+        # fast paths that per-pattern scoped flags lose: a superset, as a prefilter may be.
+        return re.compile("|".join(parts), re.IGNORECASE)
+    except re.error:  # e.g. a global inline flag inside a pattern, or two groups of one name
+        return None
 
 
 class RulesClassifier:
     """The rules stage as a Classifier: 1.0 on a block rule or oversized input, 0.0 on an allow term, or 0.5.
 
-    Patterns are compiled once here; an invalid regex fails construction (re.error), never a request.
+    Patterns are compiled once here; an invalid regex fails construction (re.error), never a request. The
+    block rules are also joined into one case-insensitive prefilter per kind of span (`_prefilter`): a span it
+    does not match is skipped by every joined rule, so benign text costs one scan instead of one per rule
+    (the starter set on a 20-word prompt: 39 us a check instead of 77).
     Matching takes about 0.4 us per character with the default rules (a 2-core EPYC: 1,024 characters
     0.39 ms, 64 KiB 24 ms): an item of more than `inline_chars` characters is matched in `executor` when one
     is given, so a long document does not stall the event loop (`re` holds the GIL through each search, but
@@ -120,6 +159,7 @@ class RulesClassifier:
             _Rule(i, r) for i, r in enumerate(rules.block) if not categories or r.category in categories
         )
         self._allow = tuple(_compile_term(t) for t in rules.allow)
+        self._prefilters = {kind: _prefilter(self._block, applies) for kind, applies in _READERS.items()}
         self._executor = executor
         self._inline_chars = inline_chars
 
@@ -162,13 +202,23 @@ class RulesClassifier:
 
     def _first_block(self, item: GuardInput, views: dict[int, tuple[str, ...]]) -> _Rule | None:
         """The first block rule (in spec order: deterministic) that matches a span it reads."""
+        # Spans the prefilter clears match no joined rule: those rules skip them.
+        maybe = [self._maybe(item, i, span, views) for i, span in enumerate(item.spans)]
         for rule in self._block:
             for i, span in enumerate(item.spans):
-                if _reads(rule.applies_to, item, span) and any(
-                    rule.regex.search(v) for v in _cached_views(views, i, span)
+                if (
+                    (maybe[i] or not rule.joined)
+                    and _reads(rule.applies_to, item, span)
+                    and any(rule.regex.search(v) for v in _cached_views(views, i, span))
                 ):
                     return rule
         return None
+
+    def _maybe(self, item: GuardInput, i: int, span: Span, views: dict[int, tuple[str, ...]]) -> bool:
+        """Whether a joined rule may match span `i` (False only when the prefilter matched none of its
+        views)."""
+        prefilter = self._prefilters[_reader(item, span)]
+        return prefilter is None or any(prefilter.search(v) for v in _cached_views(views, i, span))
 
     def _allowed(self, item: GuardInput, judged: list[int], views: dict[int, tuple[str, ...]]) -> bool:
         """Whether an allow term appears in one of the judged spans."""

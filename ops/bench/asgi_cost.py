@@ -1,21 +1,22 @@
 """The gateway's own cost per request, without sockets: chat requests driven straight into its ASGI app.
 
     python -m ops.bench.asgi_cost [--mode whole|stream] [--server gateway|mock] [--requests 3000]
-                                  [--quota memory|redis|redis-lease] [--max-tokens 16]
+                                  [--quota memory|redis|redis-lease] [--guard none|rules|embedding]
+                                  [--max-tokens 16] [--profile FILE]
                                   [--log-level warning|info]
     valgrind --tool=callgrind --instr-atstart=no python -m ops.bench.asgi_cost --callgrind --requests 200
 
-The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none`, a tenant with quotas on
-both scopes, the CPU shedding off), each request sent one after the other in this process: no HTTP parsing,
-no socket, no load generator sharing the core, so what is measured is the app's work per request (auth,
-quota, template and tokenizer, admission, the engine's stream, metrics, the response). It prints the CPU per
-request over the run and the fastest and median of its 100-request batches. On a shared machine those move
-by 10-30% between runs; under callgrind (`--callgrind` turns its instrumentation on for the measured
-requests only) the instruction count per request repeats within about 0.5%, which is what a change to the
-hot path is compared by: `Collected` over `--requests`. `--server mock` drives the overhead bench's mock
-OpenAI server (`ops.bench._mock_openai`: the same simulated engine with nothing in front) the same way, so
-the gateway's figure can be set against the engine's own; `--max-tokens` sets the answers' length (per-token
-cost: the difference between two lengths).
+The app `lockgate serve` builds (zero-delay simulated engine, guard policy `none` unless `--guard`, a tenant
+with quotas on both scopes, the CPU shedding off), each request sent one after the other in this process: no
+HTTP parsing, no socket, no load generator sharing the core, so what is measured is the app's work per request
+(auth, quota, template and tokenizer, admission, the engine's stream, metrics, the response). It prints the
+CPU per request over the run and the fastest and median of its 100-request batches. On a shared machine those
+move by 10-30% between runs; under callgrind (`--callgrind` turns its instrumentation on for the measured
+requests only) the instruction count per request repeats within about 0.5%, which is what a change to the hot
+path is compared by: `Collected` over `--requests`. `--server mock` drives the overhead bench's mock OpenAI
+server (`ops.bench._mock_openai`: the same simulated engine with nothing in front) the same way, so the
+gateway's figure can be set against the engine's own; `--max-tokens` sets the answers' length (per-token cost:
+the difference between two lengths).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import logging
 import os
@@ -108,7 +110,7 @@ async def _served(args: argparse.Namespace, workdir: Path) -> AsyncIterator[tupl
     from gateway.config import load_config
 
     # The port is never bound: requests go straight into the app.
-    env = {**gateway_env(args.quota, 8000, workdir, "none"), "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
+    env = {**gateway_env(args.quota, 8000, workdir, args.guard), "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
     key = await provision(env, "bench-asgi")
     app = create_app(load_config(env=env))
     async with running(app):
@@ -129,6 +131,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
         gc.freeze()
         if args.callgrind:
             _callgrind("on")
+        profile = cProfile.Profile() if args.profile else None
+        if profile is not None:
+            profile.enable()
         batches = []
         failed = 0
         measured = payloads[_WARMUP:]
@@ -140,6 +145,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[float]:
             batches.append((time.process_time() - cpu) / len(batch))
         if args.callgrind:
             _callgrind("off")
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
         gc.unfreeze()  # for the interpreter's exit (frozen objects outlive it: triton then reports leaks)
         if failed:  # the cost of failing requests is not the hot path's
             raise RuntimeError(f"{failed} of {len(measured)} requests were not answered 200")
@@ -162,6 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--requests", type=int, default=3000, help="measured requests (3000)")
     parser.add_argument("--quota", choices=QUOTAS, default="memory")
+    parser.add_argument(
+        "--guard",
+        choices=["none", "rules", "embedding"],
+        default="none",
+        help="the default policy (guard.default_policy); the audit trail records its decisions",
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="write a cProfile of the measured requests (the event loop's thread)"
+    )
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name in requests")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
     parser.add_argument("--callgrind", action="store_true", help="count instructions of the measured part")
@@ -184,7 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = uvloop.run(run(args, Path(tmp)))
     ordered = [1e6 * b for b in sorted(batches)]
     mean = 1e6 * sum(batches) / len(batches)
-    served = "mock server" if args.server == "mock" else f"{args.quota} quotas, log level {args.log_level}"
+    served = (
+        "mock server"
+        if args.server == "mock"
+        else f"{args.quota} quotas, guard {args.guard}, log level {args.log_level}"
+    )
     print(
         f"{args.mode}, {served}, {args.requests} requests: "
         f"{mean:.0f} us CPU per request "
