@@ -103,6 +103,8 @@ class Stage:
         output_thresholds: tuple[float, float] | None = None,
     ) -> None:
         self.classifier = classifier
+        # Checked once: isinstance against a runtime-checkable protocol costs tens of microseconds a call.
+        self._queued = classifier if isinstance(classifier, Queued) else None
         self.allow_below = allow_below
         self.block_above = block_above
         self.output_thresholds = output_thresholds
@@ -132,8 +134,8 @@ class Stage:
         of at most one call's work), never an item's (`GuardInputError`, `guard.base`): the breaker is shared
         by every tenant of the guard, and any caller can craft items that fail.
         """
-        if isinstance(self.classifier, Queued):
-            wait = self.classifier.expected_wait()
+        if self._queued is not None:
+            wait = self._queued.expected_wait()
             limit = self.timeout_s * (INPUT_SHARE if item.direction == "input" else 1.0)
             if wait > limit:
                 raise GuardOverloadedError(

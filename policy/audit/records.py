@@ -142,6 +142,8 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 def unstorable(text: str) -> bool:
     """Whether `text` holds a character some store cannot hold as text."""
+    if text.isascii():  # the common case, without a regex call: only NUL can be unstorable there
+        return "\x00" in text
     return _UNSTORABLE.search(text) is not None
 
 
