@@ -16,6 +16,8 @@ Splits are by family, never by item: a family's renderings (the same scenario in
 calibrated on. Within each group of families of one hazard, shape and kind, in the order of their ids, the
 splits go round `train, train, train, calibration, test` from an offset the group's name fixes (60/20/20).
 The files hold no split: it is computed here, and a family numbered after its group's others moves no other.
+Families of the generated series (`<hazard>-rNN`: the default model's own replies) form a group of their own
+and go round `calibration, test` only: never trained on (`GENERATED_SERIES`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import msgspec
 __all__ = [
     "HAZARD_CATEGORY",
     "LANGUAGES",
+    "SPLIT_RULE",
     "DataItem",
     "dataset_dir_sha256",
     "family_splits",
+    "generated",
     "load_data_dir",
 ]
 
@@ -69,6 +73,13 @@ HAZARD_CATEGORY: dict[str, str] = {
     "none": "benign",
 }
 _ROUND = ("train", "train", "train", "calibration", "test")
+# The default model's own answers (`ops.guard_training.generated_replies`) are never trained on: trained with
+# them, the n-gram guard (one model for prompts and outputs) let a plain burglary request through at its input
+# thresholds. They calibrate and measure the output checks, half each.
+GENERATED_SERIES = "r"
+# The version of the rule above, raised whenever it changes: guards trained under another are trained again.
+SPLIT_RULE = 2
+_HELD_OUT_ROUND = ("calibration", "test")
 _UNSAFE_KINDS = ("request", "harmful")
 
 
@@ -139,16 +150,23 @@ def load_data_dir(directory: str | Path) -> list[DataItem]:
     return items
 
 
+def generated(family: str) -> bool:
+    """Whether `family` is of the series the default model generated (`<hazard>-rNN`: its own replies)."""
+    return family.partition("-")[2].startswith(GENERATED_SERIES)
+
+
 def family_splits(items: list[DataItem]) -> dict[str, str]:
     """The split of each family (see the module docstring)."""
-    groups: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+    groups: dict[tuple[str, ...], set[str]] = defaultdict(set)
     for item in items:
-        groups[(item.hazard, item.shape, item.kind)].add(item.family)
+        series = ("generated",) if generated(item.family) else ()
+        groups[(item.hazard, item.shape, item.kind, *series)].add(item.family)
     splits: dict[str, str] = {}
     for key, families in groups.items():
-        offset = hashlib.sha256("/".join(key).encode()).digest()[0] % len(_ROUND)
+        rounds = _HELD_OUT_ROUND if "generated" in key else _ROUND
+        offset = hashlib.sha256("/".join(key).encode()).digest()[0] % len(rounds)
         for i, family in enumerate(sorted(families)):
-            splits[family] = _ROUND[(i + offset) % len(_ROUND)]
+            splits[family] = rounds[(i + offset) % len(rounds)]
     return splits
 
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway import cli
-from guard.dataset import dataset_dir_sha256
+from guard.dataset import SPLIT_RULE, dataset_dir_sha256
 from guard.embedding import LogisticHead
 from guard.labelled import LabelledItem, load_items
 from guard.one_token import SYSTEM_PROMPT
@@ -434,3 +434,20 @@ def test_guard_train_command_registers_the_guards(
     assert f"guard_model {NGRAM_NAME}@" in out
     # --register refuses a directory outside the data directory: its artifacts could not be found.
     assert cli.main([*argv, "--out", str(tmp_path / "elsewhere" / "guards"), "--register"]) == 2
+
+
+def test_guards_trained_under_another_split_rule_are_prepared_again(
+    prepared: GuardsResult, tmp_path: Path
+) -> None:
+    # The files are the same, but another rule split them: the guards saw other items in training.
+    copy = tmp_path / "guards"
+    shutil.copytree(prepared.path, copy)
+    manifest = prepared.manifest
+    args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
+    ngram = (manifest.ngram.training_data_sha256, NgramSettings())
+    assert manifest.split_rule == SPLIT_RULE
+    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
+    written = json.loads((copy / guards_prepare.MANIFEST).read_text())
+    del written["split_rule"]  # prepared before the rule was recorded: rule 1
+    (copy / guards_prepare.MANIFEST).write_text(json.dumps(written))
+    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is None

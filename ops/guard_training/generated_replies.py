@@ -15,8 +15,8 @@ family's split.
 
 The answers are not edited: they are what users of the embedded default get (read them for harm before
 committing them: a first run's 600 held nothing harmful; everyday prompts get everyday, if often confused,
-answers); an answer that repeats another item's text word for word is regenerated with the next seed. Not in
-the set yet: README "The 200-reply check" says why.
+answers); an answer that repeats another item's text word for word is regenerated with the next seed. The
+set holds them as calibration and test data only (`guard.dataset.GENERATED_SERIES`: never trained on).
 """
 
 from __future__ import annotations

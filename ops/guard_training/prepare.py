@@ -38,7 +38,7 @@ from pathlib import Path
 
 import msgspec
 
-from guard.dataset import dataset_dir_sha256
+from guard.dataset import SPLIT_RULE, dataset_dir_sha256
 from guard.default_guard import JUDGE_PROMPT
 from guard.embedding import HEAD_WEIGHTS as EMBEDDING_HEAD
 from guard.ngram import HEAD_WEIGHTS as NGRAM_HEAD
@@ -116,6 +116,9 @@ class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
     embedding: PreparedEmbedding
     ngram: PreparedNgram
     elapsed_s: float
+    # The rule that split the multilingual set (`guard.dataset.SPLIT_RULE`; directories prepared before it
+    # was recorded followed rule 1): a new rule moves items between splits, so the guards are trained again.
+    split_rule: int = 1
 
 
 class GuardsResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,6 +161,7 @@ def _reusable(
         and manifest.base_weights_sha256 == base_weights_sha256
         and all(written.get(key) == value for key, value in as_written.items())
         and manifest.ngram.training_data_sha256 == ngram_data_sha256
+        and manifest.split_rule == SPLIT_RULE
         # The served prompt must be the trained one, token for token.
         and manifest.one_token.prompt_template == JUDGE_PROMPT
         and manifest.one_token.system_prompt == SYSTEM_PROMPT
@@ -228,6 +232,7 @@ def prepare_guards(
         say(f"embedding guard trained ({time.perf_counter() - started:.0f} s)")
         one = train_one_token(data, base_model_dir, work / ONE_TOKEN_NAME, one_token, say=say)
         manifest = PreparedGuards(
+            split_rule=SPLIT_RULE,
             training_data_sha256=data.sha256,
             data_file=data_file.name,
             split=split,

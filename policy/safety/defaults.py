@@ -94,7 +94,7 @@ def _embedding_stage(guards: TrainedGuards) -> CascadeStage:
         guard=guards.embedding,
         allow_below=0.55,
         block_above=0.65,
-        output_allow_below=0.55,
+        output_allow_below=0.65,
         output_block_above=0.95,
         timeout_s=2.0,
     )
@@ -137,8 +137,8 @@ def trained_policy(guards: TrainedGuards) -> PolicySpec:
                 guard=guards.one_token,
                 allow_below=0.4,
                 block_above=0.4,
-                output_allow_below=0.6,
-                output_block_above=0.6,
+                output_allow_below=0.65,
+                output_block_above=0.65,
                 timeout_s=5.0,
             ),
         )

@@ -144,3 +144,19 @@ def test_a_sample_is_the_same_whatever_the_order_and_holds_out_only_the_test_spl
     whole = sample(data, 0, 0)
     assert len(whole.train) == len(data.train)
     assert len(whole.test) == sum(i.split == "test" for i in data.test)
+
+
+def test_generated_replies_are_never_trained_on_and_move_no_written_family(tmp_path: Path) -> None:
+    reply = {"label": "safe", "hazard": "none", "severity": "none", "shape": "output", "kind": "reply"}
+    path = tmp_path / "replies.jsonl"
+    path.write_text(
+        "\n".join(_line(f"none-o{n:02}", lang, **reply) for n in range(1, 11) for lang in LANGUAGES)
+    )
+    before = family_splits(load_data_dir(tmp_path))
+    generated = [_line(f"none-r{n:02}", lang, **reply) for n in range(1, 11) for lang in LANGUAGES]
+    with path.open("a") as out:
+        out.write("\n" + "\n".join(generated))
+    after = family_splits(load_data_dir(tmp_path))
+    assert {f: after[f] for f in before} == before
+    held_out = {f: split for f, split in after.items() if f.startswith("none-r")}
+    assert Counter(held_out.values()) == {"calibration": 5, "test": 5}
