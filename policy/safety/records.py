@@ -12,6 +12,8 @@ log = logging.getLogger("lockgate.guard")
 
 def log_record(record: GuardRecord) -> None:
     """Default record sink: the decision, its source and each stage's score (no text, only its hash)."""
+    if not log.isEnabledFor(logging.INFO):  # the line is not built for nobody (every decision comes here)
+        return
     stages = " ".join(
         f"{run.guard}={'error' if run.p_unsafe is None else f'{run.p_unsafe:.3f}'}:{run.verdict}"
         for run in record.runs
