@@ -384,18 +384,30 @@ def test_a_changed_guard_prompt_is_not_reused(
     assert guards_prepare._reusable(prepared.path, *args, SETTINGS, EmbeddingSettings(), *ngram) is None
 
 
-def test_guards_prepared_before_a_setting_existed_are_prepared_again(
-    prepared: GuardsResult, tmp_path: Path
-) -> None:
+def _without_output_block_floor(written: dict[str, Any]) -> None:
     # A setting added since the directory was prepared decodes at its default, but was not in force then.
+    del written["ngram_settings"]["output_block_floor"]
+
+
+def _without_split_rule(written: dict[str, Any]) -> None:
+    # Prepared before the split rule was recorded (rule 1): the same files, split otherwise, so the guards
+    # saw other items in training.
+    del written["split_rule"]
+
+
+@pytest.mark.parametrize("edit", [_without_output_block_floor, _without_split_rule])
+def test_guards_prepared_under_other_settings_or_splits_are_prepared_again(
+    prepared: GuardsResult, tmp_path: Path, edit: Callable[[dict[str, Any]], None]
+) -> None:
     copy = tmp_path / "guards"
     shutil.copytree(prepared.path, copy)
     manifest = prepared.manifest
+    assert manifest.split_rule == SPLIT_RULE
     args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
     ngram = (manifest.ngram.training_data_sha256, NgramSettings())
     assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
     written = json.loads((copy / guards_prepare.MANIFEST).read_text())
-    del written["ngram_settings"]["output_block_floor"]
+    edit(written)
     (copy / guards_prepare.MANIFEST).write_text(json.dumps(written))
     assert guards_prepare.read_manifest(copy) is not None  # still decodes, at the default
     assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is None
@@ -434,20 +446,3 @@ def test_guard_train_command_registers_the_guards(
     assert f"guard_model {NGRAM_NAME}@" in out
     # --register refuses a directory outside the data directory: its artifacts could not be found.
     assert cli.main([*argv, "--out", str(tmp_path / "elsewhere" / "guards"), "--register"]) == 2
-
-
-def test_guards_trained_under_another_split_rule_are_prepared_again(
-    prepared: GuardsResult, tmp_path: Path
-) -> None:
-    # The files are the same, but another rule split them: the guards saw other items in training.
-    copy = tmp_path / "guards"
-    shutil.copytree(prepared.path, copy)
-    manifest = prepared.manifest
-    args = (manifest.training_data_sha256, manifest.split, manifest.base_weights_sha256)
-    ngram = (manifest.ngram.training_data_sha256, NgramSettings())
-    assert manifest.split_rule == SPLIT_RULE
-    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is not None
-    written = json.loads((copy / guards_prepare.MANIFEST).read_text())
-    del written["split_rule"]  # prepared before the rule was recorded: rule 1
-    (copy / guards_prepare.MANIFEST).write_text(json.dumps(written))
-    assert guards_prepare._reusable(copy, *args, SETTINGS, EmbeddingSettings(), *ngram) is None

@@ -196,6 +196,9 @@ class OverheadReport(msgspec.Struct, frozen=True, kw_only=True):
     summaries: list[Summary]
     overloads: list[OverloadMeasure] = []
     gate_costs: list[GateCost] = []
+    # Per gateway, the gate decisions its log says the audit trail could not take over the whole run
+    # (refused with 503, or served unaudited under fail-open: either way not recorded).
+    unrecorded: dict[Target, int] = {}
 
 
 def percentiles(values: Sequence[float]) -> Latency:
@@ -336,6 +339,11 @@ def format_table(report: OverheadReport) -> str:
             f"p50 +{c.added_p50_ms:.2f} ms, p99 +{c.added_p99_ms:.2f} ms at {c.rate:g}/s"
         )
     lines.extend(f"overload {o.target:>6} at {o.offered_per_s:.0f}/s: {o.brief()}" for o in report.overloads)
+    lines.extend(
+        f"audit {target}: {count} gate decisions not recorded over the run"
+        for target, count in report.unrecorded.items()
+        if count
+    )
     return "\n".join(lines)
 
 

@@ -33,7 +33,15 @@ class Server:
         self.port = port
         self.api_key = api_key
         self.schema = schema
+        self.log: Path | None = None  # where its output goes
         self.ps = psutil.Process(proc.pid)
+
+    def unrecorded(self) -> int:
+        """Gate decisions its log says the audit trail could not take (`policy.safety.gate`)."""
+        if self.log is None or not self.log.exists():
+            return 0
+        with self.log.open("rb") as lines:
+            return sum(UNRECORDED in line for line in lines)
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the process and its live children (workers) have used so far."""
@@ -98,6 +106,7 @@ async def _wait_ready(proc: subprocess.Popen[bytes], url: str, within: float, lo
 
 async def _ready(server: Server, path: str, within: float, log: Path) -> Server:
     """`server` once `path` answers 200 (within `within` seconds); stopped if it does not."""
+    server.log = log
     try:
         await _wait_ready(server.proc, f"http://127.0.0.1:{server.port}{path}", within, log)
     except BaseException:
@@ -114,6 +123,8 @@ async def start_mock(core: int, workdir: Path) -> Server:
     return await _ready(Server("mock", proc, port), "/healthz", 60, log)
 
 
+# What the gate logs for a decision the audit trail could not take.
+UNRECORDED = b"not recorded"
 # Quota stores the benches name: `redis-lease` is Redis granting from leases (`[quota.lease]`, defaults).
 QUOTAS = ("memory", "redis", "redis-lease")
 

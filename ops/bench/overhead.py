@@ -240,6 +240,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
     targets: list[Endpoint] = []
     pools: list[Pool] = []
     baselines: dict[str, str] = {}  # a gated gateway -> the same without a gate
+    unrecorded: dict[str, int] = {}  # a gateway -> decisions its audit trail could not take
     try:
         servers.append(await start_mock(args.server_core, workdir / "mock"))
         for quota, storage, guard in itertools.product(args.quotas, args.storage, args.guards):
@@ -300,6 +301,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
             await pool.close()
         for server in servers:
             server.stop()
+            if server.target != "mock":
+                unrecorded[server.target] = server.unrecorded()
             if server.schema:
                 await drop_schema(server.schema)
     return OverheadReport(
@@ -314,6 +317,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> OverheadReport:
         summaries=summaries,
         overloads=overloads,
         gate_costs=gate_costs(points, baselines),
+        unrecorded=unrecorded,
     )
 
 

@@ -47,6 +47,8 @@ def test_a_quick_run_measures_the_mock_and_the_gateway(
     stream = next(s for s in report.summaries if s.mode == "stream")
     assert stream.marginal_cpu_per_chunk_us is not None
     assert "added p50" in printed
+    # Its log was read for decisions the audit trail could not take: none at these rates.
+    assert report.unrecorded == {"memory": 0}
     assert (tmp_path / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
