@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from ops.bench._servers import POSTGRES_DSN
 from policy.audit.base import AuditStore
 from policy.audit.keys import MacKey
 from policy.audit.migrations import RECORD_COLUMNS, RECORD_FIELDS, record_row
@@ -43,7 +44,6 @@ from policy.audit.records import AuditDraft, AuditedStage, chain
 from policy.audit.sqlite import SqliteAuditStore
 from policy.audit.writer import AuditWriter
 
-DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 STORES = ("sqlite", "postgres")
 
 
@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--core", type=int, default=0, help="the core this process is pinned to")
-    parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (a fresh schema is made and dropped)")
+    parser.add_argument("--dsn", default=POSTGRES_DSN, help="PostgreSQL (a fresh schema is made and dropped)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.records < 1 or args.batch_size < 1 or args.tenants < 1:

@@ -127,35 +127,27 @@ def _measure(
 
 def test_a_gated_gateway_is_compared_with_its_twin_at_the_same_rate() -> None:
     mock = _measure("mock", p50_ms=1.0, cpu_ms=0.2)
+
+    def point(rate: float, none: Measure, rules: Measure) -> Point:
+        return Point(mode="stream", rate=rate, mock=mock, gateways=[none, rules])
+
     points = [
-        Point(
-            mode="stream",
-            rate=100.0,
-            mock=mock,
-            gateways=[
-                _measure("memory/none", p50_ms=2.0, cpu_ms=0.8, chunks=1600),
-                _measure("memory/rules", p50_ms=2.5, cpu_ms=1.2, chunks=1600),
-            ],
+        point(
+            100.0,
+            _measure("memory/none", p50_ms=2.0, cpu_ms=0.8, chunks=1600),
+            _measure("memory/rules", p50_ms=2.5, cpu_ms=1.2, chunks=1600),
         ),
-        Point(
-            mode="stream",
-            rate=200.0,
-            mock=mock,
-            gateways=[
-                _measure("memory/none", p50_ms=2.0, cpu_ms=0.6, chunks=1600),
-                # Held back for its checks: the same tokens in fewer chunks.
-                _measure("memory/rules", p50_ms=2.5, cpu_ms=0.9, chunks=200),
-            ],
+        point(
+            200.0,
+            _measure("memory/none", p50_ms=2.0, cpu_ms=0.6, chunks=1600),
+            # Held back for its checks: the same tokens in fewer chunks.
+            _measure("memory/rules", p50_ms=2.5, cpu_ms=0.9, chunks=200),
         ),
         # Saturated: not where the CPU is compared.
-        Point(
-            mode="stream",
-            rate=400.0,
-            mock=mock,
-            gateways=[
-                _measure("memory/none", p50_ms=2.0, cpu_ms=0.5, chunks=1600),
-                _measure("memory/rules", p50_ms=90.0, cpu_ms=0.7, chunks=1600, saturated=True),
-            ],
+        point(
+            400.0,
+            _measure("memory/none", p50_ms=2.0, cpu_ms=0.5, chunks=1600),
+            _measure("memory/rules", p50_ms=90.0, cpu_ms=0.7, chunks=1600, saturated=True),
         ),
     ]
     (cost,) = gate_costs(points, {"memory/rules": "memory/none"})
