@@ -120,9 +120,9 @@ class ChainReport(msgspec.Struct, frozen=True, kw_only=True):
     unkeyed: int = 0  # records checked that carry no MAC (from before the chain was keyed)
 
 
-_DRAFT_FIELDS: tuple[str, ...] = AuditDraft.__struct_fields__
 _OMITTED_AT_DEFAULT: tuple[tuple[str, Any], ...] = (("draft_id", ""), ("count", 1), ("last_at", None))
 _encode_sorted = msgspec.json.Encoder(order="sorted")
+_encode = msgspec.json.Encoder()
 
 
 class InvalidDraftError(ValueError):
@@ -151,7 +151,7 @@ def _storable(value: Any) -> Any:
     """`value` (builtins) with every unstorable character of its strings replaced by U+FFFD."""
     if isinstance(value, str):
         return _UNSTORABLE.sub("\ufffd", value) if unstorable(value) else value
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):  # to_builtins keeps a tuple field (`stages`) a tuple
         return [_storable(v) for v in value]
     if isinstance(value, dict):
         return {k: _storable(v) for k, v in value.items()}
@@ -164,13 +164,15 @@ def normalize(draft: AuditDraft) -> AuditDraft:
     Fills in `content_hash` from `content` when it is empty. InvalidDraftError when a field has the wrong
     type, a number is not finite, or content does not match a given content_hash.
     """
-    fields = {name: getattr(draft, name) for name in _DRAFT_FIELDS}
     try:
-        builtins = msgspec.to_builtins(fields)
+        builtins: dict[str, Any] = msgspec.to_builtins(draft)
         # Every text but the content in a form every store holds (content is stored exactly: see
         # `policy.audit.migrations.stored_content`).
-        builtins = {k: v if k == "content" else _storable(v) for k, v in builtins.items()}
-        clean = msgspec.convert(builtins, AuditDraft)
+        content = builtins.pop("content", None)
+        if not _plainly_storable(builtins):
+            builtins = _storable(builtins)
+        builtins["content"] = content
+        clean = msgspec.convert(builtins, AuditDraft)  # a record's own fields (seq, hash...) are dropped
     except (msgspec.ValidationError, TypeError) as exc:
         raise InvalidDraftError(f"invalid audit draft: {exc}") from exc
     numbers = [
@@ -189,6 +191,16 @@ def normalize(draft: AuditDraft) -> AuditDraft:
     return clean
 
 
+def _plainly_storable(builtins: dict[str, Any]) -> bool:
+    """Whether every text in `builtins` is ASCII without NUL (the common case, in one C call: such text
+    needs no `_storable` walk). False also for text that merely looks escaped ("\\u0000")."""
+    try:
+        encoded = _encode.encode(builtins)
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return encoded.isascii() and b"\\u0000" not in encoded
+
+
 def _stage_numbers(run: AuditedStage) -> list[float]:
     values = (run.score, run.allow_below, run.block_above, run.latency_s)
     return [v for v in values if v is not None]
@@ -196,9 +208,9 @@ def _stage_numbers(run: AuditedStage) -> list[float]:
 
 def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
     """The bytes hashed for a record: every field but `hash` and `content`, keys sorted."""
-    fields: dict[str, Any] = {name: getattr(draft, name) for name in _DRAFT_FIELDS if name != "content"}
-    # Through `convert`, so an int where a float belongs hashes as that float (what the database returns).
-    payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(fields), AuditDraft))
+    # Through `convert`, so an int where a float belongs hashes as that float (what the database returns);
+    # a record's own fields (seq, hash...) are dropped by it.
+    payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(draft), AuditDraft))
     del payload["content"]
     # Fields added later are left out at their defaults, so records written before them hash as they did.
     for name, default in _OMITTED_AT_DEFAULT:
@@ -217,10 +229,9 @@ def record_hash(draft: AuditDraft, seq: int, prev_hash: str) -> str:
 def chain(draft: AuditDraft, seq: int, prev_hash: str, key: MacKey | None = None) -> AuditRecord:
     """`draft` (normalized) as the record at `seq` after `prev_hash`, MACed with `key` if given."""
     clean = normalize(draft)
-    fields = {name: getattr(clean, name) for name in _DRAFT_FIELDS}
     digest = record_hash(clean, seq, prev_hash)
     mac = None if key is None else key.chain_mac(digest)
-    return AuditRecord(**fields, seq=seq, prev_hash=prev_hash, hash=digest, mac=mac)
+    return AuditRecord(**msgspec.structs.asdict(clean), seq=seq, prev_hash=prev_hash, hash=digest, mac=mac)
 
 
 class ChainVerifier:

@@ -36,7 +36,7 @@ from policy.audit import (
 )
 from policy.audit.keys import MacKey
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
-from policy.audit.records import canonical_json, chain
+from policy.audit.records import canonical_json, chain, normalize
 from policy.audit.writer import AuditWriter
 from policy.tenants import PostgresTenantStore, SqliteTenantStore, Tenant
 from registry.db.postgres import open_pool
@@ -199,6 +199,32 @@ def test_drafts_are_checked_and_content_hash_filled() -> None:
         chain(draft(last_at=float("inf")), 1, "")
     # No content (not retained, or nothing checked): content_hash may say what was checked, or be empty.
     assert chain(draft(content=None, content_hash=""), 1, "").content_hash == ""
+
+
+_PIECES = ["a", "\\", "u0000", "\x00", "\ud800", "\udfff", "é", "漢", " "]
+_TEXT = st.lists(st.sampled_from(_PIECES)).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(detail=_TEXT, source=_TEXT, error=_TEXT, content=_TEXT)
+def test_every_text_but_content_is_made_storable_and_nothing_else_changes(
+    detail: str, source: str, error: str, content: str
+) -> None:
+    # `normalize` skips its field-by-field walk when the draft's texts are plain ASCII without NUL: that
+    # shortcut must never keep a NUL or a lone surrogate (nested in a stage included), nor touch plain text
+    # that only looks like an escape ("\\u0000"), nor the content (stored exactly).
+    def storable(text: str) -> str:
+        return "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in text)
+
+    runs = (AuditedStage(stage="rules", kind="rules", error=error or None), *RUNS[1:])
+    clean = normalize(draft(detail=detail, source=source, stages=runs, content=content, content_hash=""))
+    assert clean.detail == storable(detail)
+    assert clean.source == storable(source)
+    assert clean.stages[0].error == (storable(error) if error else None)
+    assert clean.stages[1:] == RUNS[1:]
+    assert clean.content == content
+    assert clean.content_hash == content_sha256(content)
+    assert normalize(clean) == clean
 
 
 @settings(max_examples=60, deadline=None)
