@@ -106,7 +106,7 @@ class PostgresAuditStore(PostgresStore):
                     records.append(record)
                     continue
                 seq, prev_hash = heads[draft.tenant]
-                record = chain(draft, seq + 1, prev_hash, self._key)
+                record = chain(draft, seq + 1, prev_hash, self._key, normalized=True)
                 rows.append(record_row(record))
                 heads[draft.tenant] = (record.seq, record.hash)
                 moved.add(draft.tenant)

@@ -206,11 +206,14 @@ def _stage_numbers(run: AuditedStage) -> list[float]:
     return [v for v in values if v is not None]
 
 
-def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
-    """The bytes hashed for a record: every field but `hash` and `content`, keys sorted."""
-    # Through `convert`, so an int where a float belongs hashes as that float (what the database returns);
-    # a record's own fields (seq, hash...) are dropped by it.
-    payload: dict[str, Any] = msgspec.to_builtins(msgspec.convert(msgspec.to_builtins(draft), AuditDraft))
+def canonical_json(draft: AuditDraft, seq: int, prev_hash: str, *, normalized: bool = False) -> bytes:
+    """The bytes hashed for a record: every field but `hash` and `content`, keys sorted. `normalized`: the
+    draft is one `normalize` returned (its types are canonical already)."""
+    if not normalized:
+        # Through `convert`, so an int where a float belongs hashes as that float (what the database
+        # returns); a record's own fields (seq, hash...) are dropped by it.
+        draft = msgspec.convert(msgspec.to_builtins(draft), AuditDraft)
+    payload: dict[str, Any] = msgspec.to_builtins(draft)
     del payload["content"]
     # Fields added later are left out at their defaults, so records written before them hash as they did.
     for name, default in _OMITTED_AT_DEFAULT:
@@ -221,15 +224,19 @@ def canonical_json(draft: AuditDraft, seq: int, prev_hash: str) -> bytes:
     return _encode_sorted.encode(payload)
 
 
-def record_hash(draft: AuditDraft, seq: int, prev_hash: str) -> str:
+def record_hash(draft: AuditDraft, seq: int, prev_hash: str, *, normalized: bool = False) -> str:
     """The hash of `draft` (or a record's draft part) at `seq` after a record hashed `prev_hash`."""
-    return hashlib.sha256(_DOMAIN + canonical_json(draft, seq, prev_hash)).hexdigest()
+    return hashlib.sha256(_DOMAIN + canonical_json(draft, seq, prev_hash, normalized=normalized)).hexdigest()
 
 
-def chain(draft: AuditDraft, seq: int, prev_hash: str, key: MacKey | None = None) -> AuditRecord:
-    """`draft` (normalized) as the record at `seq` after `prev_hash`, MACed with `key` if given."""
-    clean = normalize(draft)
-    digest = record_hash(clean, seq, prev_hash)
+def chain(
+    draft: AuditDraft, seq: int, prev_hash: str, key: MacKey | None = None, *, normalized: bool = False
+) -> AuditRecord:
+    """`draft` as the record at `seq` after `prev_hash`, MACed with `key` if given. `normalized`: `draft` is
+    one `normalize` returned (the stores check each draft before they take the write lock), else it is
+    normalized here."""
+    clean = draft if normalized else normalize(draft)
+    digest = record_hash(clean, seq, prev_hash, normalized=True)
     mac = None if key is None else key.chain_mac(digest)
     return AuditRecord(**msgspec.structs.asdict(clean), seq=seq, prev_hash=prev_hash, hash=digest, mac=mac)
 

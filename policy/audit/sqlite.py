@@ -116,7 +116,7 @@ class SqliteAuditStore(SqliteStore):
                         row = conn.execute(_HEAD, (draft.tenant,)).fetchone()
                         heads[draft.tenant] = (0, GENESIS_HASH) if row is None else (int(row[0]), row[1])
                     seq, prev_hash = heads[draft.tenant]
-                    record = chain(draft, seq + 1, prev_hash, self._key)
+                    record = chain(draft, seq + 1, prev_hash, self._key, normalized=True)
                     conn.execute(_INSERT, record_row(record))
                     heads[draft.tenant] = (record.seq, record.hash)
                     moved.add(draft.tenant)

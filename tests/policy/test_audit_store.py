@@ -199,6 +199,13 @@ def test_drafts_are_checked_and_content_hash_filled() -> None:
         chain(draft(last_at=float("inf")), 1, "")
     # No content (not retained, or nothing checked): content_hash may say what was checked, or be empty.
     assert chain(draft(content=None, content_hash=""), 1, "").content_hash == ""
+    # An int where a float belongs (as a database may return it) chains as its float, whether the draft
+    # is normalized first (the stores) or by `chain`, and verifies.
+    loose = draft(at=1000, stages=(AuditedStage(stage="rules", kind="rules", latency_s=0),))
+    record = chain(normalize(loose), 1, "", normalized=True)
+    assert record == chain(loose, 1, "")
+    assert isinstance(record.at, float)
+    assert verify_chain([record]).ok
 
 
 _PIECES = ["a", "\\", "u0000", "\x00", "\ud800", "\udfff", "é", "漢", " "]
