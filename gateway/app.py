@@ -100,12 +100,16 @@ async def _guard_pools(
     return started
 
 
-def _only_remote_engines(config: Config, guard_engines: int) -> bool:
-    """Whether every engine is a remote vLLM server: `[[engines]]` all `vllm_remote`, and no guard engine
-    given or started in this process (what `overload.cpu_shedding = "auto"` turns the CPU signal on for)."""
-    return (
-        bool(config.engines) and guard_engines == 0 and all(s.kind == "vllm_remote" for s in config.engines)
-    )
+def _cpu_is_requests_own(config: Config, guard_engines: int, *, given_engine: bool) -> bool:
+    """Whether this process's CPU goes to its requests alone, which `overload.cpu_shedding = "auto"` turns the
+    CPU signal on for: every engine a remote vLLM server or the simulator (whose tokens are made on the event
+    loop, for the requests it serves), no guard engine given or started in this process, and no engine
+    handed in by the caller (of unknown kind: a test's, sharing the loop with the test itself)."""
+    if given_engine or guard_engines:
+        return False
+    if not config.engines:
+        return config.engine.kind == "simulated"
+    return all(s.kind in ("vllm_remote", "simulated") for s in config.engines)
 
 
 async def _audit_writer(
@@ -412,8 +416,10 @@ def create_app(
             pools.update(guard_pools or {})
             default_policy = live_registry.view.resolve_policy(DEFAULT_POLICY, key="")
             guard_engines = await _guard_pools(config, default_policy, pools, owned) + len(guard_pools or {})
-            if config.overload.cpu_shedding == "auto" and _only_remote_engines(config, guard_engines):
-                overload.use_cpu_signal()  # the process's CPU is the gateway's own
+            if config.overload.cpu_shedding == "auto" and _cpu_is_requests_own(
+                config, guard_engines, given_engine=engine is not None
+            ):
+                overload.use_cpu_signal()  # the process's CPU is its requests' own
             # Guard calls on a pool of the generation fleet are spread over its replicas.
             fleet = {pool: s for pool, s in by_pool(replicas).items() if pool not in (guard_pools or {})}
             factory = GuardFactory(

@@ -42,10 +42,12 @@ class OverloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_rtt_interval: float = 10.0
     min_rtt_requests: int = 20
     # Shed a fraction of generation requests that keeps the process's CPU utilisation at
-    # `target_utilisation` (`CpuShedder`). "auto" (the default): on where every engine is a remote vLLM
-    # server (`[[engines]]` all `vllm_remote`, no guard engine started in this process), off otherwise: the
-    # process's CPU then also counts what else runs in it (an in-process vLLM engine's threads, the
-    # simulator, a test runner sharing the event loop), which would shed requests for work that is not theirs.
+    # `target_utilisation` (`CpuShedder`). "auto" (the default): on where the process's CPU is its requests'
+    # own: every engine a remote vLLM server or the simulator (`engine.kind` or `[[engines]]`), no guard
+    # engine started in this process, no engine object handed to `create_app`; off otherwise: the CPU then
+    # also counts what else runs in it (an in-process vLLM engine's and guard engine's threads and processes
+    # competing for the cores, a test runner sharing the event loop), which would shed requests for work that
+    # is not theirs.
     cpu_shedding: bool | Literal["auto"] = "auto"
     # The utilisation held: the larger of the event-loop thread's share of one core (the time it ran or
     # waited for the core while ready to run) and the process's CPU share of the cores it may run on (capped

@@ -87,6 +87,9 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
     admitted: int  # 200
     shed: int  # 503 (overloaded, or no replica could take it)
     other: int  # other statuses, transport failures, timeouts
+    # The others by status (0: a transport failure or timeout), with the first error body of each.
+    other_by_status: dict[str, int] = {}
+    other_sample: dict[str, str] = {}
     admitted_latency: Latency
     shed_latency: Latency  # how long a shed request took to be told
     # The same, for the requests sent `steady_after_s` or later into the step (past its onset).
@@ -107,7 +110,9 @@ class OverloadMeasure(msgspec.Struct, frozen=True, kw_only=True):
             f"{1000 * self.shed_latency.p50:.1f} ms, p99 {1000 * self.shed_latency.p99:.1f} ms; "
             f"sent after {self.steady_after_s:g} s: admitted p99 "
             f"{1000 * self.steady_admitted_latency.p99:.1f} ms, shed p99 "
-            f"{1000 * self.steady_shed_latency.p99:.1f} ms; {self.other} other; metrics: "
+            f"{1000 * self.steady_shed_latency.p99:.1f} ms; {self.other} other"
+            + "".join(f", {n} x {status}" for status, n in sorted(self.other_by_status.items()))
+            + "; metrics: "
             + (", ".join(f"{n} {reason}" for reason, n in sorted(self.shed_by_reason.items())) or "-")
             + self._onset_brief()
         )

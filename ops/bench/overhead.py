@@ -198,6 +198,12 @@ async def overload(
         ]
 
     admitted, shed = totals(200), totals(503)
+    others: dict[str, int] = {}
+    samples: dict[str, str] = {}
+    for r in offered.results:
+        if r.status not in (200, 503):
+            others[str(r.status)] = others.get(str(r.status), 0) + 1
+            samples.setdefault(str(r.status), r.error[:200])
     return OverloadMeasure(
         target=target.server.target,
         offered_per_s=rate,
@@ -205,6 +211,8 @@ async def overload(
         admitted=len(admitted),
         shed=len(shed),
         other=len(offered.results) - len(admitted) - len(shed),
+        other_by_status=others,
+        other_sample=samples,
         admitted_latency=percentiles(admitted),
         shed_latency=percentiles(shed),
         steady_after_s=STEADY_AFTER_S,

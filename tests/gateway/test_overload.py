@@ -21,7 +21,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_remote import RemoteEngineConfig
-from gateway.app import _only_remote_engines, create_app, running
+from gateway.app import _cpu_is_requests_own, create_app, running
 from gateway.config import ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
 from gateway.overload import (
@@ -683,11 +683,30 @@ async def test_auto_leaves_the_cpu_signal_off_while_an_engine_runs_in_the_proces
             )
         ],
     )
-    assert _only_remote_engines(remote, guard_engines=0)
-    assert not _only_remote_engines(remote, guard_engines=1)  # a guard model's engine in the process
+    assert _cpu_is_requests_own(remote, 0, given_engine=False)
+    assert not _cpu_is_requests_own(remote, 1, given_engine=False)  # a guard model's engine in the process
     local = msgspec.structs.replace(remote, engines=[*remote.engines, ReplicaSpec(kind="vllm_local")])
-    assert not _only_remote_engines(local, guard_engines=0)
-    assert not _only_remote_engines(config, guard_engines=0)  # the embedded engine
+    assert not _cpu_is_requests_own(local, 0, given_engine=False)
+    assert not _cpu_is_requests_own(config, 0, given_engine=False)  # the embedded engine
+    # The simulator makes its tokens on the event loop, for the requests it serves: their own CPU.
+    sim = msgspec.structs.replace(config.engine, kind="simulated")
+    simulated = msgspec.structs.replace(config, engine=sim)
+    assert _cpu_is_requests_own(simulated, 0, given_engine=False)
+    assert not _cpu_is_requests_own(simulated, 0, given_engine=True)  # the caller's engine: of unknown kind
+    mixed = msgspec.structs.replace(remote, engines=[*remote.engines, ReplicaSpec(kind="simulated")])
+    assert _cpu_is_requests_own(mixed, 0, given_engine=False)
+
+
+async def test_auto_turns_the_cpu_signal_on_for_the_simulated_engine(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    """The overhead bench's gateway (`engine.kind = "simulated"`, its own process) sheds on CPU by default:
+    at twice what it serves, refused at the door instead of late in the pipeline (docs/overhead.md)."""
+    config = msgspec.structs.replace(make_config(), overload=OverloadConfig(max_loop_lag=0.0))
+    config = msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, kind="simulated"))
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    async with running(app):
+        assert app.state.overload.cpu is not None
 
 
 @pytest.mark.skipif(not SCHEDSTAT.exists(), reason="no schedstat: the loop's CPU time is its demand")

@@ -40,6 +40,8 @@ async def lockgate_serve(
         "LOCKGATE_SERVER__PORT": str(port),
         "LOCKGATE_SERVER__LOG_LEVEL": "warning",
         "LOCKGATE_GUARD__DEFAULT_POLICY": "rules",
+        # As `make_config`: a loaded test machine must not read as this server's overload.
+        "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false",
         **env,
     }
     bootstrap = await asyncio.create_subprocess_exec(

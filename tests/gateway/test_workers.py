@@ -37,6 +37,8 @@ SHARED = {
     "LOCKGATE_STORAGE__BACKEND": "postgres",
     "LOCKGATE_STORAGE__POSTGRES_DSN": PG_DSN,
     "LOCKGATE_ENGINE__KIND": "simulated",
+    # As `make_config`: a loaded test machine must not read as these servers' overload.
+    "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false",
     "LOCKGATE_CONSOLE__SESSION_STORE": "redis",
     # Plain HTTP: a client keeps no `Secure` cookie.
     "LOCKGATE_CONSOLE__INSECURE_COOKIE": "true",
