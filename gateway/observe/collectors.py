@@ -25,6 +25,16 @@ from routing.replicas import Replica
 BREAKER_STATES = ("closed", "open", "half_open")
 # Quota meter counter -> exported counter (policy.quota.meter names its counters).
 QUOTA_COUNTERS = {
+    "reserved": (
+        "quota_reservations",
+        "Reservations the quota store took: each ends settled once (quota_settlements, quota_settle_noops) or "
+        "given up (quota_settle_failures).",
+    ),
+    "settled": ("quota_settlements", "Reservations settled with the usage their request had."),
+    "settle_noop": (
+        "quota_settle_noops",
+        "Settlements of reservations the store had closed already (settled, voided or expired): no change.",
+    ),
     "denied": ("quota_denials", "Reservations the quota store denied (429 rate_limit_exceeded)."),
     "fail_open": ("quota_fail_open", "Requests admitted unmetered while the quota store was unreachable."),
     "fail_closed": ("quota_fail_closed", "Requests refused (503) while the quota store was unreachable."),

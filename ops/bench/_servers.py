@@ -201,15 +201,17 @@ async def start_gateway(
     env: dict[str, str] | None = None,
     target: Target = "",
     storage: str = "sqlite",
+    command: list[str] | None = None,
 ) -> Server:
     """`lockgate serve [--workers N]` with `quota` as its quota store, its stores on `storage`, and a fresh
     tenant and key, ready; `env` is added to its environment, and `target` names it (default: the quota
-    store)."""
+    store). `command`: the Python arguments that serve instead (`ops.bench._soak_server`'s)."""
     port = free_port()
     environ = {**gateway_env(quota, port, workdir, guard, storage), **(env or {})}
     key = await provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
-    proc = _spawn(["-m", "gateway.cli", "serve", "--workers", str(workers)], environ, cores, log)
+    args = command or ["-m", "gateway.cli", "serve", "--workers", str(workers)]
+    proc = _spawn(args, environ, cores, log)
     schema = environ["LOCKGATE_STORAGE__POSTGRES_SCHEMA"] if storage == "postgres" else ""
     return await _ready(Server(target or quota, proc, port, key, schema), "/readyz", 300, log)
 

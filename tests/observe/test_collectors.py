@@ -42,7 +42,10 @@ def replica(replica_id: str, state: str, routable: bool) -> Any:
 
 
 def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
-    quota: Counter[str] = Counter({"denied": 2, "fail_open": 1, "fail_closed": 3, "settle_given_up": 1})
+    quota: Counter[str] = Counter(
+        {"denied": 2, "fail_open": 1, "fail_closed": 3, "settle_given_up": 1, "reserved": 7, "settled": 5}
+    )
+    quota["settle_noop"] = 1
     guard: Counter[tuple[str, str, str]] = Counter(
         {
             ("input", "fail_open", "allow"): 2,
@@ -84,6 +87,10 @@ def test_series_are_read_from_the_live_objects_at_each_scrape() -> None:
     assert got[(f"{p}quota_fail_closed_total", ())] == 3
     assert got[(f"{p}quota_settle_failures_total", ())] == 1
     assert got[(f"{p}quota_settle_retries_total", ())] == 0
+    # At rest every reservation is accounted for: 7 = 5 settled + 1 no-op + 1 given up.
+    assert got[(f"{p}quota_reservations_total", ())] == 7
+    assert got[(f"{p}quota_settlements_total", ())] == 5
+    assert got[(f"{p}quota_settle_noops_total", ())] == 1
     assert got[(f"{p}fail_open_total", (("direction", "input"),))] == 2
     assert got[(f"{p}fail_open_total", (("direction", "output"),))] == 1
     block = (("action", "block"), ("direction", "input"), ("source", "rules"))
