@@ -22,6 +22,7 @@ class Timed(msgspec.Struct, frozen=True, kw_only=True):
     first: float | None = None  # first SSE event with text (streams only)
     total: float | None = None  # the whole answer read
     chunks: int = 0  # SSE events with text
+    closed: bool = False  # the client closed the stream itself (`close_after`), before its end
 
 
 # Servers close a keep-alive connection idle past a timeout (uvicorn's default is 5 s); one idle longer than
@@ -68,10 +69,17 @@ class Pool:
         return None
 
     async def post(
-        self, head: bytes, body: bytes, clock: Callable[[], float], *, within: float = 30.0
+        self,
+        head: bytes,
+        body: bytes,
+        clock: Callable[[], float],
+        *,
+        within: float = 30.0,
+        close_after: int | None = None,
     ) -> Timed:
         """Send `head` (request line and headers without Content-Length) and `body`; never raises for what
-        the server or the network does."""
+        the server or the network does. `close_after`: a stream is closed (the connection with it) once that
+        many events with text have come, as a client that leaves mid-stream."""
         async with self._slots:
             sent = clock()
             conn = self._take(sent)
@@ -80,7 +88,7 @@ class Pool:
                     conn = _Conn(*await asyncio.open_connection(self.host, self.port))
                 async with asyncio.timeout(within):
                     conn.writer.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
-                    timed, reusable = await _read(conn.reader, clock, sent)
+                    timed, reusable = await _read(conn.reader, clock, sent, close_after)
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
                 if conn is not None:
                     conn.writer.close()
@@ -107,8 +115,11 @@ def _has_text(event: bytes) -> bool:
     return b'"content":"' in event and b'"content":""' not in event
 
 
-async def _read(reader: asyncio.StreamReader, clock: Callable[[], float], sent: float) -> tuple[Timed, bool]:
-    """The response on `reader`; and whether the connection may carry another request."""
+async def _read(
+    reader: asyncio.StreamReader, clock: Callable[[], float], sent: float, close_after: int | None = None
+) -> tuple[Timed, bool]:
+    """The response on `reader`; and whether the connection may carry another request (not once a stream
+    was left after `close_after` events with text)."""
     raw = await reader.readuntil(b"\r\n\r\n")
     lines = raw.split(b"\r\n")
     status = int(lines[0].split(b" ", 2)[1])
@@ -118,8 +129,9 @@ async def _read(reader: asyncio.StreamReader, clock: Callable[[], float], sent: 
         headers[name.strip().lower()] = value.strip().lower()
     reusable = headers.get(b"connection") != b"close"
     if headers.get(b"transfer-encoding") == b"chunked":
-        first, chunks = await _read_chunked(reader, clock, sent)
-        return Timed(status=status, first=first, total=clock() - sent, chunks=chunks), reusable
+        first, chunks, ended = await _read_chunked(reader, clock, sent, close_after)
+        timed = Timed(status=status, first=first, total=clock() - sent, chunks=chunks, closed=not ended)
+        return timed, reusable and ended
     length = int(headers.get(b"content-length", b"0"))
     body = await reader.readexactly(length)
     error = "" if status == 200 else body[:200].decode(errors="replace")
@@ -127,16 +139,20 @@ async def _read(reader: asyncio.StreamReader, clock: Callable[[], float], sent: 
 
 
 async def _read_chunked(
-    reader: asyncio.StreamReader, clock: Callable[[], float], sent: float
-) -> tuple[float | None, int]:
+    reader: asyncio.StreamReader, clock: Callable[[], float], sent: float, close_after: int | None = None
+) -> tuple[float | None, int, bool]:
+    """The first text event's time, the text events, and whether the body was read to its end (False: left
+    after `close_after` text events)."""
     first: float | None = None
     chunks = 0
     pending = b""
     while True:
+        if close_after is not None and chunks >= close_after:
+            return first, chunks, False
         size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
         if size == 0:
             await reader.readuntil(b"\r\n")  # no trailers are sent: the empty line that ends the body
-            return first, chunks
+            return first, chunks, True
         pending += (await reader.readexactly(size + 2))[:-2]
         *events, pending = pending.split(b"\n\n")
         for event in events:

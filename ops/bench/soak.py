@@ -1,16 +1,19 @@
 """Soak benchmark: the gated gateway under steady load for minutes, with clients leaving mid-stream and its
 engine killed and restarted, then checked for what should be back where it started.
 
-    python -m ops.bench.soak [--minutes 10] [--rate 300] [--guard rules] [--storage sqlite|postgres]
-                             [--cancel-fraction 0.05] [--kills 2] [--max-tokens 32] [--prompt-tokens 32]
+    python -m ops.bench.soak [--minutes 10] [--rate 300] [--engine simulated|embedded]
+                             [--guard rules|trained|...] [--storage sqlite|postgres]
+                             [--cancel-fraction 0.05] [--kills 2] [--max-tokens 32] [--prompt-words 32]
                              [--warmup 0.2] [--server-core C] [--client-core C] [--out DIR]
 
 One gateway (`ops.bench._soak_server`: `lockgate serve` on the zero-delay simulator, the default policy
 `--guard` with its audit trail on `--storage`, memory quotas, the default overload settings) pinned to one
-core, and `lockgate bench`'s open-loop client on the other: Poisson arrivals at `--rate`, every request
-streamed, `--cancel-fraction` of them closed after a few chunks. The engine is killed `--kills` times, evenly
-over the run (SIGUSR1 to the server), and its supervisor starts a new one. The server's RSS is read every
-second. Once the last request has ended, the checks (each printed PASS or FAIL; exit 1 on any FAIL):
+core, and an open-loop client on the other (raw HTTP/1.1 on keep-alive connections, as the overhead bench's:
+httpx's pool scans all its connections for each request and fell behind past a few thousand in flight):
+Poisson arrivals at `--rate`, every request streamed, `--cancel-fraction` of them closed by their client after
+one to three chunks with text. The engine is killed `--kills` times, evenly over the run (SIGUSR1 to the
+server), and its supervisor starts a new one. The server's RSS is read every second. Once the last request
+has ended, the checks (each printed PASS or FAIL; exit 1 on any FAIL):
 
 - **memory**: RSS grew less than 5% from the end of the warm-up (the first `--warmup` of the run) to the end;
 - **engine**: nothing left in flight: the engine's running and waiting requests as the router counts them,
@@ -19,6 +22,9 @@ second. Once the last request has ended, the checks (each printed PASS or FAIL; 
 - **quota**: every reservation settled: reservations = settlements + no-ops, none given up;
 - **dead engines**: every killed engine collected once a full collection ran (SIGUSR2: the server logs how
   many are still referenced).
+
+`--engine embedded` soaks the embedded default instead (vLLM in the process, its engine core killed with
+SIGKILL; give `--guard trained` for its default policy, and its own rate, lengths and timeout).
 
 The rate to soak at is 80% of the gateway's best unsaturated rate (`python -m ops.bench.overhead --guards
 rules`, streams) on the same machine; the report says what was offered and served.
@@ -30,21 +36,24 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
-import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 import msgspec
 
+from gateway.config import DEFAULT_MODEL_NAME
+from gateway.quantile import nearest_rank
+from ops.bench._http import Pool, Timed, request_head
 from ops.bench._servers import Server, drop_schema, start_gateway
 from ops.bench._soak_server import DEAD_LINE
-from ops.bench.load.report import Report, render
-from ops.bench.load.run import run as run_load
-from ops.bench.load.workload import Arrival, Fixed, Tenant, Uniform, Workload
-from ops.bench.overhead import pinned_run
+from ops.bench.load.arrivals import arrival_times
+from ops.bench.load.workload import Arrival
+from ops.bench.overhead import body, pinned_run
 
 # Seconds the gateway has, after the last request ended, to show nothing in flight.
 QUIET_WITHIN_S = 30.0
@@ -67,17 +76,43 @@ class Check(msgspec.Struct, frozen=True, kw_only=True):
     detail: str
 
 
+class LoadSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What the clients sent and got."""
+
+    sent: int
+    offered_per_s: float
+    completed: int  # 200, read to the end
+    closed: int  # 200, left mid-stream by the client on purpose
+    by_status: dict[str, int]  # every answer by status ("0": a transport failure or timeout)
+    first_text_p50_ms: float | None
+    first_text_p99_ms: float | None
+
+    def brief(self) -> str:
+        """One line."""
+        statuses = ", ".join(f"{n} x {status}" for status, n in sorted(self.by_status.items()))
+        first = (
+            f"first text p50 {self.first_text_p50_ms:.1f} ms, p99 {self.first_text_p99_ms:.1f} ms"
+            if self.first_text_p50_ms is not None and self.first_text_p99_ms is not None
+            else "no text"
+        )
+        return (
+            f"{self.sent} streams at {self.offered_per_s:.1f}/s: {self.completed} completed, "
+            f"{self.closed} left by their client; {statuses}; {first}"
+        )
+
+
 class SoakReport(msgspec.Struct, frozen=True, kw_only=True):
     """What one soak run measured."""
 
     seconds: float
     rate: float
+    engine: str
     guard: str
     storage: str
     kills: int
     cancel_fraction: float
     rss_mb: list[tuple[float, float]]  # (seconds into the run, RSS in MB)
-    load: Report
+    load: LoadSummary
     metrics_at_rest: dict[str, float]
     checks: list[Check]
 
@@ -135,6 +170,49 @@ async def _sample_rss(server: Server, origin: float, into: list[tuple[float, flo
         await asyncio.sleep(1.0)
 
 
+async def offer(server: Server, args: argparse.Namespace, seconds: float) -> LoadSummary:
+    """Poisson arrivals at `args.rate` for `seconds`, every request streamed, `args.cancel_fraction` of them
+    left after one to three chunks with text; once every answer is in."""
+    rng = random.Random(7)
+    pool = Pool("127.0.0.1", server.port, limit=4096)
+    head = request_head("/v1/chat/completions", f"127.0.0.1:{server.port}", server.api_key)
+    clock = time.perf_counter
+    tally: Counter[str] = Counter()
+    firsts: list[float] = []
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(index: int) -> None:
+        payload = body(index, "stream", DEFAULT_MODEL_NAME, args.prompt_words, args.max_tokens, index)
+        leave = rng.randint(1, 3) if rng.random() < args.cancel_fraction else None
+        timed: Timed = await pool.post(head, payload, clock, within=args.timeout, close_after=leave)
+        tally[str(timed.status)] += 1
+        if timed.status == 200:
+            tally["closed" if timed.closed else "completed"] += 1
+        if timed.first is not None:
+            firsts.append(timed.first)
+
+    times = arrival_times(Arrival(rate=args.rate), rng, duration=seconds)
+    origin = clock()
+    for index, at in enumerate(times):
+        delay = origin + at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(index))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+    await asyncio.gather(*pending)
+    await pool.close()
+    return LoadSummary(
+        sent=len(times),
+        offered_per_s=len(times) / seconds,
+        completed=tally.pop("completed", 0),
+        closed=tally.pop("closed", 0),
+        by_status=dict(tally),
+        first_text_p50_ms=1000 * nearest_rank(firsts, 0.5) if firsts else None,
+        first_text_p99_ms=1000 * nearest_rank(firsts, 0.99) if firsts else None,
+    )
+
+
 async def _kill_engine(server: Server, at: float) -> None:
     await asyncio.sleep(at)
     server.proc.send_signal(signal.SIGUSR1)
@@ -178,23 +256,16 @@ async def soak(args: argparse.Namespace, workdir: Path) -> SoakReport:
     seconds = 60 * args.minutes
     server = await start_gateway(
         "memory",
-        {args.server_core},
+        # vLLM's engine core (a child process) takes every core the gateway may use, as `make serve` would.
+        set(args.cores) if args.engine == "embedded" else {args.server_core},
         workdir,
         args.guard,
         storage=args.storage,
+        # The embedded default: vLLM in the process (its core in a child process), the model prepared.
+        env={"LOCKGATE_ENGINE__KIND": "vllm_local"} if args.engine == "embedded" else None,
         command=["-m", "ops.bench._soak_server"],
     )
     try:
-        workload = Workload(
-            arrival=Arrival(rate=args.rate),
-            duration=seconds,
-            prompt_tokens=Fixed(value=args.prompt_tokens),
-            output_tokens=Fixed(value=args.max_tokens),
-            cancel_fraction=args.cancel_fraction,
-            cancel_after=Uniform(low=1, high=3),
-            tenants=(Tenant(name="soak", api_key=server.api_key),),
-            timeout=60.0,
-        )
         rss: list[tuple[float, float]] = []
         origin = time.monotonic()
         sampler = asyncio.create_task(_sample_rss(server, origin, rss))
@@ -203,7 +274,7 @@ async def soak(args: argparse.Namespace, workdir: Path) -> SoakReport:
             for k in range(args.kills)
         ]
         try:
-            load = await run_load(workload, f"http://127.0.0.1:{server.port}", progress_to=sys.stderr)
+            load = await offer(server, args, seconds)
         finally:
             for task in (sampler, *killers):
                 task.cancel()
@@ -219,6 +290,7 @@ async def soak(args: argparse.Namespace, workdir: Path) -> SoakReport:
     return SoakReport(
         seconds=seconds,
         rate=args.rate,
+        engine=args.engine,
         guard=args.guard,
         storage=args.storage,
         kills=args.kills,
@@ -237,20 +309,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=300.0, help="requests per second (300)")
-    parser.add_argument("--guard", choices=("none", "rules", "embedding"), default="rules")
+    parser.add_argument(
+        "--engine",
+        choices=("simulated", "embedded"),
+        default="simulated",
+        help="the zero-delay simulator, or the embedded default's vLLM (`lockgate models prepare` first)",
+    )
+    parser.add_argument("--guard", choices=("none", "rules", "embedding", "trained"), default="rules")
     parser.add_argument("--storage", choices=("sqlite", "postgres"), default="sqlite")
     parser.add_argument("--cancel-fraction", type=float, default=0.05)
     parser.add_argument("--kills", type=int, default=2, help="engine kills, evenly over the run (2)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--prompt-words", type=int, default=32, help="prompt length, ~tokens (32)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress (60)")
     parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before RSS counts")
     cores = sorted(os.sched_getaffinity(0))
     parser.add_argument("--server-core", type=int, default=cores[0])
     parser.add_argument("--client-core", type=int, default=cores[-1])
     parser.add_argument("--out", type=Path, default=None, help="write soak.json here")
     args = parser.parse_args(argv)
+    args.cores = cores
     report = pinned_run(lambda tmp: soak(args, tmp), args.client_core, "lockgate-soak-", set(cores))
-    print(render(report.load))
+    print(report.load.brief())
     for check in report.checks:
         print(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
     if args.out is not None:
