@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from engines.base import Engine, EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health
+from engines.memory import release_freed_memory
 
 log = logging.getLogger("lockgate.engine")
 
@@ -63,8 +64,12 @@ class SupervisedEngine:
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        release: Callable[[], None] = release_freed_memory,
     ) -> None:
+        """`release`: run (in a thread) once a dead engine is shut down, before the next one starts, so that
+        what the dead one held goes back to the OS (`engines.memory`)."""
         self._factory = factory
+        self._release = release
         self._policy = policy or RestartPolicy()
         self._sleep = sleep
         self._clock = clock
@@ -215,6 +220,7 @@ class SupervisedEngine:
         self._set_state("restarting")
         log.error("engine %s died (%s); restarting it", self.replica_id, self.last_error)
         await self._dispose(self._engine)
+        await asyncio.to_thread(self._release)
         delay = self._policy.backoff
         for attempt in range(1, self._policy.max_restarts + 1):
             await self._sleep(delay)

@@ -3,9 +3,9 @@ signal hooks the benchmark uses.
 
     SIGUSR1  kill the active engine as its process dying would: the simulator's `kill()`, or SIGKILL to an
              in-process vLLM engine's core processes. The engine's supervisor notices and restarts it.
-    SIGUSR2  log how many of the engines killed so far are still referenced after a full collection
-             (`soak: dead engines still referenced: N of M`): a dead engine must not be kept alive by what
-             built or served it.
+    SIGUSR2  log how many of the engines killed so far (for vLLM: the engine and its `AsyncLLM`, two
+             objects) are still referenced after a full collection (`soak: dead engines still referenced: N
+             of M`): a dead engine must not be kept alive by what built or served it.
 
 Both run on the event loop (`call_soon_threadsafe` from the handler), never inside the handler itself.
 """
@@ -48,6 +48,7 @@ class _Hooks:
         engine = supervised.engine
         self._dead.append(weakref.ref(engine))
         if hasattr(engine, "engine_core_pids"):  # vLLM in this process: its engine core dies
+            self._dead.append(weakref.ref(engine.llm))  # its AsyncLLM must go too, not the wrapper alone
             for pid in engine.engine_core_pids():
                 os.kill(pid, signal.SIGKILL)
         else:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engines.base import EngineDeadError, EngineRequest, SamplingSpec
+from engines.memory import release_freed_memory
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.supervisor import RestartPolicy, State, SupervisedEngine
 
@@ -226,3 +227,39 @@ async def test_scoring_passes_through_and_a_death_while_scoring_starts_a_restart
     sleep.open()
     await wait_state(engine, "ready")
     assert await engine.score_next_token([1, 2, 3], [5, 9]) == direct
+
+
+async def test_a_dead_engine_is_shut_down_and_its_memory_released_before_the_next_starts() -> None:
+    """Once per restart, after the dead engine's shutdown and before the next one is built: what it held is
+    collected and the freed heap handed back (`engines.memory`, whose real function runs here too)."""
+    events: list[str] = []
+    built: list[SimulatedEngine] = []
+
+    class Logged(SimulatedEngine):
+        async def shutdown(self) -> None:
+            events.append("shutdown")
+            await super().shutdown()
+
+    def factory() -> SimulatedEngine:
+        events.append("built")
+        built.append(Logged(FAST, model_name="m"))
+        return built[-1]
+
+    def release() -> None:
+        events.append("release")
+        release_freed_memory()  # must not fail wherever the suite runs
+
+    gate = GatedSleep()
+    engine = SupervisedEngine(factory, RestartPolicy(health_interval=0.01), sleep=gate, release=release)
+    await engine.start()
+    try:
+        built[0].kill()  # seen by the health check (no stream in flight to fail)
+        async with asyncio.timeout(10):
+            await gate.waiting.wait()
+        assert events == ["built", "shutdown", "release"]
+        gate.open()
+        await wait_state(engine, "ready")
+        assert events == ["built", "shutdown", "release", "built"]
+    finally:
+        gate.open()
+        await engine.shutdown()
