@@ -27,7 +27,7 @@ BREAKER_STATES = ("closed", "open", "half_open")
 QUOTA_COUNTERS = {
     "reserved": (
         "quota_reservations",
-        "Reservations the quota store took: each ends settled once (quota_settlements, quota_settle_noops) or "
+        "Reservations the quota store took: each ends settled (quota_settlements, quota_settle_noops) or "
         "given up (quota_settle_failures).",
     ),
     "settled": ("quota_settlements", "Reservations settled with the usage their request had."),
