@@ -11,16 +11,13 @@ collection, `malloc_trim(0)` returns the free parts of the heap (glibc only; els
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 
 
 def release_freed_memory() -> None:
     """Collect unreachable objects, then return the heap's free memory to the OS where glibc allows."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    # The process's own symbols (libc's among them): no library search, which would spawn `ldconfig`.
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
