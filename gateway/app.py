@@ -32,6 +32,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
 from gateway.generation.tracking import OutcomeSink, discard_outcome
 from gateway.guard_factory import GuardFactory
+from gateway.idempotency import open_idempotency
 from gateway.observe.collectors import ServiceCollector
 from gateway.observe.metrics import tenant_labels
 from gateway.observe.multiproc import CollectorMirror, repeat
@@ -451,6 +452,9 @@ def create_app(
             owned.push_async_callback(console_sessions.aclose)
             # The console's own state (`gateway.console.plumbing.sessions_of`), beside the services.
             app.state.console_sessions = console_sessions
+            idempotency = open_idempotency(config, clock)
+            if idempotency is not None:
+                owned.push_async_callback(idempotency.store.aclose)
             days = config.audit.content_retention_days
             retention = run_retention(
                 audit_store, store, clock, days, config.audit.purge_interval, spool=writer
@@ -475,6 +479,7 @@ def create_app(
                 guard_backlogs=factory.backlogs,
                 overload=overload,
                 leases=buckets if isinstance(buckets, LeasedQuotaStore) else None,
+                idempotency=idempotency.counts if idempotency is not None else None,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`
@@ -528,6 +533,7 @@ def create_app(
                     if config.guard.publish_check
                     else None
                 ),
+                idempotency=idempotency,
             )
             if freeze_start_up:
                 gc.collect()

@@ -459,6 +459,30 @@ class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     kv_cache_bytes: int = 0
 
 
+class IdempotencyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`Idempotency-Key` on chat and legacy completions: a retried request gets the answer stored the first
+    time, with no second engine call and no second charge (`gateway.idempotency`)."""
+
+    # Off: the header is ignored (every request runs).
+    enabled: bool = True
+    # `memory`: in this process. `redis`: shared by every gateway process, required for `lockgate serve
+    # --workers N` with N > 1 (a retry may reach another worker).
+    backend: Literal["memory", "redis"] = "memory"
+    # Redis URL for the `redis` backend; "" = the quota store's `quota.redis_url`.
+    redis_url: str = ""
+    # Seconds an answer is kept for retries of its key.
+    window: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
+    # Seconds a key stays claimed by a request still running; past it (a gateway process that died
+    # mid-request) a retry runs afresh. Longer than any request may take.
+    pending_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Most keys the `memory` backend keeps; past it the oldest answers are forgotten first.
+    max_entries: Annotated[int, msgspec.Meta(gt=0)] = 10_000
+    # Largest answer (body bytes) kept; a larger one is served but not kept, so its retry runs again.
+    max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1_048_576
+    # Seconds one Redis operation may take; past it the request gets 503 `idempotency_unavailable`.
+    op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
@@ -476,6 +500,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
     appeals: AppealsConfig = msgspec.field(default_factory=AppealsConfig)
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
+    idempotency: IdempotencyConfig = msgspec.field(default_factory=IdempotencyConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -547,6 +572,8 @@ def check_workers(config: Config) -> None:
         problems.append("`storage.backend` must be postgres (SQLite takes one writer process)")
     if config.console.session_store != "redis":
         problems.append("`console.session_store` must be redis (a reviewer signs in on one worker)")
+    if config.idempotency.enabled and config.idempotency.backend != "redis":
+        problems.append("`idempotency.backend` must be redis (a retry may reach another worker)")
     local = [f"[[engines]] #{i + 1}" for i, spec in enumerate(config.engines) if spec.kind == "vllm_local"]
     if not config.engines and config.engine.kind == "vllm_local":
         local.append("the embedded engine (`engine.kind` vllm_local)")
@@ -633,6 +660,12 @@ def _check(config: Config) -> None:
         raise ConfigError(
             "`console.redis_url` must be set when `console.session_store` is redis and the quota store is a "
             "Redis Cluster (console sessions use one Redis server)"
+        )
+    idempotency = config.idempotency
+    if idempotency.backend == "redis" and not idempotency.redis_url and config.quota.redis_cluster:
+        raise ConfigError(
+            "`idempotency.redis_url` must be set when `idempotency.backend` is redis and the quota store is "
+            "a Redis Cluster (the idempotency store's scripts use one Redis server)"
         )
     if 0 < len(config.audit.mac_key) < MIN_MAC_KEY_CHARS:
         raise ConfigError(f"`audit.mac_key` must be at least {MIN_MAC_KEY_CHARS} characters (or empty)")

@@ -12,6 +12,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import OutcomeSink
 from gateway.guard_factory import GuardFactory
+from gateway.idempotency.replay import Idempotency
 from gateway.observe.observer import RequestObserver
 from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
@@ -61,6 +62,7 @@ class Services:
         renderers: RendererCache | None = None,
         observer: RequestObserver,
         publish_check: PublishCheck | None = None,
+        idempotency: Idempotency | None = None,
     ) -> None:
         self.config = config
         # The app's metrics registry and request log (each request's timeline ends there).
@@ -93,6 +95,8 @@ class Services:
         self.registry = registry
         # Measures policy and guard model versions before the admin API publishes them (None: off).
         self.publish_check = publish_check
+        # Answers kept by `Idempotency-Key` on the generation routes (None: `[idempotency] enabled` false).
+        self.idempotency = idempotency
         # Keys canary picks and tenants' cache salts (`gateway.secret`): nothing a client chooses does.
         self.secret = secret
         self.gate = gate

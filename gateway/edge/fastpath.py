@@ -31,6 +31,7 @@ from gateway.edge.decoding import Decoder, read_limited
 from gateway.edge.security import allow, principal_of
 from gateway.generation.flow import close_client_watch
 from gateway.generation.pipeline import run_chat, run_completion
+from gateway.idempotency.replay import entry_name, fingerprint, key_of
 from gateway.inbound import AsgiInbound, Inbound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.services import Services
@@ -55,9 +56,17 @@ async def generate(
     (`gateway.api.completions`) run."""
     allow(principal, "consumer")
     body = await read_limited(inbound, max_body)
-    if kind == "chat":
-        return await run_chat(services.generation, _CHAT.decode(body), inbound, principal)
-    return await run_completion(services.generation, _COMPLETION.decode(body), inbound, principal)
+    key = key_of(inbound.headers) if services.idempotency is not None else None
+
+    async def run() -> Response[Any]:
+        if kind == "chat":
+            return await run_chat(services.generation, _CHAT.decode(body), inbound, principal)
+        return await run_completion(services.generation, _COMPLETION.decode(body), inbound, principal)
+
+    if key is None or services.idempotency is None:
+        return await run()
+    name = entry_name(principal.tenant.tenant_id, principal.key.key_id, kind, key)
+    return await services.idempotency.run(name, fingerprint(body), run)
 
 
 def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from gateway.idempotency.replay import OUTCOMES as IDEMPOTENCY_OUTCOMES
 from gateway.observe.metrics import PREFIX
 from gateway.overload import OverloadGate
 from guard.backlog import Backlog
@@ -75,8 +76,10 @@ class ServiceCollector:
         guard_backlogs: Mapping[str, Backlog] | None = None,
         overload: OverloadGate | None = None,
         leases: LeasedQuotaStore | None = None,
+        idempotency: Counter[str] | None = None,
     ) -> None:
         self._replicas = replicas
+        self._idempotency = idempotency
         self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
@@ -109,6 +112,16 @@ class ServiceCollector:
                 value=self._leases.keys_known,
             )
         yield from self._guards()
+        if self._idempotency is not None:
+            requests = CounterMetricFamily(
+                f"{PREFIX}idempotency_requests",
+                "Requests with an Idempotency-Key, by outcome: ran (kept: its answer stored for retries), "
+                "replayed (answered from the store), in_use / reused (409), unavailable (503).",
+                labels=("outcome",),
+            )
+            for outcome in IDEMPOTENCY_OUTCOMES:
+                requests.add_metric((outcome,), self._idempotency.get(outcome, 0))
+            yield requests
         if self._overload is not None:
             yield from self._door(self._overload)
 
