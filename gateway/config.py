@@ -477,6 +477,8 @@ class IdempotencyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     pending_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     # Most keys the `memory` backend keeps; past it the oldest answers are forgotten first.
     max_entries: Annotated[int, msgspec.Meta(gt=0)] = 10_000
+    # Most bytes of answers the `memory` backend keeps in all; past it the oldest answers are forgotten first.
+    max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 268_435_456
     # Largest answer (body bytes) kept; a larger one is served but not kept, so its retry runs again.
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1_048_576
     # Seconds one Redis operation may take; past it the request gets 503 `idempotency_unavailable`.

@@ -32,5 +32,6 @@ def open_idempotency(config: Config, clock: Clock) -> Idempotency | None:
             window=settings.window,
             pending_timeout=settings.pending_timeout,
             max_entries=settings.max_entries,
+            max_bytes=settings.max_bytes,
         )
     return Idempotency(store, max_answer_bytes=settings.max_answer_bytes)

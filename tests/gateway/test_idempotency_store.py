@@ -70,7 +70,9 @@ class RedisSpace:
 async def opener(request: pytest.FixtureRequest) -> AsyncIterator[Opener]:
     """Opens stores of one backend that share their entries (one process's, or one Redis prefix's)."""
     if request.param == "memory":
-        store = MemoryIdempotencyStore(FakeClock(), window=WINDOW, pending_timeout=PENDING, max_entries=100)
+        store = MemoryIdempotencyStore(
+            FakeClock(), window=WINDOW, pending_timeout=PENDING, max_entries=100, max_bytes=1 << 20
+        )
         yield lambda: store
         return
     space = RedisSpace()
@@ -132,7 +134,9 @@ async def test_concurrent_claims_of_one_key_give_one_fresh_claim(opener: Opener)
 
 async def test_the_memory_store_lapses_claims_and_answers_on_its_clock() -> None:
     clock = FakeClock()
-    store = MemoryIdempotencyStore(clock, window=WINDOW, pending_timeout=PENDING, max_entries=10)
+    store = MemoryIdempotencyStore(
+        clock, window=WINDOW, pending_timeout=PENDING, max_entries=10, max_bytes=1 << 20
+    )
     claim = await store.claim("e1", "fp-a")
     assert isinstance(claim, Fresh)
     clock.advance(PENDING - 1)
@@ -150,7 +154,9 @@ async def test_the_memory_store_lapses_claims_and_answers_on_its_clock() -> None
 
 
 async def test_the_memory_store_forgets_its_oldest_answers_first_at_its_bound() -> None:
-    store = MemoryIdempotencyStore(FakeClock(), window=WINDOW, pending_timeout=PENDING, max_entries=3)
+    store = MemoryIdempotencyStore(
+        FakeClock(), window=WINDOW, pending_timeout=PENDING, max_entries=3, max_bytes=1 << 20
+    )
     running = await store.claim("running", "fp")
     assert isinstance(running, Fresh)
     for name in ("old", "new"):
@@ -162,6 +168,26 @@ async def test_the_memory_store_forgets_its_oldest_answers_first_at_its_bound() 
     assert await store.claim("running", "fp") == InFlight()  # a running claim outlives older answers
     assert await store.claim("new", "fp") == Replay(ANSWER)
     assert isinstance(await store.claim("old", "fp"), Fresh)  # forgotten: it runs again
+
+
+async def test_the_memory_store_bounds_the_bytes_it_keeps() -> None:
+    size = len(ANSWER.body)
+    store = MemoryIdempotencyStore(
+        FakeClock(), window=WINDOW, pending_timeout=PENDING, max_entries=100, max_bytes=2 * size
+    )
+    for name in ("a", "b", "c"):
+        claim = await store.claim(name, "fp")
+        assert isinstance(claim, Fresh)
+        await store.complete(name, claim.token, ANSWER)
+        assert store.bytes <= 2 * size
+    assert isinstance(await store.claim("a", "fp"), Fresh)  # the oldest was forgotten for the third
+    assert await store.claim("c", "fp") == Replay(ANSWER)
+    big = msgspec.structs.replace(ANSWER, body=b"x" * (2 * size + 1))
+    claim = await store.claim("big", "fp")
+    assert isinstance(claim, Fresh)
+    await store.complete("big", claim.token, big)  # larger than the whole store: never kept
+    assert isinstance(await store.claim("big", "fp"), Fresh)
+    assert store.bytes <= 2 * size
 
 
 async def test_redis_entries_expire_on_the_server_after_their_timeouts() -> None:
