@@ -13,7 +13,6 @@ bounded by `op_timeout`; a Redis error or timeout is IdempotencyStoreUnavailable
 
 from __future__ import annotations
 
-import asyncio
 import math
 import secrets
 from collections.abc import Awaitable
@@ -22,8 +21,6 @@ from typing import Any, TypeVar
 import msgspec
 import redis.asyncio
 import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from gateway.idempotency.base import (
     Claim,
@@ -34,6 +31,7 @@ from gateway.idempotency.base import (
     Replay,
     StoredAnswer,
 )
+from gateway.redis_client import bounded_client, round_trip
 
 T = TypeVar("T")
 PREFIX = "lockgate:idempotency:"
@@ -96,25 +94,18 @@ class RedisIdempotencyStore:
         cls, url: str, *, window: float, pending_timeout: float, op_timeout: float = 0.5, prefix: str = PREFIX
     ) -> RedisIdempotencyStore:
         """A store with a client of its own on the Redis at `url` (connects on first use)."""
-        client = redis.asyncio.Redis.from_url(
-            url,
-            socket_timeout=op_timeout,
-            socket_connect_timeout=op_timeout,
-            # After a Redis restart every pooled connection is dead: reconnect and resend once. Resending is
-            # safe: a claim that did land answers the resend as held by someone (the request gets 409 and its
-            # SDK retries; the claim lapses after pending_timeout), never as two Fresh claims.
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-        )
+        # Resent once after a Redis restart (`bounded_client`): a claim that did land answers the resend as
+        # held by someone (the request gets 409 and its SDK retries; the claim lapses after pending_timeout),
+        # never as two Fresh claims; complete and release check the token.
+        client = bounded_client(url, op_timeout)
         return cls(
             client, window=window, pending_timeout=pending_timeout, op_timeout=op_timeout, prefix=prefix
         )
 
     async def _call(self, step: Awaitable[T]) -> T:
-        try:
-            async with asyncio.timeout(self._op_timeout):
-                return await step
-        except (redis.exceptions.RedisError, TimeoutError) as exc:
-            raise IdempotencyStoreUnavailableError(f"the idempotency store is unavailable: {exc!r}") from exc
+        return await round_trip(
+            step, self._op_timeout, IdempotencyStoreUnavailableError, "the idempotency store"
+        )
 
     async def claim(self, name: str, fingerprint: str) -> Claim:
         """See `IdempotencyStore.claim`."""

@@ -26,7 +26,6 @@ Every round trip is bounded by `op_timeout`; a Redis error or timeout is Session
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import secrets
@@ -40,10 +39,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from gateway.console.sessions.base import Session, SessionStoreUnavailableError, new_session
+from gateway.redis_client import bounded_client, round_trip
 from policy.clock import Clock
 
 T = TypeVar("T")
@@ -140,23 +138,15 @@ class RedisSessionStore:
         prefix: str = PREFIX,
     ) -> RedisSessionStore:
         """A store with a client of its own on the Redis at `url` (connects on first use)."""
-        client = redis.asyncio.Redis.from_url(
-            url,
-            socket_timeout=op_timeout,
-            socket_connect_timeout=op_timeout,
-            # After Redis restarts every pooled connection is dead: reconnect and resend once (every command
-            # here is idempotent) rather than report an outage.
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-        )
+        # Every command here is idempotent: resent once after a Redis restart (`bounded_client`).
+        client = bounded_client(url, op_timeout)
         return cls(client, clock, ttl=ttl, per_key=per_key, op_timeout=op_timeout, prefix=prefix)
 
     async def _call(self, step: Awaitable[T]) -> T:
         """One round trip, bounded by `op_timeout`; Redis failures become SessionStoreUnavailableError."""
-        try:
-            async with asyncio.timeout(self._op_timeout):
-                return await step
-        except (redis.exceptions.RedisError, TimeoutError) as exc:
-            raise SessionStoreUnavailableError(f"the console session store is unavailable: {exc!r}") from exc
+        return await round_trip(
+            step, self._op_timeout, SessionStoreUnavailableError, "the console session store"
+        )
 
     async def open(self, authorization: str, owner: str) -> tuple[str, Session]:
         """A new session for `owner`'s key, ending its oldest beyond `per_key` (see `SessionStore.open`)."""
