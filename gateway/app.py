@@ -39,6 +39,7 @@ from gateway.observe.multiproc import CollectorMirror, repeat
 from gateway.observe.observer import RequestObserver
 from gateway.overload import LoopLagMonitor, OverloadGate
 from gateway.publish_check import PublishCheck
+from gateway.result_cache import open_result_cache
 from gateway.secret import load_secret
 from gateway.services import Services
 from guard.default_guard import judge_spec
@@ -455,6 +456,9 @@ def create_app(
             idempotency = open_idempotency(config, clock)
             if idempotency is not None:
                 owned.push_async_callback(idempotency.store.aclose)
+            result_cache = open_result_cache(config, clock)
+            if result_cache is not None:
+                owned.push_async_callback(result_cache.store.aclose)
             days = config.audit.content_retention_days
             retention = run_retention(
                 audit_store, store, clock, days, config.audit.purge_interval, spool=writer
@@ -480,6 +484,7 @@ def create_app(
                 overload=overload,
                 leases=buckets if isinstance(buckets, LeasedQuotaStore) else None,
                 idempotency=idempotency.counts if idempotency is not None else None,
+                result_cache=result_cache,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`
@@ -534,6 +539,7 @@ def create_app(
                     else None
                 ),
                 idempotency=idempotency,
+                result_cache=result_cache,
             )
             if freeze_start_up:
                 gc.collect()

@@ -485,6 +485,28 @@ class IdempotencyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
 
 
+class ResultCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Answers to deterministic requests kept and served again (`gateway.result_cache`): off unless asked."""
+
+    # Off: every request is generated.
+    enabled: bool = False
+    # `memory`: in this process. `redis`: shared by every gateway process.
+    backend: Literal["memory", "redis"] = "memory"
+    # Redis URL for the `redis` backend; "" = the quota store's `quota.redis_url`.
+    redis_url: str = ""
+    # Seconds an answer is kept.
+    ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Most bytes of answers the `memory` backend keeps in all; past it the least recently used go first.
+    max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 268_435_456
+    # Largest answer (stored bytes) kept; a larger one is served but not kept.
+    max_entry_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1_048_576
+    # What a hit charges to the token buckets, as a share of its prompt tokens (its completion tokens are
+    # free: nothing was generated); the output guard's checks of the replayed answer are charged as usual.
+    hit_prompt_price: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    # Seconds one Redis operation may take; past it the lookup counts as a miss (the request is generated).
+    op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.1
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
@@ -503,6 +525,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     appeals: AppealsConfig = msgspec.field(default_factory=AppealsConfig)
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     idempotency: IdempotencyConfig = msgspec.field(default_factory=IdempotencyConfig)
+    result_cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -576,6 +599,8 @@ def check_workers(config: Config) -> None:
         problems.append("`console.session_store` must be redis (a reviewer signs in on one worker)")
     if config.idempotency.enabled and config.idempotency.backend != "redis":
         problems.append("`idempotency.backend` must be redis (a retry may reach another worker)")
+    if config.result_cache.enabled and config.result_cache.backend != "redis":
+        problems.append("`result_cache.backend` must be redis (each worker would keep a cache of its own)")
     local = [f"[[engines]] #{i + 1}" for i, spec in enumerate(config.engines) if spec.kind == "vllm_local"]
     if not config.engines and config.engine.kind == "vllm_local":
         local.append("the embedded engine (`engine.kind` vllm_local)")

@@ -16,6 +16,7 @@ from gateway.idempotency.replay import Idempotency
 from gateway.observe.observer import RequestObserver
 from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
+from gateway.result_cache.cache import ResultCache
 from gateway.secret import ServerSecret
 from policy.appeals.base import AppealStore
 from policy.audit.base import AuditStore
@@ -63,6 +64,7 @@ class Services:
         observer: RequestObserver,
         publish_check: PublishCheck | None = None,
         idempotency: Idempotency | None = None,
+        result_cache: ResultCache | None = None,
     ) -> None:
         self.config = config
         # The app's metrics registry and request log (each request's timeline ends there).
@@ -120,6 +122,7 @@ class Services:
             sink=sink,
             tasks=tasks,
             traced=observer.tracer is not None,
+            result_cache=result_cache,
         )
         # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
         self.readiness = ReadinessCheck(self.generation, config.server.readiness_cache)

@@ -12,6 +12,7 @@ from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache
 from gateway.generation.tracking import OutcomeSink
+from gateway.result_cache.cache import ResultCache
 from gateway.secret import ServerSecret
 from policy.audit.refusals import RefusalTally
 from policy.clock import Clock
@@ -42,6 +43,7 @@ class Generation:
         sink: OutcomeSink,
         tasks: TaskSet,
         traced: bool,
+        result_cache: ResultCache | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -66,3 +68,5 @@ class Generation:
         self.tasks = tasks
         # Whether requests are traced: engine requests then carry the request's traceparent.
         self.traced = traced
+        # Answers to deterministic requests kept and served again (None: `[result_cache] enabled` false).
+        self.result_cache = result_cache

@@ -1,7 +1,7 @@
 """One generation request from top to bottom: read this module first.
 
     decode -> resolve -> render (plan) -> reserve quota -> compile schema -> input guard
-           -> admit (fair queue, replica) -> generate -> output guard -> respond
+           -> result cache hit? -> admit (fair queue, replica) -> generate -> output guard -> respond
 
 Before the reservation a request costs only work linear in it (`bounds`: field and schema size limits)
 and its rendering and tokenization (bounded by the body limit); a JSON schema is compiled after it.
@@ -15,6 +15,7 @@ The route handlers decode the body and call `run_chat` / `run_completion` with t
     settlement  from the reservation on: refund, or the tracker's outcome and settlement (one path)
     planning    compile the JSON schema (`constraints`), once paid for
     guarding    input guard; the output guard (`policy.safety.output`, beside the gate)
+    caching     whether the result cache may answer (deterministic requests), under which key
     admission   priority class, queue deadline, fair queue, replica, failover
     answer      engine output through the output guard to a JSON answer or SSE stream (`flow`, `responses`)
 
@@ -25,6 +26,7 @@ read.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from litestar import Response
@@ -40,8 +42,9 @@ from gateway.generation.admission import (
     sources,
 )
 from gateway.generation.answer import answer
+from gateway.generation.caching import CACHE_HEADER, cache_use
 from gateway.generation.context import Generation
-from gateway.generation.flow import ClientDisconnectedError, client_watch
+from gateway.generation.flow import ClientDisconnectedError, Source, client_watch
 from gateway.generation.guarding import check_alternatives, check_input, guard_api_error, output_guard
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, compile_pending, plan_chat, plan_completion
@@ -53,6 +56,7 @@ from gateway.inbound import Inbound
 from gateway.observe.timeline import RequestTimeline, timeline_in
 from gateway.observe.trace import traceparent_of
 from gateway.requestid import request_id_of
+from gateway.result_cache.cache import replayed
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.auth import Principal
 from policy.safety.gate import RecordContext
@@ -140,18 +144,32 @@ async def _run(
             # The client may leave while the request waits (admission, the engine, the first delta, the
             # stream).
             watch = client_watch(request.scope, request.receive)
-            settlement.queued()
-            session = session_of(request, plan.user, principal)
-            lease = await admit(gen, plan, req, principal, klass, asked, session, watch, timeline)
-            headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
-            tracker = settlement.admitted(lease, req)
+            tenant = principal.tenant.tenant_id
+            use = cache_use(gen, plan, req, policy.ref, tenant, request.headers.get("cache-control"))
+            cached = await use.cache.get(use.key) if use is not None and use.lookup == "use" else None
+            source: Source
+            if use is not None and cached is not None:
+                # A kept answer: no engine; the output guard checks it as if generated (and says so).
+                headers[CACHE_HEADER] = "hit"
+                tracker = settlement.cached(req, use.cache.hit_prompt_price)
+                context = replace(context, answered_from="cache")
+                source = replayed(cached)
+            else:
+                settlement.queued()
+                session = session_of(request, plan.user, principal)
+                lease = await admit(gen, plan, req, principal, klass, asked, session, watch, timeline)
+                headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
+                tracker = settlement.admitted(lease, req)
+                source = sources(gen.scheduler, lease, req)
+                if use is not None and isinstance(source, AsyncGenerator):  # one choice: deterministic()
+                    headers[CACHE_HEADER] = "miss"
+                    source = use.cache.recorded(source, use.key, gen.tasks.spawn)
             output = output_guard(gen, policy, context, tracker, timeline, salt)
             prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"
             formatter = Formatter(
                 plan, prefix + plan.request_id, plan.model_name, int(time.time()), renderer.tokenizer
             )
             labels = [decision.label if decision else "input=off"]
-            source = sources(gen.scheduler, lease, req)
             return await answer(
                 gen, source, tracker, output, watch, formatter, headers, labels, timeline, stream=plan.stream
             )

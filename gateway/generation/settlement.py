@@ -27,13 +27,18 @@ from routing.scheduler import Lease
 
 
 def settle_on_outcome(
-    gen: Generation, charge: Charge, release: Callable[[], None] | None = None
+    gen: Generation,
+    charge: Charge,
+    release: Callable[[], None] | None = None,
+    *,
+    prompt_price: float = 1.0,
+    completion_price: float = 1.0,
 ) -> OutcomeSink:
     """The sink for one request: free its engine capacity (`release`), report the outcome, then settle its
-    quota with the usage it had; in the event loop's next pass, so that what the request still has to send
-    (a whole answer's body, a stream's last events) leaves first: the client does not wait for the
-    bookkeeping. Nothing else can run before it: a request that arrives meanwhile is read in a later pass,
-    after it."""
+    quota with the usage it had (its prompt and completion tokens times their prices: 1, or a result cache
+    hit's); in the event loop's next pass, so that what the request still has to send (a whole answer's body,
+    a stream's last events) leaves first: the client does not wait for the bookkeeping. Nothing else can run
+    before it: a request that arrives meanwhile is read in a later pass, after it."""
 
     price = gen.config.quota.guard_token_price
 
@@ -45,7 +50,11 @@ def settle_on_outcome(
         # The output guard's tokens are the tenant's line too: a long answer costs guard work. Charged past
         # the reservation if need be (it covers prompt and max_tokens only): the bucket may go into debt,
         # which later requests wait out, rather than the work going unbilled.
-        used = usage.prompt_tokens + usage.completion_tokens + math.ceil(usage.guard_tokens * price)
+        used = (
+            math.ceil(usage.prompt_tokens * prompt_price)
+            + math.ceil(usage.completion_tokens * completion_price)
+            + math.ceil(usage.guard_tokens * price)
+        )
         # The meter's own task, not the request TaskSet: shutdown cancels those, and drains these.
         gen.meter.settle_later(charge, used)
 
@@ -83,18 +92,30 @@ class Settlement:
     def admitted(self, lease: Lease, req: EngineRequest) -> RequestTracker:
         """The request holds `lease` for `req`: its tracker settles it from now on (the lease's release
         included)."""
+        sink = settle_on_outcome(self._gen, self._charge, lease.release)
+        return self._tracked(req, sink, lease.observe)
+
+    def cached(self, req: EngineRequest, prompt_price: float) -> RequestTracker:
+        """The request is answered from the result cache: its tracker settles it from now on, charging
+        `prompt_price` of its prompt tokens and none of its (not generated) completion tokens."""
+        sink = settle_on_outcome(self._gen, self._charge, prompt_price=prompt_price, completion_price=0.0)
+        return self._tracked(req, sink, None)
+
+    def _tracked(
+        self, req: EngineRequest, sink: OutcomeSink, on_output: Callable[[int], None] | None
+    ) -> RequestTracker:
         plan = self._plan
         self.tracker = RequestTracker(
             plan.request_id,
             plan.model.ref,
             len(req.prompt_token_ids),
             plan.stream,
-            settle_on_outcome(self._gen, self._charge, lease.release),
+            sink,
             tokenizer=plan.model.tokenizer.ref,
             chat_template=plan.model.chat_template.ref,
             choices=plan.choices,
             metadata=plan.metadata,
-            on_output=lease.observe,
+            on_output=on_output,
             timeline=self._timeline,
         )
         return self.tracker

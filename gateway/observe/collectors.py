@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from gateway.idempotency.replay import OUTCOMES as IDEMPOTENCY_OUTCOMES
 from gateway.observe.metrics import PREFIX
 from gateway.overload import OverloadGate
+from gateway.result_cache.cache import ResultCache
 from guard.backlog import Backlog
 from policy.quota.lease import LeasedQuotaStore
 from routing.admission_types import CLASSES, Klass
@@ -77,8 +78,10 @@ class ServiceCollector:
         overload: OverloadGate | None = None,
         leases: LeasedQuotaStore | None = None,
         idempotency: Counter[str] | None = None,
+        result_cache: ResultCache | None = None,
     ) -> None:
         self._replicas = replicas
+        self._result_cache = result_cache
         self._idempotency = idempotency
         self._overload = overload
         self._queue_depth = queue_depth
@@ -122,8 +125,38 @@ class ServiceCollector:
             for outcome in IDEMPOTENCY_OUTCOMES:
                 requests.add_metric((outcome,), self._idempotency.get(outcome, 0))
             yield requests
+        if self._result_cache is not None:
+            yield from self._cache(self._result_cache)
         if self._overload is not None:
             yield from self._door(self._overload)
+
+    def _cache(self, cache: ResultCache) -> Iterable[Metric]:
+        counts = cache.counts
+        lookups = CounterMetricFamily(
+            f"{PREFIX}result_cache_lookups",
+            "Result cache lookups of deterministic requests: hit (answered without an engine), miss, error "
+            "(the store failed: generated).",
+            labels=("result",),
+        )
+        for result in ("hit", "miss", "error"):
+            lookups.add_metric((result,), counts.get(result, 0))
+        yield lookups
+        yield CounterMetricFamily(
+            f"{PREFIX}result_cache_saved_tokens",
+            "Prompt and completion tokens of the answers served from the result cache (no engine computed "
+            "them).",
+            value=counts.get("saved_tokens", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}result_cache_kept",
+            "Generated answers kept in the result cache.",
+            value=counts.get("kept", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}result_cache_lookup_seconds",
+            "Seconds spent on result cache lookups (over lookups_total: the mean cost of one).",
+            value=cache.lookup_seconds,
+        )
 
     def _engines(self) -> Iterable[Metric]:
         labels = ("replica", "pool")

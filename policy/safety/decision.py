@@ -25,6 +25,7 @@ Action = Literal["allow", "block", "refuse"]
 # What a check was for: a generation request's input or output, or a `POST /v1/moderations` input (checked and
 # answered, never generated from).
 Purpose = Literal["request", "moderation"]
+AnsweredFrom = Literal["engine", "cache"]
 Source = Literal["none", "rules", "model", "band", "fail_open", "fail_closed"]
 
 
@@ -106,6 +107,8 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     checks: int = 1
     guard_tokens: int = 0
     purpose: Purpose = "request"
+    # Output: the answer checked was generated (`engine`) or served again from the result cache (`cache`).
+    answered_from: AnsweredFrom = "engine"
 
 
 RecordSink = Callable[[GuardRecord], None]

@@ -27,6 +27,7 @@ from guard.cascade import Cascade, Stage
 from guard.rules import RulesClassifier
 from policy.audit.writer import AuditBackpressureError
 from policy.safety.decision import (
+    AnsweredFrom,
     DurableSink,
     GuardDecision,
     GuardRecord,
@@ -90,6 +91,8 @@ class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     # A moderation check's record says so (`policy.safety.records.audit_draft`).
     purpose: Purpose = "request"
+    # Where the answer the output guard checks came from: the engine, or the result cache (its record says).
+    answered_from: AnsweredFrom = "engine"
     # The tenant's `retain_prompts`: the checked text goes in the record only when both this and the
     # policy (retention `full`) allow it. Off unless the caller says so: nothing is kept by default.
     retain_prompts: bool = False
@@ -183,6 +186,7 @@ class SafetyGate:
             at=self._clock(),
             severity=severities.get(decision.category),
             purpose=context.purpose,
+            answered_from=context.answered_from,
         )
         for run in result.runs:
             if run.failure is not None:

@@ -71,8 +71,10 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
 
 
 def _detail(record: GuardRecord) -> str:
-    """One record stands for all of a response's output checks: how many, and what they scored. A
+    """One record stands for all of a response's output checks: how many, and what they scored (and
+    `answer=cache` when the answer was served from the result cache, not generated). A
     moderation's input check says it was one (`purpose=moderation`): a reviewer tells it from a request's."""
     if record.direction == "output":
-        return f"checks={record.checks} guard_tokens={record.guard_tokens}"
+        detail = f"checks={record.checks} guard_tokens={record.guard_tokens}"
+        return f"{detail} answer=cache" if record.answered_from == "cache" else detail
     return "purpose=moderation" if record.purpose == "moderation" else ""
