@@ -9,9 +9,9 @@ engine call and no charge.
 - Concurrency: while the first request runs, the same request again is 409 `idempotency_key_in_use` with
   `Retry-After` (the openai SDKs retry a 409, and then find the answer).
 - What is kept: a 200 answer, whole or streamed, once it is all sent (an event stream's bytes as they went
-  out, so a retry replays the same events, a `content_filter` end included). Anything else (an error, a
-  stream its client left, an answer over `max_answer_bytes`) releases the key: a retry runs afresh and is
-  charged as any request.
+  out, so a retry replays the same events; only a stream that completed, with `[DONE]`). Anything else (an
+  error, a stream that ended with an error event or that its client left, an answer over
+  `max_answer_bytes`) releases the key: a retry runs afresh and is charged as any request.
 - A store that cannot answer refuses the request (503 `idempotency_unavailable`): running it could charge
   the caller twice, which is what the key is for.
 """
@@ -46,6 +46,8 @@ REPLAYED_HEADER = "idempotent-replayed"
 MAX_KEY_CHARS = 255
 log = logging.getLogger("lockgate.idempotency")
 _JSON = msgspec.json.Encoder().encode
+# How a stream that completed ends (one ended by an error event has no [DONE]).
+STREAM_END = b"data: [DONE]"
 
 
 class IdempotencyConflictError(APIError):
@@ -167,7 +169,10 @@ class Idempotency:
         except BaseException:
             await self._release(name, token)
             raise
-        await self._keep(name, token, response, b"".join(sent) if size <= self._max_answer_bytes else None)
+        body = b"".join(sent) if size <= self._max_answer_bytes else None
+        if body is not None and not body.rstrip().endswith(STREAM_END):
+            body = None  # it ended with an error event (an engine failure, a guard block): a retry runs
+        await self._keep(name, token, response, body)
 
     async def _keep(self, name: str, token: str, response: Response[Any], body: bytes | None) -> None:
         if body is None or len(body) > self._max_answer_bytes:

@@ -15,7 +15,7 @@ import openai
 import pytest
 from litestar import Litestar
 
-from engines.base import EngineDelta, EngineRequest
+from engines.base import EngineDelta, EngineRequest, EngineRequestError
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
@@ -47,6 +47,8 @@ class Gateway:
     gate: asyncio.Event
     # Set at the first engine call.
     called: asyncio.Event
+    # Set: engine streams fail after HELD_AFTER deltas.
+    failing: asyncio.Event
     # Set: streams go on; cleared: each waits after HELD_AFTER deltas (past the output guard's first check,
     # which releases the first text).
     flowing: asyncio.Event
@@ -63,7 +65,7 @@ async def gateway(
     sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> AsyncIterator[Gateway]:
     calls: list[EngineRequest] = []
-    gate, called, flowing = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    gate, called, flowing, failing = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
     gate.set()
     flowing.set()
     generate = sim_engine.generate
@@ -76,6 +78,8 @@ async def gateway(
             yield delta
             if i >= HELD_AFTER:
                 await flowing.wait()
+                if failing.is_set():
+                    raise EngineRequestError("the engine failed mid-stream (test)")
 
     sim_engine.generate = counted  # type: ignore[method-assign]
     app = create_app(
@@ -85,7 +89,7 @@ async def gateway(
         serving(app) as url,
         httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=30) as http,
     ):
-        yield Gateway(app, url, http, calls, gate, called, flowing)
+        yield Gateway(app, url, http, calls, gate, called, failing, flowing)
 
 
 async def test_a_retry_gets_the_stored_answer_without_a_second_engine_call_or_charge(
@@ -240,3 +244,17 @@ async def test_a_malformed_key_is_refused_naming_the_header(gateway: Gateway, ke
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "Idempotency-Key"
     assert not gateway.calls
+
+
+async def test_a_stream_that_ended_with_an_error_event_is_not_kept(gateway: Gateway) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 2 * HELD_AFTER}
+    gateway.failing.set()
+    failed = await gateway.post("broken", body)
+    assert failed.status_code == 200  # the status line had gone out before the engine failed
+    assert '"error"' in failed.text
+    assert "[DONE]" not in failed.text
+    gateway.failing.clear()
+    again = await gateway.post("broken", body)
+    assert REPLAYED_HEADER not in again.headers
+    assert again.text.rstrip().endswith("data: [DONE]")
+    assert len(gateway.calls) == 2
