@@ -40,12 +40,6 @@ class NgramSettings(msgspec.Struct, frozen=True, kw_only=True):
     epochs: int = 120
     lr: float = 0.05
     l2: float = 1e-6  # times the sum of squared weights (1e-5 blocked fewer test items: 23% against 27%)
-    # Each kind of item (request, look-alike, everyday prompt; reply, refusal, harmful output) weighs the same
-    # in the loss as a whole, however many items it has: the train split holds three harmful requests for
-    # each everyday prompt, and fitted on items alike the head scored everyday prompts high enough that the
-    # input block threshold (bound by their 99th percentile) blocked 37% of harmful calibration prompts, 41.5%
-    # balanced.
-    balance_kinds: bool = True
     lookalike_quantile: float = 0.95  # block_above keeps this share of benign look-alikes under it
     # Input block_above keeps this share of everyday prompts under it too: look-alikes alone would let the
     # threshold fall where everyday prompts score (~12% of them above the look-alikes' 95% quantile).
@@ -244,22 +238,10 @@ def describe(figures: Figures) -> str:
     )
 
 
-def kind_weights(kinds: Sequence[str]) -> NDArray[np.float32]:
-    """A weight per item such that each kind's items weigh the same in all, the weights averaging 1."""
-    names, inverse, counts = np.unique(np.asarray(kinds), return_inverse=True, return_counts=True)
-    weights = (len(kinds) / (len(names) * counts))[inverse]
-    return (weights / weights.mean()).astype(np.float32)
-
-
 def fit(
-    rows: Sequence[NDArray[np.int64]],
-    labels: Sequence[int],
-    settings: NgramSettings,
-    say: Say,
-    weights: NDArray[np.float32] | None = None,
+    rows: Sequence[NDArray[np.int64]], labels: Sequence[int], settings: NgramSettings, say: Say
 ) -> tuple[NDArray[np.float32], float, tuple[float, ...]]:
-    """Weights, bias and the losses at each progress line of a logistic model over feature-id rows, each
-    row's loss times its `weights` entry (1 for all without)."""
+    """Weights, bias and the losses at each progress line of a logistic model over feature-id rows."""
     torch.manual_seed(0)
     flat = torch.from_numpy(np.concatenate(rows))
     offsets = torch.from_numpy(np.cumsum([0] + [len(r) for r in rows[:-1]]).astype(np.int64))
@@ -267,7 +249,6 @@ def fit(
         np.concatenate([np.full(len(r), 1.0 / np.sqrt(len(r)), dtype=np.float32) for r in rows])
     )
     target = torch.tensor(labels, dtype=torch.float32)
-    row_weights = None if weights is None else torch.from_numpy(weights)
     bag = torch.nn.EmbeddingBag(DIM, 1, mode="sum")
     torch.nn.init.zeros_(bag.weight)
     bias = torch.zeros(1, requires_grad=True)
@@ -276,7 +257,7 @@ def fit(
     for epoch in range(1, settings.epochs + 1):
         optimizer.zero_grad()
         logits = bag(flat, offsets, per_sample_weights=per_feature).squeeze(1) + bias
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, weight=row_weights)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
         objective: Any = loss + settings.l2 * bag.weight.pow(2).sum()
         objective.backward()
         optimizer.step()
@@ -310,9 +291,7 @@ def train_ngram(
         f"{len(calibration)} calibration and {len(test)} test items held out"
     )
     rows = [features(normalize(i.text)) for i in train]
-    labels = [1 if i.label == "unsafe" else 0 for i in train]
-    balance = kind_weights([i.kind for i in train]) if settings.balance_kinds else None
-    weights, bias, losses = fit(rows, labels, settings, say, balance)
+    weights, bias, losses = fit(rows, [1 if i.label == "unsafe" else 0 for i in train], settings, say)
     head = NgramHead(weights, bias, training_data_sha256=sha256, created=time.time())
     # Scored as in service (window by window, the worst deciding).
     calibration_scores = [max(head.score_text(i.text)) for i in calibration]

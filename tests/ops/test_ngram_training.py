@@ -19,8 +19,6 @@ from ops.guard_training.ngram import (
     choose_thresholds,
     directed_figures,
     figures,
-    fit,
-    kind_weights,
     train_ngram,
 )
 from tests.ops.tiny_guard_data import write_tiny_guard_data
@@ -234,25 +232,3 @@ def test_train_ngram_keeps_the_splits_apart(tmp_path: Path) -> None:
     assert any("block_above" in line for line in lines)
     with pytest.raises(TrainError, match="exists"):
         train_ngram(data, tmp_path / "ngram", say=lines.append)
-
-
-def test_kind_weights_give_each_kind_the_same_total_weight() -> None:
-    kinds = ["request"] * 6 + ["everyday"] * 2 + ["lookalike"] * 1
-    weights = kind_weights(kinds)
-    assert weights.mean() == pytest.approx(1.0)
-    totals = {k: float(weights[[i for i, x in enumerate(kinds) if x == k]].sum()) for k in set(kinds)}
-    assert totals["request"] == pytest.approx(totals["everyday"]) == pytest.approx(totals["lookalike"])
-    assert weights[0] < weights[6] < weights[8]  # the rarer the kind, the more each item weighs
-
-
-def test_weighted_rows_pull_the_fit_their_way() -> None:
-    # One feature seen in three unsafe rows and one safe row: unweighted, it leans unsafe; with the safe row
-    # weighing as much as the three, it does not.
-    rows = [np.array([7], dtype=np.int64)] * 4
-    labels = [1, 1, 1, 0]
-    settings = NgramSettings(epochs=60)
-    plain, _, _ = fit(rows, labels, settings, say=lambda _: None)
-    even = np.array([1 / 3, 1 / 3, 1 / 3, 1.0], dtype=np.float32)
-    weighted, bias, _ = fit(rows, labels, settings, say=lambda _: None, weights=even / even.mean())
-    assert plain[7] > 0.5
-    assert abs(weighted[7] + bias) < 0.05  # balanced: P(unsafe) of the row ~ 0.5
