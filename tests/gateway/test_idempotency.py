@@ -6,11 +6,13 @@ the answer."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from litestar import Litestar
@@ -18,6 +20,7 @@ from litestar import Litestar
 from engines.base import EngineDelta, EngineRequest, EngineRequestError
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
+from gateway.config import IdempotencyConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.idempotency.base import Claim, InFlight
 from gateway.idempotency.replay import REPLAYED_HEADER
@@ -258,3 +261,28 @@ async def test_a_stream_that_ended_with_an_error_event_is_not_kept(gateway: Gate
     assert REPLAYED_HEADER not in again.headers
     assert again.text.rstrip().endswith("data: [DONE]")
     assert len(gateway.calls) == 2
+
+
+async def test_a_retry_reaching_another_gateway_process_gets_the_answer_from_redis(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    # Two gateway apps on one Redis, as `lockgate serve --workers 2` (each its own process there).
+    shared = IdempotencyConfig(backend="redis", window=120.0)
+    config = msgspec.structs.replace(make_config(), idempotency=shared)
+    apps = [
+        create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+        for _ in range(2)
+    ]
+    key = f"redis-{uuid.uuid4().hex}"
+    async with serving(apps[0]) as first_url, serving(apps[1]) as second_url:
+        answers = []
+        for url in (first_url, second_url):
+            async with httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=30) as http:
+                answers.append(
+                    await http.post("/v1/chat/completions", json=CHAT, headers={"idempotency-key": key})
+                )
+    first, second = answers
+    assert first.status_code == second.status_code == 200
+    assert second.headers[REPLAYED_HEADER] == "true"
+    assert second.content == first.content
+    assert len(outcomes.items) == 1  # one engine call, one settlement, across both processes

@@ -320,3 +320,25 @@ async def test_fresh_samples_other_tenants_and_no_store_are_never_answered_from_
     stranger = await gateway.chat(CHAT, authorization=f"Bearer {other}")
     assert stranger.headers[CACHE_HEADER] == "miss"
     assert len(gateway.calls) == 6
+
+
+async def test_a_redis_cache_answers_for_every_gateway_process(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    shared = ResultCacheConfig(enabled=True, backend="redis", ttl=120.0, op_timeout=5.0)
+    config = msgspec.structs.replace(make_config(), result_cache=shared)
+    apps = [
+        create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+        for _ in range(2)
+    ]
+    # A prompt of its own: an earlier run's entry (kept for the TTL) must not answer it.
+    body = {**CHAT, "messages": [{"role": "user", "content": f"Hi {uuid.uuid4().hex}"}]}
+    async with serving(apps[0]) as first_url, serving(apps[1]) as second_url:
+        answers = []
+        for app, url in zip(apps, (first_url, second_url), strict=True):
+            async with httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=30) as http:
+                answers.append(await http.post("/v1/chat/completions", json=body))
+            await app.state.services.tasks.wait_all()  # the answer is kept by a task of its own
+    first, second = answers
+    assert (first.headers[CACHE_HEADER], second.headers[CACHE_HEADER]) == ("miss", "hit")
+    assert first.json()["choices"] == second.json()["choices"]
