@@ -31,6 +31,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
     Components,
     Example,
+    OpenAPIHeader,
     OpenAPIMediaType,
     OpenAPIResponse,
     OpenAPIType,
@@ -46,6 +47,16 @@ from litestar.types import ControllerRouterHandler
 
 from gateway.api.docs import DocsPagePlugin
 from gateway.errors import ErrorBody, ErrorResponse
+from gateway.generation.admission import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    QUEUE_WAIT_HEADER,
+    SESSION_HEADER,
+)
+from gateway.generation.caching import CACHE_HEADER
+from gateway.generation.guarding import GUARD_HEADER
+from gateway.generation.pipeline import MODEL_HEADER
+from gateway.idempotency.replay import REPLAYED_HEADER
 
 SCHEME: Final = "bearer"
 BEARER: Final[Sequence[SecurityRequirement]] = ({SCHEME: []},)
@@ -200,13 +211,49 @@ _SSE_DESCRIPTION: Final = (
 )
 
 
+_TEXT: Final = Schema(type=OpenAPIType.STRING)
+# The request headers the generation routes read (README "Idempotent retries", "Result cache", "Engine fleet
+# and fair admission").
+GENERATION_HEADERS: Final = (
+    (
+        "Idempotency-Key",
+        "1 to 255 printable ASCII characters: a retry with the same key and body gets the "
+        "first answer back (`idempotent-replayed: true`), with no second engine call or charge.",
+    ),
+    (
+        "Cache-Control",
+        "`no-cache`: generate afresh (the result cache keeps the new answer); `no-store`: "
+        "neither look up nor keep.",
+    ),
+    (PRIORITY_HEADER, "`interactive` or `batch`: the admission class, never above the tenant's."),
+    (DEADLINE_HEADER, "Seconds the request may wait in the admission queue; it only lowers the class's default."),
+    (SESSION_HEADER, "Keeps a conversation on one engine replica (its prefix cache); default: `user`."),
+)
+# The headers of a 200 answer.
+GENERATION_ANSWER_HEADERS: Final = (
+    (MODEL_HEADER, "The exact model version (name@version) that served the answer."),
+    (GUARD_HEADER, "What decided the input and output guard checks (`input=rules`, `input=model`, ...)."),
+    (QUEUE_WAIT_HEADER, "Seconds the request waited for admission."),
+    (CACHE_HEADER, "`hit` or `miss`, on a request the result cache may answer."),
+    (REPLAYED_HEADER, "`true` on an answer replayed for an `Idempotency-Key` retry."),
+)
+
+
 @dataclass
 class StreamingOperation(Operation):
-    """An operation whose 200 answer is JSON, or server-sent events when the request has `stream: true`."""
+    """An operation whose 200 answer is JSON, or server-sent events when the request has `stream: true`; the
+    generation routes' request and answer headers documented."""
 
     sse_example: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        self.parameters = [
+            *(self.parameters or []),
+            *(
+                Parameter(name=name, param_in="header", schema=_TEXT, description=text, required=False)
+                for name, text in GENERATION_HEADERS
+            ),
+        ]
         ok = (self.responses or {}).get("200")
         if isinstance(ok, OpenAPIResponse):
             ok.content = {
@@ -215,6 +262,13 @@ class StreamingOperation(Operation):
                     schema=Schema(type=OpenAPIType.STRING, description=_SSE_DESCRIPTION),
                     example=self.sse_example,
                 ),
+            }
+            ok.headers = {
+                **(ok.headers or {}),
+                **{
+                    name: OpenAPIHeader(schema=_TEXT, description=text)
+                    for name, text in GENERATION_ANSWER_HEADERS
+                },
             }
 
 

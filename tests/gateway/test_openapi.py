@@ -305,6 +305,14 @@ async def test_generation_answers_match_the_document(gateway: Gateway) -> None:
     gw.contract.schema("POST", chat, 200, media_type)
     assert streamed.text.rstrip().endswith("data: [DONE]")
     await gw.call("acme", "GET", "/v1/models", status=200)
+    # The headers these routes read and answer with are documented, as the answers carry them.
+    for path in (chat, "/v1/completions"):
+        operation = gw.contract.document["paths"][path]["post"]
+        read = {p["name"] for p in operation["parameters"] if p["in"] == "header"}
+        assert {"Idempotency-Key", "Cache-Control", "x-lockgate-priority", "x-session-id"} <= read
+        answered = set(operation["responses"]["200"]["headers"])
+        assert {"x-lockgate-model", "x-lockgate-guard", "idempotent-replayed"} <= answered
+    assert {"x-lockgate-model", "x-lockgate-guard", "x-lockgate-queue-wait"} <= set(whole.headers)
 
     # One error of each class, each in the declared shape.
     invalid = await gw.chat("acme", "hi", status=400, max_tokens="many")
