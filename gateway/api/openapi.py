@@ -226,7 +226,10 @@ GENERATION_HEADERS: Final = (
         "neither look up nor keep.",
     ),
     (PRIORITY_HEADER, "`interactive` or `batch`: the admission class, never above the tenant's."),
-    (DEADLINE_HEADER, "Seconds the request may wait in the admission queue; it only lowers the class's default."),
+    (
+        DEADLINE_HEADER,
+        "Seconds the request may wait in the admission queue; it only lowers the class's default.",
+    ),
     (SESSION_HEADER, "Keeps a conversation on one engine replica (its prefix cache); default: `user`."),
 )
 # The headers of a 200 answer.

@@ -31,7 +31,7 @@ from gateway.edge.decoding import Decoder, read_limited
 from gateway.edge.security import allow, principal_of
 from gateway.generation.flow import close_client_watch
 from gateway.generation.pipeline import run_chat, run_completion
-from gateway.idempotency.replay import entry_name, fingerprint, key_of
+from gateway.idempotency.replay import abandon, entry_name, fingerprint, key_of
 from gateway.inbound import AsgiInbound, Inbound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.services import Services
@@ -66,7 +66,8 @@ async def generate(
     if key is None or services.idempotency is None:
         return await run()
     name = entry_name(principal.tenant.tenant_id, principal.key.key_id, kind, key)
-    return await services.idempotency.run(name, fingerprint(body), run)
+    state = inbound.scope.setdefault("state", {})
+    return await services.idempotency.run(name, fingerprint(body), run, state)
 
 
 def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
@@ -101,7 +102,9 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
             await send_response(response, scope, receive, send)
         finally:
             # The response has been sent (or never will be): the request's client is watched no more (the
-            # generation routes' Litestar handlers watch it too, `ClientWatch`).
+            # generation routes' Litestar handlers watch it too, `ClientWatch`), and a streamed answer's
+            # `Idempotency-Key` claim that no stream settled is released.
             close_client_watch(scope)
+            await abandon(scope.get("state", {}))
 
     return asgi

@@ -46,6 +46,8 @@ REPLAYED_HEADER = "idempotent-replayed"
 MAX_KEY_CHARS = 255
 log = logging.getLogger("lockgate.idempotency")
 _JSON = msgspec.json.Encoder().encode
+# Where a streamed answer's claim waits in the request's scope state until the stream is over.
+_HELD = "lockgate_idempotency_claim"
 # How a stream that completed ends (one ended by an error event has no [DONE]).
 STREAM_END = b"data: [DONE]"
 
@@ -99,10 +101,15 @@ class Idempotency:
         self.counts: Counter[str] = Counter()
 
     async def run(
-        self, name: str, print_: str, request: Callable[[], Awaitable[Response[Any]]]
+        self,
+        name: str,
+        print_: str,
+        request: Callable[[], Awaitable[Response[Any]]],
+        state: dict[str, Any],
     ) -> Response[Any]:
         """The stored answer for entry `name` with fingerprint `print_`, or `request()`'s response, kept for
-        retries (see the module docstring)."""
+        retries (see the module docstring). `state`: the request's scope state, where a streamed answer's
+        claim waits until the stream is over (`abandon` releases it if the stream was never sent)."""
         try:
             claim = await self.store.claim(name, print_)
         except IdempotencyStoreUnavailableError as exc:
@@ -149,13 +156,15 @@ class Idempotency:
             await self._keep(name, claim.token, response, response.content)
             return response
         if isinstance(response.content, AsyncIterator):
-            response.content = self._recorded(name, claim.token, response, response.content)
+            claim_held = _Held(self, name, claim.token)
+            state[_HELD] = claim_held
+            response.content = self._recorded(claim_held, response, response.content)
             return response
         await self._release(name, claim.token)  # nothing this module knows how to keep
         return response
 
     async def _recorded(
-        self, name: str, token: str, response: Response[Any], events: AsyncIterator[bytes]
+        self, held: _Held, response: Response[Any], events: AsyncIterator[bytes]
     ) -> AsyncIterator[bytes]:
         """`events` as sent, kept once they have all gone out; released if the stream ends otherwise."""
         sent: list[bytes] = []
@@ -167,12 +176,12 @@ class Idempotency:
                     size += len(chunk)
                 yield chunk
         except BaseException:
-            await self._release(name, token)
+            await held.settle(None)
             raise
         body = b"".join(sent) if size <= self._max_answer_bytes else None
         if body is not None and not body.rstrip().endswith(STREAM_END):
             body = None  # it ended with an error event (an engine failure, a guard block): a retry runs
-        await self._keep(name, token, response, body)
+        await held.settle(response, body)
 
     async def _keep(self, name: str, token: str, response: Response[Any], body: bytes | None) -> None:
         if body is None or len(body) > self._max_answer_bytes:
@@ -196,6 +205,36 @@ class Idempotency:
             await self.store.release(name, token)
         except IdempotencyStoreUnavailableError as exc:
             log.warning("idempotency store unavailable, claim left to lapse: %s", exc)
+
+
+class _Held:
+    """A streamed answer's claim, settled once: kept or released."""
+
+    __slots__ = ("_idempotency", "_name", "_token", "settled")
+
+    def __init__(self, idempotency: Idempotency, name: str, token: str) -> None:
+        self._idempotency = idempotency
+        self._name = name
+        self._token = token
+        self.settled = False
+
+    async def settle(self, response: Response[Any] | None, body: bytes | None = None) -> None:
+        """Keep `body` as `response`'s answer (None: release the claim), unless settled already."""
+        if self.settled:
+            return
+        self.settled = True
+        if response is None:
+            await self._idempotency._release(self._name, self._token)
+        else:
+            await self._idempotency._keep(self._name, self._token, response, body)
+
+
+async def abandon(state: dict[str, Any]) -> None:
+    """The request is over: release its streamed answer's claim if the stream never ran to an end (a client
+    gone before the first byte was sent never starts the stream, so nothing else would)."""
+    held = state.pop(_HELD, None)
+    if isinstance(held, _Held):
+        await held.settle(None)
 
 
 def replayed(answer: StoredAnswer) -> Response[bytes]:

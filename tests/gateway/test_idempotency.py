@@ -15,16 +15,18 @@ import httpx
 import msgspec
 import openai
 import pytest
-from litestar import Litestar
+from litestar import Litestar, Response
 
 from engines.base import EngineDelta, EngineRequest, EngineRequestError
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import IdempotencyConfig
 from gateway.generation.prompts import PromptRenderer
-from gateway.idempotency.base import Claim, InFlight
-from gateway.idempotency.replay import REPLAYED_HEADER
+from gateway.idempotency.base import Claim, Fresh, InFlight, Replay
+from gateway.idempotency.memory import MemoryIdempotencyStore
+from gateway.idempotency.replay import REPLAYED_HEADER, Idempotency, abandon
 from policy.tenants.models import Tenant
+from tests.backends import FakeClock
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "seed": 7}
@@ -286,3 +288,32 @@ async def test_a_retry_reaching_another_gateway_process_gets_the_answer_from_red
     assert second.headers[REPLAYED_HEADER] == "true"
     assert second.content == first.content
     assert len(outcomes.items) == 1  # one engine call, one settlement, across both processes
+
+
+async def _events() -> AsyncGenerator[bytes, None]:
+    yield b'data: {"x": 1}\n\n'
+    yield b"data: [DONE]\n\n"
+
+
+async def test_a_stream_never_sent_releases_its_claim_when_the_request_ends() -> None:
+    store = MemoryIdempotencyStore(
+        FakeClock(), window=60, pending_timeout=3600, max_entries=10, max_bytes=1 << 20
+    )
+    idempotency = Idempotency(store, max_answer_bytes=1 << 20)
+
+    async def streamed() -> Response[Any]:
+        return Response(content=_events(), media_type="text/event-stream")
+
+    state: dict[str, Any] = {}
+    await idempotency.run("never-sent", "fp", streamed, state)  # the client left before the first byte
+    assert await store.claim("never-sent", "fp") == InFlight()
+    await abandon(state)
+    assert isinstance(await store.claim("never-sent", "fp"), Fresh)  # a retry runs, not 409 for an hour
+
+    state = {}
+    response = await idempotency.run("sent", "fp", streamed, state)
+    assert [chunk async for chunk in response.content] == [b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"]
+    await abandon(state)  # settled by the stream: kept, not released
+    replay = await store.claim("sent", "fp")
+    assert isinstance(replay, Replay)
+    assert replay.answer.body == b'data: {"x": 1}\n\ndata: [DONE]\n\n'
