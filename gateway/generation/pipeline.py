@@ -150,7 +150,7 @@ async def _run(
             source: Source
             if use is not None and cached is not None:
                 # A kept answer: no engine; the output guard checks it as if generated (and says so).
-                headers[CACHE_HEADER] = "hit"
+                headers[CACHE_HEADER] = timeline.result_cache = "hit"
                 tracker = settlement.cached(req, use.cache.hit_prompt_price)
                 context = replace(context, answered_from="cache")
                 source = replayed(cached)
@@ -162,7 +162,7 @@ async def _run(
                 tracker = settlement.admitted(lease, req)
                 source = sources(gen.scheduler, lease, req)
                 if use is not None and isinstance(source, AsyncGenerator):  # one choice: deterministic()
-                    headers[CACHE_HEADER] = "miss"
+                    headers[CACHE_HEADER] = timeline.result_cache = "miss"
                     source = use.cache.recorded(source, use.key, gen.tasks.spawn)
             output = output_guard(gen, policy, context, tracker, timeline, salt)
             prefix = "chatcmpl-" if plan.kind == "chat" else "cmpl-"

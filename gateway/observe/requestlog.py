@@ -53,6 +53,7 @@ class RequestLogLine(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     model: str = ""
     policy: str = ""
     priority: str = ""
+    result_cache: str = ""  # hit | miss, on a request the result cache may answer
     stream: bool = False
     status: str = ""  # the tracked outcome: completed, cancelled, stalled, error, shutdown, blocked, refused
     finish_reason: str = ""
@@ -101,6 +102,7 @@ def log_line(t: RequestTimeline) -> RequestLogLine:
         model=t.model,
         policy=t.policy,
         priority=t.klass,
+        result_cache=t.result_cache,
         stream=t.stream,
         status=outcome.status if outcome is not None else "",
         finish_reason=(outcome.finish_reason or "") if outcome is not None else "",

@@ -76,6 +76,7 @@ class RequestTimeline:
         "policy",
         "request_id",
         "response_end",
+        "result_cache",
         "route",
         "span_id",
         "stream",
@@ -108,6 +109,7 @@ class RequestTimeline:
         self.model = ""  # name@version
         self.policy = ""  # name@version
         self.klass = ""  # priority class: interactive | batch ("" before it is known)
+        self.result_cache = ""  # on a request the result cache may answer: hit | miss
         self.stream = False
         self.choices = 1
         self.phases: dict[Phase, tuple[float, float]] = {}

@@ -6,6 +6,8 @@ tenant or a fresh sample."""
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -255,8 +257,9 @@ async def gateway(
 
 
 async def test_a_deterministic_request_asked_again_is_answered_from_the_cache(
-    gateway: Gateway, outcomes: OutcomeLog
+    gateway: Gateway, outcomes: OutcomeLog, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="lockgate.requests")
     first = await gateway.chat(CHAT)
     assert first.status_code == 200
     assert first.headers[CACHE_HEADER] == "miss"
@@ -287,6 +290,9 @@ async def test_a_deterministic_request_asked_again_is_answered_from_the_cache(
     assert output.detail.endswith("answer=cache")
     [generated] = [r for r in await audit.find("acme", first.headers["x-request-id"]) if r.stage == "output"]
     assert "answer=cache" not in generated.detail
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lockgate.requests"]
+    by_id = {line["request_id"]: line.get("result_cache") for line in lines}
+    assert (by_id[first.headers["x-request-id"]], by_id[request_id]) == ("miss", "hit")
     counts = gateway.services.generation.result_cache.counts
     assert (counts["hit"], counts["miss"]) == (1, 1)
     assert counts["saved_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
