@@ -31,7 +31,7 @@ from gateway.edge.decoding import Decoder, read_limited
 from gateway.edge.security import allow, principal_of
 from gateway.generation.flow import close_client_watch
 from gateway.generation.pipeline import run_chat, run_completion
-from gateway.idempotency.replay import abandon, entry_name, fingerprint, key_of
+from gateway.idempotency.replay import entry_name, fingerprint, key_of, unsettled
 from gateway.inbound import AsgiInbound, Inbound
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.services import Services
@@ -105,6 +105,7 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
             # generation routes' Litestar handlers watch it too, `ClientWatch`), and a streamed answer's
             # `Idempotency-Key` claim that no stream settled is released.
             close_client_watch(scope)
-            await abandon(scope.get("state", {}))
+            if (held := unsettled(scope.get("state"))) is not None:
+                await held.settle(None)
 
     return asgi

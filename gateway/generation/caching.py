@@ -10,6 +10,7 @@ import msgspec
 from engines.base import EngineRequest
 from gateway.generation.context import Generation
 from gateway.generation.planning import Plan
+from gateway.inbound import HeaderLookup
 from gateway.result_cache.cache import ResultCache
 from gateway.result_cache.keys import deterministic, lookup_of, result_key
 
@@ -27,14 +28,14 @@ class CacheUse(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def cache_use(
-    gen: Generation, plan: Plan, req: EngineRequest, policy: str, tenant: str, cache_control: str | None
+    gen: Generation, plan: Plan, req: EngineRequest, policy: str, tenant: str, headers: HeaderLookup
 ) -> CacheUse | None:
     """How `req` (the engine request of `plan`, under policy version `policy`) uses the result cache; None
     when it is off, the request asks for a fresh sample, or `Cache-Control: no-store`."""
     cache = gen.result_cache
     if cache is None or not deterministic(req):
         return None
-    lookup = lookup_of(cache_control)
+    lookup = lookup_of(headers.get("cache-control"))
     if lookup == "skip":
         return None
     key = result_key(

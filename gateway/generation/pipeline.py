@@ -145,7 +145,7 @@ async def _run(
             # stream).
             watch = client_watch(request.scope, request.receive)
             tenant = principal.tenant.tenant_id
-            use = cache_use(gen, plan, req, policy.ref, tenant, request.headers.get("cache-control"))
+            use = cache_use(gen, plan, req, policy.ref, tenant, request.headers)
             cached = await use.cache.get(use.key) if use is not None and use.lookup == "use" else None
             source: Source
             if use is not None and cached is not None:

@@ -229,12 +229,12 @@ class _Held:
             await self._idempotency._keep(self._name, self._token, response, body)
 
 
-async def abandon(state: dict[str, Any]) -> None:
-    """The request is over: release its streamed answer's claim if the stream never ran to an end (a client
-    gone before the first byte was sent never starts the stream, so nothing else would)."""
-    held = state.pop(_HELD, None)
-    if isinstance(held, _Held):
-        await held.settle(None)
+def unsettled(state: dict[str, Any] | None) -> _Held | None:
+    """The request is over: its streamed answer's claim if no stream settled it (a client gone before the
+    first byte was sent never starts the stream, so nothing else would); the caller releases it with
+    `settle(None)`. A dict lookup for every other request."""
+    held = state.pop(_HELD, None) if state else None
+    return held if isinstance(held, _Held) and not held.settled else None
 
 
 def replayed(answer: StoredAnswer) -> Response[bytes]:

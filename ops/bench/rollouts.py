@@ -33,11 +33,12 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from gateway.config import DEFAULT_MODEL_NAME
+from gateway.generation.caching import CACHE_HEADER
 from gateway.idempotency.replay import REPLAYED_HEADER
 from ops.bench._servers import Server, start_gateway
 
-CACHE_HEADER = "x-lockgate-cache"  # gateway.generation.caching.CACHE_HEADER (ops imports no pipeline)
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL_NAME
 OBSERVATIONS = (
     "The file lists three functions.",
     "The test suite reports two failures.",

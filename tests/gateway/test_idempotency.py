@@ -24,7 +24,7 @@ from gateway.config import IdempotencyConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.idempotency.base import Claim, Fresh, InFlight, Replay
 from gateway.idempotency.memory import MemoryIdempotencyStore
-from gateway.idempotency.replay import REPLAYED_HEADER, Idempotency, abandon
+from gateway.idempotency.replay import REPLAYED_HEADER, Idempotency, unsettled
 from policy.tenants.models import Tenant
 from tests.backends import FakeClock
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
@@ -307,13 +307,32 @@ async def test_a_stream_never_sent_releases_its_claim_when_the_request_ends() ->
     state: dict[str, Any] = {}
     await idempotency.run("never-sent", "fp", streamed, state)  # the client left before the first byte
     assert await store.claim("never-sent", "fp") == InFlight()
-    await abandon(state)
+    held = unsettled(state)
+    assert held is not None
+    await held.settle(None)
     assert isinstance(await store.claim("never-sent", "fp"), Fresh)  # a retry runs, not 409 for an hour
 
     state = {}
     response = await idempotency.run("sent", "fp", streamed, state)
     assert [chunk async for chunk in response.content] == [b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"]
-    await abandon(state)  # settled by the stream: kept, not released
+    assert unsettled(state) is None  # settled by the stream: kept, not released
     replay = await store.claim("sent", "fp")
     assert isinstance(replay, Replay)
     assert replay.answer.body == b'data: {"x": 1}\n\ndata: [DONE]\n\n'
+
+
+async def test_an_answer_over_the_size_bound_is_served_but_not_kept() -> None:
+    store = MemoryIdempotencyStore(
+        FakeClock(), window=60, pending_timeout=3600, max_entries=10, max_bytes=1 << 20
+    )
+    idempotency = Idempotency(store, max_answer_bytes=100)
+
+    async def whole(size: int) -> Response[Any]:
+        return Response(content=b"x" * size, media_type="application/json")
+
+    big = await idempotency.run("big", "fp", lambda: whole(101), {})
+    assert big.content == b"x" * 101  # served whole ...
+    assert isinstance(await store.claim("big", "fp"), Fresh)  # ... and released: a retry runs
+    await idempotency.run("small", "fp", lambda: whole(100), {})
+    assert isinstance(await store.claim("small", "fp"), Replay)
+    assert store.bytes == 100

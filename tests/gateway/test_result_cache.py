@@ -20,7 +20,7 @@ import redis.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.base import EngineDelta, EngineRequest, OutputConstraint, SamplingSpec
+from engines.base import EngineDelta, EngineRequest, FinishReason, OutputConstraint, SamplingSpec
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.config import Config, ResultCacheConfig
@@ -28,6 +28,7 @@ from gateway.generation.caching import CACHE_HEADER
 from gateway.generation.prompts import PromptRenderer
 from gateway.result_cache import open_result_cache
 from gateway.result_cache.base import ResultStore, ResultStoreUnavailableError
+from gateway.result_cache.cache import ResultCache
 from gateway.result_cache.keys import deterministic, lookup_of, result_key
 from gateway.result_cache.memory import MemoryResultStore
 from gateway.result_cache.redis import RedisResultStore
@@ -348,3 +349,27 @@ async def test_a_redis_cache_answers_for_every_gateway_process(
     first, second = answers
     assert (first.headers[CACHE_HEADER], second.headers[CACHE_HEADER]) == ("miss", "hit")
     assert first.json()["choices"] == second.json()["choices"]
+
+
+async def test_an_answer_over_the_entry_bound_is_not_kept_and_an_unfinished_one_never() -> None:
+    store = MemoryResultStore(FakeClock(), ttl=TTL, max_bytes=1 << 20)
+    cache = ResultCache(store, max_entry_bytes=200, hit_prompt_price=0.1, engine_build="b")
+    spawned: list[Any] = []
+
+    async def engine(text: str, finish: FinishReason | None) -> AsyncGenerator[EngineDelta, None]:
+        yield EngineDelta(token_ids=(1,), text=text, finish_reason=finish)
+
+    runs: tuple[tuple[str, str, FinishReason | None], ...] = (
+        ("big", "x" * 300, "stop"),
+        ("cut", "x", None),
+        ("ok", "x", "length"),
+    )
+    for key, text, finish in runs:
+        async for _ in cache.recorded(engine(text, finish), key, spawned.append):
+            pass
+    for keep in spawned:
+        await keep
+    assert (cache.counts["too_large"], cache.counts["kept"]) == (1, 1)
+    assert await store.get("big") is None
+    assert await store.get("cut") is None  # the engine never finished it
+    assert await cache.get("ok") is not None
