@@ -109,7 +109,7 @@ class Idempotency:
     ) -> Response[Any]:
         """The stored answer for entry `name` with fingerprint `print_`, or `request()`'s response, kept for
         retries (see the module docstring). `state`: the request's scope state, where a streamed answer's
-        claim waits until the stream is over (`abandon` releases it if the stream was never sent)."""
+        claim waits until the stream is over (`unsettled` finds it if the stream was never sent)."""
         try:
             claim = await self.store.claim(name, print_)
         except IdempotencyStoreUnavailableError as exc:
