@@ -42,6 +42,7 @@ from gateway.publish_check import PublishCheck
 from gateway.result_cache import open_result_cache
 from gateway.secret import load_secret
 from gateway.services import Services
+from gateway.sessions import open_sessions
 from guard.default_guard import judge_spec
 from policy.appeals import APPEAL_STORE
 from policy.audit import AUDIT_STORE
@@ -459,6 +460,9 @@ def create_app(
             result_cache = open_result_cache(config, clock)
             if result_cache is not None:
                 owned.push_async_callback(result_cache.store.aclose)
+            sessions = open_sessions(config, clock)
+            if sessions is not None:
+                owned.push_async_callback(sessions.store.aclose)
             days = config.audit.content_retention_days
             retention = run_retention(
                 audit_store, store, clock, days, config.audit.purge_interval, spool=writer
@@ -485,6 +489,7 @@ def create_app(
                 leases=buckets if isinstance(buckets, LeasedQuotaStore) else None,
                 idempotency=idempotency.counts if idempotency is not None else None,
                 result_cache=result_cache,
+                sessions=sessions.counts if sessions is not None else None,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`
@@ -540,6 +545,7 @@ def create_app(
                 ),
                 idempotency=idempotency,
                 result_cache=result_cache,
+                sessions=sessions,
             )
             if freeze_start_up:
                 gc.collect()

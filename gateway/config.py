@@ -507,6 +507,40 @@ class ResultCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.1
 
 
+class SessionsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Server-side sessions bound to the versions they started on (`gateway.sessions`, `/v1/sessions`)."""
+
+    # Off: `/v1/sessions` answers 404 and `x-lockgate-session` is refused.
+    enabled: bool = True
+    # `memory`: in this process. `redis`: shared by every gateway process and replica (a restarted or second
+    # gateway continues a session); required for `lockgate serve --workers N`.
+    backend: Literal["memory", "redis"] = "memory"
+    # Redis URL for the `redis` backend; "" = the quota store's `quota.redis_url`.
+    redis_url: str = ""
+    # Seconds a session lives from its creation (absolute expiry) unless it asks for less; and the most it
+    # may ask for.
+    ttl: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
+    max_ttl: Annotated[float, msgspec.Meta(gt=0)] = 7 * 24 * 3600.0
+    # Seconds without a step after which a session expires (idle expiry); a session may ask for less.
+    idle_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Seconds an ended session (expired, evicted, deleted, retired) still answers 410 with its reason.
+    tombstone: Annotated[float, msgspec.Meta(gt=0)] = 7 * 24 * 3600.0
+    # Per tenant: most live sessions, and most history tokens over its live sessions. Past either, the
+    # tenant's least recently used other sessions end (410 `evicted_capacity`).
+    max_sessions_per_tenant: Annotated[int, msgspec.Meta(gt=0)] = 1000
+    max_history_tokens_per_tenant: Annotated[int, msgspec.Meta(gt=0)] = 10_000_000
+    # Most sessions the `memory` backend keeps (live and ended).
+    max_entries: Annotated[int, msgspec.Meta(gt=0)] = 100_000
+    # Seconds a step stays claimed by a request still running; past it (a gateway that died mid-step) the
+    # step may be sent again. Longer than any request may take.
+    pending_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Largest answer (body bytes) a step keeps for its retries. A larger answer is sent but the step is not
+    # recorded (as a failed step is not): the session stays where it was and the step may be sent again.
+    max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4_194_304
+    # Seconds one Redis operation may take; past it the request gets 503 `session_store_unavailable`.
+    op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole gateway configuration."""
 
@@ -526,6 +560,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     idempotency: IdempotencyConfig = msgspec.field(default_factory=IdempotencyConfig)
     result_cache: ResultCacheConfig = msgspec.field(default_factory=ResultCacheConfig)
+    sessions: SessionsConfig = msgspec.field(default_factory=SessionsConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     overload: OverloadConfig = msgspec.field(default_factory=OverloadConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -601,6 +636,8 @@ def check_workers(config: Config) -> None:
         problems.append("`idempotency.backend` must be redis (a retry may reach another worker)")
     if config.result_cache.enabled and config.result_cache.backend != "redis":
         problems.append("`result_cache.backend` must be redis (each worker would keep a cache of its own)")
+    if config.sessions.enabled and config.sessions.backend != "redis":
+        problems.append("`sessions.backend` must be redis (a session's next step may reach another worker)")
     local = [f"[[engines]] #{i + 1}" for i, spec in enumerate(config.engines) if spec.kind == "vllm_local"]
     if not config.engines and config.engine.kind == "vllm_local":
         local.append("the embedded engine (`engine.kind` vllm_local)")

@@ -18,6 +18,7 @@ from gateway.publish_check import PublishCheck
 from gateway.readiness import ReadinessCheck
 from gateway.result_cache.cache import ResultCache
 from gateway.secret import ServerSecret
+from gateway.sessions.service import Sessions
 from policy.appeals.base import AppealStore
 from policy.audit.base import AuditStore
 from policy.audit.checkpoints import Checkpointer
@@ -65,6 +66,7 @@ class Services:
         publish_check: PublishCheck | None = None,
         idempotency: Idempotency | None = None,
         result_cache: ResultCache | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         self.config = config
         # The app's metrics registry and request log (each request's timeline ends there).
@@ -99,6 +101,8 @@ class Services:
         self.publish_check = publish_check
         # Answers kept by `Idempotency-Key` on the generation routes (None: `[idempotency] enabled` false).
         self.idempotency = idempotency
+        # Server-side sessions (`/v1/sessions`, `x-lockgate-session`; None: `[sessions] enabled` false).
+        self.sessions = sessions
         # Keys canary picks and tenants' cache salts (`gateway.secret`): nothing a client chooses does.
         self.secret = secret
         self.gate = gate

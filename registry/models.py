@@ -183,11 +183,21 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     # `top_logprobs`, completions `logprobs: N`), tokens the guard never reads. Unset means "refuse", and
     # stays out of the canonical JSON so that every policy published before the field keeps its hash.
     top_logprobs: Literal["refuse", "allow"] | msgspec.UnsetType = msgspec.UNSET
+    # Whether a session bound to this policy version whose model version is no longer served may move to the
+    # version its model name resolves to now, where the session declared `on_retire: migrate`
+    # (`gateway.sessions`). Unset means "refuse" (410 `model_version_retired`), kept out of the canonical JSON
+    # as `top_logprobs` is.
+    session_migration: Literal["refuse", "allow"] | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def allows_top_logprobs(self) -> bool:
         """Whether requests under this policy may ask for alternatives to the chosen tokens."""
         return self.top_logprobs == "allow"
+
+    @property
+    def allows_session_migration(self) -> bool:
+        """Whether sessions under this policy may move off a retired model version (when they declared it)."""
+        return self.session_migration == "allow"
 
 
 class PromptSpec(_Input, frozen=True, kw_only=True):

@@ -1,6 +1,7 @@
 """The HTTP API: one module per route group, each exporting its handlers as `ROUTES`.
 
     completions     POST /v1/chat/completions, /v1/completions (answered by the fast path, gateway.edge)
+    sessions        /v1/sessions/...: server-side sessions bound to the versions they started on
     moderations     POST /v1/moderations
     models          GET  /v1/models
     health          GET  /healthz, /readyz
@@ -14,11 +15,23 @@
 document at `/schema/openapi.json`; `docs` renders it as the page at `/schema`.
 """
 
-from gateway.api import admin, appeals, audit, completions, health, metrics, models, moderations, registry
+from gateway.api import (
+    admin,
+    appeals,
+    audit,
+    completions,
+    health,
+    metrics,
+    models,
+    moderations,
+    registry,
+    sessions,
+)
 
 # In this order in the OpenAPI document.
 ROUTES = [
     *completions.ROUTES,
+    *sessions.ROUTES,
     *moderations.ROUTES,
     *models.ROUTES,
     *health.ROUTES,

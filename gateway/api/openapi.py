@@ -66,6 +66,11 @@ SCHEMA_PATH: Final = "/schema"
 
 TAGS: Final = (
     Tag(name="openai", description="The OpenAI-compatible API (role `consumer`)."),
+    Tag(
+        name="sessions",
+        description="Server-side sessions bound to the model, template and policy versions they started on "
+        "(role `consumer`).",
+    ),
     Tag(name="appeals", description="Appeals of gate decisions: filed by consumers, decided by reviewers."),
     Tag(name="audit", description="The audit trail of gate decisions (role `reviewer`)."),
     Tag(name="admin", description="Tenants, quotas and API keys (role `policy_admin`)."),
@@ -113,6 +118,16 @@ _ERRORS: Final[Mapping[int, tuple[str, ErrorBody]]] = MappingProxyType(
         409: (
             "The object exists already, or the step conflicts with its state.",
             ErrorBody(message="tenant acme exists", type="conflict_error", code="already_exists"),
+        ),
+        410: (
+            "The session has ended; `code` says why (expired, evicted_capacity, deleted, "
+            "model_version_retired). Start a new session.",
+            ErrorBody(
+                message="this session has ended (expired); start a new session",
+                type="invalid_request_error",
+                param="session_id",
+                code="expired",
+            ),
         ),
         413: (
             "The body is larger than `server.max_body_bytes`.",

@@ -2,6 +2,7 @@
 
     stack       the app class (`Gateway`): overload gate -> observe middleware -> fast path -> Litestar
     fastpath    the generation routes answered without Litestar's request cycle
+    sessions    a session's step as a chat completion (the sessions route's and the chat route's header)
     adapter     every use of Litestar internals (route lookup, scope keys, exception-handler lookup,
                 response encoding), checked by tests/gateway/test_litestar_contract.py
     handlers    the app's exception handlers: every error in the OpenAI shape, noted on the timeline

@@ -29,12 +29,16 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from gateway.edge.adapter import Route, enter_route, find_route, render_error, send_response
 from gateway.edge.decoding import Decoder, read_limited
 from gateway.edge.security import allow, principal_of
+from gateway.edge.sessions import session_chat, step_of
+from gateway.errors import InvalidRequestError
 from gateway.generation.flow import close_client_watch
 from gateway.generation.pipeline import run_chat, run_completion
-from gateway.idempotency.replay import entry_name, fingerprint, key_of, unsettled
+from gateway.idempotency.replay import entry_name, fingerprint, key_of
 from gateway.inbound import AsgiInbound, Inbound
+from gateway.keeping import unsettled
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.services import Services
+from gateway.sessions.service import SESSION_HEADER
 from policy.auth import Principal
 
 if TYPE_CHECKING:
@@ -57,8 +61,14 @@ async def generate(
     allow(principal, "consumer")
     body = await read_limited(inbound, max_body)
     key = key_of(inbound.headers) if services.idempotency is not None else None
+    session = inbound.headers.get(SESSION_HEADER)
+    if session is not None and kind != "chat":
+        raise InvalidRequestError("sessions hold chat conversations", param=SESSION_HEADER)
 
     async def run() -> Response[Any]:
+        if session is not None:
+            number = step_of(inbound.headers)
+            return await session_chat(services, inbound, principal, session, number, _CHAT.decode(body))
         if kind == "chat":
             return await run_chat(services.generation, _CHAT.decode(body), inbound, principal)
         return await run_completion(services.generation, _COMPLETION.decode(body), inbound, principal)
@@ -105,7 +115,7 @@ def fast_generation(app: Litestar, inner: ASGIApp) -> ASGIApp:
             # generation routes' Litestar handlers watch it too, `ClientWatch`), and a streamed answer's
             # `Idempotency-Key` claim that no stream settled is released.
             close_client_watch(scope)
-            if (held := unsettled(scope.get("state"))) is not None:
+            for held in unsettled(scope.get("state")):
                 await held.settle(None)
 
     return asgi

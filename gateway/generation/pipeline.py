@@ -49,7 +49,7 @@ from gateway.generation.guarding import check_alternatives, check_input, guard_a
 from gateway.generation.metering import charge_headers, reserve
 from gateway.generation.planning import Plan, compile_pending, plan_chat, plan_completion
 from gateway.generation.prompts import PromptRenderer
-from gateway.generation.resolution import policy_for, prompt_for, renderer_for, target
+from gateway.generation.resolution import Binding, policy_for, prompt_for, renderer_for, target
 from gateway.generation.responses import Formatter
 from gateway.generation.settlement import Settlement
 from gateway.inbound import Inbound
@@ -68,13 +68,18 @@ CLIENT_CLOSED = 499
 
 
 async def run_chat(
-    gen: Generation, req: ChatCompletionRequest, request: Inbound, principal: Principal
+    gen: Generation,
+    req: ChatCompletionRequest,
+    request: Inbound,
+    principal: Principal,
+    binding: Binding | None = None,
 ) -> Response[Any]:
-    """A chat completion, from decoded request to response."""
+    """A chat completion, from decoded request to response; a session's step with the versions of its
+    `binding`."""
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, gen.clock)
     start = timeline.now()
-    model, limits = target(gen, req.model, principal)
+    model, limits = target(gen, binding.model if binding else req.model, principal)
     renderer = await renderer_for(gen, model)
     plan = await plan_chat(
         req,
@@ -82,11 +87,11 @@ async def run_chat(
         model,
         renderer,
         limits,
-        instructions=prompt_for(gen, principal),
+        instructions=prompt_for(gen, principal, binding),
         trusted_instructions=principal.key.trusted_instructions,
     )
     timeline.phase("render", start)
-    return await _run(gen, plan, request, principal, renderer, timeline)
+    return await _run(gen, plan, request, principal, renderer, timeline, binding)
 
 
 async def run_completion(
@@ -110,6 +115,7 @@ async def _run(
     principal: Principal,
     renderer: PromptRenderer,
     timeline: RequestTimeline,
+    binding: Binding | None = None,
 ) -> Response[Any]:
     timeline.model = plan.model.ref
     timeline.stream = plan.stream
@@ -119,7 +125,7 @@ async def _run(
     timeline.klass = klass
     asked = queue_deadline(request)
     salt = gen.secret.cache_salt(principal.tenant.tenant_id)
-    policy = policy_for(gen, principal)
+    policy = policy_for(gen, principal, binding)
     timeline.policy = policy.ref
     check_alternatives(gen.gate, plan, policy)
     charge = await reserve(gen, principal, plan, timeline)
@@ -156,7 +162,7 @@ async def _run(
                 source = replayed(cached)
             else:
                 settlement.queued()
-                session = session_of(request, plan.user, principal)
+                session = binding.session if binding else session_of(request, plan.user, principal)
                 lease = await admit(gen, plan, req, principal, klass, asked, session, watch, timeline)
                 headers[QUEUE_WAIT_HEADER] = f"{lease.queue_wait:.3f}"
                 tracker = settlement.admitted(lease, req)

@@ -7,6 +7,8 @@ keyed hash (`ServerSecret`): nothing a client chooses moves it to another versio
 
 from __future__ import annotations
 
+import msgspec
+
 from gateway.errors import EngineUnavailableError, InvalidRequestError, NotFoundError
 from gateway.generation.context import Generation
 from gateway.generation.planning import Limits
@@ -15,6 +17,16 @@ from policy.auth import Principal
 from registry.errors import InvalidError as RegistryInvalidError
 from registry.errors import NotFoundError as RegistryNotFoundError
 from registry.view import ResolvedModel, ResolvedPolicy, ResolvedPrompt
+
+
+class Binding(msgspec.Struct, frozen=True, kw_only=True):
+    """The versions a session fixed at its creation (`gateway.sessions`): its requests resolve these instead
+    of the caller's current bindings, and route by the session (replica affinity)."""
+
+    session: str  # the routing session key (`routing.router.session_key`)
+    model: str  # name@version
+    policy: str  # name@version
+    prompt: str | None  # name@version; None: no system prompt
 
 
 def target(gen: Generation, model_name: str, principal: Principal) -> tuple[ResolvedModel, Limits]:
@@ -66,13 +78,13 @@ async def renderer_for(gen: Generation, model: ResolvedModel) -> PromptRenderer:
         ) from exc
 
 
-def policy_for(gen: Generation, principal: Principal) -> ResolvedPolicy:
-    """The safety policy version the caller's tenant is bound to, from the current registry view: while its
-    alias splits, one version for all of the tenant's requests, whatever their id or API key (a blocked
-    request retried is decided under the same version)."""
+def policy_for(gen: Generation, principal: Principal, binding: Binding | None = None) -> ResolvedPolicy:
+    """The safety policy version the caller's tenant is bound to (or the session's `binding`), from the
+    current registry view: while its alias splits, one version for all of the tenant's requests, whatever
+    their id or API key (a blocked request retried is decided under the same version)."""
     key = gen.secret.policy_key(principal.tenant.tenant_id)
     try:
-        return gen.registry.view.resolve_policy(principal.tenant.policy, key)
+        return gen.registry.view.resolve_policy(binding.policy if binding else principal.tenant.policy, key)
     except (RegistryNotFoundError, RegistryInvalidError) as exc:
         # A binding that does not resolve is an operator error; no request goes unguarded because of it.
         raise EngineUnavailableError(
@@ -81,10 +93,15 @@ def policy_for(gen: Generation, principal: Principal) -> ResolvedPolicy:
         ) from exc
 
 
-def prompt_for(gen: Generation, principal: Principal) -> ResolvedPrompt | None:
-    """The system prompt the caller's key, or else its tenant, is bound to (None: none); while its alias
-    splits, one version per API key, as for models."""
-    binding = principal.key.system_prompt or principal.tenant.system_prompt
+def prompt_for(
+    gen: Generation, principal: Principal, session: Binding | None = None
+) -> ResolvedPrompt | None:
+    """The system prompt the caller's key, or else its tenant, is bound to (or the `session`'s; None: none);
+    while its alias splits, one version per API key, as for models."""
+    if session is not None:
+        binding = session.prompt
+    else:
+        binding = principal.key.system_prompt or principal.tenant.system_prompt
     if binding is None:
         return None
     key = gen.secret.model_key(principal.tenant.tenant_id, principal.key.key_id)

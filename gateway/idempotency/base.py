@@ -24,14 +24,7 @@ from typing import Protocol
 
 import msgspec
 
-
-class StoredAnswer(msgspec.Struct, frozen=True, kw_only=True):
-    """A response as it was sent: status, headers, media type and whole body (an event stream's bytes)."""
-
-    status: int
-    media_type: str
-    headers: list[tuple[str, str]]
-    body: bytes
+from gateway.keeping import StoredAnswer as StoredAnswer  # kept answers are the keeping module's
 
 
 class Fresh(msgspec.Struct, frozen=True):

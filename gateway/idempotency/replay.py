@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -37,6 +37,8 @@ from gateway.idempotency.base import (
     Replay,
     StoredAnswer,
 )
+from gateway.keeping import kept
+from gateway.keeping import replayed as kept_replayed
 
 HEADER = "idempotency-key"
 # What became of a request with a key: it ran (and its answer was kept, or not), it was answered from the
@@ -45,11 +47,6 @@ OUTCOMES = ("ran", "kept", "replayed", "in_use", "reused", "unavailable")
 REPLAYED_HEADER = "idempotent-replayed"
 MAX_KEY_CHARS = 255
 log = logging.getLogger("lockgate.idempotency")
-_JSON = msgspec.json.Encoder().encode
-# Where a streamed answer's claim waits in the request's scope state until the stream is over.
-_HELD = "lockgate_idempotency_claim"
-# How a stream that completed ends (one ended by an error event has no [DONE]).
-STREAM_END = b"data: [DONE]"
 
 
 class IdempotencyConflictError(APIError):
@@ -109,7 +106,7 @@ class Idempotency:
     ) -> Response[Any]:
         """The stored answer for entry `name` with fingerprint `print_`, or `request()`'s response, kept for
         retries (see the module docstring). `state`: the request's scope state, where a streamed answer's
-        claim waits until the stream is over (`unsettled` finds it if the stream was never sent)."""
+        claim waits until the stream is over (`gateway.keeping`)."""
         try:
             claim = await self.store.claim(name, print_)
         except IdempotencyStoreUnavailableError as exc:
@@ -146,53 +143,16 @@ class Idempotency:
         except BaseException:
             await self._release(name, claim.token)
             raise
-        if (response.status_code or 200) != 200:
-            await self._release(name, claim.token)
-            return response
-        if isinstance(response.content, msgspec.Struct):
-            # Encoded here as the response would be (msgspec JSON), so the kept bytes are the sent ones.
-            response.content = _JSON(response.content)
-        if isinstance(response.content, bytes):
-            await self._keep(name, claim.token, response, response.content)
-            return response
-        if isinstance(response.content, AsyncIterator):
-            claim_held = _Held(self, name, claim.token)
-            state[_HELD] = claim_held
-            response.content = self._recorded(claim_held, response, response.content)
-            return response
-        await self._release(name, claim.token)  # nothing this module knows how to keep
-        return response
 
-    async def _recorded(
-        self, held: _Held, response: Response[Any], events: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        """`events` as sent, kept once they have all gone out; released if the stream ends otherwise."""
-        sent: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in events:
-                if size <= self._max_answer_bytes:
-                    sent.append(chunk)
-                    size += len(chunk)
-                yield chunk
-        except BaseException:
-            await held.settle(None)
-            raise
-        body = b"".join(sent) if size <= self._max_answer_bytes else None
-        if body is not None and not body.rstrip().endswith(STREAM_END):
-            body = None  # it ended with an error event (an engine failure, a guard block): a retry runs
-        await held.settle(response, body)
+        async def settle(answer: StoredAnswer | None) -> None:
+            if answer is None:
+                await self._release(name, claim.token)
+            else:
+                await self._keep(name, claim.token, answer)
 
-    async def _keep(self, name: str, token: str, response: Response[Any], body: bytes | None) -> None:
-        if body is None or len(body) > self._max_answer_bytes:
-            await self._release(name, token)
-            return
-        answer = StoredAnswer(
-            status=response.status_code or 200,
-            media_type=str(response.media_type),
-            headers=[(k, v) for k, v in response.headers.items() if k.lower() != "content-length"],
-            body=body,
-        )
+        return await kept(response, settle, state, self._max_answer_bytes)
+
+    async def _keep(self, name: str, token: str, answer: StoredAnswer) -> None:
         try:
             await self.store.complete(name, token, answer)
             self.counts["kept"] += 1
@@ -207,40 +167,6 @@ class Idempotency:
             log.warning("idempotency store unavailable, claim left to lapse: %s", exc)
 
 
-class _Held:
-    """A streamed answer's claim, settled once: kept or released."""
-
-    __slots__ = ("_idempotency", "_name", "_token", "settled")
-
-    def __init__(self, idempotency: Idempotency, name: str, token: str) -> None:
-        self._idempotency = idempotency
-        self._name = name
-        self._token = token
-        self.settled = False
-
-    async def settle(self, response: Response[Any] | None, body: bytes | None = None) -> None:
-        """Keep `body` as `response`'s answer (None: release the claim), unless settled already."""
-        if self.settled:
-            return
-        self.settled = True
-        if response is None:
-            await self._idempotency._release(self._name, self._token)
-        else:
-            await self._idempotency._keep(self._name, self._token, response, body)
-
-
-def unsettled(state: dict[str, Any] | None) -> _Held | None:
-    """The request is over: its streamed answer's claim if no stream settled it (a client gone before the
-    first byte was sent never starts the stream, so nothing else would); the caller releases it with
-    `settle(None)`. A dict lookup for every other request."""
-    held = state.pop(_HELD, None) if state else None
-    return held if isinstance(held, _Held) and not held.settled else None
-
-
 def replayed(answer: StoredAnswer) -> Response[bytes]:
     """The stored answer, sent again, marked as a replay."""
-    headers = dict(answer.headers)
-    headers[REPLAYED_HEADER] = "true"
-    return Response(
-        content=answer.body, status_code=answer.status, media_type=answer.media_type, headers=headers
-    )
+    return kept_replayed(answer, REPLAYED_HEADER)

@@ -79,10 +79,13 @@ class ServiceCollector:
         leases: LeasedQuotaStore | None = None,
         idempotency: Counter[str] | None = None,
         result_cache: ResultCache | None = None,
+        # Counts of every session event (the keys are the events, all present).
+        sessions: Counter[str] | None = None,
     ) -> None:
         self._replicas = replicas
         self._result_cache = result_cache
         self._idempotency = idempotency
+        self._sessions = sessions
         self._overload = overload
         self._queue_depth = queue_depth
         self._quota = quota_counters
@@ -116,15 +119,23 @@ class ServiceCollector:
             )
         yield from self._guards()
         if self._idempotency is not None:
-            requests = CounterMetricFamily(
-                f"{PREFIX}idempotency_requests",
+            yield _counted(
+                "idempotency_requests",
                 "Requests with an Idempotency-Key, by outcome: ran (kept: its answer stored for retries), "
                 "replayed (answered from the store), in_use / reused (409), unavailable (503).",
-                labels=("outcome",),
+                "outcome",
+                IDEMPOTENCY_OUTCOMES,
+                self._idempotency,
             )
-            for outcome in IDEMPOTENCY_OUTCOMES:
-                requests.add_metric((outcome,), self._idempotency.get(outcome, 0))
-            yield requests
+        if self._sessions is not None:
+            yield _counted(
+                "session_events",
+                "Session events: created, step (recorded), replayed (a retried step answered from its "
+                "record), in_progress / conflict / out_of_order (409), migrated, and ends by reason.",
+                "event",
+                list(self._sessions),
+                self._sessions,
+            )
         if self._result_cache is not None:
             yield from self._cache(self._result_cache)
         if self._overload is not None:
@@ -293,3 +304,13 @@ class ServiceCollector:
         for pool, work in sorted(self._backlogs.items()):
             backlog.add_metric((pool,), work.expected_wait())
         yield backlog
+
+
+def _counted(
+    name: str, doc: str, label: str, keys: Sequence[str], counts: Counter[str]
+) -> CounterMetricFamily:
+    """A counter family `lockgate:<name>_total` with one series per key of `keys` (`label`)."""
+    family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=(label,))
+    for key in keys:
+        family.add_metric((key,), counts.get(key, 0))
+    return family

@@ -24,7 +24,8 @@ from gateway.config import IdempotencyConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.idempotency.base import Claim, Fresh, InFlight, Replay
 from gateway.idempotency.memory import MemoryIdempotencyStore
-from gateway.idempotency.replay import REPLAYED_HEADER, Idempotency, unsettled
+from gateway.idempotency.replay import REPLAYED_HEADER, Idempotency
+from gateway.keeping import unsettled
 from policy.tenants.models import Tenant
 from tests.backends import FakeClock
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
@@ -307,15 +308,14 @@ async def test_a_stream_never_sent_releases_its_claim_when_the_request_ends() ->
     state: dict[str, Any] = {}
     await idempotency.run("never-sent", "fp", streamed, state)  # the client left before the first byte
     assert await store.claim("never-sent", "fp") == InFlight()
-    held = unsettled(state)
-    assert held is not None
+    [held] = unsettled(state)
     await held.settle(None)
     assert isinstance(await store.claim("never-sent", "fp"), Fresh)  # a retry runs, not 409 for an hour
 
     state = {}
     response = await idempotency.run("sent", "fp", streamed, state)
     assert [chunk async for chunk in response.content] == [b'data: {"x": 1}\n\n', b"data: [DONE]\n\n"]
-    assert unsettled(state) is None  # settled by the stream: kept, not released
+    assert unsettled(state) == []  # settled by the stream: kept, not released
     replay = await store.claim("sent", "fp")
     assert isinstance(replay, Replay)
     assert replay.answer.body == b'data: {"x": 1}\n\ndata: [DONE]\n\n'

@@ -41,6 +41,7 @@ SHARED = {
     "LOCKGATE_OVERLOAD__CPU_SHEDDING": "false",
     "LOCKGATE_CONSOLE__SESSION_STORE": "redis",
     "LOCKGATE_IDEMPOTENCY__BACKEND": "redis",
+    "LOCKGATE_SESSIONS__BACKEND": "redis",
     # Plain HTTP: a client keeps no `Secure` cookie.
     "LOCKGATE_CONSOLE__INSECURE_COOKIE": "true",
 }
@@ -59,6 +60,7 @@ def test_many_workers_refuse_state_kept_in_one_process() -> None:
     assert "`storage.backend` must be postgres" in message
     assert "the embedded engine (`engine.kind` vllm_local)" in message
     assert "`idempotency.backend` must be redis" in message
+    assert "`sessions.backend` must be redis" in message
     with pytest.raises(ConfigError, match="must be >= 1"):
         with_workers(load_config(env={}), 0)
 
