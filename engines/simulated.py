@@ -63,6 +63,10 @@ class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     vocab_size: int = 32000  # token ids are drawn from range(vocab_size)
     fail_after_tokens: int | None = None  # fault injection: every request fails after this many tokens
     max_model_len: int = 2048  # longest prompt + max_tokens a request may ask for
+    # Tokens per block of a simulated prefix cache (vLLM's automatic prefix caching); 0 = no prefix cache. A
+    # request's leading prompt blocks that an earlier request of the same `cache_salt` filled are not
+    # prefilled again and are reported as `cached_tokens`. The cache holds at most kv_capacity_tokens.
+    prefix_cache_block: int = 0
 
 
 _Item = EngineDelta | EngineRequestError | EngineDeadError
@@ -98,6 +102,7 @@ class _Seq:
 
     __slots__ = (
         "banned",
+        "cached",
         "emitted",
         "forced",
         "json",
@@ -122,6 +127,7 @@ class _Seq:
         self.text = ""
         self.emitted = 0  # chars of `text` already sent; the rest may still turn out to be a stop string
         self.reserved = 0  # KV tokens held while running
+        self.cached = 0  # leading prompt tokens found in the prefix cache
         bias = req.sampling.logit_bias
         self.banned = frozenset(t for t, b in bias if b <= -100)
         self.forced = sorted({t for t, b in bias if b >= 100} - self.banned)
@@ -175,7 +181,11 @@ def _constrained_text(req: EngineRequest, rng: random.Random) -> str | None:
 
 
 def _usage(seq: _Seq) -> Usage:
-    return Usage(prompt_tokens=len(seq.req.prompt_token_ids), completion_tokens=len(seq.token_ids))
+    return Usage(
+        prompt_tokens=len(seq.req.prompt_token_ids),
+        completion_tokens=len(seq.token_ids),
+        cached_tokens=seq.cached,
+    )
 
 
 _FAVOURITES = 16  # ids per prompt that score_next_token gives most of the first token's mass
@@ -208,6 +218,8 @@ class SimulatedEngine:
         self._waiting: list[_Seq] = []  # kept sorted by _Seq.key
         self._running: list[_Seq] = []
         self._kv_used = 0
+        # Block hashes of the simulated prefix cache, least recently used first.
+        self._prefix_blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._order = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -384,8 +396,31 @@ class SimulatedEngine:
             seq.reserved = need
             self._kv_used += need
             self._running.append(seq)
-            prefill += len(seq.req.prompt_token_ids)
+            seq.cached = self._cache_prefix(seq.req)
+            prefill += len(seq.req.prompt_token_ids) - seq.cached
         return prefill
+
+    def _cache_prefix(self, req: EngineRequest) -> int:
+        """The leading prompt tokens already in the prefix cache (whole blocks, never the last prompt token,
+        which is always computed, as in vLLM); the prompt's blocks are cached from now on (LRU)."""
+        size = self._cfg.prefix_cache_block
+        if size <= 0:
+            return 0
+        prompt = req.prompt_token_ids
+        blocks = self._prefix_blocks
+        chained: int = hash(req.cache_salt)
+        cached, hitting = 0, True
+        for start in range(0, len(prompt) - size, size):
+            chained = hash((chained, tuple(prompt[start : start + size])))
+            if hitting and chained in blocks:
+                cached += size
+            else:
+                hitting = False
+            blocks[chained] = None
+            blocks.move_to_end(chained)
+        while len(blocks) * size > self._cfg.kv_capacity_tokens:
+            blocks.popitem(last=False)
+        return cached
 
     def _drop_expired(self) -> None:
         now = self._clock()
