@@ -65,7 +65,6 @@ async def _start(n: int, args: argparse.Namespace, workdir: Path, schema: str) -
         "LOCKGATE_CONSOLE__SESSION_STORE": "redis",
         "LOCKGATE_IDEMPOTENCY__BACKEND": "redis",
         "LOCKGATE_SESSIONS__BACKEND": "redis",
-    "LOCKGATE_SESSIONS__BACKEND": "redis",
         "LOCKGATE_AUDIT__SPOOL_DIR": str(workdir / "spool"),
     }
     return await start_gateway(

@@ -6,6 +6,7 @@ leading prompt blocks that an earlier step filled on the same replica are report
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -74,7 +75,7 @@ async def test_a_sessions_steps_stay_on_the_replica_with_its_prefix_and_go_on_wh
         cached = [await step(n) for n in range(1, STEPS + 1)]
         assert len(set(served)) == 1  # every step on one replica
         assert cached[0] == 0
-        assert all(later > earlier for earlier, later in zip(cached[1:], cached[2:], strict=False))
+        assert all(later > earlier for earlier, later in itertools.pairwise(cached[1:]))
         assert cached[-1] >= BLOCK * 4
         # The replica that held the session dies: the next step fails over and the session goes on there.
         holder = next(i for i, r in enumerate(replicas) if r.replica_id == served[0])

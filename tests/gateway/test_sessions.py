@@ -6,6 +6,7 @@ and an ended session answers 410 with its reason, never a fresh session."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +20,22 @@ from litestar import Litestar
 from engines.base import EngineDelta, EngineRequest
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
-from gateway.config import Config, SessionsConfig
+from gateway.config import Config, EngineConfig, ReplicaSpec, SessionsConfig, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.sessions.service import REPLAYED_HEADER, SESSION_HEADER, STEP_HEADER
+from policy.safety.defaults import rules_policy
 from policy.tenants.models import Tenant
 from tests.backends import REDIS_URL, FakeClock
-from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
+from tests.conftest import (
+    MODEL,
+    SESSION_DIR,
+    OutcomeLog,
+    Tenancy,
+    add_key,
+    make_config,
+    operator_headers,
+    serving,
+)
 
 USER = {"role": "user", "content": "Hi"}
 
@@ -225,7 +236,7 @@ async def test_the_chat_route_joins_a_session_through_the_header_with_the_openai
     # The header path refuses what a session cannot hold.
     wrong = await gateway.http.post(
         "/v1/chat/completions",
-        json={"model": "other-model", "messages": [USER]},
+        json={"model": "other-model", "messages": [USER], "max_tokens": 6},
         headers={SESSION_HEADER: session},
     )
     assert wrong.status_code == 400
@@ -314,10 +325,12 @@ async def test_a_session_is_its_tenants_alone_and_its_policy_cannot_be_swapped(
     for answer in (
         await gateway.http.get(f"/v1/sessions/{session}", headers=other),
         await gateway.http.delete(f"/v1/sessions/{session}", headers=other),
-        await gateway.http.post(f"/v1/sessions/{session}/messages", json={"messages": [USER]}, headers=other),
+        await gateway.http.post(
+            f"/v1/sessions/{session}/messages", json={"messages": [USER], "max_tokens": 6}, headers=other
+        ),
         await gateway.http.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "messages": [USER]},
+            json={"model": MODEL, "messages": [USER], "max_tokens": 6},
             headers={**other, SESSION_HEADER: session},
         ),
     ):
@@ -377,3 +390,68 @@ async def test_a_second_gateway_on_the_same_redis_continues_the_session(
     assert list(calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)]) == list(
         calls[0].prompt_token_ids
     )
+
+
+async def test_a_session_survives_an_alias_move_and_migrates_when_declared_and_allowed(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    config = msgspec.structs.replace(
+        _config(),
+        storage=StorageConfig(sqlite_path=str(SESSION_DIR / f"sessions-{uuid.uuid4().hex}.sqlite3")),
+        engines=[ReplicaSpec(kind="simulated"), ReplicaSpec(kind="simulated", pool="next")],
+        engine=EngineConfig(kind="simulated"),
+    )
+    app = create_app(config, renderer=renderer, tenants=tenancy.store)
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,
+    ):
+        services = app.state.services
+        registry = services.registry
+        await registry.publish(
+            "policy",
+            "migrating",
+            "1",
+            msgspec.structs.replace(rules_policy(), session_migration="allow"),
+            actor="t",
+        )
+        acme = await tenancy.store.get_tenant("acme")
+        assert acme is not None
+        await tenancy.store.update_tenant(
+            msgspec.structs.replace(acme, policy="migrating@1"), actor="test", now=0.0
+        )
+        services.auth.forget(tenant_id="acme")
+        before = registry.view.resolve_model(MODEL, "")
+        kept = (await http.post("/v1/sessions", json={"model": MODEL, "on_retire": "migrate"})).json()
+        failing = (await http.post("/v1/sessions", json={"model": MODEL})).json()
+        assert kept["bound"]["model"] == failing["bound"]["model"] == before.ref
+        assert kept["bound"]["policy"] == "migrating@1"
+        # A new version in another pool takes the alias: the sessions stay on the version they began on.
+        moved = msgspec.structs.replace(before.spec, engine_pool="next")
+        await registry.publish("model", MODEL, "next1", moved, actor="test")
+        await registry.set_alias("model", MODEL, "next1", actor="test")
+        for session in (kept["id"], failing["id"]):
+            step = await http.post(
+                f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
+            )
+            assert step.status_code == 200
+            assert step.headers["x-lockgate-model"] == before.ref
+        # The old version's pool is decommissioned: the declared session moves, the other is retired.
+        services.pools.pop("default")
+        step = await http.post(
+            f"/v1/sessions/{kept['id']}/messages", json={"step": 2, "messages": [USER], "max_tokens": 6}
+        )
+        assert step.status_code == 200, step.text
+        assert step.headers["x-lockgate-model"] == f"{MODEL}@next1"
+        shown = (await http.get(f"/v1/sessions/{kept['id']}")).json()
+        assert shown["bound"]["model"] == f"{MODEL}@next1"
+        [migration] = shown["migrations"]
+        assert migration["before"]["model"] == before.ref
+        assert migration["after"]["model"] == f"{MODEL}@next1"
+        assert migration["at_step"] == 2
+        assert [s["step"] for s in shown["steps"]] == [1, 2]
+        retired = await http.post(
+            f"/v1/sessions/{failing['id']}/messages", json={"step": 2, "messages": [USER], "max_tokens": 6}
+        )
+        assert retired.status_code == 410
+        assert retired.json()["error"]["code"] == "model_version_retired"
