@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 from msgspec.structs import asdict
 
@@ -38,6 +39,9 @@ class SessionCreateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unk
     model: str
     # The tenant's own policy (its name, or the version it resolves to now): a pin, never another policy.
     policy: str | None = None
+    # One of the tenant's registry prompts (the tenant's or this key's, or a version of one); default: the
+    # prompt this key's requests get.
+    system_prompt: str | None = None
     # Seconds from creation to absolute expiry, and without a step to idle expiry (at most the configured).
     ttl: float | None = None
     idle_timeout: float | None = None
@@ -135,6 +139,7 @@ async def create_session(
         principal,
         model=body.model,
         policy=body.policy,
+        system_prompt=body.system_prompt,
         ttl=body.ttl,
         idle_timeout=body.idle_timeout,
         metadata=body.metadata,
@@ -145,7 +150,7 @@ async def create_session(
 
 @get("/v1/sessions/{session_id:str}", responses=errors(400, 404, 410))
 async def get_session(
-    session_id: str, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    session_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> SessionObject:
     """The caller's session: bound versions and history."""
     allow(principal, "consumer")
@@ -154,7 +159,7 @@ async def get_session(
 
 @delete("/v1/sessions/{session_id:str}", status_code=HTTP_200_OK, responses=errors(400, 404, 410))
 async def delete_session(
-    session_id: str, services: NamedDependency[Services], principal: NamedDependency[Principal]
+    session_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> SessionDeleted:
     """End the caller's session: its history is dropped and it answers 410 `deleted` from then on."""
     allow(principal, "consumer")
@@ -171,7 +176,7 @@ async def delete_session(
     responses=errors(400, 404, 409, 410, 413, 429, 502),
 )
 async def session_messages(
-    session_id: str,
+    session_id: FromPath[str],
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],

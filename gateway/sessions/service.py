@@ -130,12 +130,15 @@ class Sessions:
         *,
         model: str,
         policy: str | None = None,
+        system_prompt: str | None = None,
         ttl: float | None = None,
         idle_timeout: float | None = None,
         metadata: dict[str, str] | None = None,
         on_retire: OnRetire = "fail",
     ) -> SessionRecord:
-        """A new session of `principal`'s tenant, bound to what `model` and its bindings resolve to now."""
+        """A new session of `principal`'s tenant, bound to what `model` and its bindings resolve to now.
+        `system_prompt`: one of the tenant's registry prompts (the tenant's or the key's binding, or a
+        version of one), instead of the one the key would get."""
         config = self._config
         if ttl is not None and not 0 < ttl <= config.max_ttl:
             raise InvalidRequestError(f"ttl must be in (0, {config.max_ttl:g}] seconds", param="ttl")
@@ -152,7 +155,12 @@ class Sessions:
                 param="policy",
                 code="policy_not_allowed",
             )
-        prompt = prompt_for(gen, principal)
+        try:
+            prompt = prompt_for(gen, principal, _prompt_binding(principal, system_prompt))
+        except EngineUnavailableError as exc:
+            if system_prompt is None:
+                raise
+            raise NotFoundError(exc.message, param="system_prompt", code="prompt_not_found") from exc
         now = self._clock()
         record = SessionRecord(
             id="sess_" + secrets.token_urlsafe(18),
@@ -407,6 +415,21 @@ def _bound(model: ResolvedModel, policy: str, prompt: str | None) -> Bound:
         policy=policy,
         prompt=prompt,
     )
+
+
+def _prompt_binding(principal: Principal, system_prompt: str | None) -> Binding | None:
+    """The prompt a session asked for, as a binding (None: the key's or tenant's own); 400 unless it is one
+    of the tenant's prompts: the instructions the guard trusts are the operator's to set, never a client's."""
+    if system_prompt is None:
+        return None
+    own = {b.partition("@")[0] for b in (principal.key.system_prompt, principal.tenant.system_prompt) if b}
+    if system_prompt.partition("@")[0] not in own:
+        raise InvalidRequestError(
+            f"system_prompt must be one of this tenant's prompts ({', '.join(sorted(own)) or 'none'})",
+            param="system_prompt",
+            code="prompt_not_allowed",
+        )
+    return Binding(session="", model="", policy="", prompt=system_prompt)
 
 
 def _serves(gen: Generation, principal: Principal, model_ref: str) -> bool:

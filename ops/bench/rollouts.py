@@ -1,23 +1,30 @@
-"""Agent rollouts with retries: engine tokens the result cache and `Idempotency-Key` save against the
-stateless path, in one run.
+"""Agent rollouts with retries: engine tokens that KV-cache affinity, sessions, the result cache and
+`Idempotency-Key` save against the stateless path, in one run.
 
     python -m ops.bench.rollouts [--rollouts 4] [--steps 20] [--runs 2] [--retry-share 0.2]
                                  [--max-tokens 16] [--out DIR]
 
-Three gateways on the zero-delay simulated engine, the default rules policy: `stateless` (the key
-ignored: `[idempotency] enabled = false`, no result cache), `idempotent` (the default: keys honoured, no
-result cache) and `cached` (keys honoured, `[result_cache] enabled`, memory store). Each gets the same
-workload, one request at a time: `--rollouts` agent rollouts of `--steps` chat steps each (temperature 0;
-each step sends the whole conversation so far, the model's earlier answers and a new observation), every
-step with an `Idempotency-Key`, `--retry-share` of the steps (spread evenly) sent twice (a client whose
-answer was lost), and the whole set run `--runs` times (an evaluation run again). Engine tokens are the
-prompt and completion tokens of the answers that reached an engine: neither replayed by key
-(`idempotent-replayed`) nor served from the cache (`x-lockgate-cache: hit`). Figures per gateway:
-requests, engine calls, engine tokens, replays, hits, and the engine tokens saved against the stateless
-gateway's. Written as `rollouts.json` under `--out`.
+Gateways on two zero-delay simulated replicas with a simulated prefix cache (blocks of 16 tokens: a prompt's
+leading blocks that an earlier request left on the same replica are not prefilled again and count as
+`cached_tokens`), the default rules policy:
 
-Not measured yet: sessions and their KV-cache affinity (issue 45's sessions API), which this workload would
-then also run through.
+    no_affinity  stateless (keys ignored, no result cache) and the router's prefix and session affinity off
+    stateless    keys ignored, no result cache: the stateless path as it is served
+    idempotent   the default: keys honoured, no result cache
+    cached       keys honoured, `[result_cache] enabled` (memory store)
+    session      `/v1/sessions`: each rollout one session, each step only its new message (numbered: a
+                 retry is the same step sent again), with the result cache on
+
+Each gets the same workload: `--rollouts` agent rollouts run side by side (so that they compete for the
+replicas), each of `--steps` chat steps (temperature 0; the conversation so far, the model's earlier answers
+and a new observation), every step with an `Idempotency-Key` (or its step number), `--retry-share` of the
+steps (spread evenly) sent twice (a client whose answer was lost), and the whole set run `--runs` times (an
+evaluation run again). Engine tokens are the prompt and completion tokens of the answers that reached an
+engine: neither replayed (`idempotent-replayed`) nor served from the cache (`x-lockgate-cache: hit`);
+computed tokens are those less the prompt tokens the engine found in its prefix cache. Figures per gateway:
+requests, engine calls, engine tokens, cached and computed tokens, replays, hits, and the engine and computed
+tokens saved against the stateless gateway's. Engine calls, replays and hits follow from the workload;
+cached tokens depend on where the router sent each step. Written as `rollouts.json` under `--out`.
 """
 
 from __future__ import annotations
@@ -55,9 +62,12 @@ class GatewayFigures(msgspec.Struct, frozen=True, kw_only=True):
     requests: int
     engine_calls: int
     engine_tokens: int
-    replayed: int  # answered from the idempotency store
+    cached_tokens: int  # prompt tokens of engine calls found in the engine's prefix cache
+    computed_tokens: int  # engine tokens less cached tokens
+    replayed: int  # answered from the idempotency store, or a session's recorded step
     cache_hits: int
-    saved_vs_stateless: float  # share of the stateless gateway's engine tokens not computed here
+    saved_vs_stateless: float  # share of the stateless gateway's engine tokens not sent to an engine here
+    computed_saved_vs_stateless: float  # share of the stateless gateway's computed tokens not computed here
 
 
 class RolloutsReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,17 +87,15 @@ class Tally(msgspec.Struct, kw_only=True):
     requests: int = 0
     engine_calls: int = 0
     engine_tokens: int = 0
+    cached_tokens: int = 0
     replayed: int = 0
     cache_hits: int = 0
 
 
-async def _step(
-    http: httpx.AsyncClient, messages: list[dict[str, str]], key: str, max_tokens: int, tally: Tally
-) -> str:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    response = await http.post("/v1/chat/completions", json=body, headers={"idempotency-key": key})
+def _counted(response: httpx.Response, what: str, tally: Tally) -> str:
+    """The answer's text, with the response counted in `tally`."""
     if response.status_code != 200:
-        raise RuntimeError(f"step {key}: {response.status_code} {response.text}")
+        raise RuntimeError(f"{what}: {response.status_code} {response.text}")
     tally.requests += 1
     answer = response.json()
     if response.headers.get(REPLAYED_HEADER) == "true":
@@ -95,57 +103,124 @@ async def _step(
     elif response.headers.get(CACHE_HEADER) == "hit":
         tally.cache_hits += 1
     else:
+        usage = answer["usage"]
         tally.engine_calls += 1
-        tally.engine_tokens += answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        tally.engine_tokens += usage["prompt_tokens"] + usage["completion_tokens"]
+        tally.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return str(answer["choices"][0]["message"]["content"] or "")
 
 
-async def run_workload(url: str, api_key: str, args: argparse.Namespace) -> Tally:
-    """The workload against one gateway (the same requests, in the same order, for every gateway)."""
-    # Spread evenly: step i is sent twice when it takes the retried share past a whole number.
-    retried = [
-        math.floor((i + 1) * args.retry_share) > math.floor(i * args.retry_share) for i in range(args.steps)
-    ]
+def _retried(args: argparse.Namespace) -> list[bool]:
+    """Whether each step is sent twice: spread evenly, step i when it takes the share past a whole number."""
+    share = args.retry_share
+    return [math.floor((i + 1) * share) > math.floor(i * share) for i in range(args.steps)]
+
+
+def _task(rollout: int) -> dict[str, str]:
+    return {"role": "user", "content": f"Task {rollout}: look around the project and report."}
+
+
+def _observation(rollout: int, step: int) -> dict[str, str]:
+    return {
+        "role": "user",
+        "content": f"Observation {step}: {OBSERVATIONS[(rollout + step) % len(OBSERVATIONS)]}",
+    }
+
+
+async def _stateless(
+    http: httpx.AsyncClient, run: int, rollout: int, args: argparse.Namespace, tally: Tally
+) -> None:
+    """One rollout through the chat route: each step sends the whole conversation, with a key."""
+    messages = [_task(rollout)]
+    retried = _retried(args)
+    for step in range(args.steps):
+        key = f"run{run}-rollout{rollout}-step{step}"
+        body = {"model": MODEL, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
+        for _ in range(2 if retried[step] else 1):
+            answer = await http.post("/v1/chat/completions", json=body, headers={"idempotency-key": key})
+            content = _counted(answer, key, tally)
+        messages = [*messages, {"role": "assistant", "content": content}, _observation(rollout, step)]
+
+
+async def _session(
+    http: httpx.AsyncClient, run: int, rollout: int, args: argparse.Namespace, tally: Tally
+) -> None:
+    """One rollout as a session: each step sends only its new message, numbered."""
+    created = await http.post("/v1/sessions", json={"model": MODEL})
+    if created.status_code != 200:
+        raise RuntimeError(f"session: {created.status_code} {created.text}")
+    session = created.json()["id"]
+    retried = _retried(args)
+    for step in range(args.steps):
+        message = _task(rollout) if step == 0 else _observation(rollout, step - 1)
+        body = {"step": step + 1, "messages": [message], "max_tokens": args.max_tokens, "temperature": 0}
+        for _ in range(2 if retried[step] else 1):
+            answer = await http.post(f"/v1/sessions/{session}/messages", json=body)
+            _counted(answer, f"run{run}-rollout{rollout}-step{step}", tally)
+
+
+async def run_workload(url: str, api_key: str, args: argparse.Namespace, *, sessions: bool = False) -> Tally:
+    """The workload against one gateway (the same rollouts for every gateway; those of one run side by
+    side)."""
     tally = Tally()
+    rollout = _session if sessions else _stateless
     headers = {"authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
         for run in range(args.runs):
-            for rollout in range(args.rollouts):
-                messages = [
-                    {"role": "user", "content": f"Task {rollout}: look around the project and report."}
-                ]
-                for step in range(args.steps):
-                    key = f"run{run}-rollout{rollout}-step{step}"
-                    content = await _step(http, messages, key, args.max_tokens, tally)
-                    if retried[step]:
-                        await _step(http, messages, key, args.max_tokens, tally)
-                    observation = OBSERVATIONS[(rollout + step) % len(OBSERVATIONS)]
-                    messages += [
-                        {"role": "assistant", "content": content},
-                        {"role": "user", "content": f"Observation {step}: {observation}"},
-                    ]
+            await asyncio.gather(*(rollout(http, run, r, args, tally) for r in range(args.rollouts)))
     return tally
 
 
+# Two simulated replicas with a prefix cache, for every gateway.
+REPLICAS = """
+[engine.simulator]
+prefix_cache_block = 16
+
+[[engines]]
+kind = "simulated"
+
+[[engines]]
+kind = "simulated"
+"""
+NO_AFFINITY = {
+    "LOCKGATE_ROUTING__ROUTER__PREFIX_WEIGHT": "0",
+    "LOCKGATE_ROUTING__ROUTER__SESSION_WEIGHT": "0",
+}
+
+
 async def measure(args: argparse.Namespace, workdir: Path) -> RolloutsReport:
-    """Both gateways in turn, then the figures."""
+    """The gateways in turn, then the figures."""
     tallies: dict[str, Tally] = {}
-    # One request at a time on the zero-delay engine keeps the gateway's core busy: that is no overload.
+    # Requests on the zero-delay engine keep the gateway's core busy: that is no overload.
     common = {"LOCKGATE_OVERLOAD__CPU_SHEDDING": "false"}
+    stateless = {**common, "LOCKGATE_IDEMPOTENCY__ENABLED": "false"}
+    cached = {**common, "LOCKGATE_RESULT_CACHE__ENABLED": "true"}
+    config = workdir / "replicas.toml"
+    config.write_text(REPLICAS, encoding="utf-8")
+    serve = ["-m", "gateway.cli", "serve", "--config", str(config)]
     for name, env in (
-        ("stateless", {**common, "LOCKGATE_IDEMPOTENCY__ENABLED": "false"}),
+        ("no_affinity", {**stateless, **NO_AFFINITY}),
+        ("stateless", stateless),
         ("idempotent", common),
-        ("cached", {**common, "LOCKGATE_RESULT_CACHE__ENABLED": "true"}),
+        ("cached", cached),
+        ("session", cached),
     ):
         directory = workdir / name
         directory.mkdir()
         cores = set(os.sched_getaffinity(0))
-        server: Server = await start_gateway("memory", cores, directory, "rules", env=env, target=name)
+        server: Server = await start_gateway(
+            "memory", cores, directory, "rules", env=env, target=name, command=serve
+        )
         try:
-            tallies[name] = await run_workload(f"http://127.0.0.1:{server.port}", server.api_key, args)
+            url = f"http://127.0.0.1:{server.port}"
+            tallies[name] = await run_workload(url, server.api_key, args, sessions=name == "session")
         finally:
             server.stop()
-    baseline = tallies["stateless"].engine_tokens
+    base = tallies["stateless"]
+
+    def saved(value: int, baseline: int) -> float:
+        return round(1 - value / baseline, 4) if baseline else 0.0
+
     return RolloutsReport(
         rollouts=args.rollouts,
         steps=args.steps,
@@ -158,9 +233,14 @@ async def measure(args: argparse.Namespace, workdir: Path) -> RolloutsReport:
                 requests=t.requests,
                 engine_calls=t.engine_calls,
                 engine_tokens=t.engine_tokens,
+                cached_tokens=t.cached_tokens,
+                computed_tokens=t.engine_tokens - t.cached_tokens,
                 replayed=t.replayed,
                 cache_hits=t.cache_hits,
-                saved_vs_stateless=round(1 - t.engine_tokens / baseline, 4) if baseline else 0.0,
+                saved_vs_stateless=saved(t.engine_tokens, base.engine_tokens),
+                computed_saved_vs_stateless=saved(
+                    t.engine_tokens - t.cached_tokens, base.engine_tokens - base.cached_tokens
+                ),
             )
             for name, t in tallies.items()
         ],
@@ -189,13 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.retry_share:.0%} of steps retried"
     )
     print(
-        f"{'gateway':<10} {'requests':>8} {'engine calls':>12} {'engine tokens':>13} {'replayed':>8} "
-        f"{'hits':>6} {'saved':>7}"
+        f"{'gateway':<12} {'requests':>8} {'engine calls':>12} {'engine tokens':>13} {'cached':>7} "
+        f"{'computed':>8} {'replayed':>8} {'hits':>5} {'saved':>6} {'computed saved':>14}"
     )
     for g in report.gateways:
         print(
-            f"{g.gateway:<10} {g.requests:>8} {g.engine_calls:>12} {g.engine_tokens:>13} {g.replayed:>8} "
-            f"{g.cache_hits:>6} {g.saved_vs_stateless:>7.1%}"
+            f"{g.gateway:<12} {g.requests:>8} {g.engine_calls:>12} {g.engine_tokens:>13} "
+            f"{g.cached_tokens:>7} {g.computed_tokens:>8} {g.replayed:>8} {g.cache_hits:>5} "
+            f"{g.saved_vs_stateless:>6.1%} {g.computed_saved_vs_stateless:>14.1%}"
         )
     out = args.out or Path(tempfile.mkdtemp(prefix="lockgate-rollouts-out-"))
     out.mkdir(parents=True, exist_ok=True)

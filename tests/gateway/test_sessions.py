@@ -25,6 +25,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.sessions.service import REPLAYED_HEADER, SESSION_HEADER, STEP_HEADER
 from policy.safety.defaults import rules_policy
 from policy.tenants.models import Tenant
+from registry.models import PromptSpec
 from tests.backends import REDIS_URL, FakeClock
 from tests.conftest import (
     MODEL,
@@ -455,3 +456,40 @@ async def test_a_session_survives_an_alias_move_and_migrates_when_declared_and_a
         )
         assert retired.status_code == 410
         assert retired.json()["error"]["code"] == "model_version_retired"
+
+
+async def test_a_session_binds_one_of_its_tenants_system_prompts_and_no_other(
+    gateway: Gateway, tenancy: Tenancy
+) -> None:
+    registry = gateway.app.state.services.registry
+    await registry.publish(
+        "prompt", "house", "1", PromptSpec(text="Answer as the first house style."), actor="t"
+    )
+    await registry.publish(
+        "prompt", "house", "2", PromptSpec(text="Answer as the second house style."), actor="t"
+    )
+    await registry.publish("prompt", "elsewhere", "1", PromptSpec(text="Another tenant's prompt."), actor="t")
+    await registry.set_alias("prompt", "house", "2", actor="t")
+    acme = await tenancy.store.get_tenant("acme")
+    assert acme is not None
+    await tenancy.store.update_tenant(
+        msgspec.structs.replace(acme, system_prompt="house"), actor="t", now=0.0
+    )
+    gateway.app.state.services.auth.forget(tenant_id="acme")
+    assert (await gateway.create())["bound"]["prompt"] == "house@2"
+    pinned = await gateway.create(system_prompt="house@1")
+    assert pinned["bound"]["prompt"] == "house@1"
+    assert (await gateway.step(pinned["id"], 1)).status_code == 200
+    tokenizer = gateway.app.state.services.renderer.tokenizer
+    assert _contains(gateway.prompt(-1), tokenizer.encode(" first house style", add_special_tokens=False))
+    assert not _contains(
+        gateway.prompt(-1), tokenizer.encode(" second house style", add_special_tokens=False)
+    )
+    for name, code in (("elsewhere", "prompt_not_allowed"), ("house@9", "prompt_not_found")):
+        refused = await gateway.http.post("/v1/sessions", json={"model": MODEL, "system_prompt": name})
+        assert refused.json()["error"]["code"] == code
+        assert refused.json()["error"]["param"] == "system_prompt"
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i : i + len(part)] == part for i in range(len(tokens) - len(part) + 1))

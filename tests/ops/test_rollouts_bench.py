@@ -1,4 +1,4 @@
-"""`python -m ops.bench.rollouts` on a small workload: three gateways in one run, and counts that follow from
+"""`python -m ops.bench.rollouts` on a small workload: five gateways in one run, and counts that follow from
 the workload (token figures are printed, and only compared between gateways of the same run)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_a_small_run_counts_what_keys_and_the_cache_save(
     with capsys.disabled():
         print(capsys.readouterr().out)
     report = msgspec.json.decode((tmp_path / "rollouts.json").read_bytes(), type=RolloutsReport)
-    stateless, idempotent, cached = report.gateways
+    no_affinity, stateless, idempotent, cached, session = report.gateways
     steps = 2 * 5 * 2
     retries = 2 * 2 * 2  # 40% of 5 steps, spread evenly: 2 per rollout and run
     for gateway in report.gateways:
@@ -29,5 +29,16 @@ def test_a_small_run_counts_what_keys_and_the_cache_save(
     assert (stateless.engine_calls, stateless.replayed, stateless.cache_hits) == (steps + retries, 0, 0)
     assert (idempotent.engine_calls, idempotent.replayed, idempotent.cache_hits) == (steps, retries, 0)
     assert (cached.engine_calls, cached.replayed, cached.cache_hits) == (steps // 2, retries, steps // 2)
+    # A session's retried step is answered from its record, and the second run's steps from the cache.
+    assert (session.engine_calls, session.replayed, session.cache_hits) == (steps // 2, retries, steps // 2)
+    assert (no_affinity.engine_calls, no_affinity.engine_tokens) == (
+        stateless.engine_calls,
+        stateless.engine_tokens,
+    )
+    for gateway in report.gateways:
+        assert 0 <= gateway.cached_tokens < gateway.engine_tokens
+        assert gateway.computed_tokens == gateway.engine_tokens - gateway.cached_tokens
+    # The same prompts and answers through a session as through the chat route.
+    assert session.engine_tokens == cached.engine_tokens
     assert stateless.engine_tokens > idempotent.engine_tokens > cached.engine_tokens > 0
     assert cached.saved_vs_stateless > idempotent.saved_vs_stateless > 0 == stateless.saved_vs_stateless
