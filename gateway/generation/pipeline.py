@@ -1,7 +1,8 @@
 """One generation request from top to bottom: read this module first.
 
-    decode -> resolve -> render (plan) -> reserve quota -> compile schema -> input guard
-           -> result cache hit? -> admit (fair queue, replica) -> generate -> output guard -> respond
+    decode -> resolve -> render (plan) -> reserve quota -> compile schema -> result cache lookup
+           -> input guard -> cached answer, or admit (fair queue, replica) and generate -> output guard
+           -> respond
 
 Before the reservation a request costs only work linear in it (`bounds`: field and schema size limits)
 and its rendering and tokenization (bounded by the body limit); a JSON schema is compiled after it.
@@ -144,21 +145,23 @@ async def _run(
                 request_id=plan.request_id,
                 retain_prompts=principal.tenant.retain_prompts,
             )
+            # Looked up before the input check, so that its audit record says the cache held the answer.
+            tenant = principal.tenant.tenant_id
+            use = cache_use(gen, plan, req, policy.ref, tenant, request.headers)
+            cached = await use.cache.get(use.key) if use is not None and use.lookup == "use" else None
+            if cached is not None:
+                context = replace(context, answered_from="cache")
             decision = await check_input(gen.gate, plan, policy, context, timeline, salt)
             if decision is not None and decision.action != "allow":
                 raise guard_api_error(decision, headers)
             # The client may leave while the request waits (admission, the engine, the first delta, the
             # stream).
             watch = client_watch(request.scope, request.receive)
-            tenant = principal.tenant.tenant_id
-            use = cache_use(gen, plan, req, policy.ref, tenant, request.headers)
-            cached = await use.cache.get(use.key) if use is not None and use.lookup == "use" else None
             source: Source
             if use is not None and cached is not None:
                 # A kept answer: no engine; the output guard checks it as if generated (and says so).
                 headers[CACHE_HEADER] = timeline.result_cache = "hit"
                 tracker = settlement.cached(req, use.cache.hit_prompt_price)
-                context = replace(context, answered_from="cache")
                 source = replayed(cached)
             else:
                 settlement.queued()

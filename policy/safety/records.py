@@ -71,10 +71,15 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
 
 
 def _detail(record: GuardRecord) -> str:
-    """One record stands for all of a response's output checks: how many, and what they scored (and
-    `answer=cache` when the answer was served from the result cache, not generated). A
-    moderation's input check says it was one (`purpose=moderation`): a reviewer tells it from a request's."""
+    """One record stands for all of a response's output checks: how many, and what they scored. Either
+    direction says `answer=cache` when the result cache held the request's answer (served, not generated,
+    unless the input check blocked it). A moderation's input check says it was one (`purpose=moderation`):
+    a reviewer tells it from a request's."""
+    parts = []
     if record.direction == "output":
-        detail = f"checks={record.checks} guard_tokens={record.guard_tokens}"
-        return f"{detail} answer=cache" if record.answered_from == "cache" else detail
-    return "purpose=moderation" if record.purpose == "moderation" else ""
+        parts.append(f"checks={record.checks} guard_tokens={record.guard_tokens}")
+    elif record.purpose == "moderation":
+        parts.append("purpose=moderation")
+    if record.answered_from == "cache":
+        parts.append("answer=cache")
+    return " ".join(parts)
