@@ -16,15 +16,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.di import NamedDependency
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 from msgspec.structs import asdict
 
-from gateway.api.openapi import errors, request_body, secured
+from gateway.api.openapi import ChatStreamingOperation, errors, request_body, secured
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
 from gateway.edge.sessions import session_chat, sessions_of
-from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.schemas import ChatCompletion, ChatCompletionRequest, ChatMessage
 from gateway.services import Services
 from gateway.sessions.base import Bound, Migration, OnRetire, SessionRecord, Usage
 from policy.auth import Principal
@@ -173,7 +174,16 @@ async def delete_session(
     dependencies=request_body(
         SessionStepRequest, {"step": 1, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
     ),
-    responses=errors(400, 404, 409, 410, 413, 429, 502),
+    responses={
+        HTTP_200_OK: ResponseSpec(
+            ChatCompletion,
+            generate_examples=False,
+            description="The step's reply as a chat completion (JSON), or with `stream: true` server-sent "
+            "events; headers `x-lockgate-session` and `x-lockgate-session-step`.",
+        ),
+        **errors(400, 404, 409, 410, 413, 429, 502),
+    },
+    operation_class=ChatStreamingOperation,
 )
 async def session_messages(
     session_id: FromPath[str],
