@@ -65,6 +65,8 @@ class APIError(Exception):
 
     status_code = 500
     error_type = "server_error"
+    # The machine-readable `code` of an error raised without one: every error carries a code.
+    default_code = "internal_error"
 
     def __init__(
         self,
@@ -77,7 +79,7 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None else self.default_code
         self.headers = dict(headers or {})
 
     def body(self) -> ErrorResponse:
@@ -92,6 +94,7 @@ class InvalidRequestError(APIError):
 
     status_code = 400
     error_type = "invalid_request_error"
+    default_code = "invalid_value"
 
 
 class AuthenticationError(APIError):
@@ -99,6 +102,7 @@ class AuthenticationError(APIError):
 
     status_code = 401
     error_type = "authentication_error"
+    default_code = "invalid_api_key"
 
 
 class PermissionDeniedError(APIError):
@@ -106,6 +110,7 @@ class PermissionDeniedError(APIError):
 
     status_code = 403
     error_type = "permission_error"
+    default_code = "permission_denied"
 
 
 class RateLimitedError(APIError):
@@ -113,6 +118,7 @@ class RateLimitedError(APIError):
 
     status_code = 429
     error_type = "rate_limit_exceeded"
+    default_code = "rate_limit_exceeded"
 
 
 class ClientClosedError(APIError):
@@ -120,6 +126,7 @@ class ClientClosedError(APIError):
 
     status_code = 499
     error_type = "client_closed_request"
+    default_code = "client_closed_request"
 
 
 class NotFoundError(APIError):
@@ -127,6 +134,7 @@ class NotFoundError(APIError):
 
     status_code = 404
     error_type = "not_found_error"
+    default_code = "not_found"
 
 
 class PayloadTooLargeError(APIError):
@@ -134,6 +142,7 @@ class PayloadTooLargeError(APIError):
 
     status_code = 413
     error_type = "invalid_request_error"
+    default_code = "body_too_large"
 
 
 class EngineUnavailableError(APIError):
@@ -141,6 +150,7 @@ class EngineUnavailableError(APIError):
 
     status_code = 503
     error_type = "service_unavailable"
+    default_code = "unavailable"
 
 
 class StoreUnavailableError(APIError):
@@ -158,6 +168,7 @@ class EngineFailedError(APIError):
 
     status_code = 502
     error_type = "engine_error"
+    default_code = "engine_error"
 
 
 def error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> Response[bytes]:

@@ -88,6 +88,7 @@ class PublishRefusedError(APIError):
 
     status_code = 409
     error_type = "conflict_error"
+    default_code = "publish_refused"
 
     def __init__(self, reports: tuple[Report, ...]) -> None:
         refused = [r for r in reports if r.refused]

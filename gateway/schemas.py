@@ -5,11 +5,22 @@ Requests forbid unknown fields: a field we do not support is refused by name rat
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from registry.models import NAME_PATTERN
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+# A model as a request names it: a registry name (an alias), or a pinned `name@version`; the OpenAPI document
+# states the pattern the server enforces.
+ModelName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=f"^{NAME_PATTERN.pattern}(@{NAME_PATTERN.pattern})?$",
+        description="A model name, or a pinned version `name@version`.",
+    ),
+]
 
 
 class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,7 +137,7 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 class _Sampling(_Request, frozen=True, kw_only=True):
     """Fields shared by both completion endpoints."""
 
-    model: str
+    model: ModelName
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

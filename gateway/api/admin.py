@@ -40,6 +40,7 @@ class ConflictAPIError(APIError):
 
     status_code = 409
     error_type = "conflict_error"
+    default_code = "conflict"
 
 
 class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -48,6 +48,7 @@ class RegistryConflictError(APIError):
 
     status_code = 409
     error_type = "conflict_error"
+    default_code = "conflict"
 
 
 class PublishBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -25,7 +25,7 @@ from gateway.api.openapi import ChatStreamingOperation, errors, request_body, se
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
 from gateway.edge.sessions import session_chat, sessions_of
-from gateway.schemas import ChatCompletion, ChatCompletionRequest, ChatMessage
+from gateway.schemas import ChatCompletion, ChatCompletionRequest, ChatMessage, ModelName
 from gateway.services import Services
 from gateway.sessions.base import Bound, Migration, OnRetire, SessionRecord, Usage
 from policy.auth import Principal
@@ -37,7 +37,7 @@ _Value = Annotated[str, msgspec.Meta(max_length=512)]
 class SessionCreateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/sessions`."""
 
-    model: str
+    model: ModelName
     # The tenant's own policy (its name, or the version it resolves to now): a pin, never another policy.
     policy: str | None = None
     # One of the tenant's registry prompts (the tenant's or this key's, or a version of one); default: the

@@ -48,7 +48,9 @@ def _on_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> R
             "request body is larger than the configured limit", code="body_too_large"
         )
     elif status == 405:
-        api = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
+        api = InvalidRequestError(
+            f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+        )
         api.status_code = 405
     elif status == 404:
         api = NotFoundError(f"no route {request.method} {request.url.path}")

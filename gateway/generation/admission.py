@@ -45,6 +45,7 @@ class AdmissionAPIError(APIError):
     """An admission or routing refusal, with the status and code the refusal names."""
 
     error_type = "service_unavailable"
+    default_code = "unavailable"
 
     def __init__(self, status: int, message: str, *, code: str, retry_after: float | None) -> None:
         headers = {} if retry_after is None else retry_after_headers(retry_after)

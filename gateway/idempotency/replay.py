@@ -54,6 +54,7 @@ class IdempotencyConflictError(APIError):
 
     status_code = 409
     error_type = "invalid_request_error"
+    default_code = "idempotency_conflict"
 
 
 class IdempotencyUnavailableError(APIError):

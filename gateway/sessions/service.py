@@ -102,6 +102,7 @@ class StepConflictError(APIError):
 
     status_code = 409
     error_type = "invalid_request_error"
+    default_code = "step_conflict"
 
 
 class SessionUnavailableError(APIError):

@@ -297,6 +297,9 @@ CASES = [
     # Missing required fields.
     pytest.param(Case(chat_without("messages"), *bad("messages")), id="missing-messages"),
     pytest.param(Case(chat_without("model"), *bad("model")), id="missing-model"),
+    # The pattern the OpenAPI document states for `model` is the one enforced: outside it, 400 naming it.
+    pytest.param(Case(chat(model="no such"), *bad("model", "invalid_value")), id="model-outside-pattern"),
+    pytest.param(Case(chat(model="a@b@c"), *bad("model", "invalid_value")), id="model-ref-outside-pattern"),
     pytest.param(
         Case(chat(messages=[{"role": "robot", "content": "hi"}]), *bad("messages[0].role")), id="bad-role"
     ),
@@ -438,7 +441,8 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     assert error["message"]
     assert isinstance(error["type"], str)
     assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
+    assert isinstance(error["code"], str)  # every error carries a machine-readable code
+    assert error["code"]
     return error
 
 
@@ -458,6 +462,8 @@ async def test_refusal(
     assert error["type"] == case.type
     assert error["param"] == case.param
     assert error["code"] == case.code
+    if case.status == 405:
+        assert "POST" in response.headers["allow"]
     await assert_engine_untouched(sim_engine, outcomes)
 
 

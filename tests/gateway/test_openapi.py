@@ -462,3 +462,22 @@ def test_the_document_is_the_same_whatever_the_string_hashing() -> None:
     assert len(documents) == 1
     tenant = json.loads(documents.pop())["components"]["schemas"]["TenantCreate"]
     assert tenant["examples"][0]["tenant_id"] == "acme"
+
+
+async def test_the_document_states_the_model_name_pattern_the_server_enforces(gateway: Gateway) -> None:
+    schemas = gateway.contract.document["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest"):
+        pattern = schemas[name]["properties"]["model"]["pattern"]
+        assert re.fullmatch(pattern.strip("^$"), MODEL)
+        assert re.fullmatch(pattern.strip("^$"), f"{MODEL}@abc123")
+        assert not re.fullmatch(pattern.strip("^$"), "a b")
+        assert not re.fullmatch(pattern.strip("^$"), "a@b@c")
+    headers = {"authorization": f"Bearer {gateway.keys['acme']}"}
+    # Valid by the document, not served: 404 (not a 400 the document could not predict).
+    unknown = await gateway.http.post(
+        "/v1/chat/completions",
+        json={"model": "x.y-z", "messages": [{"role": "user", "content": "hi"}]},
+        headers=headers,
+    )
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
