@@ -460,7 +460,7 @@ def create_app(
             result_cache = open_result_cache(config, clock)
             if result_cache is not None:
                 owned.push_async_callback(result_cache.store.aclose)
-            sessions = open_sessions(config, clock)
+            sessions = await open_sessions(config, clock)
             if sessions is not None:
                 owned.push_async_callback(sessions.store.aclose)
             days = config.audit.content_retention_days

@@ -512,9 +512,11 @@ class SessionsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     # Off: `/v1/sessions` answers 404 and `x-lockgate-session` is refused.
     enabled: bool = True
-    # `memory`: in this process. `redis`: shared by every gateway process and replica (a restarted or second
-    # gateway continues a session); required for `lockgate serve --workers N`.
-    backend: Literal["memory", "redis"] = "memory"
+    # `memory`: in this process. `redis` or `postgres`: shared by every gateway process and replica (a
+    # restarted or second gateway continues a session); one of them is required for `lockgate serve --workers
+    # N`. `postgres` keeps them in `[storage]`'s `postgres_dsn` and `postgres_schema` (whatever
+    # `storage.backend` is), in a table of their own.
+    backend: Literal["memory", "redis", "postgres"] = "memory"
     # Redis URL for the `redis` backend; "" = the quota store's `quota.redis_url`.
     redis_url: str = ""
     # Seconds a session lives from its creation (absolute expiry) unless it asks for less; and the most it
@@ -537,7 +539,8 @@ class SessionsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Largest answer (body bytes) a step keeps for its retries. A larger answer is sent but the step is not
     # recorded (as a failed step is not): the session stays where it was and the step may be sent again.
     max_answer_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4_194_304
-    # Seconds one Redis operation may take; past it the request gets 503 `session_store_unavailable`.
+    # Seconds one operation of the `redis` or `postgres` store may take; past it the request gets 503
+    # `session_store_unavailable`.
     op_timeout: Annotated[float, msgspec.Meta(gt=0)] = 0.5
 
 
@@ -636,8 +639,10 @@ def check_workers(config: Config) -> None:
         problems.append("`idempotency.backend` must be redis (a retry may reach another worker)")
     if config.result_cache.enabled and config.result_cache.backend != "redis":
         problems.append("`result_cache.backend` must be redis (each worker would keep a cache of its own)")
-    if config.sessions.enabled and config.sessions.backend != "redis":
-        problems.append("`sessions.backend` must be redis (a session's next step may reach another worker)")
+    if config.sessions.enabled and config.sessions.backend == "memory":
+        problems.append(
+            "`sessions.backend` must be redis or postgres (a session's next step may reach another worker)"
+        )
     local = [f"[[engines]] #{i + 1}" for i, spec in enumerate(config.engines) if spec.kind == "vllm_local"]
     if not config.engines and config.engine.kind == "vllm_local":
         local.append("the embedded engine (`engine.kind` vllm_local)")
@@ -703,6 +708,8 @@ def _check(config: Config) -> None:
         raise ConfigError(f"`server.port` must be in 1..65535, got {config.server.port}")
     if config.storage.backend == "postgres" and not config.storage.postgres_dsn:
         raise ConfigError("`storage.postgres_dsn` must be set when `storage.backend` is postgres")
+    if config.sessions.enabled and config.sessions.backend == "postgres" and not config.storage.postgres_dsn:
+        raise ConfigError("`storage.postgres_dsn` must be set when `sessions.backend` is postgres")
     for name, value in {
         "auth.stale_grace": config.auth.stale_grace,
         "auth.negative_ttl": config.auth.negative_ttl,

@@ -1,15 +1,21 @@
-"""Session stores: one contract suite for every `SessionStore` backend (memory, and real Redis), then what
-each does alone (the memory store's clock and bound, Redis' expiry, key layout and failures).
+"""Session stores: one contract suite for every `SessionStore` backend (memory, real Redis and real
+PostgreSQL), then what each does alone (the memory store's clock and bound, Redis' expiry, key layout and
+failures, PostgreSQL's forgetting, table layout and failures).
 
-Redis must run on 127.0.0.1:6379: without it the redis cases fail; they never skip. Every Redis store here
-writes under a key prefix of its own, deleted afterwards."""
+Redis must run on 127.0.0.1:6379 and PostgreSQL at `PG_DSN`: without them their cases fail; they never skip.
+Every Redis store here writes under a key prefix of its own, deleted afterwards; every PostgreSQL store in a
+fresh schema, dropped afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
+import asyncpg  # type: ignore[import-untyped]
 import msgspec
 import pytest
 import redis.asyncio
@@ -30,8 +36,9 @@ from gateway.sessions.base import (
     Versioned,
 )
 from gateway.sessions.memory import MemorySessionStore
+from gateway.sessions.postgres import SWEEP_LIMIT, PostgresSessionStore
 from gateway.sessions.redis import RedisSessionStore
-from tests.backends import REDIS_URL, FakeClock
+from tests.backends import PG_DSN, REDIS_URL, FakeClock, postgres_schema
 
 KEEP = 3600.0
 NOW = 1_800_000_000.0
@@ -112,12 +119,52 @@ class RedisSpace:
         await self.client.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+class PostgresSpace:
+    """A fresh schema on the shared PostgreSQL, one pool on it, and an admin connection: stores made on it
+    share sessions (gateway replicas) and the clock `clock`."""
+
+    def __init__(self, schema: str, pool: Any, admin: Any, clock: FakeClock, op_timeout: float) -> None:
+        self.schema = schema
+        self.pool = pool
+        self.admin = admin
+        self.clock = clock
+        self.op_timeout = op_timeout
+
+    def store(self) -> PostgresSessionStore:
+        # Stores on one pool: the pool holds a connection per store saving at once, as replicas would.
+        return PostgresSessionStore(self.pool, self.clock, op_timeout=self.op_timeout)
+
+    async def rows(self) -> dict[str, tuple[Any, ...]]:
+        """The table's rows by id (every column but the id), forgotten ones included."""
+        found = await self.admin.fetch(
+            "SELECT id, tenant, version, body, live, last_used, history_tokens, forget_at"
+            f" FROM {self.schema}.gateway_sessions"
+        )
+        return {row[0]: tuple(row[1:]) for row in found}
+
+
+@asynccontextmanager
+async def postgres_space(op_timeout: float = 5.0) -> AsyncIterator[PostgresSpace]:
+    """A `PostgresSpace` on a fresh schema, created and migrated as `open` does; dropped afterwards."""
+    async with postgres_schema() as (schema, admin):
+        pool = await PostgresSessionStore.open_pool(PG_DSN, schema=schema)
+        try:
+            yield PostgresSpace(schema, pool, admin, FakeClock(), op_timeout)
+        finally:
+            await pool.close()
+
+
+@pytest.fixture(params=["memory", "redis", "postgres"])
 async def opener(request: pytest.FixtureRequest) -> AsyncIterator[Opener]:
-    """Opens stores of one backend that share their sessions (one process's, or one Redis prefix's)."""
+    """Opens stores of one backend that share their sessions (one process's, one Redis prefix's, or one
+    PostgreSQL schema's)."""
     if request.param == "memory":
         memory = MemorySessionStore(FakeClock(), max_entries=100)
         yield lambda: memory
+        return
+    if request.param == "postgres":
+        async with postgres_space() as pg:
+            yield pg.store
         return
     space = RedisSpace()
     try:
@@ -327,3 +374,114 @@ async def test_an_unreachable_redis_is_an_unavailable_store() -> None:
             await store.index("acme")
     finally:
         await store.aclose()
+
+
+async def test_postgres_forgets_a_record_after_its_keep_and_creates_delete_the_forgotten() -> None:
+    async with postgres_space() as pg:
+        store = pg.store()
+        assert await store.save(record("s1"), None, 60)
+        assert await store.save(record("s2"), None, 120)
+        pg.clock.advance(59)
+        assert await store.load("s1") == Versioned(record("s1"), 1)
+        pg.clock.advance(1)
+        assert await store.load("s1") is None
+        assert await store.index("acme") == {"s2": IndexEntry(NOW, 0)}
+        assert not await store.save(record("s1"), 1, 60)  # forgotten: the id is unknown
+        assert await store.save(record("s1", history_tokens=4), None, 60)  # and may be created again
+        assert await store.load("s1") == Versioned(record("s1", history_tokens=4), 1)
+        pg.clock.advance(60)
+        assert await store.index("acme") == {}
+        assert set(await pg.rows()) == {"s1", "s2"}  # reading deletes nothing
+        assert await store.save(record("s3", tenant="globex"), None, 60)  # a create deletes them
+        assert set(await pg.rows()) == {"s3"}
+
+
+async def test_postgres_deletes_a_bounded_number_of_forgotten_rows_per_create() -> None:
+    async with postgres_space() as pg:
+        await pg.admin.executemany(
+            f"INSERT INTO {pg.schema}.gateway_sessions"
+            " (id, tenant, version, body, live, last_used, history_tokens, forget_at)"
+            " VALUES ($1, 'acme', 1, '\\x00'::bytea, true, 0, 0, $2)",
+            [(f"old-{i}", NOW - 1000 + i) for i in range(SWEEP_LIMIT + 5)],
+        )
+        store = pg.store()
+        assert await store.index("acme") == {}
+        assert await store.save(record("s1"), None, KEEP)
+        left = set(await pg.rows())
+        assert left == {"s1"} | {f"old-{i}" for i in range(SWEEP_LIMIT, SWEEP_LIMIT + 5)}  # oldest first
+        assert await store.save(record("s2"), None, KEEP)
+        assert set(await pg.rows()) == {"s1", "s2"}
+
+
+async def test_postgres_stores_the_layout_its_docstring_describes() -> None:
+    async with postgres_space() as pg:
+        store = pg.store()
+        assert await store.save(record("s1"), None, KEEP)
+        pg.clock.advance(10)
+        assert await store.save(record("s1", history_tokens=3, last_used=NOW + 10), 1, 60)
+        body = msgspec.msgpack.encode(record("s1", history_tokens=3, last_used=NOW + 10))
+        assert (await pg.rows())["s1"] == ("acme", 2, body, True, NOW + 10, 3, NOW + 70)
+        ended = record("s1", ended=Ended(reason="expired", at=NOW))
+        assert await store.save(ended, 2, KEEP)
+        assert (await pg.rows())["s1"][:4] == ("acme", 3, msgspec.msgpack.encode(ended), False)
+        assert await store.index("acme") == {}
+        indexes = {
+            row[0]: row[1]
+            for row in await pg.admin.fetch(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", pg.schema
+            )
+        }
+        assert indexes["gateway_sessions_live_by_tenant"].endswith("(tenant) WHERE live")
+        assert indexes["gateway_sessions_by_forget_at"].endswith("(forget_at)")
+
+
+async def test_a_record_postgres_holds_that_no_store_wrote_is_an_unavailable_store() -> None:
+    async with postgres_space() as pg:
+        await pg.admin.execute(
+            f"INSERT INTO {pg.schema}.gateway_sessions"
+            " (id, tenant, version, body, live, last_used, history_tokens, forget_at)"
+            " VALUES ('s1', 'acme', 1, $1, true, 0, 0, $2)",
+            b"\xc1junk",
+            NOW + KEEP,
+        )
+        store = pg.store()
+        with pytest.raises(SessionStoreUnavailableError, match="does not decode"):
+            await store.load("s1")
+        assert not await store.save(record("s1"), None, KEEP)  # never started afresh over it
+
+
+async def test_an_unreachable_postgres_is_an_unavailable_store() -> None:
+    # No connection is opened until an operation needs one (min_size 0): each finds the server gone.
+    pool = await asyncpg.create_pool(
+        "postgresql://postgres@127.0.0.1:1/test", min_size=0, max_size=1, timeout=0.2
+    )
+    store = PostgresSessionStore(pool, FakeClock(), op_timeout=0.5)
+    try:
+        with pytest.raises(SessionStoreUnavailableError, match="the session database is unreachable"):
+            await store.load("s1")
+        with pytest.raises(SessionStoreUnavailableError):
+            await store.save(record(), None, KEEP)
+        with pytest.raises(SessionStoreUnavailableError):
+            await store.index("acme")
+    finally:
+        await store.aclose()
+
+
+async def test_a_postgres_operation_past_its_op_timeout_is_an_unavailable_store() -> None:
+    async with postgres_space(op_timeout=0.3) as pg:
+        store = pg.store()
+        assert await store.save(record(), None, KEEP)
+        # Another transaction holds the row: the save waits on its lock until the bound.
+        holder = await asyncpg.connect(PG_DSN, timeout=10)
+        try:
+            async with holder.transaction():
+                await holder.execute(f"SELECT 1 FROM {pg.schema}.gateway_sessions WHERE id = 's1' FOR UPDATE")
+                started = time.monotonic()
+                with pytest.raises(SessionStoreUnavailableError, match=r"did not answer within 0\.3s"):
+                    await store.save(record(history_tokens=1), 1, KEEP)
+                assert time.monotonic() - started < 2.0
+        finally:
+            await holder.close()
+        # The lock is gone: the store answers again, and the timed-out save wrote nothing.
+        assert await store.load("s1") == Versioned(record(), 1)
+        assert await store.save(record(history_tokens=1), 1, KEEP)

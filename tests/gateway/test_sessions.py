@@ -26,7 +26,7 @@ from gateway.sessions.service import REPLAYED_HEADER, SESSION_HEADER, STEP_HEADE
 from policy.safety.defaults import rules_policy
 from policy.tenants.models import Tenant
 from registry.models import PromptSpec
-from tests.backends import REDIS_URL, FakeClock
+from tests.backends import PG_DSN, REDIS_URL, FakeClock, postgres_schema
 from tests.conftest import (
     MODEL,
     SESSION_DIR,
@@ -515,3 +515,48 @@ async def test_a_blocked_step_is_not_recorded_and_the_whole_history_is_guarded_a
         assert smuggled.status_code == 400, smuggled.text
         assert smuggled.json()["error"]["code"] == "content_policy_violation"
     assert len(gateway.calls) == 1
+
+
+async def test_a_second_gateway_on_the_same_postgres_continues_the_session(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    calls: list[EngineRequest] = []
+    gate, called = asyncio.Event(), asyncio.Event()
+    gate.set()
+    _counting(sim_engine, calls, gate, called)
+    async with postgres_schema() as (schema, admin):
+        config = _config(backend="postgres")
+        storage = StorageConfig(backend="postgres", postgres_dsn=PG_DSN, postgres_schema=schema)
+        config = msgspec.structs.replace(config, storage=storage)
+        first = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
+        async with (
+            serving(first) as url,
+            httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
+        ):
+            session = (await http.post("/v1/sessions", json={"model": MODEL})).json()["id"]
+            step = await http.post(
+                f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
+            )
+            assert step.status_code == 200
+        # The first gateway is gone (a restart, or another replica): the second continues from the table.
+        assert await admin.fetchval(f"SELECT version FROM {schema}.gateway_sessions WHERE id = $1", session)
+        second = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
+        async with (
+            serving(second) as url,
+            httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
+        ):
+            retried = await http.post(
+                f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
+            )
+            assert retried.headers[REPLAYED_HEADER] == "true"
+            assert retried.content == step.content
+            following = await http.post(
+                f"/v1/sessions/{session}/messages", json={"step": 2, "messages": [USER], "max_tokens": 6}
+            )
+            assert following.status_code == 200
+            shown = (await http.get(f"/v1/sessions/{session}")).json()
+    assert [s["step"] for s in shown["steps"]] == [1, 2]
+    assert len(calls) == 2
+    assert list(calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)]) == list(
+        calls[0].prompt_token_ids
+    )
