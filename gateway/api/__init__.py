@@ -1,6 +1,7 @@
 """The HTTP API: one module per route group, each exporting its handlers as `ROUTES`.
 
     completions     POST /v1/chat/completions, /v1/completions (answered by the fast path, gateway.edge)
+    responses       POST /v1/responses: the Responses API over the chat pipeline (gateway.responses_api)
     sessions        /v1/sessions/...: server-side sessions bound to the versions they started on
     moderations     POST /v1/moderations
     models          GET  /v1/models
@@ -25,12 +26,14 @@ from gateway.api import (
     models,
     moderations,
     registry,
+    responses,
     sessions,
 )
 
 # In this order in the OpenAPI document.
 ROUTES = [
     *completions.ROUTES,
+    *responses.ROUTES,
     *sessions.ROUTES,
     *moderations.ROUTES,
     *models.ROUTES,
