@@ -1,35 +1,64 @@
-"""`POST /v1/responses`: the OpenAI Responses API, served by the chat completions pipeline (OpenAPI tag
-`openai`).
+"""`/v1/responses`: the OpenAI Responses API, served by the chat completions pipeline (OpenAPI tag `openai`).
+
+    POST   /v1/responses          a response, whole or streamed; `store` (default true) keeps it, and
+                                  `previous_response_id` continues a stored one
+    GET    /v1/responses/{id}     a stored response, as it was answered
+    DELETE /v1/responses/{id}     forget it
 
 The request becomes a chat completion (`gateway.responses_api.requests`: what the chat route cannot do is a
 400 naming the field), which runs the whole pipeline (quota, input guard over every input item, admission,
 engine, output guard, audit); its answer is re-told as a response object or as the Responses API's event
-stream (`gateway.responses_api.output`). Errors before the answer are the chat route's, in the OpenAI shape.
+stream (`gateway.responses_api.output`), and kept as it was sent where the response is stored
+(`gateway.responses_api.stored`, in the session store). Errors before the answer are the chat route's.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from litestar import Request, Response, post
+import msgspec
+from litestar import Request, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.enums import MediaType
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 
 from gateway.api.openapi import errors, request_body, secured
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
+from gateway.errors import InvalidRequestError
 from gateway.generation.pipeline import run_chat
-from gateway.responses_api.output import events, whole
-from gateway.responses_api.requests import chat_request
+from gateway.keeping import StoredAnswer, kept
+from gateway.responses_api.output import events, final, whole
+from gateway.responses_api.requests import chat_request, input_messages
 from gateway.responses_api.schemas import ResponseCreateRequest, ResponseObject
+from gateway.responses_api.stored import ROOT, StoredResponses, new_id, request_of
 from gateway.schemas import ChatCompletion
 from gateway.services import Services
+from gateway.sessions.history import messages_of
 from policy.auth import Principal
 
 _REQUEST = Decoder(ResponseCreateRequest)
+
+
+class ResponseDeleted(msgspec.Struct, frozen=True, kw_only=True):
+    """`DELETE /v1/responses/{id}`."""
+
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+def _stored(services: Services, param: str) -> StoredResponses:
+    if services.sessions is None:
+        raise InvalidRequestError(
+            "responses are not stored on this gateway (`[sessions] enabled` is false)",
+            param=param,
+            code="unsupported_parameter",
+        )
+    return StoredResponses(services.sessions)
 
 
 @post(
@@ -62,17 +91,61 @@ async def create_response(
     output, through the same gate as chat completions."""
     allow(principal, "consumer")
     body = _REQUEST.decode(await read_body(request))
-    answer = await run_chat(services.generation, chat_request(body), request, principal)
+    messages = input_messages(body)
+    rid = new_id()
+    store = body.store is not False and services.sessions is not None
+    stored = _stored(services, "previous_response_id") if body.previous_response_id or store else None
+    previous = None
+    if stored is not None and body.previous_response_id:
+        previous = await stored.load(principal, body.previous_response_id, "previous_response_id")
+    history = messages_of(previous) if previous else None
+    chat = chat_request(body, messages, history)
+    binding = None
+    if stored is not None:
+        bound = previous.bound if previous else stored.bound(services.generation, principal, body)
+        root = previous.metadata.get(ROOT, previous.id) if previous else rid
+        binding = stored.binding(bound, principal.tenant.tenant_id, root)
+    answer = await run_chat(services.generation, chat, request, principal, binding)
     if (answer.status_code or 200) != 200:
         return answer
+    if store and stored is not None:
+        keeper = stored
+
+        async def keep(sent: StoredAnswer | None) -> None:
+            if sent is not None:
+                await keeper.keep(principal, rid, body, bound, previous, messages, sent)
+
+        state = request.scope.setdefault("state", {})
+        answer = await kept(answer, keep, state, services.config.sessions.max_answer_bytes)
     if isinstance(answer.content, AsyncIterator):
-        answer.content = events(body, answer.content)
+        answer.content = events(body, answer.content, rid)
         return answer
     if isinstance(answer.content, (bytes, ChatCompletion)):
-        return Response(
-            content=whole(body, answer.content), media_type=MediaType.JSON, headers=answer.headers
-        )
+        content = whole(body, answer.content, rid)
+        return Response(content=content, media_type=MediaType.JSON, headers=answer.headers)
     return answer
 
 
-ROUTES = [secured("openai", [create_response])]
+@get("/v1/responses/{response_id:str}", responses=errors(400, 404))
+async def get_response(
+    response_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> ResponseObject:
+    """A stored response, as it was answered."""
+    allow(principal, "consumer")
+    record = await _stored(services, "response_id").load(principal, response_id, "response_id")
+    answer = record.steps[-1].answer
+    streamed = answer.media_type.startswith("text/event-stream")
+    return await final(request_of(record), answer.body, streamed, record.id)
+
+
+@delete("/v1/responses/{response_id:str}", status_code=HTTP_200_OK, responses=errors(400, 404))
+async def delete_response(
+    response_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> ResponseDeleted:
+    """Forget a stored response (the responses that continued it keep their own copies)."""
+    allow(principal, "consumer")
+    await _stored(services, "response_id").delete(principal, response_id)
+    return ResponseDeleted(id=response_id)
+
+
+ROUTES = [secured("openai", [create_response, get_response, delete_response])]

@@ -94,11 +94,6 @@ _CHUNK = msgspec.json.Decoder(_Chunk)
 _WHOLE = msgspec.json.Decoder(ChatCompletion)
 
 
-def response_id(chat_id: str) -> str:
-    """The response's id for the chat completion `chat_id` (`chatcmpl-<request id>`)."""
-    return "resp_" + chat_id.removeprefix("chatcmpl-")
-
-
 def skeleton(req: ResponseCreateRequest, rid: str, model: str) -> ResponseObject:
     """The response before its output: what the request asked for, echoed as OpenAI does."""
     return ResponseObject(
@@ -144,10 +139,9 @@ def _ended(response: ResponseObject, finish: str | None) -> ResponseObject:
     return replace(response, status="completed")
 
 
-def whole(req: ResponseCreateRequest, body: bytes | ChatCompletion) -> ResponseObject:
-    """The response a whole chat completion makes."""
+def whole(req: ResponseCreateRequest, body: bytes | ChatCompletion, rid: str) -> ResponseObject:
+    """Response `rid` as a whole chat completion makes it."""
     chat = body if isinstance(body, ChatCompletion) else _WHOLE.decode(body)
-    rid = response_id(chat.id)
     response = skeleton(req, rid, chat.model)
     items: list[OutputMessage | FunctionCall] = []
     first = next((c for c in chat.choices if c.index == 0), None)
@@ -170,8 +164,9 @@ def whole(req: ResponseCreateRequest, body: bytes | ChatCompletion) -> ResponseO
 class _Events:
     """The Responses API events of one chat stream, built as its chunks arrive."""
 
-    def __init__(self, req: ResponseCreateRequest) -> None:
+    def __init__(self, req: ResponseCreateRequest, rid: str) -> None:
         self._req = req
+        self._rid = rid
         self._seq = 0
         self.response: ResponseObject | None = None
         self._items: list[OutputMessage | FunctionCall] = []
@@ -186,7 +181,7 @@ class _Events:
         return b"event: " + kind.encode() + b"\ndata: " + _ENCODE(data) + b"\n\n"
 
     def start(self, chunk: _Chunk) -> list[bytes]:
-        self.response = skeleton(self._req, response_id(chunk.id), chunk.model)
+        self.response = skeleton(self._req, self._rid, chunk.model)
         body = msgspec.to_builtins(self.response)
         return [
             self.event("response.created", response=body),
@@ -336,9 +331,11 @@ class _Events:
         return [self.event("response.failed", response=msgspec.to_builtins(final))]
 
 
-async def events(req: ResponseCreateRequest, chat_events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The Responses API events of a chat completion stream (module docstring)."""
-    state = _Events(req)
+async def events(
+    req: ResponseCreateRequest, chat_events: AsyncIterator[bytes], rid: str
+) -> AsyncIterator[bytes]:
+    """The Responses API events of a chat completion stream, as response `rid` (module docstring)."""
+    state = _Events(req, rid)
     ended = False
     async for block in chat_events:
         out: list[bytes] = []
@@ -354,7 +351,7 @@ async def events(req: ResponseCreateRequest, chat_events: AsyncIterator[bytes]) 
             chunk = _CHUNK.decode(data)
             if chunk.error is not None:
                 if state.response is None:
-                    state.response = skeleton(req, response_id("chatcmpl-" + "failed"), req.model)
+                    state.response = skeleton(req, rid, req.model)
                 out += state.failed(chunk.error)
                 ended = True
                 continue
@@ -363,3 +360,18 @@ async def events(req: ResponseCreateRequest, chat_events: AsyncIterator[bytes]) 
             out += state.chunk(chunk)
         if out:
             yield b"".join(out)
+
+
+async def final(req: ResponseCreateRequest, answer: bytes, streamed: bool, rid: str) -> ResponseObject:
+    """Response `rid` as a kept chat answer makes it: whole, or the last event of its stream re-told."""
+    if not streamed:
+        return whole(req, answer, rid)
+
+    async def once() -> AsyncIterator[bytes]:
+        yield answer
+
+    last = b""
+    async for block in events(req, once(), rid):
+        last = block
+    data = last.rstrip().rsplit(b"\ndata: ", 1)[-1]
+    return msgspec.convert(msgspec.json.decode(data)["response"], ResponseObject)

@@ -9,8 +9,11 @@ guard for both routes.
     tools, tool_choice, parallel_tool_calls, text.format, temperature, top_p, max_output_tokens, metadata,
     user, stream                      their chat completion fields
 
+    previous_response_id              the stored conversation it names, before this request's input
+                                      (`gateway.responses_api.stored`)
+
 What the chat route cannot do is refused with a 400 naming the field: images and files, built-in tools,
-`previous_response_id` (responses are not stored), `include`, reasoning effort, background runs.
+`include`, reasoning effort, background runs.
 """
 
 from __future__ import annotations
@@ -41,13 +44,9 @@ def unsupported(param: str, what: str) -> InvalidRequestError:
     return InvalidRequestError(f"{what} is not supported", param=param, code="unsupported_parameter")
 
 
-def chat_request(req: ResponseCreateRequest) -> ChatCompletionRequest:
-    """The chat completion request `req` means (module docstring)."""
-    if req.previous_response_id is not None:
-        raise unsupported("previous_response_id", "previous_response_id (responses are not stored here)")
-    if req.include:
-        raise unsupported("include", "include")
-    messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+def input_messages(req: ResponseCreateRequest) -> list[ChatMessage]:
+    """The request's `input` as chat messages (module docstring)."""
+    messages: list[ChatMessage] = []
     if isinstance(req.input, str):
         messages.append(ChatMessage(role="user", content=req.input))
     else:
@@ -55,6 +54,18 @@ def chat_request(req: ResponseCreateRequest) -> ChatCompletionRequest:
             _append(messages, item, f"input[{i}]")
     if not messages:
         raise InvalidRequestError("input must hold at least one item", param="input", code="invalid_value")
+    return messages
+
+
+def chat_request(
+    req: ResponseCreateRequest, messages: list[ChatMessage], history: list[ChatMessage] | None = None
+) -> ChatCompletionRequest:
+    """The chat completion request `req` means, with its input `messages` after the `history` of the
+    response it continues (module docstring)."""
+    if req.include:
+        raise unsupported("include", "include")
+    instructions = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    messages = [*instructions, *(history or ()), *messages]
     stream = bool(req.stream)
     return ChatCompletionRequest(
         model=req.model,

@@ -122,6 +122,15 @@ class Sessions:
         # Events by name (EVENTS, every one present): `lockgate:session_events_total`.
         self.counts: Counter[str] = Counter(dict.fromkeys(EVENTS, 0))
 
+    @property
+    def config(self) -> SessionsConfig:
+        """The `[sessions]` settings."""
+        return self._config
+
+    def now(self) -> float:
+        """The injected clock's time."""
+        return self._clock()
+
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
     async def create(
@@ -177,7 +186,7 @@ class Sessions:
             on_retire=on_retire,
         )
         await self._make_room(record.tenant, keep=record.id, sessions=1)
-        await self._save(record, None)
+        await self.save(record, None)
         self.counts["created"] += 1
         return record
 
@@ -244,7 +253,7 @@ class Sessions:
             record = await self._served(gen, principal, found)
             token = secrets.token_hex(16)
             claim = Pending(step=n, fingerprint=print_, token=token, until=now + self._config.pending_timeout)
-            if await self._save(replace(record, pending=claim), found.version):
+            if await self.save(replace(record, pending=claim), found.version):
                 break
         else:
             raise StepConflictError(
@@ -304,7 +313,7 @@ class Sessions:
                         last_used=done.at,
                         history_tokens=done.usage.prompt_tokens + done.usage.completion_tokens,
                     )
-                if await self._save(record, found.version):
+                if await self.save(record, found.version):
                     if done is not None:
                         self.counts["step"] += 1
                         await self._make_room(record.tenant, keep=record.id, sessions=0)
@@ -317,7 +326,7 @@ class Sessions:
 
     async def _live(self, principal: Principal, session_id: str) -> Versioned:
         """The caller's session, ended first if it has lapsed (410 then; 404 unknown or another tenant's)."""
-        found = await self._call(self.store.load(session_id))
+        found = await self.call(self.store.load(session_id))
         if found is None or found.record.tenant != principal.tenant.tenant_id:
             raise NotFoundError(
                 f"session `{session_id}` does not exist", param="session_id", code="session_not_found"
@@ -342,10 +351,10 @@ class Sessions:
             pending=None,
             history_tokens=0,
         )
-        if await self._save(ended, found.version):
+        if await self.save(ended, found.version):
             self.counts[reason] += 1
             return Versioned(ended, found.version + 1)
-        again = await self._call(self.store.load(found.record.id))
+        again = await self.call(self.store.load(found.record.id))
         return again if again is not None else Versioned(ended, found.version + 1)
 
     async def _served(self, gen: Generation, principal: Principal, found: Versioned) -> SessionRecord:
@@ -372,7 +381,7 @@ class Sessions:
         """End the tenant's least recently used sessions (never `keep`) until `sessions` more fit and its
         history tokens are within the limit."""
         config = self._config
-        members = await self._call(self.store.index(tenant))
+        members = await self.call(self.store.index(tenant))
         count = len(members) + sessions - (1 if keep in members and sessions else 0)
         tokens = sum(e.history_tokens for e in members.values())
         for session_id, entry in sorted(members.items(), key=lambda m: m[1].last_used):
@@ -380,21 +389,24 @@ class Sessions:
                 return
             if session_id == keep:
                 continue
-            found = await self._call(self.store.load(session_id))
+            found = await self.call(self.store.load(session_id))
             if found is not None and found.record.ended is None:
                 await self._end(found, "evicted_capacity")
             count -= 1
             tokens -= entry.history_tokens
 
-    async def _save(self, record: SessionRecord, version: int | None) -> bool:
+    async def save(self, record: SessionRecord, version: int | None) -> bool:
+        """Save `record` over `version` (None: a new one), kept while it may be used and its tombstone
+        after."""
         if record.ended is not None:
             keep = self._config.tombstone
         else:
             keep = max(record.expires_at, record.last_used + record.idle_timeout) - self._clock()
             keep = max(keep, 1.0) + self._config.tombstone
-        return await self._call(self.store.save(record, version, keep))
+        return await self.call(self.store.save(record, version, keep))
 
-    async def _call(self, step: Awaitable[T]) -> T:
+    async def call(self, step: Awaitable[T]) -> T:
+        """`step`, a store operation; the store unavailable is 503 `session_store_unavailable`."""
         try:
             return await step
         except SessionStoreUnavailableError as exc:

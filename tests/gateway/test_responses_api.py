@@ -17,7 +17,8 @@ from openai.types.responses import FunctionToolParam
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
+from policy.tenants.models import Tenant
+from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, serving
 
 WEATHER: FunctionToolParam = {
     "type": "function",
@@ -179,7 +180,6 @@ async def test_structured_output_parses(gateway: tuple[openai.AsyncOpenAI, httpx
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         (
             {
                 "input": [
@@ -230,3 +230,49 @@ async def test_every_input_item_is_guarded_a_tool_output_too(
         "/v1/responses", json={"model": MODEL, "input": "Go on.", "instructions": bomb}
     )
     assert instructions.status_code == 400
+
+
+async def test_stored_responses_continue_get_and_delete(
+    gateway: tuple[openai.AsyncOpenAI, httpx.AsyncClient], tenancy: Tenancy
+) -> None:
+    client, http = gateway
+    first = await client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6)
+    fetched = await client.responses.retrieve(first.id)
+    assert fetched.id == first.id
+    assert fetched.output_text == first.output_text
+    # Continued: the stored conversation comes first in the prompt, on the version it began on.
+    second = await client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=6
+    )
+    assert second.usage is not None
+    assert first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    async with client.responses.stream(
+        model=MODEL, input="Again?", previous_response_id=second.id, max_output_tokens=6
+    ) as stream:
+        seen = [event async for event in stream]
+    last = seen[-1]
+    assert last.type == "response.incomplete"
+    third = await client.responses.retrieve(last.response.id)
+    assert third.output_text == last.response.output_text
+    assert third.status == "incomplete"
+    # Another tenant sees none of them.
+    await tenancy.store.create_tenant(Tenant(tenant_id="globex", display_name="Globex"), actor="t", now=0.0)
+    other = {"authorization": f"Bearer {await add_key(tenancy.store, 'globex', ('consumer',))}"}
+    assert (await http.get(f"/v1/responses/{first.id}", headers=other)).status_code == 404
+    continued = await http.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": first.id}, headers=other
+    )
+    assert continued.status_code == 404
+    assert continued.json()["error"]["param"] == "previous_response_id"
+    unknown = await http.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": "resp_0"}
+    )
+    assert unknown.status_code == 404
+    # Deleted: gone for retrieval and for continuation; what continued it keeps its own copy.
+    assert (await http.delete(f"/v1/responses/{first.id}")).json()["deleted"] is True
+    assert (await http.get(f"/v1/responses/{first.id}")).status_code == 404
+    assert (await client.responses.retrieve(second.id)).id == second.id
+    # Not stored when asked not to.
+    unstored = await client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
+    assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404

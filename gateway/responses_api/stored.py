@@ -1,0 +1,146 @@
+"""Stored responses (`store`, `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`), kept in the
+session store (`gateway.sessions`): one record per response, named by its id, holding the whole
+conversation up to it (each earlier turn's input and reply, as a session's steps), the versions it ran on
+(`Bound`: a continuation runs on them, as a session's next step does, with replica affinity on the
+conversation), the request (to answer `GET` as it was answered) and its chat answer as sent.
+
+A response is kept for `[sessions] ttl` and forgotten `tombstone` later; a deleted one, or another tenant's,
+is 404 (OpenAI's answer for a response that is not there). Continuing from any stored response forks the
+conversation there. A response that was not answered in full (an error, a stream its client left) is not
+stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import msgspec
+
+from gateway.errors import NotFoundError
+from gateway.generation.context import Generation
+from gateway.generation.resolution import Binding, policy_for, prompt_for, target
+from gateway.keeping import StoredAnswer
+from gateway.responses_api.schemas import ResponseCreateRequest
+from gateway.schemas import ChatMessage
+from gateway.sessions.base import Bound, Ended, SessionRecord, Step
+from gateway.sessions.history import UnreadableAnswerError, characters, messages_of, reply_of
+from gateway.sessions.service import Sessions, SessionUnavailableError
+from policy.auth import Principal
+from routing.router import session_key
+
+log = logging.getLogger("lockgate.responses")
+_REQUEST = msgspec.json.Decoder(ResponseCreateRequest)
+# Metadata keys of a stored response's record.
+ROOT, REQUEST = "root", "request"
+
+
+def new_id() -> str:
+    """A response id (random: never derived from anything a client chose)."""
+    return "resp_" + secrets.token_hex(12)
+
+
+class StoredResponses:
+    """Responses kept in `sessions`' store, under its lifetimes."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self._sessions = sessions
+
+    async def load(self, principal: Principal, response_id: str, param: str) -> SessionRecord:
+        """The caller's stored response (404 naming `param`: unknown, forgotten, deleted, another
+        tenant's)."""
+        found = await self._sessions.call(self._sessions.store.load(response_id))
+        record = found.record if found is not None else None
+        if record is None or record.tenant != principal.tenant.tenant_id or record.ended is not None:
+            raise NotFoundError(f"no stored response `{response_id}`", param=param, code="response_not_found")
+        return record
+
+    async def delete(self, principal: Principal, response_id: str) -> None:
+        """Forget the caller's stored response (404 if there is none)."""
+        found = await self._sessions.call(self._sessions.store.load(response_id))
+        if found is None or found.record.tenant != principal.tenant.tenant_id or found.record.ended:
+            raise NotFoundError(
+                f"no stored response `{response_id}`", param="response_id", code="response_not_found"
+            )
+        ended = msgspec.structs.replace(
+            found.record, ended=Ended(reason="deleted", at=self._sessions.now()), steps=[]
+        )
+        await self._sessions.save(ended, found.version)
+
+    def bound(self, gen: Generation, principal: Principal, req: ResponseCreateRequest) -> Bound:
+        """The versions a new conversation runs on: what the request's model, the tenant's policy and the
+        key's prompt resolve to now."""
+        model, _ = target(gen, req.model, principal)
+        prompt = prompt_for(gen, principal)
+        return Bound(
+            model=model.ref,
+            tokenizer=model.tokenizer.ref,
+            chat_template=model.chat_template.ref,
+            policy=policy_for(gen, principal).ref,
+            prompt=prompt.ref if prompt else None,
+        )
+
+    @staticmethod
+    def binding(bound: Bound, tenant: str, root: str) -> Binding:
+        """How a response of the conversation `root` runs: on `bound`, routed by the conversation."""
+        return Binding(
+            session=session_key(root, None, tenant=tenant) or root,
+            model=bound.model,
+            policy=bound.policy,
+            prompt=bound.prompt,
+        )
+
+    async def keep(
+        self,
+        principal: Principal,
+        response_id: str,
+        req: ResponseCreateRequest,
+        bound: Bound,
+        previous: SessionRecord | None,
+        messages: list[ChatMessage],
+        answer: StoredAnswer,
+    ) -> None:
+        """Store response `response_id`: `previous`'s turns, then this one (`messages` and the reply of
+        `answer`). Logged, not raised, when it cannot be: the answer has been sent."""
+        history = messages_of(previous) if previous else []
+        try:
+            reply, usage = reply_of(answer, characters([*history, *messages]))
+        except UnreadableAnswerError as exc:
+            log.error("response %s not stored: %s", response_id, exc)
+            return
+        now = self._sessions.now()
+        steps = previous.steps if previous else []
+        turn = Step(
+            step=len(steps) + 1,
+            fingerprint="",
+            messages=messages,
+            reply=reply,
+            usage=usage,
+            answer=answer,
+            at=now,
+        )
+        root = previous.metadata.get(ROOT, previous.id) if previous else response_id
+        config = self._sessions.config
+        record = SessionRecord(
+            id=response_id,
+            tenant=principal.tenant.tenant_id,
+            key_id=principal.key.key_id,
+            model=req.model,
+            bound=bound,
+            created_at=now,
+            expires_at=now + config.ttl,
+            idle_timeout=config.ttl,
+            last_used=now,
+            metadata={ROOT: root, REQUEST: msgspec.json.encode(req).decode()},
+            steps=[*steps, turn],
+            history_tokens=usage.prompt_tokens + usage.completion_tokens,
+        )
+        try:
+            await self._sessions.save(record, None)
+        except SessionUnavailableError as exc:
+            log.warning("response %s not stored: %s", response_id, exc)
+
+
+def request_of(record: SessionRecord) -> ResponseCreateRequest:
+    """The request a stored response answered."""
+    return _REQUEST.decode(record.metadata[REQUEST])
