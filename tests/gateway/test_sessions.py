@@ -560,3 +560,56 @@ async def test_a_second_gateway_on_the_same_postgres_continues_the_session(
     assert list(calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)]) == list(
         calls[0].prompt_token_ids
     )
+
+
+async def test_a_tenant_past_its_history_tokens_loses_its_least_recently_used_session(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    app = create_app(
+        _config(max_history_tokens_per_tenant=30), engine=sim_engine, renderer=renderer, tenants=tenancy.store
+    )
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http:
+        body = {"step": 1, "messages": [USER], "max_tokens": 6}
+        older = (await http.post("/v1/sessions", json={"model": MODEL})).json()["id"]
+        assert (await http.post(f"/v1/sessions/{older}/messages", json=body)).status_code == 200
+        # One session alone may hold more than the limit: only the tenant's other sessions make room.
+        assert (await http.get(f"/v1/sessions/{older}")).json()["history_tokens"] > 30
+        newer = (await http.post("/v1/sessions", json={"model": MODEL})).json()["id"]
+        assert (await http.post(f"/v1/sessions/{newer}/messages", json=body)).status_code == 200
+        evicted = await http.get(f"/v1/sessions/{older}")
+        assert evicted.status_code == 410
+        assert evicted.json()["error"]["code"] == "evicted_capacity"
+        assert (await http.get(f"/v1/sessions/{newer}")).status_code == 200
+
+
+async def test_a_session_step_calls_tools_and_the_next_step_answers_them(gateway: Gateway) -> None:
+    session = (await gateway.create())["id"]
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    first = await gateway.step(
+        session,
+        1,
+        {"role": "user", "content": "Weather in Paris?"},
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=128,
+    )
+    assert first.status_code == 200, first.text
+    calls = first.json()["choices"][0]["message"]["tool_calls"]
+    assert calls
+    shown = (await gateway.http.get(f"/v1/sessions/{session}")).json()
+    assert [c["id"] for c in shown["steps"][0]["reply"]["tool_calls"]] == [c["id"] for c in calls]
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "Sunny."} for c in calls]
+    second = await gateway.step(session, 2, *results, tools=[tool])
+    assert second.status_code == 200, second.text
+    # The recorded calls were rendered into the second prompt (the tool results answer them).
+    assert len(gateway.prompt(1)) > len(gateway.prompt(0))
