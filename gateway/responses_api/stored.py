@@ -4,7 +4,9 @@ conversation up to it (each earlier turn's input and reply, as a session's steps
 (`Bound`: a continuation runs on them, as a session's next step does, with replica affinity on the
 conversation), the request (to answer `GET` as it was answered) and its chat answer as sent.
 
-A response is kept for `[sessions] ttl` and forgotten `tombstone` later; a deleted one, or another tenant's,
+A response is kept for `[sessions] ttl` and forgotten `tombstone` later, and counts toward the tenant's
+session limits (`max_sessions_per_tenant`, `max_history_tokens_per_tenant`: the least recently used make
+room, as sessions do); a deleted one, or another tenant's,
 is 404 (OpenAI's answer for a response that is not there). Continuing from any stored response forks the
 conversation there. A response that was not answered in full (an error, a stream its client left) is not
 stored.
@@ -136,6 +138,8 @@ class StoredResponses:
             history_tokens=usage.prompt_tokens + usage.completion_tokens,
         )
         try:
+            # Stored conversations share the tenant's session limits (and make room the same way).
+            await self._sessions.make_room(record.tenant, keep=record.id, sessions=1)
             await self._sessions.save(record, None)
         except SessionUnavailableError as exc:
             log.warning("response %s not stored: %s", response_id, exc)

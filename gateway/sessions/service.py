@@ -185,7 +185,7 @@ class Sessions:
             metadata=metadata or {},
             on_retire=on_retire,
         )
-        await self._make_room(record.tenant, keep=record.id, sessions=1)
+        await self.make_room(record.tenant, keep=record.id, sessions=1)
         await self.save(record, None)
         self.counts["created"] += 1
         return record
@@ -316,7 +316,7 @@ class Sessions:
                 if await self.save(record, found.version):
                     if done is not None:
                         self.counts["step"] += 1
-                        await self._make_room(record.tenant, keep=record.id, sessions=0)
+                        await self.make_room(record.tenant, keep=record.id, sessions=0)
                     return
         except (SessionUnavailableError, SessionStoreUnavailableError) as exc:
             # The answer is sent; the claim lapses after pending_timeout and the step may then be sent again.
@@ -377,7 +377,7 @@ class Sessions:
         ended = await self._end(found, "model_version_retired")
         raise _gone(ended.record.ended or Ended(reason="model_version_retired", at=self._clock()))
 
-    async def _make_room(self, tenant: str, *, keep: str, sessions: int) -> None:
+    async def make_room(self, tenant: str, *, keep: str, sessions: int) -> None:
         """End the tenant's least recently used sessions (never `keep`) until `sessions` more fit and its
         history tokens are within the limit."""
         config = self._config
