@@ -25,6 +25,7 @@ from gateway.console.sessions import open_session_store
 from gateway.edge.handlers import exception_handlers
 from gateway.edge.security import provide_principal
 from gateway.edge.stack import Gateway
+from gateway.embeddings import Embedders, register_packaged_encoder
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
 from gateway.generation.flow import TaskSet
@@ -221,6 +222,9 @@ async def _start_registry(
     )
     guards = await _trained_guards(config, registry, served.ref)
     await register_default_policy(registry, config.guard.default_policy, guards)
+    # The guard's MiniLM sentence encoder, served by `POST /v1/embeddings` (its weights hashed once per
+    # process: `gateway.embeddings.packaged`).
+    await register_packaged_encoder(registry, actor="startup")
     if config.registry.manifest:
         path = await asyncio.to_thread(lambda: Path(config.registry.manifest).expanduser())
         await apply_manifest_file(registry, path, actor="manifest")
@@ -434,6 +438,9 @@ def create_app(
                 clock=clock,
             )
             owned.callback(factory.close)
+            # Encoders of embedding models, loaded on first use in the executor the guards' encoders use.
+            embedders = Embedders(config.model.data_path(), prompts.executor)
+            owned.callback(embedders.close)
             # The default policy's guards are loaded before the first request: it is served guarded.
             await factory.ready(default_policy.guards)
             audit_key = await audit_keys.mac_key(config)
@@ -546,6 +553,7 @@ def create_app(
                 idempotency=idempotency,
                 result_cache=result_cache,
                 sessions=sessions,
+                embedders=embedders,
             )
             if freeze_start_up:
                 gc.collect()

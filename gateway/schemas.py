@@ -207,6 +207,19 @@ class ModerationRequest(_Request, frozen=True, kw_only=True):
     model: str | None = None
 
 
+class EmbeddingRequest(_Request, frozen=True, kw_only=True):
+    """`POST /v1/embeddings`: one text or a list of texts, each embedded on its own by an embedding model
+    (`model`: its name, or a pinned `name@version`). Token-id inputs (a list of ints, or of lists of ints)
+    decode so that they can be refused by name: the encoder reads text only."""
+
+    model: ModelName
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Only the model's own number of dimensions (vectors are not shortened).
+    dimensions: int | None = None
+    user: str | None = None
+
+
 # ---- responses -------------------------------------------------------------------------------------------
 
 
@@ -433,3 +446,29 @@ class ModerationResponse(_Response, frozen=True, kw_only=True):
     id: str
     model: str
     results: list[ModerationResult]
+
+
+class Embedding(_Response, frozen=True, kw_only=True):
+    """One input's vector: floats, or (`encoding_format: base64`) its little-endian float32 bytes, base64."""
+
+    index: int
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(_Response, frozen=True, kw_only=True):
+    """`usage` of an embedding: the inputs' tokens (the embedding model's tokenizer, special tokens
+    included), all of them prompt tokens."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response, frozen=True, kw_only=True):
+    """`POST /v1/embeddings`: one vector per input, in order; `model` is the name the request sent (the
+    version that answered is in `x-lockgate-model`)."""
+
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engines.base import Engine
 from gateway.config import Config
+from gateway.embeddings import Embedders
 from gateway.generation.context import Generation
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
@@ -67,6 +68,7 @@ class Services:
         idempotency: Idempotency | None = None,
         result_cache: ResultCache | None = None,
         sessions: Sessions | None = None,
+        embedders: Embedders,
     ) -> None:
         self.config = config
         # The app's metrics registry and request log (each request's timeline ends there).
@@ -103,6 +105,8 @@ class Services:
         self.idempotency = idempotency
         # Server-side sessions (`/v1/sessions`, `x-lockgate-session`; None: `[sessions] enabled` false).
         self.sessions = sessions
+        # Encoders of embedding model versions (`POST /v1/embeddings`), loaded on first use.
+        self.embedders = embedders
         # Keys canary picks and tenants' cache salts (`gateway.secret`): nothing a client chooses does.
         self.secret = secret
         self.gate = gate

@@ -200,6 +200,19 @@ class Encoder:
         """`embed` in the caller's thread (training scripts)."""
         return self._forward([self._windows(t, MAX_TOKENS - 2, MAX_TOKENS)[0] for t in texts])
 
+    async def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """The tokens of each of `texts` as `embed` would read them whole, [CLS] and [SEP] included."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.token_counts_sync, list(texts))
+
+    def token_counts_sync(self, texts: Sequence[str]) -> list[int]:
+        """`token_counts` in the caller's thread."""
+        with self._tokenizer_lock:
+            return [
+                len(self._tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]) + 2
+                for t in texts
+            ]
+
     async def embed_windows(self, texts: Sequence[str]) -> Vectors:
         """The embeddings of every window of each of `texts` (one row for a text of at most 256 tokens),
         batched together in one executor call."""

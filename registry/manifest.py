@@ -20,6 +20,7 @@ from registry.errors import InvalidError
 from registry.models import (
     AliasTarget,
     ChatTemplateSpec,
+    EmbeddingModelSpec,
     GuardModelSpec,
     Kind,
     ModelSpec,
@@ -55,6 +56,13 @@ class ModelEntry(ModelSpec, frozen=True, kw_only=True):
 
 class GuardModelEntry(GuardModelSpec, frozen=True, kw_only=True):
     """`[[guard_model]]`."""
+
+    name: str
+    version: str
+
+
+class EmbeddingModelEntry(EmbeddingModelSpec, frozen=True, kw_only=True):
+    """`[[embedding_model]]`."""
 
     name: str
     version: str
@@ -100,6 +108,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     guard_model: tuple[GuardModelEntry, ...] = ()
     policy: tuple[PolicyEntry, ...] = ()
     prompt: tuple[PromptEntry, ...] = ()
+    embedding_model: tuple[EmbeddingModelEntry, ...] = ()
     alias: tuple[AliasEntry, ...] = ()
 
 
@@ -139,6 +148,7 @@ async def apply_manifest(registry: Registry, manifest: Manifest, *, actor: str) 
         *(("guard_model", e, GuardModelSpec) for e in manifest.guard_model),
         *(("policy", e, PolicySpec) for e in manifest.policy),
         *(("prompt", e, PromptSpec) for e in manifest.prompt),
+        *(("embedding_model", e, EmbeddingModelSpec) for e in manifest.embedding_model),
     ]
     published: list[str] = []
     unchanged: list[str] = []

@@ -19,8 +19,16 @@ from registry.errors import InvalidError
 
 # What a guard failure does in a category: allow (audited as fail_open) or refuse.
 FailMode = Literal["open", "closed"]
-Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy", "prompt"]
-KINDS: tuple[Kind, ...] = ("model", "tokenizer", "chat_template", "guard_model", "policy", "prompt")
+Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy", "prompt", "embedding_model"]
+KINDS: tuple[Kind, ...] = (
+    "model",
+    "tokenizer",
+    "chat_template",
+    "guard_model",
+    "policy",
+    "prompt",
+    "embedding_model",
+)
 Severity = Literal["low", "medium", "high", "critical"]
 
 Sha256 = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
@@ -208,8 +216,36 @@ class PromptSpec(_Input, frozen=True, kw_only=True):
     text: Annotated[str, Meta(min_length=1, max_length=32_768)]
 
 
-Spec = ModelSpec | TokenizerSpec | ChatTemplateSpec | GuardModelSpec | PolicySpec | PromptSpec
-S = TypeVar("S", ModelSpec, TokenizerSpec, ChatTemplateSpec, GuardModelSpec, PolicySpec, PromptSpec)
+class EmbeddingModelSpec(_Input, frozen=True, kw_only=True):
+    """A sentence encoder served by `POST /v1/embeddings`: mean-pooled, L2-normalised vectors of
+    `dimensions` floats for texts of at most `max_input_tokens` tokens (its own tokenizer's, special tokens
+    included)."""
+
+    artifact: str = ""  # "": the packaged MiniLM encoder; else a directory relative to the model data dir
+    weights_sha256: Sha256  # of the encoder's model.safetensors
+    dimensions: Positive
+    max_input_tokens: Positive
+
+
+Spec = (
+    ModelSpec
+    | TokenizerSpec
+    | ChatTemplateSpec
+    | GuardModelSpec
+    | PolicySpec
+    | PromptSpec
+    | EmbeddingModelSpec
+)
+S = TypeVar(
+    "S",
+    ModelSpec,
+    TokenizerSpec,
+    ChatTemplateSpec,
+    GuardModelSpec,
+    PolicySpec,
+    PromptSpec,
+    EmbeddingModelSpec,
+)
 SPEC_TYPES: dict[Kind, type[Spec]] = {
     "model": ModelSpec,
     "tokenizer": TokenizerSpec,
@@ -217,6 +253,7 @@ SPEC_TYPES: dict[Kind, type[Spec]] = {
     "guard_model": GuardModelSpec,
     "policy": PolicySpec,
     "prompt": PromptSpec,
+    "embedding_model": EmbeddingModelSpec,
 }
 # Built once: decoders validate every bound declared above.
 _DECODERS = {kind: msgspec.json.Decoder(spec_type) for kind, spec_type in SPEC_TYPES.items()}

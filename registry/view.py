@@ -23,6 +23,7 @@ from registry.hashing import canary_pick
 from registry.models import (
     Alias,
     ChatTemplateSpec,
+    EmbeddingModelSpec,
     GuardModelSpec,
     Kind,
     ModelSpec,
@@ -83,6 +84,13 @@ class ResolvedPrompt(msgspec.Struct, frozen=True, kw_only=True):
 
     ref: str
     text: str
+
+
+class ResolvedEmbeddingModel(msgspec.Struct, frozen=True, kw_only=True):
+    """An embedding model version and its spec."""
+
+    ref: str
+    spec: EmbeddingModelSpec
 
 
 class RegistryView:
@@ -202,6 +210,12 @@ class RegistryView:
         prompt = self.pick("prompt", name_or_ref, key)
         spec = self.spec("prompt", prompt.name, prompt.version, PromptSpec)
         return ResolvedPrompt(ref=prompt.ref, text=spec.text)
+
+    def resolve_embedding_model(self, name_or_ref: str, key: str) -> ResolvedEmbeddingModel:
+        """An embedding model version (pinned, or by alias and canary with `key`)."""
+        found = self.pick("embedding_model", name_or_ref, key)
+        spec = self.spec("embedding_model", found.name, found.version, EmbeddingModelSpec)
+        return ResolvedEmbeddingModel(ref=found.ref, spec=spec)
 
     def kv_bytes_per_token(self, model_ref: str) -> int:
         """KV cache bytes per token of a pinned model version `name@version`."""

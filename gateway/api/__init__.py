@@ -4,6 +4,7 @@
     responses       POST /v1/responses: the Responses API over the chat pipeline (gateway.responses_api)
     sessions        /v1/sessions/...: server-side sessions bound to the versions they started on
     moderations     POST /v1/moderations
+    embeddings      POST /v1/embeddings: vectors by the registry's embedding models
     models          GET  /v1/models
     health          GET  /healthz, /readyz
     admin           /admin/tenants/..., /admin/keys/..., /admin/changes: tenants, quotas, API keys
@@ -21,6 +22,7 @@ from gateway.api import (
     appeals,
     audit,
     completions,
+    embeddings,
     health,
     metrics,
     models,
@@ -36,6 +38,7 @@ ROUTES = [
     *responses.ROUTES,
     *sessions.ROUTES,
     *moderations.ROUTES,
+    *embeddings.ROUTES,
     *models.ROUTES,
     *health.ROUTES,
     *admin.ROUTES,

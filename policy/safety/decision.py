@@ -22,9 +22,9 @@ from guard.cascade import CascadeResult, StageRun
 from registry.models import PolicySpec
 
 Action = Literal["allow", "block", "refuse"]
-# What a check was for: a generation request's input or output, or a `POST /v1/moderations` input (checked and
-# answered, never generated from).
-Purpose = Literal["request", "moderation"]
+# What a check was for: a generation request's input or output, a `POST /v1/moderations` input (checked and
+# answered, never generated from), or a `POST /v1/embeddings` input (checked before it is embedded).
+Purpose = Literal["request", "moderation", "embedding"]
 AnsweredFrom = Literal["engine", "cache"]
 Source = Literal["none", "rules", "model", "band", "fail_open", "fail_closed"]
 

@@ -51,12 +51,13 @@ async def test_an_agent_runs_its_tool_loop_through_the_responses_api(client: ope
     )
     result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     assert calls
-    assert result.final_output == f"Sunny in {calls[0]}."
+    # The model may call the tool more than once in a turn (parallel calls): the first result ends the run.
+    assert result.final_output in {f"Sunny in {city}." for city in calls}
     kinds = [item.type for item in result.new_items]
     assert kinds[0] == "tool_call_item"
     assert kinds[-1] == "tool_call_output_item"
     streamed = agents.Runner.run_streamed(agent, "And in Rome?", max_turns=4)
     events = [event async for event in streamed.stream_events()]
     assert events
-    assert streamed.final_output == f"Sunny in {calls[-1]}."
+    assert streamed.final_output in {f"Sunny in {city}." for city in calls}
     assert len(calls) >= 2
