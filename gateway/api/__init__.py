@@ -5,6 +5,7 @@
     sessions        /v1/sessions/...: server-side sessions bound to the versions they started on
     moderations     POST /v1/moderations
     embeddings      POST /v1/embeddings: vectors by the registry's embedding models
+    checked_inputs  what moderations and embeddings share: inputs reserved, then checked one by one
     models          GET  /v1/models
     health          GET  /healthz, /readyz
     admin           /admin/tenants/..., /admin/keys/..., /admin/changes: tenants, quotas, API keys

@@ -26,27 +26,24 @@ from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
+from gateway.api.checked_inputs import check_text, input_context, reserve_inputs
 from gateway.api.openapi import errors, request_body, secured
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
-from gateway.errors import APIError, InvalidRequestError, NotFoundError
-from gateway.generation.audit import record_refusal
-from gateway.generation.guarding import GUARD_HEADER, guard_api_error
-from gateway.generation.metering import charge_headers, reserve_tokens
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.generation.guarding import GUARD_HEADER
+from gateway.generation.metering import charge_headers
 from gateway.generation.pipeline import MODEL_HEADER
 from gateway.generation.resolution import policy_for
-from gateway.observe.timeline import RequestTimeline, timeline_in
+from gateway.observe.timeline import timeline_in
 from gateway.requestid import request_id_of
 from gateway.schemas import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from gateway.services import Services
-from guard.base import GuardInput, Span
 from guard.embedding import Vectors
 from policy.auth import Principal
-from policy.safety.decision import GuardDecision
-from policy.safety.gate import RecordContext
 from registry.errors import InvalidError as RegistryInvalidError
 from registry.errors import NotFoundError as RegistryNotFoundError
-from registry.view import ResolvedEmbeddingModel, ResolvedPolicy
+from registry.view import ResolvedEmbeddingModel
 
 # The request body, decoded with errors that name the field (immutable: shared by every request).
 _REQUEST = Decoder(EmbeddingRequest)
@@ -139,35 +136,17 @@ async def run_embeddings(
                 code="context_length_exceeded",
             )
     tokens = sum(counts)
-    start = timeline.now()
-    try:
-        charge = await reserve_tokens(
-            services.meter,
-            principal,
-            tokens,
-            need=f"{len(texts)} inputs of {tokens} tokens",
-            param="input",
-            advice="send fewer or shorter inputs, or ask for a larger quota",
-        )
-    except APIError as exc:
-        record_refusal(services.generation, principal, request_id, "quota", exc)
-        raise
-    finally:
-        timeline.phase("quota", start)
+    charge = await reserve_inputs(services, principal, request_id, len(texts), tokens, timeline)
     headers = charge_headers(charge)
-    context = RecordContext(
-        tenant=principal.tenant.tenant_id,
-        key_id=principal.key.key_id,
-        request_id=request_id,
-        purpose="embedding",
-        retain_prompts=principal.tenant.retain_prompts,
-    )
+    context = input_context(principal, request_id, "embedding")
     salt = services.secret.cache_salt(principal.tenant.tenant_id)
     try:
         start = timeline.now()
         try:
             decisions = [
-                await _check(services, policy, text, context, salt, timeline, _param(req.input, i))
+                await check_text(
+                    services, policy, text, context, salt, timeline, param=_param(req.input, i), blocking=True
+                )
                 for i, text in enumerate(texts)
             ]
         finally:
@@ -204,34 +183,6 @@ def _data(vectors: Vectors, encoding_format: str) -> list[Embedding]:
     return [
         Embedding(index=i, embedding=row) for i, row in enumerate(np.asarray(vectors, np.float32).tolist())
     ]
-
-
-async def _check(
-    services: Services,
-    policy: ResolvedPolicy,
-    text: str,
-    context: RecordContext,
-    salt: str,
-    timeline: RequestTimeline,
-    param: str,
-) -> GuardDecision | None:
-    """One input's decision (recorded by the gate), None when the policy does not check inputs; a block or
-    a refusal raises the chat input's error, naming `param`."""
-    if not services.gate.guards(policy, "input"):
-        return None
-    item = GuardInput(
-        direction="input",
-        spans=(Span(text=text, source="user"),),
-        categories=tuple(c.name for c in policy.spec.categories),
-        policy=policy.ref,
-        cache_salt=salt,
-    )
-    start = timeline.now()
-    decision = await services.gate.check(policy, item, context)
-    timeline.guard_check("input", start, decision)
-    if decision.action != "allow":
-        raise guard_api_error(decision, {}, param=param)
-    return decision
 
 
 @post(

@@ -28,15 +28,15 @@ from litestar.di import NamedDependency
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
+from gateway.api.checked_inputs import check_text, input_context, reserve_inputs
 from gateway.api.openapi import errors, request_body, secured
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
-from gateway.errors import APIError, InvalidRequestError
-from gateway.generation.audit import record_refusal
-from gateway.generation.guarding import GUARD_HEADER, guard_api_error
-from gateway.generation.metering import charge_headers, reserve_tokens
+from gateway.errors import InvalidRequestError
+from gateway.generation.guarding import GUARD_HEADER
+from gateway.generation.metering import charge_headers
 from gateway.generation.resolution import policy_for
-from gateway.observe.timeline import RequestTimeline, timeline_in
+from gateway.observe.timeline import timeline_in
 from gateway.requestid import request_id_of
 from gateway.schemas import (
     ModerationInputPart,
@@ -46,11 +46,8 @@ from gateway.schemas import (
     ModerationVerdict,
 )
 from gateway.services import Services
-from guard.base import GuardInput, Span
 from policy.auth import Principal
 from policy.safety.decision import GuardDecision
-from policy.safety.gate import RecordContext
-from registry.view import ResolvedPolicy
 
 # The request body, decoded with errors that name the field (immutable: shared by every request).
 _REQUEST = Decoder(ModerationRequest)
@@ -114,33 +111,16 @@ async def run_moderation(
     start = timeline.now()
     tokens = sum([len(await services.renderer.text(text)) for text in texts])
     timeline.phase("render", start)
-    start = timeline.now()
-    try:
-        charge = await reserve_tokens(
-            services.meter,
-            principal,
-            tokens,
-            need=f"{len(texts)} inputs of {tokens} tokens",
-            param="input",
-            advice="send fewer or shorter inputs, or ask for a larger quota",
-        )
-    except APIError as exc:
-        record_refusal(services.generation, principal, request_id, "quota", exc)
-        raise
-    finally:
-        timeline.phase("quota", start)
+    charge = await reserve_inputs(services, principal, request_id, len(texts), tokens, timeline)
     headers = charge_headers(charge)
-    context = RecordContext(
-        tenant=principal.tenant.tenant_id,
-        key_id=principal.key.key_id,
-        request_id=request_id,
-        purpose="moderation",
-        retain_prompts=principal.tenant.retain_prompts,
-    )
+    context = input_context(principal, request_id, "moderation")
     salt = services.secret.cache_salt(principal.tenant.tenant_id)
     start = timeline.now()
     try:
-        decisions = [await _check(services, policy, text, context, salt, timeline) for text in texts]
+        decisions = [
+            await check_text(services, policy, text, context, salt, timeline, param="input", blocking=False)
+            for text in texts
+        ]
     except BaseException:
         # Not answered (a check refused, or the client left): the whole reservation goes back.
         services.meter.settle_later(charge, 0)
@@ -195,34 +175,6 @@ def input_texts(value: str | Sequence[str | ModerationInputPart], limit: int) ->
         else:
             texts.append(item.text)
     return texts
-
-
-async def _check(
-    services: Services,
-    policy: ResolvedPolicy,
-    text: str,
-    context: RecordContext,
-    salt: str,
-    timeline: RequestTimeline,
-) -> GuardDecision | None:
-    """One input's decision (recorded by the gate), None when the policy does not check inputs; a refusal
-    (the policy cannot check it now, or cannot read it, and fails closed) raises the chat input's error,
-    naming `input`."""
-    if not services.gate.guards(policy, "input"):
-        return None
-    item = GuardInput(
-        direction="input",
-        spans=(Span(text=text, source="user"),),
-        categories=tuple(c.name for c in policy.spec.categories),
-        policy=policy.ref,
-        cache_salt=salt,
-    )
-    start = timeline.now()
-    decision = await services.gate.check(policy, item, context)
-    timeline.guard_check("input", start, decision)
-    if decision.action == "refuse":
-        raise guard_api_error(decision, {}, param="input")
-    return decision
 
 
 def moderation_result(decision: GuardDecision | None, policy_categories: Sequence[str]) -> ModerationResult:

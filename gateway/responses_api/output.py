@@ -29,6 +29,15 @@ from typing import Any
 import msgspec
 from msgspec.structs import replace
 
+from gateway.chat_read import (
+    ReadAnswer,
+    ReadError,
+    ReadFunction,
+    ReadMessage,
+    ReadToolCall,
+    ReadUsage,
+    read_answer,
+)
 from gateway.responses_api.schemas import (
     FunctionCall,
     IncompleteDetails,
@@ -45,52 +54,6 @@ from gateway.schemas import ChatCompletion
 _ENCODE = msgspec.json.Encoder().encode
 
 
-class _Function(msgspec.Struct, frozen=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class _ToolDelta(msgspec.Struct, frozen=True):
-    index: int = 0
-    id: str | None = None
-    function: _Function | None = None
-
-
-class _Delta(msgspec.Struct, frozen=True):
-    content: str | None = None
-    tool_calls: list[_ToolDelta] | None = None
-
-
-class _Choice(msgspec.Struct, frozen=True):
-    index: int = 0
-    delta: _Delta | None = None
-    finish_reason: str | None = None
-
-
-class _Details(msgspec.Struct, frozen=True):
-    cached_tokens: int = 0
-
-
-class _Usage(msgspec.Struct, frozen=True):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: _Details | None = None
-
-
-class _Error(msgspec.Struct, frozen=True):
-    message: str = ""
-    code: str | None = None
-
-
-class _Chunk(msgspec.Struct, frozen=True):
-    id: str = ""
-    model: str = ""
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-    usage: _Usage | None = None
-    error: _Error | None = None
-
-
-_CHUNK = msgspec.json.Decoder(_Chunk)
 _WHOLE = msgspec.json.Decoder(ChatCompletion)
 
 
@@ -117,7 +80,7 @@ def skeleton(req: ResponseCreateRequest, rid: str, model: str) -> ResponseObject
     )
 
 
-def _usage(usage: _Usage | Any) -> ResponseUsage:
+def _usage(usage: ReadUsage | Any) -> ResponseUsage:
     details = usage.prompt_tokens_details
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
@@ -180,7 +143,7 @@ class _Events:
         self._seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + _ENCODE(data) + b"\n\n"
 
-    def start(self, chunk: _Chunk) -> list[bytes]:
+    def start(self, chunk: ReadAnswer) -> list[bytes]:
         self.response = skeleton(self._req, self._rid, chunk.model)
         body = msgspec.to_builtins(self.response)
         return [
@@ -188,14 +151,14 @@ class _Events:
             self.event("response.in_progress", response=body),
         ]
 
-    def chunk(self, chunk: _Chunk) -> list[bytes]:
+    def chunk(self, chunk: ReadAnswer) -> list[bytes]:
         out: list[bytes] = []
         if chunk.usage is not None:
             self._usage = _usage(chunk.usage)
         for choice in chunk.choices:
             if choice.index != 0:
                 continue
-            delta = choice.delta or _Delta()
+            delta = choice.delta or ReadMessage()
             if delta.content:
                 out += self._open_message()
                 self._text = (self._text or "") + delta.content
@@ -260,10 +223,10 @@ class _Events:
             self.event("response.output_item.done", output_index=index, item=msgspec.to_builtins(item)),
         ]
 
-    def _call_delta(self, call: _ToolDelta) -> list[bytes]:
+    def _call_delta(self, call: ReadToolCall) -> list[bytes]:
         assert self.response is not None
         out: list[bytes] = []
-        fn = call.function or _Function()
+        fn = call.function or ReadFunction()
         open_call = self._calls.get(call.index)
         if open_call is None:
             out += self._close_message()
@@ -320,7 +283,7 @@ class _Events:
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         return [*out, self.event(kind, response=msgspec.to_builtins(final))]
 
-    def failed(self, error: _Error) -> list[bytes]:
+    def failed(self, error: ReadError) -> list[bytes]:
         assert self.response is not None
         if self._finish == "content_filter":  # the guard's block: the stream said why already
             out = [*self._close_message(), *self._close_calls()]
@@ -348,7 +311,7 @@ async def events(
                     out += state.done()
                 ended = True
                 continue
-            chunk = _CHUNK.decode(data)
+            chunk = read_answer(data)
             if chunk.error is not None:
                 if state.response is None:
                     state.response = skeleton(req, rid, req.model)

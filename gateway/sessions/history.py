@@ -8,50 +8,10 @@ import math
 
 import msgspec
 
+from gateway.chat_read import ReadAnswer, ReadFunction, ReadMessage, ReadToolCall, read_answer
 from gateway.keeping import StoredAnswer
 from gateway.schemas import ChatMessage, FunctionCall, ToolCall
 from gateway.sessions.base import SessionRecord, Usage
-
-
-class _Function(msgspec.Struct, frozen=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class _ToolCall(msgspec.Struct, frozen=True):
-    index: int = 0
-    id: str | None = None
-    function: _Function | None = None
-
-
-class _Message(msgspec.Struct, frozen=True):
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[_ToolCall] | None = None
-
-
-class _Choice(msgspec.Struct, frozen=True):
-    index: int = 0
-    message: _Message | None = None
-    delta: _Message | None = None
-
-
-class _Details(msgspec.Struct, frozen=True):
-    cached_tokens: int = 0
-
-
-class _Usage(msgspec.Struct, frozen=True):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: _Details | None = None
-
-
-class _Answer(msgspec.Struct, frozen=True):
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-    usage: _Usage | None = None
-
-
-_DECODER = msgspec.json.Decoder(_Answer)
 
 
 class UnreadableAnswerError(Exception):
@@ -89,32 +49,32 @@ def reply_of(answer: StoredAnswer, history_chars: int) -> tuple[ChatMessage, Usa
     )
 
 
-def _decode(body: bytes) -> _Answer:
+def _decode(body: bytes) -> ReadAnswer:
     try:
-        return _DECODER.decode(body)
+        return read_answer(body)
     except msgspec.DecodeError as exc:
         raise UnreadableAnswerError(f"the answer does not decode: {exc}") from exc
 
 
-def _joined(deltas: list[_Message]) -> ChatMessage:
+def _joined(deltas: list[ReadMessage]) -> ChatMessage:
     """The message a stream's deltas make: texts joined, tool calls assembled by index."""
     content = "".join(d.content or "" for d in deltas)
     refusal = "".join(d.refusal or "" for d in deltas)
-    calls: dict[int, _ToolCall] = {}
+    calls: dict[int, ReadToolCall] = {}
     for call in (c for d in deltas for c in d.tool_calls or ()):
         before = calls.get(call.index)
         if before is None:
             calls[call.index] = call
             continue
-        first, more = before.function or _Function(), call.function or _Function()
+        first, more = before.function or ReadFunction(), call.function or ReadFunction()
         arguments = (first.arguments or "") + (more.arguments or "")
-        calls[call.index] = _ToolCall(
-            call.index, before.id or call.id, _Function(first.name or more.name, arguments)
+        calls[call.index] = ReadToolCall(
+            call.index, before.id or call.id, ReadFunction(first.name or more.name, arguments)
         )
     return _message(content or None, refusal or None, [calls[i] for i in sorted(calls)] or None)
 
 
-def _message(content: str | None, refusal: str | None, calls: list[_ToolCall] | None) -> ChatMessage:
+def _message(content: str | None, refusal: str | None, calls: list[ReadToolCall] | None) -> ChatMessage:
     tool_calls = [
         ToolCall(
             id=c.id or f"call_{c.index}",
