@@ -3,6 +3,7 @@
     POST   /v1/responses          a response, whole or streamed; `store` (default true) keeps it, and
                                   `previous_response_id` continues a stored one
     GET    /v1/responses/{id}     a stored response, as it was answered
+    GET    /v1/responses/{id}/input_items   the input items it was made from, a page at a time
     DELETE /v1/responses/{id}     forget it
 
 The request becomes a chat completion (`gateway.responses_api.requests`: what the chat route cannot do is a
@@ -22,7 +23,7 @@ from litestar import Request, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.enums import MediaType
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK
 
 from gateway.api.openapi import errors, request_body, secured
@@ -34,13 +35,23 @@ from gateway.keeping import StoredAnswer, kept
 from gateway.responses_api.output import events, final, whole
 from gateway.responses_api.requests import chat_request, input_messages
 from gateway.responses_api.schemas import ResponseCreateRequest, ResponseObject
-from gateway.responses_api.stored import ROOT, StoredResponses, new_id, request_of
+from gateway.responses_api.stored import ROOT, StoredResponses, input_items, new_id, request_of
 from gateway.schemas import ChatCompletion
 from gateway.services import Services
 from gateway.sessions.history import messages_of
 from policy.auth import Principal
 
 _REQUEST = Decoder(ResponseCreateRequest)
+
+
+class InputItemList(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /v1/responses/{id}/input_items`: one page of a stored response's input items."""
+
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: Literal["list"] = "list"
 
 
 class ResponseDeleted(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,6 +149,40 @@ async def get_response(
     return await final(request_of(record), answer.body, streamed, record.id)
 
 
+@get("/v1/responses/{response_id:str}/input_items", responses=errors(400, 404))
+async def list_input_items(
+    response_id: FromPath[str],
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    limit: FromQuery[int] = 20,
+    order: FromQuery[str] = "desc",
+    after: FromQuery[str | None] = None,
+) -> InputItemList:
+    """The input items a stored response was made from (not the earlier turns it continued), a page at a
+    time: `order` desc (newest first, OpenAI's default) or asc, `after` an item id."""
+    allow(principal, "consumer")
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError("limit must be in 1..100", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError("order must be asc or desc", param="order", code="invalid_value")
+    record = await _stored(services, "response_id").load(principal, response_id, "response_id")
+    items = input_items(record)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequestError(f"no input item `{after}` in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return InputItemList(
+        data=page,
+        first_id=page[0]["id"] if page else None,
+        last_id=page[-1]["id"] if page else None,
+        has_more=len(items) > limit,
+    )
+
+
 @delete("/v1/responses/{response_id:str}", status_code=HTTP_200_OK, responses=errors(400, 404))
 async def delete_response(
     response_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
@@ -148,4 +193,4 @@ async def delete_response(
     return ResponseDeleted(id=response_id)
 
 
-ROUTES = [secured("openai", [create_response, get_response, delete_response])]
+ROUTES = [secured("openai", [create_response, get_response, list_input_items, delete_response])]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from typing import Any
 
 import msgspec
 
@@ -23,7 +24,7 @@ from gateway.errors import NotFoundError
 from gateway.generation.context import Generation
 from gateway.generation.resolution import Binding, policy_for, prompt_for, target
 from gateway.keeping import StoredAnswer
-from gateway.responses_api.schemas import ResponseCreateRequest
+from gateway.responses_api.schemas import InputContent, InputItem, ResponseCreateRequest
 from gateway.schemas import ChatMessage
 from gateway.sessions.base import Bound, Ended, SessionRecord, Step
 from gateway.sessions.history import UnreadableAnswerError, characters, messages_of, reply_of
@@ -148,3 +149,32 @@ class StoredResponses:
 def request_of(record: SessionRecord) -> ResponseCreateRequest:
     """The request a stored response answered."""
     return _REQUEST.decode(record.metadata[REQUEST])
+
+
+def input_items(record: SessionRecord) -> list[dict[str, Any]]:
+    """The input items of a stored response, as the Responses API lists them: each with an id and a status,
+    messages with typed text parts (a string input is one user message)."""
+    req = request_of(record)
+    sent = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    items: list[dict[str, Any]] = []
+    for i, item in enumerate(sent):
+        kind = item.type or "message"
+        entry: dict[str, Any] = {
+            "id": item.id or f"item_{record.id[5:]}_{i}",
+            "type": kind,
+            "status": "completed",
+        }
+        if kind == "message":
+            content = item.content
+            parts = (
+                [InputContent(type="input_text", text=content)] if isinstance(content, str) else content or []
+            )
+            entry |= {"role": item.role, "content": [_dropped_nulls(p) for p in parts]}
+        else:
+            entry |= {k: v for k, v in _dropped_nulls(item).items() if k not in ("id", "type", "status")}
+        items.append(entry)
+    return items
+
+
+def _dropped_nulls(struct: msgspec.Struct) -> dict[str, Any]:
+    return {k: v for k, v in msgspec.to_builtins(struct).items() if v is not None}

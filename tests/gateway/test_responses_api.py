@@ -276,3 +276,42 @@ async def test_stored_responses_continue_get_and_delete(
     # Not stored when asked not to.
     unstored = await client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
     assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
+
+
+async def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(
+    gateway: tuple[openai.AsyncOpenAI, httpx.AsyncClient],
+) -> None:
+    client, http = gateway
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "Snow."},
+    ]
+    made = await client.responses.create(model=MODEL, input=items, tools=[WEATHER], max_output_tokens=4)
+    page = await client.responses.input_items.list(made.id, order="asc")
+    listed = [item async for item in page]
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    first = listed[0]
+    assert first.type == "message"
+    assert first.content[0].type == "input_text"
+    assert first.content[0].text == "Weather in Oslo?"
+    assert listed[2].type == "function_call_output"
+    assert listed[2].output == "Snow."
+    newest = (await http.get(f"/v1/responses/{made.id}/input_items", params={"limit": 1})).json()
+    assert [item["type"] for item in newest["data"]] == ["function_call_output"]
+    assert newest["has_more"] is True
+    rest = (
+        await http.get(
+            f"/v1/responses/{made.id}/input_items", params={"limit": 5, "after": newest["last_id"]}
+        )
+    ).json()
+    assert [item["type"] for item in rest["data"]] == ["function_call", "message"]
+    assert rest["has_more"] is False
+    bad = await http.get(f"/v1/responses/{made.id}/input_items", params={"limit": 0})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "limit"
+    text_only = await client.responses.create(model=MODEL, input="Hello there.", max_output_tokens=4)
+    [message] = [item async for item in await client.responses.input_items.list(text_only.id)]
+    assert message.type == "message"
+    assert message.role == "user"
