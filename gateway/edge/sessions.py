@@ -46,6 +46,9 @@ async def session_chat(
 ) -> Response[Any]:
     """Step `number` of the caller's session `session_id` with `req`'s messages and sampling fields."""
     sessions = sessions_of(services)
+    if not req.messages:
+        # Nothing new: the model would only answer its own last reply again.
+        raise InvalidRequestError("a step needs at least one message", param="messages", code="invalid_value")
     if req.n not in (None, 1):
         raise InvalidRequestError("a session step generates one reply: n must be 1", param="n")
 
