@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +168,9 @@ async def test_a_retried_step_is_answered_from_the_record_and_conflicts_are_refu
     gap = await gateway.step(session, 3)
     assert gap.status_code == 409
     assert gap.json()["error"]["code"] == "step_out_of_order"
+    empty = await gateway.http.post(f"/v1/sessions/{session}/messages", json={"step": 2, "messages": []})
+    assert empty.status_code == 400
+    assert empty.json()["error"]["param"] == "messages"
     zero = await gateway.step(session, 0)
     assert zero.status_code == 400
     assert zero.json()["error"]["param"] == "step"
@@ -352,38 +355,39 @@ async def test_a_session_is_its_tenants_alone_and_its_policy_cannot_be_swapped(
     assert 'lockgate:session_events_total{event="created"} 1.0' in scrape.text
 
 
-async def test_a_second_gateway_on_the_same_redis_continues_the_session(
-    sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+async def _continued_by_a_second_gateway(
+    config: Config,
+    sim_engine: SimulatedEngine,
+    renderer: PromptRenderer,
+    tenancy: Tenancy,
+    between: Callable[[str], Awaitable[None]] | None = None,
 ) -> None:
+    """A session started on one gateway on `config`'s shared store, continued on a second one after the first
+    is gone (a restart, or another replica); `between(session)` runs while neither serves."""
     calls: list[EngineRequest] = []
     gate, called = asyncio.Event(), asyncio.Event()
     gate.set()
     _counting(sim_engine, calls, gate, called)
-    config = _config(backend="redis", redis_url=REDIS_URL)
+    step1 = {"step": 1, "messages": [USER], "max_tokens": 6}
     first = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
     async with (
         serving(first) as url,
         httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
     ):
         session = (await http.post("/v1/sessions", json={"model": MODEL})).json()["id"]
-        step = await http.post(
-            f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
-        )
+        step = await http.post(f"/v1/sessions/{session}/messages", json=step1)
         assert step.status_code == 200
-    # The first gateway is gone (a restart, or another replica): the second continues from the shared store.
+    if between is not None:
+        await between(session)
     second = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
     async with (
         serving(second) as url,
         httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
     ):
-        retried = await http.post(
-            f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
-        )
+        retried = await http.post(f"/v1/sessions/{session}/messages", json=step1)
         assert retried.headers[REPLAYED_HEADER] == "true"
         assert retried.content == step.content
-        following = await http.post(
-            f"/v1/sessions/{session}/messages", json={"step": 2, "messages": [USER], "max_tokens": 6}
-        )
+        following = await http.post(f"/v1/sessions/{session}/messages", json={**step1, "step": 2})
         assert following.status_code == 200
         shown = (await http.get(f"/v1/sessions/{session}")).json()
     assert [s["step"] for s in shown["steps"]] == [1, 2]
@@ -391,6 +395,13 @@ async def test_a_second_gateway_on_the_same_redis_continues_the_session(
     assert list(calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)]) == list(
         calls[0].prompt_token_ids
     )
+
+
+async def test_a_second_gateway_on_the_same_redis_continues_the_session(
+    sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    config = _config(backend="redis", redis_url=REDIS_URL)
+    await _continued_by_a_second_gateway(config, sim_engine, renderer, tenancy)
 
 
 async def test_a_session_survives_an_alias_move_and_migrates_when_declared_and_allowed(
@@ -520,46 +531,16 @@ async def test_a_blocked_step_is_not_recorded_and_the_whole_history_is_guarded_a
 async def test_a_second_gateway_on_the_same_postgres_continues_the_session(
     sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
 ) -> None:
-    calls: list[EngineRequest] = []
-    gate, called = asyncio.Event(), asyncio.Event()
-    gate.set()
-    _counting(sim_engine, calls, gate, called)
     async with postgres_schema() as (schema, admin):
-        config = _config(backend="postgres")
         storage = StorageConfig(backend="postgres", postgres_dsn=PG_DSN, postgres_schema=schema)
-        config = msgspec.structs.replace(config, storage=storage)
-        first = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
-        async with (
-            serving(first) as url,
-            httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
-        ):
-            session = (await http.post("/v1/sessions", json={"model": MODEL})).json()["id"]
-            step = await http.post(
-                f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
+        config = msgspec.structs.replace(_config(backend="postgres"), storage=storage)
+
+        async def in_the_table(session: str) -> None:
+            assert await admin.fetchval(
+                f"SELECT version FROM {schema}.gateway_sessions WHERE id = $1", session
             )
-            assert step.status_code == 200
-        # The first gateway is gone (a restart, or another replica): the second continues from the table.
-        assert await admin.fetchval(f"SELECT version FROM {schema}.gateway_sessions WHERE id = $1", session)
-        second = create_app(config, engine=sim_engine, renderer=renderer, tenants=tenancy.store)
-        async with (
-            serving(second) as url,
-            httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers) as http,
-        ):
-            retried = await http.post(
-                f"/v1/sessions/{session}/messages", json={"step": 1, "messages": [USER], "max_tokens": 6}
-            )
-            assert retried.headers[REPLAYED_HEADER] == "true"
-            assert retried.content == step.content
-            following = await http.post(
-                f"/v1/sessions/{session}/messages", json={"step": 2, "messages": [USER], "max_tokens": 6}
-            )
-            assert following.status_code == 200
-            shown = (await http.get(f"/v1/sessions/{session}")).json()
-    assert [s["step"] for s in shown["steps"]] == [1, 2]
-    assert len(calls) == 2
-    assert list(calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)]) == list(
-        calls[0].prompt_token_ids
-    )
+
+        await _continued_by_a_second_gateway(config, sim_engine, renderer, tenancy, in_the_table)
 
 
 async def test_a_tenant_past_its_history_tokens_loses_its_least_recently_used_session(
