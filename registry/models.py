@@ -196,6 +196,10 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     # (`gateway.sessions`). Unset means "refuse" (410 `model_version_retired`), kept out of the canonical JSON
     # as `top_logprobs` is.
     session_migration: Literal["refuse", "allow"] | msgspec.UnsetType = msgspec.UNSET
+    # How long a response the Responses API stores (`store`) is kept, in seconds; 0: responses under this
+    # policy are never stored (they answer `store: false`). Unset means the gateway's `[sessions] ttl`, and
+    # stays out of the canonical JSON as `top_logprobs` does.
+    stored_response_ttl: Annotated[int, Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def allows_top_logprobs(self) -> bool:
@@ -206,6 +210,10 @@ class PolicySpec(_Input, frozen=True, kw_only=True):
     def allows_session_migration(self) -> bool:
         """Whether sessions under this policy may move off a retired model version (when they declared it)."""
         return self.session_migration == "allow"
+
+    def stored_response_ttl_or(self, default: float) -> float:
+        """Seconds a stored response under this policy is kept (0: not stored), `default` where unset."""
+        return default if self.stored_response_ttl is msgspec.UNSET else float(self.stored_response_ttl)
 
 
 class PromptSpec(_Input, frozen=True, kw_only=True):
@@ -225,6 +233,14 @@ class EmbeddingModelSpec(_Input, frozen=True, kw_only=True):
     weights_sha256: Sha256  # of the encoder's model.safetensors
     dimensions: Positive
     max_input_tokens: Positive
+    # A Matryoshka-trained encoder: a request's `dimensions` may cut its vectors to any length from this one
+    # up to `dimensions` (re-normalised). Unset: its own length only (MiniLM), kept out of the canonical JSON.
+    min_dimensions: Positive | msgspec.UnsetType = msgspec.UNSET
+
+    def allows_dimensions(self, wanted: int) -> bool:
+        """Whether vectors of `wanted` dimensions can be made."""
+        low = self.dimensions if self.min_dimensions is msgspec.UNSET else self.min_dimensions
+        return low <= wanted <= self.dimensions
 
 
 Spec = (

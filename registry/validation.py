@@ -20,6 +20,7 @@ from registry.hashing import sha256_file
 from registry.models import (
     AliasTarget,
     CascadeStage,
+    EmbeddingModelSpec,
     GuardModelSpec,
     Kind,
     ModelSpec,
@@ -75,6 +76,17 @@ def check_spec(kind: Kind, ref: str, spec: Spec, known: Known) -> None:
         check_guard(ref, spec, known)
     elif isinstance(spec, PolicySpec):
         check_policy(ref, spec, known)
+    elif isinstance(spec, EmbeddingModelSpec):
+        check_embedding_model(ref, spec)
+
+
+def check_embedding_model(ref: str, spec: EmbeddingModelSpec) -> None:
+    """An embedding model's shortest vectors are no longer than its whole ones."""
+    if spec.min_dimensions is not msgspec.UNSET and spec.min_dimensions > spec.dimensions:
+        raise InvalidError(
+            f"embedding_model {ref}: min_dimensions {spec.min_dimensions} "
+            f"is over dimensions {spec.dimensions}"
+        )
 
 
 def check_reference(owner: str, kind: Kind, ref: str, known: Known) -> None:

@@ -20,6 +20,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 from litestar import Request, Response, post
 from litestar.di import NamedDependency
@@ -113,10 +114,15 @@ async def run_embeddings(
     timeline = timeline_in(request.scope, services.clock)
     texts = input_texts(req.input)
     model = resolve(services, req.model, principal)
-    if req.dimensions is not None and req.dimensions != model.spec.dimensions:
+    spec = model.spec
+    if req.dimensions is not None and not spec.allows_dimensions(req.dimensions):
+        lengths = (
+            f"{spec.dimensions} dimensions only"
+            if spec.min_dimensions is msgspec.UNSET
+            else f"{spec.min_dimensions} to {spec.dimensions} dimensions"
+        )
         raise InvalidRequestError(
-            f"`dimensions` is {req.dimensions}; {model.ref} makes vectors of {model.spec.dimensions} "
-            "dimensions only",
+            f"`dimensions` is {req.dimensions}; {model.ref} makes vectors of {lengths}",
             param="dimensions",
             code="invalid_value",
         )
@@ -160,7 +166,7 @@ async def run_embeddings(
     headers[GUARD_HEADER] = "; ".join(d.label if d else "input=off" for d in decisions)
     headers[MODEL_HEADER] = model.ref
     body = EmbeddingResponse(
-        data=_data(vectors, req.encoding_format),
+        data=_data(_cut(vectors, req.dimensions), req.encoding_format),
         model=req.model,
         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
@@ -170,6 +176,17 @@ async def run_embeddings(
 def _param(value: str | Sequence[object], i: int) -> str:
     """The field an input's refusal names."""
     return "input" if isinstance(value, str) else f"input[{i}]"
+
+
+def _cut(vectors: Vectors, dimensions: int | None) -> Vectors:
+    """The first `dimensions` of each vector, re-normalised to unit length (a Matryoshka encoder's shorter
+    vectors); all of them where `dimensions` is unset or the whole length."""
+    if dimensions is None or dimensions >= vectors.shape[1]:
+        return vectors
+    head = vectors[:, :dimensions]
+    norms = np.linalg.norm(head, axis=1, keepdims=True)
+    cut: Vectors = (head / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+    return cut
 
 
 def _data(vectors: Vectors, encoding_format: str) -> list[Embedding]:

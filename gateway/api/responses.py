@@ -1,7 +1,8 @@
 """`/v1/responses`: the OpenAI Responses API, served by the chat completions pipeline (OpenAPI tag `openai`).
 
-    POST   /v1/responses          a response, whole or streamed; `store` (default true) keeps it, and
-                                  `previous_response_id` continues a stored one
+    POST   /v1/responses          a response, whole or streamed; `store` (default true) keeps it for the
+                                  tenant policy's `stored_response_ttl`, and `previous_response_id`
+                                  continues a stored one
     GET    /v1/responses/{id}     a stored response, as it was answered
     GET    /v1/responses/{id}/input_items   the input items it was made from, a page at a time
     DELETE /v1/responses/{id}     forget it
@@ -31,6 +32,7 @@ from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow
 from gateway.errors import InvalidRequestError
 from gateway.generation.pipeline import run_chat
+from gateway.generation.resolution import policy_for
 from gateway.keeping import StoredAnswer, kept
 from gateway.responses_api.output import events, final, whole
 from gateway.responses_api.requests import chat_request, input_messages
@@ -112,10 +114,16 @@ async def create_response(
     history = messages_of(previous) if previous else None
     chat = chat_request(body, messages, history)
     binding = None
+    ttl = 0.0
     if stored is not None:
         bound = previous.bound if previous else stored.bound(services.generation, principal, body)
         root = previous.metadata.get(ROOT, previous.id) if previous else rid
         binding = stored.binding(bound, principal.tenant.tenant_id, root)
+        # Kept as long as the policy the response runs under says (0: not at all).
+        policy = policy_for(services.generation, principal, binding).spec
+        ttl = policy.stored_response_ttl_or(services.config.sessions.ttl) if store else 0.0
+        store = ttl > 0
+    body = msgspec.structs.replace(body, store=store)
     answer = await run_chat(services.generation, chat, request, principal, binding)
     if (answer.status_code or 200) != 200:
         return answer
@@ -124,7 +132,7 @@ async def create_response(
 
         async def keep(sent: StoredAnswer | None) -> None:
             if sent is not None:
-                await keeper.keep(principal, rid, body, bound, previous, messages, sent)
+                await keeper.keep(principal, rid, body, bound, previous, messages, sent, ttl)
 
         state = request.scope.setdefault("state", {})
         answer = await kept(answer, keep, state, services.config.sessions.max_answer_bytes)

@@ -77,6 +77,8 @@ def skeleton(req: ResponseCreateRequest, rid: str, model: str) -> ResponseObject
         if req.text and req.text.format
         else {"format": {"type": "text"}},
         user=req.user,
+        store=req.store is True,
+        previous_response_id=req.previous_response_id,
     )
 
 

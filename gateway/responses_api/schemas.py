@@ -119,7 +119,7 @@ class ResponseCreateRequest(_Request, frozen=True, kw_only=True):
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # Accepted; nothing is stored here yet (`store` is answered false), so nothing can be continued from.
+    # Default true: kept for the tenant's policy's `stored_response_ttl` (`gateway.responses_api.stored`).
     store: bool | None = None
     previous_response_id: str | None = None
     include: list[str] | None = None

@@ -4,7 +4,8 @@ conversation up to it (each earlier turn's input and reply, as a session's steps
 (`Bound`: a continuation runs on them, as a session's next step does, with replica affinity on the
 conversation), the request (to answer `GET` as it was answered) and its chat answer as sent.
 
-A response is kept for `[sessions] ttl` and forgotten `tombstone` later, and counts toward the tenant's
+A response is kept for its policy's `stored_response_ttl` (unset: `[sessions] ttl`; 0: it is not stored)
+and forgotten `tombstone` later, and counts toward the tenant's
 session limits (`max_sessions_per_tenant`, `max_history_tokens_per_tenant`: the least recently used make
 room, as sessions do); a deleted one, or another tenant's,
 is 404 (OpenAI's answer for a response that is not there). Continuing from any stored response forks the
@@ -26,7 +27,7 @@ from gateway.generation.resolution import Binding, policy_for, prompt_for, targe
 from gateway.keeping import StoredAnswer
 from gateway.responses_api.schemas import InputContent, InputItem, ResponseCreateRequest
 from gateway.schemas import ChatMessage
-from gateway.sessions.base import Bound, Ended, SessionRecord, Step
+from gateway.sessions.base import Bound, Ended, SessionRecord, Step, Versioned
 from gateway.sessions.history import UnreadableAnswerError, characters, messages_of, reply_of
 from gateway.sessions.service import Sessions, SessionUnavailableError
 from policy.auth import Principal
@@ -52,19 +53,23 @@ class StoredResponses:
     async def load(self, principal: Principal, response_id: str, param: str) -> SessionRecord:
         """The caller's stored response (404 naming `param`: unknown, forgotten, deleted, another
         tenant's)."""
-        found = await self._sessions.call(self._sessions.store.load(response_id))
-        record = found.record if found is not None else None
-        if record is None or record.tenant != principal.tenant.tenant_id or record.ended is not None:
+        return (await self._found(principal, response_id, param)).record
+
+    async def _found(self, principal: Principal, response_id: str, param: str) -> Versioned:
+        sessions = self._sessions
+        found = await sessions.call(sessions.store.load(response_id))
+        if (
+            found is None
+            or found.record.tenant != principal.tenant.tenant_id
+            or found.record.ended is not None
+            or sessions.lapsed(found.record)
+        ):
             raise NotFoundError(f"no stored response `{response_id}`", param=param, code="response_not_found")
-        return record
+        return found
 
     async def delete(self, principal: Principal, response_id: str) -> None:
         """Forget the caller's stored response (404 if there is none)."""
-        found = await self._sessions.call(self._sessions.store.load(response_id))
-        if found is None or found.record.tenant != principal.tenant.tenant_id or found.record.ended:
-            raise NotFoundError(
-                f"no stored response `{response_id}`", param="response_id", code="response_not_found"
-            )
+        found = await self._found(principal, response_id, "response_id")
         ended = msgspec.structs.replace(
             found.record, ended=Ended(reason="deleted", at=self._sessions.now()), steps=[]
         )
@@ -102,9 +107,10 @@ class StoredResponses:
         previous: SessionRecord | None,
         messages: list[ChatMessage],
         answer: StoredAnswer,
+        ttl: float,
     ) -> None:
-        """Store response `response_id`: `previous`'s turns, then this one (`messages` and the reply of
-        `answer`). Logged, not raised, when it cannot be: the answer has been sent."""
+        """Store response `response_id` for `ttl` seconds: `previous`'s turns, then this one (`messages` and
+        the reply of `answer`). Logged, not raised, when it cannot be: the answer has been sent."""
         history = messages_of(previous) if previous else []
         try:
             reply, usage = reply_of(answer, characters([*history, *messages]))
@@ -123,7 +129,6 @@ class StoredResponses:
             at=now,
         )
         root = previous.metadata.get(ROOT, previous.id) if previous else response_id
-        config = self._sessions.config
         record = SessionRecord(
             id=response_id,
             tenant=principal.tenant.tenant_id,
@@ -131,8 +136,8 @@ class StoredResponses:
             model=req.model,
             bound=bound,
             created_at=now,
-            expires_at=now + config.ttl,
-            idle_timeout=config.ttl,
+            expires_at=now + ttl,
+            idle_timeout=ttl,
             last_used=now,
             metadata={ROOT: root, REQUEST: msgspec.json.encode(req).decode()},
             steps=[*steps, turn],

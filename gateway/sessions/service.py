@@ -331,15 +331,18 @@ class Sessions:
             raise NotFoundError(
                 f"session `{session_id}` does not exist", param="session_id", code="session_not_found"
             )
-        record = found.record
-        now = self._clock()
-        if record.ended is None and (
-            now >= record.expires_at or now >= record.last_used + record.idle_timeout
-        ):
+        if self.lapsed(found.record):
             found = await self._end(found, "expired")
         if found.record.ended is not None:
             raise _gone(found.record.ended)
         return found
+
+    def lapsed(self, record: SessionRecord) -> bool:
+        """Whether `record` is past its absolute or idle expiry and not yet ended."""
+        now = self._clock()
+        return record.ended is None and (
+            now >= record.expires_at or now >= record.last_used + record.idle_timeout
+        )
 
     async def _end(self, found: Versioned, reason: EndReason) -> Versioned:
         """`found` ended for `reason` (its history dropped), or what the store holds if another save came

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -20,6 +21,7 @@ from gateway.embeddings import PACKAGED_NAME
 from gateway.generation.prompts import PromptRenderer
 from policy.safety.defaults import DEFAULT_POLICY
 from policy.safety.records import audit_draft
+from registry.errors import InvalidError as RegistryInvalidError
 from registry.models import EmbeddingModelSpec
 from tests.conftest import MODEL, CountingEngine, OutcomeLog
 from tests.gateway.test_guard_http import BLOCKED_INPUT, TOKEN_BURST, Bed, guarded, policy
@@ -197,3 +199,29 @@ async def test_a_version_whose_weights_do_not_match_is_unavailable(bed: Bed) -> 
     error = _error(await embed(bed, {"model": "tampered@1", "input": BENIGN}), 503)
     assert error["code"] == "embedding_model_unavailable"
     assert await bed.tokens_level() == pytest.approx(TOKEN_BURST)
+
+
+async def test_a_matryoshka_model_cuts_its_vectors_to_the_dimensions_asked(
+    bed: Bed, client: openai.AsyncOpenAI
+) -> None:
+    # The packaged weights declared as cuttable (as a Matryoshka-trained encoder's would be) from 64 up.
+    packaged = bed.registry.view.resolve_embedding_model(PACKAGED_NAME, key="").spec
+    cuttable = msgspec.structs.replace(packaged, min_dimensions=64)
+    await bed.registry.publish("embedding_model", "cuttable", "1", cuttable, actor="t")
+    whole = (await client.embeddings.create(model="cuttable@1", input=BENIGN, encoding_format="float")).data
+    cut = await client.embeddings.create(
+        model="cuttable@1", input=[BENIGN, UNRELATED], dimensions=128, encoding_format="float"
+    )
+    first = cut.data[0].embedding
+    assert [len(d.embedding) for d in cut.data] == [128, 128]
+    assert math.isclose(math.fsum(x * x for x in first), 1.0, rel_tol=1e-5)  # re-normalised
+    head = np.asarray(whole[0].embedding[:128])
+    assert np.allclose(first, head / np.linalg.norm(head), atol=1e-6)  # the leading dimensions, scaled
+    for wanted in (32, 385):
+        error = _error(await embed(bed, {"model": "cuttable@1", "input": "hi", "dimensions": wanted}), 400)
+        assert (error["param"], error["code"]) == ("dimensions", "invalid_value")
+        assert "64 to 384" in error["message"]
+    # Shorter vectors than the longest are a contradiction the registry refuses.
+    too_short = msgspec.structs.replace(packaged, min_dimensions=385)
+    with pytest.raises(RegistryInvalidError):
+        await bed.registry.publish("embedding_model", "cuttable", "2", too_short, actor="t")

@@ -17,7 +17,9 @@ from openai.types.responses import FunctionToolParam
 from engines.simulated import SimulatedEngine
 from gateway.app import create_app
 from gateway.generation.prompts import PromptRenderer
+from policy.safety.defaults import rules_policy
 from policy.tenants.models import Tenant
+from tests.backends import FakeClock
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, serving
 
 WEATHER: FunctionToolParam = {
@@ -315,3 +317,38 @@ async def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(
     [message] = [item async for item in await client.responses.input_items.list(text_only.id)]
     assert message.type == "message"
     assert message.role == "user"
+
+
+@pytest.mark.parametrize("ttl", [30, 0])
+async def test_a_stored_response_is_kept_as_long_as_the_tenants_policy_says(
+    ttl: int, sim_engine: SimulatedEngine, renderer: PromptRenderer, tenancy: Tenancy
+) -> None:
+    clock = FakeClock()
+    app = create_app(make_config(), engine=sim_engine, renderer=renderer, tenants=tenancy.store, clock=clock)
+    async with (
+        serving(app) as url,
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenancy.consumer, max_retries=0) as client,
+    ):
+        services = app.state.services
+        policy = msgspec.structs.replace(rules_policy(), stored_response_ttl=ttl)
+        await services.registry.publish("policy", "kept", str(ttl), policy, actor="t")
+        acme = await tenancy.store.get_tenant("acme")
+        assert acme is not None
+        await tenancy.store.update_tenant(
+            msgspec.structs.replace(acme, policy=f"kept@{ttl}"), actor="t", now=0.0
+        )
+        services.auth.forget(tenant_id="acme")
+        made = await client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+        # The response says whether it was kept; a policy of 0 keeps nothing, whatever the client asked.
+        assert made.to_dict()["store"] is (ttl > 0)
+        if ttl == 0:
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(made.id)
+            return
+        clock.advance(ttl - 1)
+        assert (await client.responses.retrieve(made.id)).id == made.id
+        clock.advance(2)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model=MODEL, input="And?", previous_response_id=made.id)
