@@ -466,7 +466,12 @@ def test_the_document_is_the_same_whatever_the_string_hashing() -> None:
 
 async def test_the_document_states_the_model_name_pattern_the_server_enforces(gateway: Gateway) -> None:
     schemas = gateway.contract.document["components"]["schemas"]
-    for name in ("ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest"):
+    for name in (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "SessionCreateRequest",
+        "ResponseCreateRequest",
+    ):
         pattern = schemas[name]["properties"]["model"]["pattern"]
         assert re.fullmatch(pattern.strip("^$"), MODEL)
         assert re.fullmatch(pattern.strip("^$"), f"{MODEL}@abc123")
@@ -481,3 +486,33 @@ async def test_the_document_states_the_model_name_pattern_the_server_enforces(ga
     )
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+async def test_responses_and_embeddings_answers_match_the_document(gateway: Gateway) -> None:
+    gw = gateway
+    responses, item = "/v1/responses", "/v1/responses/{response_id}"
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4}
+    made = (await gw.call("acme", "POST", responses, body, status=200)).json()
+    rid = made["id"]
+    await gw.call("acme", "GET", f"{responses}/{rid}", route=item, status=200)
+    await gw.call("acme", "GET", f"{responses}/{rid}/input_items", route=f"{item}/input_items", status=200)
+    await gw.call("acme", "GET", f"{responses}/resp_0", route=item, status=404)
+    unsupported = await gw.call(
+        "acme", "POST", responses, {**body, "tools": [{"type": "web_search"}]}, status=400
+    )
+    assert unsupported.json()["error"]["param"].startswith("tools")
+    await gw.call("lg-not-a-key", "POST", responses, body, status=401)
+    await gw.call("acme", "POST", responses, b"{" + b" " * MAX_BODY + b"}", status=413)
+    await gw.call("tight", "POST", responses, body, status=200)
+    await gw.call("tight", "POST", responses, body, status=429)
+    await gw.call("acme", "DELETE", f"{responses}/{rid}", route=item, status=200)
+
+    embeddings = "/v1/embeddings"
+    vectors = await gw.call(
+        "acme", "POST", embeddings, {"model": "all-MiniLM-L6-v2", "input": ["a", "b"]}, status=200
+    )
+    assert len(vectors.json()["data"]) == 2
+    generation = await gw.call("acme", "POST", embeddings, {"model": MODEL, "input": "a"}, status=400)
+    assert generation.json()["error"]["code"] == "model_not_embedding"
+    await gw.call("acme", "POST", embeddings, {"model": "nothing", "input": "a"}, status=404)
+    await gw.call("acme", "POST", embeddings, b"{" + b" " * MAX_BODY + b"}", status=413)
