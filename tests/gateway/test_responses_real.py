@@ -130,3 +130,42 @@ async def test_an_agent_with_its_default_model_class(client: openai.AsyncOpenAI)
     result = await agents.Runner.run(agent, "What is the weather in Rome?", max_turns=2)
     assert cities
     assert result.final_output == "Sunny."
+
+
+async def test_an_agent_tool_loop_of_three_turns(client: openai.AsyncOpenAI) -> None:
+    # Each turn must call the tool and sees every earlier call and result; the run ends after the third
+    # turn's tool (a 135M model's free text would run to its limit, so the loop's end is the tool's).
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def next_step(note: str) -> str:
+        """Record a step of the plan and get the next one."""
+        seen.append(note)
+        return f"Step {len(seen)} recorded."
+
+    def after_three(
+        _context: agents.RunContextWrapper[Any], results: list[agents.FunctionToolResult]
+    ) -> agents.ToolsToFinalOutputResult:
+        return agents.ToolsToFinalOutputResult(
+            is_final_output=len(seen) >= 3, final_output=results[-1].output
+        )
+
+    agent = agents.Agent(
+        name="planner",
+        instructions="Plan a trip, one step per tool call.",
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+        tools=[next_step],
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60),
+        reset_tool_choice=False,
+        tool_use_behavior=after_three,
+    )
+    result = await agents.Runner.run(agent, "Plan a day in Rome.", max_turns=3)
+    assert len(result.raw_responses) == 3
+    assert len(seen) == 3
+    assert result.final_output == "Step 3 recorded."
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item"] * 3
+    # Each turn's prompt held the conversation so far: the inputs grow turn by turn.
+    inputs = [r.usage.input_tokens for r in result.raw_responses]
+    assert inputs[0] < inputs[1] < inputs[2]
