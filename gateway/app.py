@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -28,6 +29,7 @@ from gateway.edge.stack import Gateway
 from gateway.embeddings import Embedders, register_packaged_encoder
 from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
 from gateway.generation import tools as tool_parsers
+from gateway.generation.context import RouteCounts
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache, renderer_key
@@ -484,6 +486,7 @@ def create_app(
                 executor=prompts.executor,
                 durable=recording_durably,
             )
+            route_decisions: RouteCounts = Counter()
             # Engine, queue, quota and guard series, read from the live objects at scrape time.
             collector = ServiceCollector(
                 scheduler.replicas,
@@ -497,6 +500,7 @@ def create_app(
                 idempotency=idempotency.counts if idempotency is not None else None,
                 result_cache=result_cache,
                 sessions=sessions.counts if sessions is not None else None,
+                route_decisions=route_decisions,
             )
             owned.callback(observer.unwatch, observer.watch(collector))
             if observer.multiprocess_dir is not None:  # a worker of `serve --workers N`
@@ -554,6 +558,7 @@ def create_app(
                 result_cache=result_cache,
                 sessions=sessions,
                 embedders=embedders,
+                route_decisions=route_decisions,
             )
             if freeze_start_up:
                 gc.collect()

@@ -394,15 +394,19 @@ class AliasTargetCard(_Response, frozen=True, kw_only=True):
 
 
 class ModelCard(_Response, frozen=True, kw_only=True):
-    """One entry of `GET /v1/models`: an alias (what clients usually name) or a pinnable `name@version`."""
+    """One entry of `GET /v1/models`: an alias (what clients usually name), a pinnable `name@version`, or a
+    route (`kind: "route"`: a name that chooses the model of each request)."""
 
     id: str
     created: int
     owned_by: str = "lockgate"
     object: Literal["model"] = "model"
     # Lockgate's extensions.
-    kind: Literal["alias", "version"] = "alias"
+    kind: Literal["alias", "version", "route"] = "alias"
     targets: list[AliasTargetCard] | None = None
+    # A route (a name that chooses the model per request): its version, and every model it may choose.
+    route: str | None = None
+    models: list[str] | None = None
     max_model_len: int | None = None
     tokenizer: str | None = None
     chat_template: str | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from engines.base import Engine
 from gateway.config import Config
 from gateway.embeddings import Embedders
-from gateway.generation.context import Generation
+from gateway.generation.context import Generation, RouteCounts
 from gateway.generation.flow import TaskSet
 from gateway.generation.prompts import PromptRenderer
 from gateway.generation.renderers import RendererCache
@@ -67,6 +67,7 @@ class Services:
         publish_check: PublishCheck | None = None,
         idempotency: Idempotency | None = None,
         result_cache: ResultCache | None = None,
+        route_decisions: RouteCounts | None = None,
         sessions: Sessions | None = None,
         embedders: Embedders,
     ) -> None:
@@ -131,6 +132,7 @@ class Services:
             tasks=tasks,
             traced=observer.tracer is not None,
             result_cache=result_cache,
+            route_decisions=route_decisions,
         )
         # `/readyz`'s health checks, at most one round per `[server] readiness_cache` seconds.
         self.readiness = ReadinessCheck(self.generation, config.server.readiness_cache)

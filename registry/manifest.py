@@ -26,6 +26,7 @@ from registry.models import (
     ModelSpec,
     PolicySpec,
     PromptSpec,
+    RouteSpec,
     Spec,
     TokenizerSpec,
 )
@@ -63,6 +64,13 @@ class GuardModelEntry(GuardModelSpec, frozen=True, kw_only=True):
 
 class EmbeddingModelEntry(EmbeddingModelSpec, frozen=True, kw_only=True):
     """`[[embedding_model]]`."""
+
+    name: str
+    version: str
+
+
+class RouteEntry(RouteSpec, frozen=True, kw_only=True):
+    """`[[route]]`."""
 
     name: str
     version: str
@@ -109,6 +117,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     policy: tuple[PolicyEntry, ...] = ()
     prompt: tuple[PromptEntry, ...] = ()
     embedding_model: tuple[EmbeddingModelEntry, ...] = ()
+    route: tuple[RouteEntry, ...] = ()
     alias: tuple[AliasEntry, ...] = ()
 
 
@@ -149,6 +158,7 @@ async def apply_manifest(registry: Registry, manifest: Manifest, *, actor: str) 
         *(("policy", e, PolicySpec) for e in manifest.policy),
         *(("prompt", e, PromptSpec) for e in manifest.prompt),
         *(("embedding_model", e, EmbeddingModelSpec) for e in manifest.embedding_model),
+        *(("route", e, RouteSpec) for e in manifest.route),
     ]
     published: list[str] = []
     unchanged: list[str] = []

@@ -19,7 +19,9 @@ from registry.errors import InvalidError
 
 # What a guard failure does in a category: allow (audited as fail_open) or refuse.
 FailMode = Literal["open", "closed"]
-Kind = Literal["model", "tokenizer", "chat_template", "guard_model", "policy", "prompt", "embedding_model"]
+Kind = Literal[
+    "model", "tokenizer", "chat_template", "guard_model", "policy", "prompt", "embedding_model", "route"
+]
 KINDS: tuple[Kind, ...] = (
     "model",
     "tokenizer",
@@ -28,6 +30,7 @@ KINDS: tuple[Kind, ...] = (
     "policy",
     "prompt",
     "embedding_model",
+    "route",
 )
 Severity = Literal["low", "medium", "high", "critical"]
 
@@ -243,6 +246,47 @@ class EmbeddingModelSpec(_Input, frozen=True, kw_only=True):
         return low <= wanted <= self.dimensions
 
 
+Capability = Literal["tools", "structured", "logprobs"]
+PriorityName = Literal["interactive", "batch"]
+
+
+class RouteRule(_Input, frozen=True, kw_only=True):
+    """One rule of a route: it holds when every condition it gives holds (none given: always), and then
+    names the model that serves the request."""
+
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    target: str  # a model name (alias) or a pinned name@version
+    # The prompt's tokens (the context needed), counted by the route's default model.
+    min_prompt_tokens: Annotated[int, Meta(ge=0)] | None = None
+    max_prompt_tokens: Annotated[int, Meta(ge=0)] | None = None
+    # Holds when the request asks for any of these.
+    capabilities: tuple[Capability, ...] = ()
+    # Holds for these tenants, API keys (key ids), priority classes only (empty: any).
+    tenants: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    priority: tuple[PriorityName, ...] = ()
+    # Holds when the request may wait at most this many seconds in the queue (its deadline).
+    max_deadline_s: Annotated[float, Meta(gt=0)] | None = None
+    # Holds when the tenant's token quota has at most this many tokens left (a tenant without a token
+    # quota never matches).
+    max_budget_tokens: Annotated[float, Meta(ge=0)] | None = None
+
+
+class RouteSpec(_Input, frozen=True, kw_only=True):
+    """A public model name that chooses a model per request: the first rule that holds names it, else
+    `default`; when the chosen model's pool is saturated or unhealthy, `fallbacks` are tried in order
+    (`gateway.generation.orchestration`)."""
+
+    rules: tuple[RouteRule, ...] = ()
+    default: str  # a model name (alias) or a pinned name@version
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every model the route may name."""
+        return (*(r.target for r in self.rules), self.default, *self.fallbacks)
+
+
 Spec = (
     ModelSpec
     | TokenizerSpec
@@ -251,6 +295,7 @@ Spec = (
     | PolicySpec
     | PromptSpec
     | EmbeddingModelSpec
+    | RouteSpec
 )
 S = TypeVar(
     "S",
@@ -261,6 +306,7 @@ S = TypeVar(
     PolicySpec,
     PromptSpec,
     EmbeddingModelSpec,
+    RouteSpec,
 )
 SPEC_TYPES: dict[Kind, type[Spec]] = {
     "model": ModelSpec,
@@ -270,6 +316,7 @@ SPEC_TYPES: dict[Kind, type[Spec]] = {
     "policy": PolicySpec,
     "prompt": PromptSpec,
     "embedding_model": EmbeddingModelSpec,
+    "route": RouteSpec,
 }
 # Built once: decoders validate every bound declared above.
 _DECODERS = {kind: msgspec.json.Decoder(spec_type) for kind, spec_type in SPEC_TYPES.items()}

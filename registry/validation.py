@@ -25,8 +25,10 @@ from registry.models import (
     Kind,
     ModelSpec,
     PolicySpec,
+    RouteSpec,
     Spec,
     TokenizerSpec,
+    check_name,
     parse_ref,
 )
 
@@ -78,6 +80,28 @@ def check_spec(kind: Kind, ref: str, spec: Spec, known: Known) -> None:
         check_policy(ref, spec, known)
     elif isinstance(spec, EmbeddingModelSpec):
         check_embedding_model(ref, spec)
+    elif isinstance(spec, RouteSpec):
+        check_route(ref, spec, known)
+
+
+def check_route(ref: str, spec: RouteSpec, known: Known) -> None:
+    """A route's rules have distinct names and sound token bounds, and each pinned target is published (a
+    target named by alias is resolved per request: an alias not set then is a 404 for that request)."""
+    owner = f"route {ref}"
+    names = [rule.name for rule in spec.rules]
+    if len(set(names)) != len(names):
+        raise InvalidError(f"{owner}: rule names repeat ({', '.join(names)})")
+    for rule in spec.rules:
+        low, high = rule.min_prompt_tokens, rule.max_prompt_tokens
+        if low is not None and high is not None and low > high:
+            raise InvalidError(
+                f"{owner}: rule {rule.name}: min_prompt_tokens {low} > max_prompt_tokens {high}"
+            )
+    for target in spec.targets:
+        if "@" in target:
+            check_reference(owner, "model", target, known)
+        else:
+            check_name(f"{owner} target", target)
 
 
 def check_embedding_model(ref: str, spec: EmbeddingModelSpec) -> None:

@@ -31,6 +31,7 @@ from registry.models import (
     PromptSpec,
     Published,
     RegistrySnapshot,
+    RouteSpec,
     S,
     Spec,
     check_name,
@@ -91,6 +92,13 @@ class ResolvedEmbeddingModel(msgspec.Struct, frozen=True, kw_only=True):
 
     ref: str
     spec: EmbeddingModelSpec
+
+
+class ResolvedRoute(msgspec.Struct, frozen=True, kw_only=True):
+    """A route version (a model name that chooses a model per request) and its spec."""
+
+    ref: str
+    spec: RouteSpec
 
 
 class RegistryView:
@@ -216,6 +224,16 @@ class RegistryView:
         found = self.pick("embedding_model", name_or_ref, key)
         spec = self.spec("embedding_model", found.name, found.version, EmbeddingModelSpec)
         return ResolvedEmbeddingModel(ref=found.ref, spec=spec)
+
+    def is_route(self, name_or_ref: str) -> bool:
+        """Whether a model name a client sent names a route (its alias, or a pinned route version)."""
+        name, _, version = name_or_ref.partition("@")
+        return self.has("route", name, version) if version else self.has_alias("route", name)
+
+    def resolve_route(self, name_or_ref: str, key: str) -> ResolvedRoute:
+        """A route version (pinned, or by alias and canary with `key`)."""
+        found = self.pick("route", name_or_ref, key)
+        return ResolvedRoute(ref=found.ref, spec=self.spec("route", found.name, found.version, RouteSpec))
 
     def kv_bytes_per_token(self, model_ref: str) -> int:
         """KV cache bytes per token of a pinned model version `name@version`."""

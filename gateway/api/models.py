@@ -17,7 +17,7 @@ from registry.models import ModelSpec
 async def list_models(
     services: NamedDependency[Services], principal: NamedDependency[Principal]
 ) -> ModelList:
-    """The served models."""
+    """The served models: aliases, their versions, and routes."""
     allow(principal, "consumer")
     view = services.registry.view
     # Guard models run on guard pools and are not served for generation: not listed.
@@ -53,6 +53,17 @@ async def list_models(
                     kv_bytes_per_token=model.kv_bytes_per_token,
                 )
             )
+    for alias in view.aliases("route"):
+        route = view.resolve_route(alias.name, key="")
+        cards.append(
+            ModelCard(
+                id=alias.name,
+                created=int(alias.updated_at),
+                kind="route",
+                route=route.ref,
+                models=list(dict.fromkeys(route.spec.targets)),
+            )
+        )
     return ModelList(data=cards)
 
 

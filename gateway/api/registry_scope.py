@@ -1,12 +1,12 @@
 """What of the registry a policy administrator may read.
 
 Administrators of the operating organisation read all of it. A tenant's administrator reads the public
-catalogue (models, tokenizers, chat templates, embedding models: every tenant may ask for any model) and what
-its tenant is bound to: the policy it names (an alias, or the name of a pinned `name@version`: every version
-of that name), the guard models those policy versions run, and the system prompts set for the tenant and for
-its keys. Anything else (another tenant's policy with its block patterns and thresholds, its guard prompts,
-its canary splits) reads exactly as a name nobody published: an empty list, so a tenant cannot tell the two
-apart.
+catalogue (models, tokenizers, chat templates, embedding models, routes: every tenant may ask for any model)
+and what its tenant is bound to: the policy it names (an alias, or the name of a pinned `name@version`: every
+version of that name), the guard models those policy versions run, and the system prompts set for the tenant
+and for its keys. Anything else (another tenant's policy with its block patterns and thresholds, its guard
+prompts, its canary splits) reads exactly as a name nobody published: an empty list, so a tenant cannot tell
+the two apart.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from registry.models import Kind, PolicySpec
 from registry.view import RegistryView
 
 # Kinds every policy administrator reads in full.
-CATALOGUE: frozenset[Kind] = frozenset({"model", "tokenizer", "chat_template", "embedding_model"})
+CATALOGUE: frozenset[Kind] = frozenset({"model", "tokenizer", "chat_template", "embedding_model", "route"})
 
 
 class RegistryScope(msgspec.Struct, frozen=True, kw_only=True):

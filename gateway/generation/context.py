@@ -6,6 +6,8 @@ that builds it (`gateway.services` imports `gateway.generation`, never the other
 
 from __future__ import annotations
 
+from collections import Counter
+
 from engines.base import Engine
 from gateway.config import Config
 from gateway.generation.flow import TaskSet
@@ -20,6 +22,9 @@ from policy.quota.meter import QuotaMeter
 from policy.safety.gate import SafetyGate
 from registry.service import Registry
 from routing.scheduler import Scheduler
+
+# `lockgate:route_decisions_total` by (route, target, reason) (`gateway.generation.orchestration`).
+RouteCounts = Counter[tuple[str, str, str]]
 
 
 class Generation:
@@ -44,6 +49,7 @@ class Generation:
         tasks: TaskSet,
         traced: bool,
         result_cache: ResultCache | None = None,
+        route_decisions: RouteCounts | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -70,3 +76,5 @@ class Generation:
         self.traced = traced
         # Answers to deterministic requests kept and served again (None: `[result_cache] enabled` false).
         self.result_cache = result_cache
+        # Routed requests by (route, model, reason): `lockgate:route_decisions_total`.
+        self.route_decisions: RouteCounts = route_decisions if route_decisions is not None else Counter()

@@ -7,6 +7,8 @@ connection of our own pool stayed busy past `quota.pool_timeout` (gateway overlo
 
 from __future__ import annotations
 
+import logging
+
 from gateway.errors import (
     APIError,
     EngineUnavailableError,
@@ -19,8 +21,10 @@ from gateway.generation.context import Generation
 from gateway.generation.planning import Plan
 from gateway.observe.timeline import RequestTimeline
 from policy.auth import Principal
-from policy.quota.base import QuotaBusyError, QuotaExceededError, QuotaImpossibleError
+from policy.quota.base import QuotaBackendError, QuotaBusyError, QuotaExceededError, QuotaImpossibleError
 from policy.quota.meter import BucketSet, Charge, QuotaMeter, QuotaUnavailableError, rate_limit_headers
+
+log = logging.getLogger("lockgate.quota")
 
 
 def charge_headers(charge: Charge) -> dict[str, str]:
@@ -50,6 +54,16 @@ async def reserve(gen: Generation, principal: Principal, plan: Plan, timeline: R
         raise
     finally:
         timeline.phase("quota", start)
+
+
+async def tokens_left(gen: Generation, principal: Principal) -> float | None:
+    """The caller's tokens left in its token quota (None: none applies, or the store cannot be read now,
+    which is logged: a route's budget rule then does not hold)."""
+    try:
+        return await gen.meter.tokens_left(principal.tenant, principal.key)
+    except (QuotaBackendError, QuotaBusyError) as exc:
+        log.warning("tokens left of tenant %s unknown: %s", principal.tenant.tenant_id, exc)
+        return None
 
 
 async def reserve_tokens(

@@ -1,8 +1,8 @@
 """One generation request from top to bottom: read this module first.
 
-    decode -> resolve -> render (plan) -> reserve quota -> compile schema -> result cache lookup
-           -> input guard -> cached answer, or admit (fair queue, replica) and generate -> output guard
-           -> respond
+    decode -> resolve (a route: choose the model) -> render (plan) -> reserve quota -> compile schema
+           -> result cache lookup -> input guard -> cached answer, or admit (fair queue, replica) and generate
+           -> output guard -> respond
 
 Before the reservation a request costs only work linear in it (`bounds`: field and schema size limits)
 and its rendering and tokenization (bounded by the body limit); a JSON schema is compiled after it.
@@ -11,6 +11,7 @@ The route handlers decode the body and call `run_chat` / `run_completion` with t
 (`context.Generation`); each stage is one call into the module that owns it:
 
     resolution  model version and limits, renderer, safety policy, system prompt (registry view)
+    orchestration  a route's choice of model by the request's features, and its fallbacks
     planning    validate, render, count tokens
     metering    reserve quota (a denial is tallied in the audit trail)
     settlement  from the reservation on: refund, or the tracker's outcome and settlement (one path)
@@ -47,10 +48,26 @@ from gateway.generation.caching import CACHE_HEADER, cache_use
 from gateway.generation.context import Generation
 from gateway.generation.flow import ClientDisconnectedError, Source, client_watch
 from gateway.generation.guarding import check_alternatives, check_input, guard_api_error, output_guard
-from gateway.generation.metering import charge_headers, reserve
+from gateway.generation.metering import charge_headers, reserve, tokens_left
+from gateway.generation.orchestration import (
+    ROUTE_HEADER,
+    Features,
+    Planner,
+    RouteDecision,
+    capabilities,
+    reads_budget,
+    routed,
+)
 from gateway.generation.planning import Plan, compile_pending, plan_chat, plan_completion
 from gateway.generation.prompts import PromptRenderer
-from gateway.generation.resolution import Binding, policy_for, prompt_for, renderer_for, target
+from gateway.generation.resolution import (
+    Binding,
+    policy_for,
+    prompt_for,
+    renderer_for,
+    route_for,
+    target,
+)
 from gateway.generation.responses import Formatter
 from gateway.generation.settlement import Settlement
 from gateway.inbound import Inbound
@@ -79,19 +96,26 @@ async def run_chat(
     `binding`."""
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, gen.clock)
-    start = timeline.now()
-    model, limits = target(gen, binding.model if binding else req.model, principal)
-    renderer = await renderer_for(gen, model)
-    plan = await plan_chat(
-        req,
-        request_id,
-        model,
-        renderer,
-        limits,
-        instructions=prompt_for(gen, principal, binding),
-        trusted_instructions=principal.key.trusted_instructions,
-    )
-    timeline.phase("render", start)
+
+    async def plan_for(name: str) -> tuple[Plan, PromptRenderer]:
+        start = timeline.now()
+        model, limits = target(gen, name, principal)
+        renderer = await renderer_for(gen, model)
+        plan = await plan_chat(
+            req if binding or name == req.model else replace(req, model=name),
+            request_id,
+            model,
+            renderer,
+            limits,
+            instructions=prompt_for(gen, principal, binding),
+            trusted_instructions=principal.key.trusted_instructions,
+        )
+        timeline.phase("render", start)
+        return plan, renderer
+
+    if binding is None and gen.registry.view.is_route(req.model):
+        return await _routed(gen, req.model, plan_for, request, principal, timeline)
+    plan, renderer = await plan_for(binding.model if binding else req.model)
     return await _run(gen, plan, request, principal, renderer, timeline, binding)
 
 
@@ -101,12 +125,53 @@ async def run_completion(
     """A legacy completion, from decoded request to response."""
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, gen.clock)
-    start = timeline.now()
-    model, limits = target(gen, req.model, principal)
-    renderer = await renderer_for(gen, model)
-    plan = await plan_completion(req, request_id, model, renderer, limits)
-    timeline.phase("render", start)
+
+    async def plan_for(name: str) -> tuple[Plan, PromptRenderer]:
+        start = timeline.now()
+        model, limits = target(gen, name, principal)
+        renderer = await renderer_for(gen, model)
+        asked = req if name == req.model else replace(req, model=name)
+        plan = await plan_completion(asked, request_id, model, renderer, limits)
+        timeline.phase("render", start)
+        return plan, renderer
+
+    if gen.registry.view.is_route(req.model):
+        return await _routed(gen, req.model, plan_for, request, principal, timeline)
+    plan, renderer = await plan_for(req.model)
     return await _run(gen, plan, request, principal, renderer, timeline)
+
+
+async def _routed(
+    gen: Generation,
+    name: str,
+    plan_for: Planner,
+    request: Inbound,
+    principal: Principal,
+    timeline: RequestTimeline,
+) -> Response[Any]:
+    """A request to the route `name`: its model chosen by the route's rules, with its fallbacks."""
+    route = route_for(gen, name, principal)
+    klass = priority_class(request, principal)
+    asked = queue_deadline(request)
+    spec = route.spec
+
+    async def features_of(plan: Plan) -> Features:
+        admission = gen.config.admission
+        deadline = admission.default_deadline(klass, 0.0)
+        return Features(
+            prompt_tokens=len(plan.engine_request.prompt_token_ids),
+            capabilities=capabilities(plan),
+            tenant=principal.tenant.tenant_id,
+            key_id=principal.key.key_id,
+            klass=klass,
+            deadline_s=deadline if asked is None else min(deadline, asked),
+            tokens_left=await tokens_left(gen, principal) if reads_budget(spec) else None,
+        )
+
+    async def run(plan: Plan, renderer: PromptRenderer, decision: RouteDecision) -> Response[Any]:
+        return await _run(gen, plan, request, principal, renderer, timeline, route=decision)
+
+    return await routed(route, plan_for, features_of, run, gen.route_decisions)
 
 
 async def _run(
@@ -117,8 +182,10 @@ async def _run(
     renderer: PromptRenderer,
     timeline: RequestTimeline,
     binding: Binding | None = None,
+    route: RouteDecision | None = None,
 ) -> Response[Any]:
     timeline.model = plan.model.ref
+    timeline.model_route = route.describe() if route else ""
     timeline.stream = plan.stream
     timeline.choices = plan.choices
     # Headers are checked before anything is reserved: a bad one costs nothing.
@@ -139,11 +206,14 @@ async def _run(
                 req = replace(req, traceparent=traceparent_of(timeline))
             headers = charge_headers(charge)
             headers[MODEL_HEADER] = plan.model.ref
+            if route is not None:
+                headers[ROUTE_HEADER] = timeline.model_route
             context = RecordContext(
                 tenant=principal.tenant.tenant_id,
                 key_id=principal.key.key_id,
                 request_id=plan.request_id,
                 retain_prompts=principal.tenant.retain_prompts,
+                route=timeline.model_route,
             )
             # Looked up before the input check, so that its audit record says the cache held the answer.
             tenant = principal.tenant.tenant_id

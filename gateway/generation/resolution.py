@@ -16,7 +16,7 @@ from gateway.generation.prompts import PromptRenderer
 from policy.auth import Principal
 from registry.errors import InvalidError as RegistryInvalidError
 from registry.errors import NotFoundError as RegistryNotFoundError
-from registry.view import ResolvedModel, ResolvedPolicy, ResolvedPrompt
+from registry.view import ResolvedModel, ResolvedPolicy, ResolvedPrompt, ResolvedRoute
 
 
 class Binding(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +62,17 @@ def target(gen: Generation, model_name: str, principal: Principal) -> tuple[Reso
         max_tool_calls=config.server.max_tool_calls,
     )
     return model, limits
+
+
+def route_for(gen: Generation, name: str, principal: Principal) -> ResolvedRoute:
+    """The route version `name` means for the caller's API key (picked as a model is)."""
+    key = gen.secret.model_key(principal.tenant.tenant_id, principal.key.key_id)
+    try:
+        return gen.registry.view.resolve_route(name, key)
+    except RegistryNotFoundError as exc:
+        raise NotFoundError(
+            f"model `{name}` does not exist: {exc}", param="model", code="model_not_found"
+        ) from exc
 
 
 async def renderer_for(gen: Generation, model: ResolvedModel) -> PromptRenderer:

@@ -81,7 +81,10 @@ class ServiceCollector:
         result_cache: ResultCache | None = None,
         # Counts of every session event (the keys are the events, all present).
         sessions: Counter[str] | None = None,
+        # Routed requests by (route, model, reason) (`gateway.generation.orchestration`).
+        route_decisions: Counter[tuple[str, str, str]] | None = None,
     ) -> None:
+        self._routes = route_decisions if route_decisions is not None else Counter()
         self._replicas = replicas
         self._result_cache = result_cache
         self._idempotency = idempotency
@@ -136,6 +139,16 @@ class ServiceCollector:
                 list(self._sessions),
                 self._sessions,
             )
+        routes = CounterMetricFamily(
+            f"{PREFIX}route_decisions",
+            "Requests to a route (a model name that chooses the model), by route version, the model that "
+            "served or was refused, and why: rule:<name>, default, fallback:<why> (it served after the one "
+            "before was refused), refused:<why> (saturated or unhealthy: the next was tried).",
+            labels=("route", "target", "reason"),
+        )
+        for (route, target, reason), count in sorted(self._routes.items()):
+            routes.add_metric((route, target, reason), count)
+        yield routes
         if self._result_cache is not None:
             yield from self._cache(self._result_cache)
         if self._overload is not None:

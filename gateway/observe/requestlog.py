@@ -51,6 +51,7 @@ class RequestLogLine(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     tenant: str = ""
     key_id: str = ""
     model: str = ""
+    model_route: str = ""  # a routed request: the route, rule, model and any fallback
     policy: str = ""
     priority: str = ""
     result_cache: str = ""  # hit | miss, on a request the result cache may answer
@@ -100,6 +101,7 @@ def log_line(t: RequestTimeline) -> RequestLogLine:
         tenant=t.tenant,
         key_id=t.key_id,
         model=t.model,
+        model_route=t.model_route,
         policy=t.policy,
         priority=t.klass,
         result_cache=t.result_cache,

@@ -70,6 +70,7 @@ class RequestTimeline:
         "klass",
         "method",
         "model",
+        "model_route",
         "outcome",
         "parent_span_id",
         "phases",
@@ -109,6 +110,7 @@ class RequestTimeline:
         self.model = ""  # name@version
         self.policy = ""  # name@version
         self.klass = ""  # priority class: interactive | batch ("" before it is known)
+        self.model_route = ""  # a routed request: the route's decision (`RouteDecision.describe`)
         self.result_cache = ""  # on a request the result cache may answer: hit | miss
         self.stream = False
         self.choices = 1

@@ -175,6 +175,7 @@ def _attributes(t: RequestTimeline) -> dict[str, AttributeValue]:
     optional: dict[str, str] = {
         "lockgate.tenant": t.tenant,
         "gen_ai.request.model": t.model,
+        "lockgate.route": t.model_route,
         "lockgate.policy": t.policy,
         "lockgate.priority_class": t.klass,
         "lockgate.decision": t.guard_label(),

@@ -189,6 +189,15 @@ class QuotaMeter:
         self._bucket_sets[ident] = (tenant.quotas, made)
         return made
 
+    async def tokens_left(self, tenant: Tenant, key: ApiKey) -> float | None:
+        """The fewest tokens left in the token buckets this key's requests draw from, changing nothing (None:
+        no token quota applies). Raises QuotaBackendError when the store cannot be read."""
+        spec = self.buckets_for(tenant, key)
+        buckets = [b for b, tokens in zip(spec.buckets, spec.counts_tokens, strict=True) if tokens]
+        if not buckets:
+            return None
+        return min(await self.store.levels(buckets, self._clock()))
+
     async def reserve(self, tenant: Tenant, key: ApiKey, tokens: int) -> Charge:
         """Reserve 1 request and `tokens` tokens on every applicable bucket, or raise.
 

@@ -109,6 +109,8 @@ class GuardRecord(msgspec.Struct, frozen=True, kw_only=True):
     purpose: Purpose = "request"
     # Output: the answer checked was generated (`engine`) or served again from the result cache (`cache`).
     answered_from: AnsweredFrom = "engine"
+    # A routed request: which route chose the model, by which rule, and any fallback.
+    route: str = ""
 
 
 RecordSink = Callable[[GuardRecord], None]

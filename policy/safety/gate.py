@@ -96,6 +96,8 @@ class RecordContext(msgspec.Struct, frozen=True, kw_only=True):
     # The tenant's `retain_prompts`: the checked text goes in the record only when both this and the
     # policy (retention `full`) allow it. Off unless the caller says so: nothing is kept by default.
     retain_prompts: bool = False
+    # A routed request: the route's decision (`gateway.generation.orchestration.RouteDecision.describe`).
+    route: str = ""
 
 
 class Evaluation(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,6 +189,7 @@ class SafetyGate:
             severity=severities.get(decision.category),
             purpose=context.purpose,
             answered_from=context.answered_from,
+            route=context.route,
         )
         for run in result.runs:
             if run.failure is not None:

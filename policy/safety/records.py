@@ -73,8 +73,9 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
 def _detail(record: GuardRecord) -> str:
     """One record stands for all of a response's output checks: how many, and what they scored. Either
     direction says `answer=cache` when the result cache held the request's answer (served, not generated,
-    unless the input check blocked it). A moderation's or an embedding's input check says it was one
-    (`purpose=moderation`, `purpose=embedding`): a reviewer tells it from a request's."""
+    unless the input check blocked it), and a routed request's records say the route's decision (`route=`
+    its version, then the rule, the model and any fallback). A moderation's or an embedding's input check
+    says it was one (`purpose=moderation`, `purpose=embedding`): a reviewer tells it from a request's."""
     parts = []
     if record.direction == "output":
         parts.append(f"checks={record.checks} guard_tokens={record.guard_tokens}")
@@ -82,4 +83,6 @@ def _detail(record: GuardRecord) -> str:
         parts.append(f"purpose={record.purpose}")
     if record.answered_from == "cache":
         parts.append("answer=cache")
+    if record.route:
+        parts.append(f"route={record.route}")
     return " ".join(parts)
