@@ -272,19 +272,32 @@ class RouteRule(_Input, frozen=True, kw_only=True):
     max_budget_tokens: Annotated[float, Meta(ge=0)] | None = None
 
 
+class CascadeSpec(_Input, frozen=True, kw_only=True):
+    """A route's confidence cascade: the model a rule (or the default) chose answers first, and when its
+    answer's mean token log-probability is under `min_mean_logprob` the request runs again on `strong`. A
+    stream is decided on its first `within_tokens` tokens, before any is released."""
+
+    strong: str  # a model name (alias) or a pinned name@version
+    min_mean_logprob: Annotated[float, Meta(le=0.0)]
+    within_tokens: Positive = 16
+
+
 class RouteSpec(_Input, frozen=True, kw_only=True):
     """A public model name that chooses a model per request: the first rule that holds names it, else
-    `default`; when the chosen model's pool is saturated or unhealthy, `fallbacks` are tried in order
+    `default`; when the chosen model's pool is saturated or unhealthy, `fallbacks` are tried in order; with a
+    `cascade`, an answer of low confidence is answered again by the cascade's strong model
     (`gateway.generation.orchestration`)."""
 
     rules: tuple[RouteRule, ...] = ()
     default: str  # a model name (alias) or a pinned name@version
     fallbacks: tuple[str, ...] = ()
+    cascade: CascadeSpec | None = None
 
     @property
     def targets(self) -> tuple[str, ...]:
         """Every model the route may name."""
-        return (*(r.target for r in self.rules), self.default, *self.fallbacks)
+        strong = (self.cascade.strong,) if self.cascade else ()
+        return (*(r.target for r in self.rules), self.default, *self.fallbacks, *strong)
 
 
 Spec = (

@@ -32,7 +32,7 @@ from gateway.generation.tracking import RequestTracker
 from gateway.observe.timeline import RequestTimeline
 from guard.moderator import OutputBlocked
 from policy.safety.decision import GuardDecision
-from policy.safety.output import OutputGuard
+from policy.safety.output import OutputGuard, Transform
 
 
 def engine_api_error(exc: EngineError) -> APIError:
@@ -66,29 +66,45 @@ async def answer(
     timeline: RequestTimeline,
     *,
     stream: bool,
+    gate: Transform | None = None,
 ) -> Response[Any]:
     """The response to an admitted request: a whole answer, or a stream once its first delta is released.
-    `labels`: the guard header's input part."""
+    `labels`: the guard header's input part. `gate`: a route's confidence gate, before the output guard."""
     try:
+        transform = _transform(gate, output, whole=not stream)
         if not stream:
-            return await _whole(source, tracker, output, watch, formatter, headers, labels)
-        return await _streamed(gen, source, tracker, output, watch, formatter, headers, labels, timeline)
+            return await _whole(source, tracker, output, transform, watch, formatter, headers, labels)
+        return await _streamed(
+            gen, source, tracker, output, transform, watch, formatter, headers, labels, timeline
+        )
     except EngineError as exc:
         raise engine_api_error(exc) from exc
     except StopAsyncIteration as exc:
         raise EngineFailedError("the engine ended the request without output", code="engine_error") from exc
 
 
+def _transform(gate: Transform | None, output: OutputGuard | None, *, whole: bool) -> Transform | None:
+    """The output guard's transform, after `gate` when there is one."""
+    guard = output.transform(whole=whole) if output else None
+    if gate is None or guard is None:
+        return gate or guard
+
+    def gated(deltas: AsyncGenerator[EngineDelta, None]) -> AsyncGenerator[EngineDelta, None]:
+        return guard(gate(deltas))
+
+    return gated
+
+
 async def _whole(
     source: Source,
     tracker: RequestTracker,
     output: OutputGuard | None,
+    transform: Transform | None,
     watch: ClientWatch,
     formatter: Formatter,
     headers: dict[str, str],
     labels: list[str],
 ) -> Response[Any]:
-    transform = output.transform(whole=True) if output else None
     try:
         deltas = await watch.race(collect(source, tracker, transform))
         filtered = False
@@ -108,6 +124,7 @@ async def _streamed(
     source: Source,
     tracker: RequestTracker,
     output: OutputGuard | None,
+    transform: Transform | None,
     watch: ClientWatch,
     formatter: Formatter,
     headers: dict[str, str],
@@ -116,7 +133,6 @@ async def _streamed(
 ) -> Response[Any]:
     headers[GUARD_HEADER] = "; ".join([*labels, "output=stream" if output else "output=off"])
     server = gen.config.server
-    transform = output.transform(whole=False) if output else None
     stream = pump(source, tracker, gen.tasks, server.stream_buffer, transform)
     # Wait for the first released delta before answering: an engine refusal is still an HTTP error.
     first: EngineDelta | OutputBlocked[GuardDecision]

@@ -16,6 +16,7 @@ import msgspec
 from litestar.types import Receive, Scope
 
 from engines.base import EngineDelta
+from gateway.generation.confidence import LowConfidence
 from gateway.generation.tracking import RequestTracker
 
 # What stands between the tracked engine stream and the client (the output guard), if anything.
@@ -132,6 +133,9 @@ class _Recorded:
         if kind is not None:
             if issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
                 self._tracker.finish("cancelled")
+            elif issubclass(kind, LowConfidence):
+                # A route's cascade ended it unreleased: the strong model answers the request.
+                self._tracker.finish("escalated")
             elif issubclass(kind, Exception):
                 # An engine error, or a failure between engine and client (an output block recorded itself).
                 self._tracker.finish("error")

@@ -4,7 +4,8 @@ serves it from a fallback when the chosen model's pool is saturated or unhealthy
     features (prompt tokens as the route's default model counts them, capabilities asked, tenant, API key,
     priority class, queue deadline, the tenant's tokens left) -> the first rule that holds, else the default
     -> that model; refused by its pool before anything was sent -> the next fallback, planned again with its
-    own tokenizer and chat template (never the first model's)
+    own tokenizer and chat template (never the first model's); with a cascade, an answer whose confidence
+    is under the threshold -> the cascade's strong model (`gateway.generation.confidence`)
 
 What falls back (the refusal's code -> the reason): a pool that is saturated (`queue_full` 503, the whole
 queue's; `deadline_unmeetable`: its predicted wait is past the request's deadline; `engine_overloaded`) or
@@ -13,7 +14,8 @@ response starts: a stream that has released tokens never switches models. Anythi
 tenant's own quota or backlog, a blocked input) is the answer.
 
 Each attempt runs the whole pipeline (quota, input guard, admission, engine, output guard, audit): a refused
-attempt is refunded and its refusal recorded, and the one that answers is recorded with its decision. The
+attempt is refunded and its refusal recorded, an escalated one is charged for what it generated (outcome
+`escalated`), and the one that answers is recorded with its decision. The
 decision is in the response header `x-lockgate-route`, the audit records (`route=`), the request log and the
 trace (`model_route`), and `lockgate:route_decisions_total{route,target,reason}`.
 """
@@ -28,10 +30,11 @@ import msgspec
 from litestar import Response
 
 from gateway.errors import APIError
+from gateway.generation.confidence import LowConfidence
 from gateway.generation.context import RouteCounts
 from gateway.generation.planning import Plan
 from gateway.generation.prompts import PromptRenderer
-from registry.models import RouteRule, RouteSpec
+from registry.models import CascadeSpec, RouteRule, RouteSpec
 from registry.view import ResolvedRoute
 
 log = logging.getLogger("lockgate.routes")
@@ -66,18 +69,31 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     rule: str  # the rule that held; "" for the default
     target: str  # the model name (or name@version) it runs on
     fallback: str = ""  # saturated | unhealthy: why the model chosen before this one did not serve it
+    # The route's cascade, where this attempt's answer is gated on its confidence.
+    cascade: CascadeSpec | None = None
+    # The confidence of the answer that was escalated to this attempt (None: not an escalation).
+    escalated_from: float | None = None
 
     @property
     def reason(self) -> str:
-        """The metric's reason: `rule:<name>`, `default`, or `fallback:<why>`."""
+        """The metric's reason: `rule:<name>`, `default`, `fallback:<why>` or `escalated`."""
+        if self.escalated_from is not None:
+            return "escalated"
         if self.fallback:
             return f"fallback:{self.fallback}"
         return f"rule:{self.rule}" if self.rule else "default"
 
-    def describe(self) -> str:
-        """One line for the header, the audit record, the log and the trace."""
-        text = f"{self.route} rule={self.rule or 'default'} target={self.target}"
-        return f"{text} fallback={self.fallback}" if self.fallback else text
+    def describe(self, confidence: float | None = None) -> str:
+        """One line for the header, the audit record, the log and the trace; `confidence`: the answer's,
+        measured by the cascade's gate."""
+        parts = [f"{self.route} rule={self.rule or 'default'} target={self.target}"]
+        if self.fallback:
+            parts.append(f"fallback={self.fallback}")
+        if self.escalated_from is not None:
+            parts.append(f"escalated confidence={self.escalated_from:.3f}")
+        if confidence is not None:
+            parts.append(f"confidence={confidence:.3f}")
+        return " ".join(parts)
 
 
 def capabilities(plan: Plan) -> frozenset[str]:
@@ -160,11 +176,22 @@ async def routed(
                 raise
     chosen, rule = choose(spec, await features_of(reader[0]))
     candidates = [chosen, *(f for f in spec.fallbacks if f != chosen)]
+    cascade = spec.cascade
     why = ""
     for i, candidate in enumerate(candidates):
-        decision = RouteDecision(route=route.ref, rule=rule, target=candidate, fallback=why)
+        gated = cascade if cascade is not None and candidate != cascade.strong else None
+        decision = RouteDecision(route=route.ref, rule=rule, target=candidate, fallback=why, cascade=gated)
         try:
             answer = await run(*await planned(candidate), decision)
+        except LowConfidence as low:
+            assert cascade is not None  # only a gated attempt raises it
+            counts[(route.ref, candidate, "low_confidence")] += 1
+            stronger = RouteDecision(
+                route=route.ref, rule=rule, target=cascade.strong, escalated_from=low.confidence
+            )
+            answer = await run(*await planned(cascade.strong), stronger)
+            counts[(route.ref, cascade.strong, stronger.reason)] += 1
+            return answer
         except APIError as exc:
             why = fallback_reason(exc)
             if not why or i == len(candidates) - 1:

@@ -45,6 +45,7 @@ from gateway.generation.admission import (
 )
 from gateway.generation.answer import answer
 from gateway.generation.caching import CACHE_HEADER, cache_use
+from gateway.generation.confidence import confidence_gate
 from gateway.generation.context import Generation
 from gateway.generation.flow import ClientDisconnectedError, Source, client_watch
 from gateway.generation.guarding import check_alternatives, check_input, guard_api_error, output_guard
@@ -78,6 +79,8 @@ from gateway.result_cache.cache import replayed
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from policy.auth import Principal
 from policy.safety.gate import RecordContext
+from policy.safety.output import OutputGuard, Transform
+from registry.models import CascadeSpec
 
 # Names the exact model version (name@version) that served a response.
 MODEL_HEADER = "x-lockgate-model"
@@ -202,6 +205,10 @@ async def _run(
             # Compiling a schema is the costliest CPU work a request can ask for: only once it is paid for.
             plan = await compile_pending(plan, renderer.executor)
             req = for_engine(plan, klass, salt)
+            gated = route.cascade if route is not None and plan.choices == 1 else None
+            if gated is not None and req.sampling.logprobs is None:
+                # The gate reads each token's log-probability; the client sees them only if it asked.
+                req = replace(req, sampling=replace(req.sampling, logprobs=0))
             if gen.traced:
                 req = replace(req, traceparent=traceparent_of(timeline))
             headers = charge_headers(charge)
@@ -249,9 +256,44 @@ async def _run(
                 plan, prefix + plan.request_id, plan.model_name, int(time.time()), renderer.tokenizer
             )
             labels = [decision.label if decision else "input=off"]
+            gate = None
+            if gated is not None and route is not None:
+                gate = _gate(gated, route, plan.stream, headers, timeline, output)
             return await answer(
-                gen, source, tracker, output, watch, formatter, headers, labels, timeline, stream=plan.stream
+                gen,
+                source,
+                tracker,
+                output,
+                watch,
+                formatter,
+                headers,
+                labels,
+                timeline,
+                stream=plan.stream,
+                gate=gate,
             )
     except ClientDisconnectedError:
         # Settled above: refunded and reported cancelled, or the tracker's outcome.
         return Response(content=b"", status_code=CLIENT_CLOSED)
+
+
+def _gate(
+    cascade: CascadeSpec,
+    route: RouteDecision,
+    stream: bool,
+    headers: dict[str, str],
+    timeline: RequestTimeline,
+    output: OutputGuard | None,
+) -> Transform:
+    """The cascade's confidence gate of a routed attempt: a stream decided on its first tokens, a whole
+    answer on all of them; the confidence measured goes in the route's header, log and trace line and in
+    the output guard's audit records (set before any output is released)."""
+
+    def measured(confidence: float, _tokens: int) -> None:
+        text = route.describe(confidence)
+        headers[ROUTE_HEADER] = timeline.model_route = text
+        if output is not None:
+            output.context = replace(output.context, route=text)
+
+    within = cascade.within_tokens if stream else None
+    return confidence_gate(cascade.min_mean_logprob, within, measured)

@@ -12,7 +12,7 @@ from engines.base import FinishReason, Usage
 
 # `blocked`: the output guard stopped it (its usage so far is charged). `refused`: admission refused it before
 # any engine saw it (refunded whole).
-Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked", "refused"]
+Status = Literal["completed", "cancelled", "stalled", "error", "shutdown", "blocked", "refused", "escalated"]
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,7 +30,7 @@ from policy.safety.records import audit_draft
 from policy.tenants.models import Limits, Quotas, Tenant
 from registry.base import RegistryStore
 from registry.errors import InvalidError, NotFoundError
-from registry.models import ChatTemplateSpec, RouteRule, RouteSpec
+from registry.models import CascadeSpec, ChatTemplateSpec, RouteRule, RouteSpec
 from registry.store.sqlite import SqliteRegistryStore
 from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
 from tests.gateway.test_rendering_versions import expected_tokens, extra_template
@@ -319,3 +319,84 @@ async def test_models_lists_routes_and_the_registry_checks_them(routes: Routes) 
         await registry.publish("route", "bad", "1", twice, actor="t")
     with pytest.raises(NotFoundError):
         await registry.publish("route", "bad", "2", RouteSpec(default=f"{MODEL}@nothing"), actor="t")
+
+
+def cascade_route(threshold: float) -> RouteSpec:
+    # The simulator's chosen tokens have log-probabilities between -0.79 and -0.69: -0.5 escalates every
+    # answer, -1.0 none.
+    return RouteSpec(
+        default=MODEL, cascade=CascadeSpec(strong=STRONG, min_mean_logprob=threshold, within_tokens=4)
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_cascade_escalates_below_its_threshold_and_not_above(
+    routes: Routes, outcomes: OutcomeLog, stream: bool
+) -> None:
+    await publish_route(routes, "sure", cascade_route(-1.0))
+    await publish_route(routes, "unsure", cascade_route(-0.5))
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+
+    async def ask(model: str) -> tuple[httpx.Response, str, dict[str, Any]]:
+        answer = await routes.http.post("/v1/chat/completions", json={"model": model, **body})
+        assert answer.status_code == 200, answer.text
+        if not stream:
+            whole = answer.json()
+            return answer, whole["model"], whole["usage"]
+        events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+        [answered_by] = {e["model"] for e in events}
+        return answer, answered_by, events[-1]["usage"]
+
+    # Above the threshold: the first model's answer, its confidence measured and said.
+    kept, model, usage = await ask("sure")
+    assert model == MODEL
+    route = kept.headers["x-lockgate-route"]
+    assert route.startswith(f"sure@1 rule=default target={MODEL} confidence=-0.")
+    assert -0.8 < float(route.rsplit("=", 1)[1]) < -0.6
+    assert usage["prompt_tokens"] == routes.served_tokens
+    records = [r for r in routes.records if r.request_id == kept.headers["x-request-id"]]
+    assert [r.route for r in records if r.direction == "output"] == [route]
+    # Below it: the strong model answers (its own template), nothing of the first answer reached the client,
+    # and both attempts were charged: the first one's outcome is `escalated`, with the tokens it generated.
+    escalated, model, usage = await ask("unsure")
+    assert model == STRONG
+    route = escalated.headers["x-lockgate-route"]
+    assert route.startswith(f"unsure@1 rule=default target={STRONG} escalated confidence=-0.")
+    assert usage["prompt_tokens"] == routes.strong_tokens
+    request_id = escalated.headers["x-request-id"]
+    await outcomes.wait_for(request_id)
+    [first] = [o for o in outcomes.items if o.request_id == request_id and o.status == "escalated"]
+    assert first.usage.completion_tokens >= (4 if stream else 1)
+    assert first.model.startswith(f"{MODEL}@")
+    records = [r for r in routes.records if r.request_id == request_id]
+    assert [(r.direction, r.route) for r in records if r.direction == "output"] == [("output", route)]
+    assert {r.route for r in records if r.direction == "input"} == {
+        f"unsure@1 rule=default target={MODEL}",
+        route,
+    }
+    metrics = await routes.metrics()
+    assert f'reason="low_confidence",route="unsure@1",target="{MODEL}"}} 1.0' in metrics
+    assert f'reason="escalated",route="unsure@1",target="{STRONG}"}} 1.0' in metrics
+
+
+async def test_tools_stay_valid_across_an_escalation_and_logprobs_only_when_asked(routes: Routes) -> None:
+    await publish_route(routes, "unsure", cascade_route(-0.5))
+    await publish_route(routes, "sure", cascade_route(-1.0))
+    tools, headers = await routes.ask("unsure", tools=[WEATHER], tool_choice="required", max_tokens=64)
+    assert tools.model == STRONG
+    assert "escalated" in headers["x-lockgate-route"]
+    calls = tools.choices[0].message.tool_calls
+    assert calls
+    for call in calls:
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # The gate asked the engine for log-probabilities; the client sees them only when it asked.
+    plain, _ = await routes.ask("sure")
+    assert plain.choices[0].logprobs is None
+    asked, _ = await routes.ask("sure", logprobs=True)
+    assert asked.choices[0].logprobs is not None
+    content = asked.choices[0].logprobs.content
+    assert content
+    assert all(-0.8 < entry.logprob < -0.6 for entry in content)
