@@ -67,6 +67,24 @@ class SimulatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # request's leading prompt blocks that an earlier request of the same `cache_salt` filled are not
     # prefilled again and are reported as `cached_tokens`. The cache holds at most kv_capacity_tokens.
     prefix_cache_block: int = 0
+    # Declared answer quality (the routes benchmark, `ops.bench.routes`): a prompt's difficulty is a hash of
+    # its last `_QUESTION_TOKENS` tokens (the question and the generation prompt, the same under any chat
+    # template of one tokenizer) in [0, 1); an answer is right where it is under `skill`, and its first word
+    # says so ("right" or "wrong"); its tokens' log-probabilities are `confident_logprob` (right) or
+    # `unsure_logprob` (wrong), each moved by up to `logprob_noise` either way. None: off.
+    skill: float | None = None
+    confident_logprob: float = -0.3
+    unsure_logprob: float = -1.5
+    logprob_noise: float = 0.6
+
+
+_QUESTION_TOKENS = 32
+
+
+def difficulty(prompt_token_ids: Sequence[int]) -> float:
+    """The declared difficulty of a prompt, in [0, 1) (`SimulatorConfig.skill`)."""
+    tail = prompt_token_ids[-_QUESTION_TOKENS:]
+    return zlib.crc32(b"".join(t.to_bytes(4, "little") for t in tail)) / 2**32
 
 
 _Item = EngineDelta | EngineRequestError | EngineDeadError
@@ -111,6 +129,7 @@ class _Seq:
         "out",
         "req",
         "reserved",
+        "right",
         "rng",
         "stop_hold",
         "stops",
@@ -137,6 +156,8 @@ class _Seq:
         # Under a constraint: the whole JSON text to stream, and how many of its chars are out already.
         self.json: str | None = None
         self.json_pos = 0
+        # Under a declared skill: whether this answer is right (None: no skill declared).
+        self.right: bool | None = None
 
     def key(self) -> tuple[int, int]:
         """Admission order: lower priority value first, then arrival."""
@@ -258,6 +279,8 @@ class SimulatedEngine:
         if len(self._waiting) >= cfg.max_waiting:
             raise EngineOverloadedError(f"{len(self._waiting)} requests already waiting")
         seq = _Seq(req, next(self._order), random.Random(self._seed_key(req)))
+        if self._cfg.skill is not None:
+            seq.right = difficulty(req.prompt_token_ids) < self._cfg.skill
         if len(seq.banned) >= cfg.vocab_size:
             raise EngineRequestError("logit_bias bans every token id")
         seq.json = _constrained_text(req, seq.rng)
@@ -436,6 +459,8 @@ class SimulatedEngine:
             seq.out.put_nowait(EngineRequestError(f"injected failure after {len(seq.token_ids)} tokens"))
             return
         token_id, piece = self._next_token(seq)
+        if seq.right is not None and seq.json is None and not seq.token_ids:
+            piece = " right" if seq.right else " wrong"
         seq.token_ids.append(token_id)
         seq.text += piece
         finish: FinishReason | None = None
@@ -457,7 +482,9 @@ class SimulatedEngine:
         if finish is None and len(seq.token_ids) >= sampling.max_tokens:
             finish, end = "length", len(seq.text)
         logprobs = (
-            None if sampling.logprobs is None else (self._token_logprob(token_id, piece, sampling.logprobs),)
+            None
+            if sampling.logprobs is None
+            else (self._token_logprob(token_id, piece, sampling.logprobs, seq.right),)
         )
         text, seq.emitted = seq.text[seq.emitted : end], max(seq.emitted, end)
         usage = None
@@ -491,14 +518,20 @@ class SimulatedEngine:
                 token_id = int(seq.rng.random() * vocab)
         return token_id, _token_text(token_id)
 
-    def _token_logprob(self, token_id: int, text: str, n: int) -> TokenLogprob:
+    def _token_logprob(self, token_id: int, text: str, n: int, right: bool | None) -> TokenLogprob:
         # The chosen token ranks first; alternatives step by a prime so they are distinct ids.
         ids = [(token_id + rank * 7919) % self._cfg.vocab_size for rank in range(n)]
         top = tuple(
             TopLogprob(i, text if rank == 0 else _token_text(i), _logprob(rank, token_id))
             for rank, i in enumerate(ids)
         )
-        return TokenLogprob(token_id, text, _logprob(0, token_id), top)
+        chosen = _logprob(0, token_id)
+        if right is not None:
+            cfg = self._cfg
+            spread = ((token_id * 2654435761) % 1000) / 500.0 - 1.0  # in [-1, 1), fixed per token id
+            base = cfg.confident_logprob if right else cfg.unsure_logprob
+            chosen = min(0.0, base + cfg.logprob_noise * spread)
+        return TokenLogprob(token_id, text, chosen, top)
 
     def _final(self, seq: _Seq, reason: FinishReason) -> EngineDelta:
         return EngineDelta(token_ids=(), text="", finish_reason=reason, usage=_usage(seq))

@@ -452,6 +452,9 @@ class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     model: str = ""
     # Only for `vllm_remote`.
     remote: RemoteEngineConfig | None = None
+    # Only for `simulated`: this replica's simulator settings (None: `[engine.simulator]`), e.g. a cheap and a
+    # strong simulated model that differ in speed and declared answer quality.
+    simulator: SimulatorConfig | None = None
     # The replica's KV cache memory in bytes (a remote server's `--kv-cache-memory-bytes`); 0 = for
     # `vllm_local` the [engine] kv_cache_bytes, otherwise none. Divided by the registry's KV bytes per token
     # of the version it serves, it bounds the replica's KV capacity, and gives it when the engine reports

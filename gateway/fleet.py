@@ -25,6 +25,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from engines.base import Engine
+from engines.simulated import SimulatorConfig
 from engines.supervisor import SupervisedEngine
 from gateway.config import Config, ReplicaSpec
 from registry.default_model import read_model_dir
@@ -48,17 +49,18 @@ def build_engine(
     *,
     kind: str | None = None,
     replica_id: str | None = None,
+    simulator: SimulatorConfig | None = None,
 ) -> SupervisedEngine:
     """An in-process engine (not started) under a supervisor that restarts it if it dies: `kind`
-    (default `engine.kind`) on `model_dir` (default the configured model's), named `name`."""
+    (default `engine.kind`) on `model_dir` (default the configured model's), named `name`; a simulated one
+    with `simulator` (default `[engine.simulator]`)."""
     model_name = name or config.model.name
     if (kind or config.engine.kind) == "simulated":
         from engines.simulated import SimulatedEngine
 
+        settings = simulator or config.engine.simulator
         return SupervisedEngine(
-            lambda: SimulatedEngine(
-                config.engine.simulator, model_name=model_name, replica_id=replica_id or "sim-0"
-            ),
+            lambda: SimulatedEngine(settings, model_name=model_name, replica_id=replica_id or "sim-0"),
             config.engine.supervisor,
         )
     if config.server.workers > 1:
@@ -114,7 +116,9 @@ async def _replica_engine(
         return VllmRemoteEngine(spec.remote, token_text=token_text)
     replica_id = f"{spec.kind}-{index}"
     if spec.kind == "simulated":
-        return build_engine(config, name=model.ref, kind="simulated", replica_id=replica_id)
+        return build_engine(
+            config, name=model.ref, kind="simulated", replica_id=replica_id, simulator=spec.simulator
+        )
     directory = model_dir(config, model)
     files = await asyncio.to_thread(read_model_dir, directory)
     if files.weights_sha256 != model.spec.weights_sha256:

@@ -24,7 +24,7 @@ from engines.base import (
     SamplingSpec,
 )
 from engines.schema_example import SchemaError, example_instance
-from engines.simulated import SimulatedEngine, SimulatorConfig
+from engines.simulated import SimulatedEngine, SimulatorConfig, difficulty
 
 PROMPT = tuple(range(100, 110))
 
@@ -595,3 +595,25 @@ async def test_banning_every_token_is_refused(make: Make) -> None:
     engine, _ = await make(SimulatorConfig(vocab_size=4))
     with pytest.raises(EngineRequestError):
         await collect(engine, req(logit_bias=tuple((t, -100.0) for t in range(4))))
+
+
+async def test_a_declared_skill_says_whether_each_answer_is_right_and_how_sure_it_is(make: Make) -> None:
+    noise = 0.2
+    prompts = [(1, 2, 3, i) for i in range(40)]
+    hard = [p for p in prompts if difficulty(p) >= 0.5]
+    easy = [p for p in prompts if difficulty(p) < 0.5]
+    assert hard
+    assert easy
+    settings = SimulatorConfig(skill=0.5, confident_logprob=-0.3, unsure_logprob=-1.5, logprob_noise=noise)
+    engine, _ = await make(settings)
+    for prompt, right in [*((p, False) for p in hard), *((p, True) for p in easy)]:
+        deltas = await collect(engine, req(prompt=prompt, logprobs=0))
+        text = "".join(d.text for d in deltas)
+        assert text.startswith(" right" if right else " wrong")
+        chosen = [entry.logprob for d in deltas for entry in d.logprobs or ()]
+        assert len(chosen) == 5
+        centre = -0.3 if right else -1.5
+        assert all(centre - noise <= lp <= min(0.0, centre + noise) for lp in chosen)
+    # The difficulty is the question's: the same last tokens after any preamble (another chat template).
+    long = tuple(range(100))
+    assert difficulty((7, *long)) == difficulty(long)
