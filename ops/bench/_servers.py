@@ -9,6 +9,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -202,12 +203,16 @@ async def start_gateway(
     target: Target = "",
     storage: str = "sqlite",
     command: list[str] | None = None,
+    prepare: Callable[[dict[str, str]], Awaitable[None]] | None = None,
 ) -> Server:
     """`lockgate serve [--workers N]` with `quota` as its quota store, its stores on `storage`, and a fresh
     tenant and key, ready; `env` is added to its environment, and `target` names it (default: the quota
-    store). `command`: the Python arguments that serve instead (`ops.bench._soak_server`'s)."""
+    store). `command`: the Python arguments that serve instead (`ops.bench._soak_server`'s). `prepare`:
+    run with the gateway's environment before it starts (e.g. to publish to its registry)."""
     port = free_port()
     environ = {**gateway_env(quota, port, workdir, guard, storage), **(env or {})}
+    if prepare is not None:
+        await prepare(environ)
     key = await provision(environ, f"bench-{secrets.token_hex(4)}")
     log = workdir / "server.log"
     args = command or ["-m", "gateway.cli", "serve", "--workers", str(workers)]
