@@ -261,8 +261,10 @@ class RouteRule(_Input, frozen=True, kw_only=True):
     max_prompt_tokens: Annotated[int, Meta(ge=0)] | None = None
     # Holds when the request asks for any of these.
     capabilities: tuple[Capability, ...] = ()
-    # Holds for these tenants, API keys (key ids), priority classes only (empty: any).
+    # Holds for these tenants, tenant tiers (`Tenant.tier`), API keys (key ids), priority classes only
+    # (empty: any).
     tenants: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()
     priority: tuple[PriorityName, ...] = ()
     # Holds when the request may wait at most this many seconds in the queue (its deadline).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Request, get, patch, post, put
@@ -56,6 +56,8 @@ class TenantUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_priority: PriorityClass | None = None
     # A registry prompt alias or `name@version`; "" removes the tenant's system prompt.
     system_prompt: str | None = None
+    # The tenant's plan label for model routes; "" removes it.
+    tier: Annotated[str, msgspec.Meta(max_length=32)] | None = None
 
 
 class KeyCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

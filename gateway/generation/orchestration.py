@@ -56,6 +56,7 @@ class Features(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     capabilities: frozenset[str]
     tenant: str
+    tier: str
     key_id: str
     klass: str
     deadline_s: float  # seconds it may wait in the queue
@@ -115,6 +116,7 @@ def holds(rule: RouteRule, f: Features) -> bool:
         and (rule.max_prompt_tokens is None or f.prompt_tokens <= rule.max_prompt_tokens)
         and (not rule.capabilities or not f.capabilities.isdisjoint(rule.capabilities))
         and (not rule.tenants or f.tenant in rule.tenants)
+        and (not rule.tiers or f.tier in rule.tiers)
         and (not rule.keys or f.key_id in rule.keys)
         and (not rule.priority or f.klass in rule.priority)
         and (rule.max_deadline_s is None or f.deadline_s <= rule.max_deadline_s)

@@ -165,6 +165,7 @@ async def _routed(
             prompt_tokens=len(plan.engine_request.prompt_token_ids),
             capabilities=capabilities(plan),
             tenant=principal.tenant.tenant_id,
+            tier=principal.tenant.tier,
             key_id=principal.key.key_id,
             klass=klass,
             deadline_s=deadline if asked is None else min(deadline, asked),

@@ -109,6 +109,12 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE api_keys ADD COLUMN trusted_instructions INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    Migration(
+        version=6,
+        summary="tenants.tier",
+        # Tenants created before tiers have none: no route rule on tiers holds for them.
+        shared=("ALTER TABLE tenants ADD COLUMN tier TEXT NOT NULL DEFAULT ''",),
+    ),
 )
 
 
@@ -130,6 +136,7 @@ TENANT_FIELDS = (
     "max_priority",
     "content_retention_days",
     "system_prompt",
+    "tier",
 )
 TENANT_COLUMNS = ", ".join(TENANT_FIELDS)
 # What an update sets: every column but the id and created_at, which never change (`tenant_update_row`).
@@ -170,6 +177,7 @@ def tenant_row(tenant: Tenant) -> tuple[object, ...]:
         tenant.max_priority,
         _opt_float(tenant.content_retention_days),
         tenant.system_prompt,
+        tenant.tier,
     )
 
 
@@ -192,6 +200,7 @@ def tenant_from_row(row: Row) -> Tenant:
         max_priority=msgspec.convert(row[7], PriorityClass),
         content_retention_days=_opt_float(row[8]),
         system_prompt=row[9],
+        tier=row[10],
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -56,6 +56,9 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # requests as their first system message: the tenant's own instructions, which the guard trusts. None: no
     # prompt. Operator administrators set it; a client's own system messages are never trusted by default.
     system_prompt: str | None = None
+    # The tenant's plan ("free", "pro", ...: any label up to 32 characters; "" none), which model routes may
+    # choose the model by (`registry.models.RouteRule.tiers`).
+    tier: Annotated[str, msgspec.Meta(max_length=32)] = ""
 
 
 class ApiKey(msgspec.Struct, frozen=True, kw_only=True):

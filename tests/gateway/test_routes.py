@@ -22,6 +22,7 @@ from litestar import Litestar
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ChatCompletionToolParam
 from pydantic import BaseModel, Field
 
+from engines.simulated import SimulatorConfig
 from gateway.app import create_app
 from gateway.config import EngineConfig, ReplicaSpec
 from gateway.generation.prompts import PromptRenderer
@@ -207,6 +208,7 @@ async def test_rules_on_key_tenant_priority_deadline_and_budget(routes: Routes) 
             RouteRule(name="hurry", target=MODEL, max_deadline_s=1.0),
             RouteRule(name="low-budget", target=MODEL, max_budget_tokens=5000),
             RouteRule(name="globex", target=MODEL, tenants=("globex",)),
+            RouteRule(name="free", target=MODEL, tiers=("free",)),
         ),
         default=STRONG,
     )
@@ -239,6 +241,15 @@ async def test_rules_on_key_tenant_priority_deadline_and_budget(routes: Routes) 
     assert await rule_of(frugal) == "rule=low-budget"  # the long prompt took more than 100
     await store.create_tenant(Tenant(tenant_id="globex", display_name="Globex"), actor="t", now=0.0)
     assert await rule_of(await add_key(store, "globex", ("consumer",))) == "rule=globex"
+    # A tier, set by an operator through the admin API: the tenant's next request routes by it.
+    await store.create_tenant(Tenant(tenant_id="initech", display_name="Initech"), actor="t", now=0.0)
+    initech = await add_key(store, "initech", ("consumer",))
+    assert await rule_of(initech) == "rule=default"
+    admin = routes.tenancy.admin_headers
+    tiered = await routes.http.patch("/admin/tenants/initech", json={"tier": "free"}, headers=admin)
+    assert tiered.status_code == 200, tiered.text
+    assert tiered.json()["tier"] == "free"
+    assert await rule_of(initech) == "rule=free"
 
 
 @pytest.mark.parametrize("failure", ["stopped", "decommissioned"])
@@ -400,3 +411,75 @@ async def test_tools_stay_valid_across_an_escalation_and_logprobs_only_when_aske
     content = asked.choices[0].logprobs.content
     assert content
     assert all(-0.8 < entry.logprob < -0.6 for entry in content)
+
+
+async def test_a_saturated_pool_falls_back(
+    renderer: PromptRenderer, tenancy: Tenancy, outcomes: OutcomeLog, registry_store: RegistryStore
+) -> None:
+    # The strong pool's engine queues nothing (`max_waiting` 0): it refuses every request as at capacity.
+    full = SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0, max_waiting=0)
+    config = msgspec.structs.replace(
+        make_config(),
+        engines=[ReplicaSpec(kind="simulated"), ReplicaSpec(kind="simulated", pool=STRONG, simulator=full)],
+        engine=EngineConfig(kind="simulated"),
+    )
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, registry=registry_store, sink=outcomes)
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,
+    ):
+        registry = app.state.services.registry
+        served = registry.view.resolve_model(MODEL, key="")
+        await registry.publish(
+            "model", STRONG, "1", msgspec.structs.replace(served.spec, engine_pool=STRONG), actor="t"
+        )
+        await registry.set_alias("model", STRONG, "1", actor="t")
+        await registry.publish("route", "busy", "1", RouteSpec(default=STRONG, fallbacks=(MODEL,)), actor="t")
+        await registry.set_alias("route", "busy", "1", actor="t")
+        direct = await http.post(
+            "/v1/chat/completions", json={"model": STRONG, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert direct.status_code == 503
+        assert direct.json()["error"]["code"] == "engine_overloaded"
+        routed = await http.post(
+            "/v1/chat/completions",
+            json={"model": "busy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        assert routed.status_code == 200, routed.text
+        assert routed.headers["x-lockgate-route"] == f"busy@1 rule=default target={MODEL} fallback=saturated"
+
+
+async def test_routes_are_published_aliased_and_rolled_back_through_the_admin_api(routes: Routes) -> None:
+    admin = routes.tenancy.admin_headers
+    base = "/admin/registry/route/pick"
+
+    async def publish(version: str, default: str) -> None:
+        made = await routes.http.post(
+            f"{base}/versions", json={"version": version, "spec": {"default": default}}, headers=admin
+        )
+        assert made.status_code == 201, made.text
+
+    async def alias(version: str) -> None:
+        moved = await routes.http.put(
+            f"{base}/alias", json={"targets": [{"version": version}]}, headers=admin
+        )
+        assert moved.status_code == 200, moved.text
+
+    await publish("1", MODEL)
+    await publish("2", STRONG)
+    await alias("1")
+    assert (await routes.ask("pick"))[0].model == MODEL
+    await alias("2")
+    assert (await routes.ask("pick"))[0].model == STRONG
+    rolled = await routes.http.post(f"{base}/rollback", headers=admin)
+    assert rolled.status_code == 200, rolled.text
+    answer, headers = await routes.ask("pick")
+    assert answer.model == MODEL
+    assert headers["x-lockgate-route"] == f"pick@1 rule=default target={MODEL}"
+    # A spec that is not a route's: a 400 naming the spec.
+    bad = await routes.http.post(
+        f"{base}/versions",
+        json={"version": "3", "spec": {"default": MODEL, "rules": [{"target": MODEL}]}},
+        headers=admin,
+    )
+    assert bad.status_code == 400, bad.text
