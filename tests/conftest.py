@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import logging
 import os
 import socket
 import tempfile
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -309,3 +311,26 @@ async def assert_vllm_idle(engine: VllmLocalEngine, *, steps: int | None = None)
     if steps is not None:
         # An idle engine runs no step, so this counts every step from the call until the KV blocks were free.
         assert engine.steps.count - start <= steps, f"{engine.steps.count - start} steps to free the KV cache"
+
+
+class RequestLines(logging.Handler):
+    """The `lockgate.requests` lines, decoded (a handler on that logger: Litestar's logging setup replaces
+    the root handlers, caplog's among them, when an app is built)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+@pytest.fixture
+def request_log() -> Iterator[RequestLines]:
+    logger = logging.getLogger("lockgate.requests")
+    handler, level = RequestLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -8,15 +8,13 @@ end to end covers the time to first token), never by wall-clock figures.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import httpx
 import msgspec
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.simulated import SimulatorConfig
@@ -34,6 +32,7 @@ from tests.conftest import (
     MODEL,
     SESSION_DIR,
     OutcomeLog,
+    RequestLines,
     Tenancy,
     add_key,
     eventually,
@@ -453,29 +452,6 @@ async def test_slo_counters_are_split_by_class(
         assert scrape.value(f"{P}requests_finished_total", **BATCH) == 2
         assert scrape.value(f"{P}slo_attained_requests_total", **BATCH) == 2
         assert scrape.value(f"{P}time_to_first_token_seconds_count", **BATCH) == 2
-
-
-class RequestLines(logging.Handler):
-    """The `lockgate.requests` lines, decoded (a handler on that logger: Litestar's logging setup replaces
-    the root handlers, caplog's among them, when an app is built)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def request_log() -> Iterator[RequestLines]:
-    logger = logging.getLogger("lockgate.requests")
-    handler, level = RequestLines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 async def test_one_json_line_per_request_with_the_trace_ids_and_never_the_prompt(

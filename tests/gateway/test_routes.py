@@ -20,11 +20,12 @@ import openai
 import pytest
 from litestar import Litestar
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ChatCompletionToolParam
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel, Field
 
 from engines.simulated import SimulatorConfig
 from gateway.app import create_app
-from gateway.config import EngineConfig, ReplicaSpec
+from gateway.config import EngineConfig, ReplicaSpec, TracingConfig
 from gateway.generation.prompts import PromptRenderer
 from policy.safety.decision import GuardRecord
 from policy.safety.records import audit_draft
@@ -33,7 +34,17 @@ from registry.base import RegistryStore
 from registry.errors import InvalidError, NotFoundError
 from registry.models import CascadeSpec, ChatTemplateSpec, RouteRule, RouteSpec
 from registry.store.sqlite import SqliteRegistryStore
-from tests.conftest import MODEL, OutcomeLog, Tenancy, add_key, make_config, operator_headers, serving
+from tests.conftest import (
+    MODEL,
+    OutcomeLog,
+    RequestLines,
+    Tenancy,
+    add_key,
+    eventually,
+    make_config,
+    operator_headers,
+    serving,
+)
 from tests.gateway.test_rendering_versions import expected_tokens, extra_template
 
 STRONG = "strong"
@@ -65,6 +76,7 @@ class Routes:
     records: list[GuardRecord]
     renderer: PromptRenderer
     tenancy: Tenancy
+    spans: InMemorySpanExporter
 
     def tokens(self, template: str, content: str) -> int:
         return expected_tokens(self.renderer.tokenizer, template, [{"role": "user", "content": content}])
@@ -112,13 +124,15 @@ async def routes(
         engine=EngineConfig(kind="simulated"),
     )
     records: list[GuardRecord] = []
+    exporter = InMemorySpanExporter()
     app = create_app(
-        config,
+        msgspec.structs.replace(config, tracing=TracingConfig(enabled=True)),
         renderer=renderer,
         tenants=tenancy.store,
         registry=registry_store,
         sink=outcomes,
         guard_sink=records.append,
+        span_exporter=exporter,
     )
     async with (
         serving(app) as url,
@@ -132,7 +146,7 @@ async def routes(
         strong = msgspec.structs.replace(served.spec, engine_pool=STRONG, chat_template=f"{MODEL}@extra")
         await registry.publish("model", STRONG, "1", strong, actor="t")
         await registry.set_alias("model", STRONG, "1", actor="t")
-        yield Routes(app, client, http, records, renderer, tenancy)
+        yield Routes(app, client, http, records, renderer, tenancy, exporter)
 
 
 async def publish_route(routes: Routes, name: str, spec: RouteSpec) -> None:
@@ -151,7 +165,7 @@ AUTO = RouteSpec(
 )
 
 
-async def test_the_default_and_each_content_rule(routes: Routes) -> None:
+async def test_the_default_and_each_content_rule(routes: Routes, request_log: RequestLines) -> None:
     await publish_route(routes, "auto", AUTO)
     short, headers = await routes.ask("auto")
     # The default: the cheap model, rendered with its own template.
@@ -187,6 +201,16 @@ async def test_the_default_and_each_content_rule(routes: Routes) -> None:
         f"auto@1 rule=capable target={STRONG}",
     }
     assert f"route=auto@1 rule=long target={STRONG}" in {audit_draft(r).detail for r in routed}
+    # ... in the request log and the trace.
+    decision = f"auto@1 rule=long target={STRONG}"
+
+    async def logged_and_traced() -> bool:
+        spans = [s.attributes or {} for s in routes.spans.get_finished_spans()]
+        return any(line.get("model_route") == decision for line in request_log.lines) and any(
+            a.get("lockgate.route") == decision for a in spans
+        )
+
+    await eventually(logged_and_traced)
     metrics = await routes.metrics()
     assert f'lockgate:route_decisions_total{{reason="rule:long",route="auto@1",target="{STRONG}"}} 1.0' in (
         metrics
