@@ -95,17 +95,19 @@ async def run_chat(
     principal: Principal,
     binding: Binding | None = None,
 ) -> Response[Any]:
-    """A chat completion, from decoded request to response; a session's step with the versions of its
-    `binding`."""
+    """A chat completion, from decoded request to response; a session's step (or a stored conversation's
+    turn) with the versions of its `binding`, whose model may be a route version."""
     request_id = request_id_of(request.scope)
     timeline = timeline_in(request.scope, gen.clock)
+    named = binding.model if binding else req.model
+    routing = gen.registry.view.is_route(named)
 
     async def plan_for(name: str) -> tuple[Plan, PromptRenderer]:
         start = timeline.now()
         model, limits = target(gen, name, principal)
         renderer = await renderer_for(gen, model)
         plan = await plan_chat(
-            req if binding or name == req.model else replace(req, model=name),
+            replace(req, model=name) if routing and name != req.model else req,
             request_id,
             model,
             renderer,
@@ -116,9 +118,9 @@ async def run_chat(
         timeline.phase("render", start)
         return plan, renderer
 
-    if binding is None and gen.registry.view.is_route(req.model):
-        return await _routed(gen, req.model, plan_for, request, principal, timeline)
-    plan, renderer = await plan_for(binding.model if binding else req.model)
+    if routing:
+        return await _routed(gen, named, plan_for, request, principal, timeline, binding)
+    plan, renderer = await plan_for(named)
     return await _run(gen, plan, request, principal, renderer, timeline, binding)
 
 
@@ -151,8 +153,10 @@ async def _routed(
     request: Inbound,
     principal: Principal,
     timeline: RequestTimeline,
+    binding: Binding | None = None,
 ) -> Response[Any]:
-    """A request to the route `name`: its model chosen by the route's rules, with its fallbacks."""
+    """A request to the route `name`: its model chosen by the route's rules, with its fallbacks (and a
+    stored conversation's policy, prompt and affinity, from its `binding`)."""
     route = route_for(gen, name, principal)
     klass = priority_class(request, principal)
     asked = queue_deadline(request)
@@ -173,7 +177,7 @@ async def _routed(
         )
 
     async def run(plan: Plan, renderer: PromptRenderer, decision: RouteDecision) -> Response[Any]:
-        return await _run(gen, plan, request, principal, renderer, timeline, route=decision)
+        return await _run(gen, plan, request, principal, renderer, timeline, binding, route=decision)
 
     return await routed(route, plan_for, features_of, run, gen.route_decisions)
 

@@ -23,7 +23,7 @@ import msgspec
 
 from gateway.errors import NotFoundError
 from gateway.generation.context import Generation
-from gateway.generation.resolution import Binding, policy_for, prompt_for, target
+from gateway.generation.resolution import Binding, policy_for, prompt_for, route_for, target
 from gateway.keeping import StoredAnswer
 from gateway.responses_api.schemas import InputContent, InputItem, ResponseCreateRequest
 from gateway.schemas import ChatMessage
@@ -77,14 +77,25 @@ class StoredResponses:
 
     def bound(self, gen: Generation, principal: Principal, req: ResponseCreateRequest) -> Bound:
         """The versions a new conversation runs on: what the request's model, the tenant's policy and the
-        key's prompt resolve to now."""
-        model, _ = target(gen, req.model, principal)
+        key's prompt resolve to now. A route binds its version (each turn's model is chosen by its rules,
+        so the conversation names no one tokenizer or template)."""
         prompt = prompt_for(gen, principal)
+        policy = policy_for(gen, principal).ref
+        if gen.registry.view.is_route(req.model):
+            route = route_for(gen, req.model, principal)
+            return Bound(
+                model=route.ref,
+                tokenizer="",
+                chat_template="",
+                policy=policy,
+                prompt=prompt.ref if prompt else None,
+            )
+        model, _ = target(gen, req.model, principal)
         return Bound(
             model=model.ref,
             tokenizer=model.tokenizer.ref,
             chat_template=model.chat_template.ref,
-            policy=policy_for(gen, principal).ref,
+            policy=policy,
             prompt=prompt.ref if prompt else None,
         )
 

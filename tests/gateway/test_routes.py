@@ -507,3 +507,25 @@ async def test_routes_are_published_aliased_and_rolled_back_through_the_admin_ap
         headers=admin,
     )
     assert bad.status_code == 400, bad.text
+
+
+async def test_the_responses_api_routes_stored_conversations_too(routes: Routes) -> None:
+    await publish_route(routes, "auto", AUTO)
+    short = await routes.client.responses.with_raw_response.create(
+        model="auto", input=QUESTION, max_output_tokens=4
+    )
+    first = short.parse()
+    assert first.model == MODEL
+    assert short.headers["x-lockgate-route"] == f"auto@1 rule=default target={MODEL}"
+    # Continued: the stored conversation is bound to the route's version, and each turn is routed again
+    # (the history makes this one's prompt long).
+    long = await routes.client.responses.with_raw_response.create(
+        model="auto", input=LONG, previous_response_id=first.id, max_output_tokens=4
+    )
+    assert long.parse().model == STRONG
+    assert long.headers["x-lockgate-route"] == f"auto@1 rule=long target={STRONG}"
+    again = await routes.client.responses.with_raw_response.create(
+        model="auto", input="And?", previous_response_id=long.parse().id, max_output_tokens=4
+    )
+    assert again.headers["x-lockgate-route"] == f"auto@1 rule=long target={STRONG}"
+    assert (await routes.client.responses.retrieve(long.parse().id)).model == STRONG
