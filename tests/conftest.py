@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import openai
 import pytest
 import uvicorn
 from litestar import Litestar
@@ -24,7 +25,7 @@ from litestar import Litestar
 from engines.base import EngineDelta, EngineRequest, Usage
 from engines.simulated import SimulatedEngine, SimulatorConfig
 from engines.vllm_local import VllmLocalEngine, offline_environment
-from gateway.app import running
+from gateway.app import create_app, running
 from gateway.config import (
     AuditConfig,
     AuthConfig,
@@ -74,6 +75,21 @@ async def vllm_engine(model_dir: Path) -> AsyncIterator[VllmLocalEngine]:
     await engine.start()
     yield engine
     await engine.shutdown()
+
+
+@pytest.fixture
+async def real_client(
+    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The openai SDK against a gateway on the real default model (the session's vLLM engine)."""
+    app = create_app(
+        make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
+    )
+    async with (
+        serving(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
+    ):
+        yield sdk
 
 
 @pytest.fixture(scope="session")

@@ -19,17 +19,9 @@ QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What 
 
 
 @pytest.fixture
-async def client(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
-) -> AsyncIterator[openai.AsyncOpenAI]:
-    app = create_app(
-        make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
-    )
-    async with (
-        serving(app) as url,
-        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
-    ):
-        yield sdk
+def client(real_client: openai.AsyncOpenAI) -> openai.AsyncOpenAI:
+    """The SDK on a gateway over the real default model (`tests.conftest.real_client`)."""
+    return real_client
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ the streamed deltas are the final text, and a continuation's prompt holds the co
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import agents
@@ -19,10 +18,7 @@ import openai
 import pytest
 from openai.types.responses import FunctionToolParam
 
-from engines.vllm_local import VllmLocalEngine
-from gateway.app import create_app
-from gateway.generation.prompts import PromptRenderer
-from tests.conftest import MODEL, OutcomeLog, Tenancy, make_config, serving
+from tests.conftest import MODEL
 from tests.gateway.test_clients import City
 
 PARAMETERS: dict[str, Any] = {
@@ -41,17 +37,9 @@ WEATHER: FunctionToolParam = {
 
 
 @pytest.fixture
-async def client(
-    vllm_engine: VllmLocalEngine, renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
-) -> AsyncIterator[openai.AsyncOpenAI]:
-    app = create_app(
-        make_config(), engine=vllm_engine, renderer=renderer, tenants=tenancy.store, sink=outcomes
-    )
-    async with (
-        serving(app) as url,
-        openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenancy.consumer, max_retries=0) as sdk,
-    ):
-        yield sdk
+def client(real_client: openai.AsyncOpenAI) -> openai.AsyncOpenAI:
+    """The SDK on a gateway over the real default model (`tests.conftest.real_client`)."""
+    return real_client
 
 
 async def test_whole_streamed_and_continued(client: openai.AsyncOpenAI) -> None:
