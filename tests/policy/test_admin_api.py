@@ -33,6 +33,7 @@ ACME: dict[str, Any] = {
     "content_retention_days": None,
     "max_priority": "interactive",
     "system_prompt": None,
+    "tier": "pro",
 }
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -162,6 +163,7 @@ async def test_create_tenant_defaults(admin: Admin) -> None:
         "max_priority": "interactive",
         "created_at": admin.clock(),
         "system_prompt": None,
+        "tier": "",
     }
 
 

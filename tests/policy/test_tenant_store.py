@@ -258,7 +258,7 @@ async def test_migrations_are_idempotent(backend: Backend) -> None:
     second = await backend.open()
     assert await second.get_tenant("acme") == await first.get_tenant("acme")
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3, 4, 5]
+    assert [row[0] for row in rows] == [m.version for m in MIGRATIONS] == [1, 2, 3, 4, 5, 6]
 
 
 async def _open_at_migration_2(backend: Backend) -> None:
@@ -307,13 +307,14 @@ async def test_a_database_at_migration_2_migrates_to_interactive(backend: Backen
         max_priority="interactive",
         content_retention_days=None,
         system_prompt=None,
+        tier="",
     )
     assert await store.get_tenant("old") == expected
     rows = await backend.raw("SELECT version FROM {schema}.schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [1, 2, 3, 4, 5]
+    assert [row[0] for row in rows] == [1, 2, 3, 4, 5, 6]
     # The migrated table takes the new columns like a fresh one.
     batch = await store.update_tenant(
-        msgspec.structs.replace(expected, max_priority="batch", content_retention_days=90.0),
+        msgspec.structs.replace(expected, max_priority="batch", content_retention_days=90.0, tier="pro"),
         actor="a",
         now=8.0,
     )
