@@ -529,3 +529,59 @@ async def test_the_responses_api_routes_stored_conversations_too(routes: Routes)
     )
     assert again.headers["x-lockgate-route"] == f"auto@1 rule=long target={STRONG}"
     assert (await routes.client.responses.retrieve(long.parse().id)).model == STRONG
+
+
+async def test_a_stream_that_released_tokens_never_switches_models(
+    renderer: PromptRenderer, tenancy: Tenancy, outcomes: OutcomeLog, registry_store: RegistryStore
+) -> None:
+    # The strong pool's engine fails every request after 40 tokens: the output guard released the first
+    # checked ones, so the stream has started, the failure is an error event in it, and the fallback is not
+    # tried. Structured output on the fallback
+    # (the strong pool stopped for good) still parses.
+    failing = SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0, fail_after_tokens=40)
+    config = msgspec.structs.replace(
+        make_config(),
+        engines=[
+            ReplicaSpec(kind="simulated"),
+            ReplicaSpec(kind="simulated", pool=STRONG, simulator=failing),
+        ],
+        engine=EngineConfig(kind="simulated"),
+    )
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, registry=registry_store, sink=outcomes)
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,
+    ):
+        registry = app.state.services.registry
+        served = registry.view.resolve_model(MODEL, key="")
+        strong = msgspec.structs.replace(served.spec, engine_pool=STRONG)
+        await registry.publish("model", STRONG, "1", strong, actor="t")
+        await registry.set_alias("model", STRONG, "1", actor="t")
+        await registry.publish(
+            "route", "flaky", "1", RouteSpec(default=STRONG, fallbacks=(MODEL,)), actor="t"
+        )
+        await registry.set_alias("route", "flaky", "1", actor="t")
+        body = {"model": "flaky", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+        streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200
+        assert streamed.headers["x-lockgate-route"] == f"flaky@1 rule=default target={STRONG}"
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert {e["model"] for e in events if "model" in e} == {STRONG}
+        assert any(e["choices"][0]["delta"].get("content") for e in events if e.get("choices"))  # released
+        assert events[-1]["error"]["code"] == "engine_error"
+        metrics = (await http.get("/metrics", headers=await operator_headers(tenancy.store))).text
+        assert 'reason="fallback:' not in metrics
+        # Refused before anything was sent, the same request falls back, and its structured output parses.
+        [replica] = [r for r in app.state.services.scheduler.replicas if r.pool == STRONG]
+        await replica.engine.shutdown()
+        async with openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key=tenancy.consumer, max_retries=0
+        ) as client:
+            parsed = await client.chat.completions.parse(
+                model="flaky",
+                messages=[{"role": "user", "content": QUESTION}],
+                response_format=City,
+                max_tokens=64,
+            )
+        assert parsed.model == MODEL
+        assert isinstance(parsed.choices[0].message.parsed, City)
