@@ -166,16 +166,22 @@ async def routed(
             plans[name] = await plan_for(name)
         return plans[name]
 
-    # The features as the default model reads them (its tokenizer counts the prompt), or the first
-    # fallback that can be planned while the default's pool is gone.
-    readers = [spec.default, *spec.fallbacks]
-    for i, name in enumerate(readers):
+    # The features as the default model reads them (its tokenizer counts the prompt), or as the first other
+    # model of the route that can plan the request: while the default's pool is gone, or when the prompt
+    # needs more context than the default has (what a rule on prompt tokens routes away from it).
+    readers = list(dict.fromkeys([spec.default, *spec.targets]))
+    first_error: APIError | None = None
+    for name in readers:
         try:
             reader = await planned(name)
             break
         except APIError as exc:
-            if not fallback_reason(exc) or i == len(readers) - 1:
+            if not fallback_reason(exc) and exc.code != "context_length_exceeded":
                 raise
+            first_error = first_error or exc
+    else:
+        assert first_error is not None  # a route has at least its default
+        raise first_error
     chosen, rule = choose(spec, await features_of(reader[0]))
     candidates = [chosen, *(f for f in spec.fallbacks if f != chosen)]
     cascade = spec.cascade

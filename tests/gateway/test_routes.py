@@ -585,3 +585,43 @@ async def test_a_stream_that_released_tokens_never_switches_models(
             )
         assert parsed.model == MODEL
         assert isinstance(parsed.choices[0].message.parsed, City)
+
+
+async def test_a_prompt_longer_than_the_default_models_context_routes_by_its_length(
+    renderer: PromptRenderer, tenancy: Tenancy, outcomes: OutcomeLog, registry_store: RegistryStore
+) -> None:
+    # The default model's replica takes 2048 tokens, the strong one's 4096: a prompt of about 3000 tokens
+    # cannot be planned on the default model at all, and the length rule still sends it to the strong one.
+    short = SimulatorConfig(decode_step_s=0.002, decode_step_s_per_seq=0.0, max_model_len=2048)
+    long = msgspec.structs.replace(short, max_model_len=4096)
+    config = make_config()
+    config = msgspec.structs.replace(
+        config,
+        model=msgspec.structs.replace(config.model, max_model_len=4096),
+        engines=[
+            ReplicaSpec(kind="simulated", simulator=short),
+            ReplicaSpec(kind="simulated", pool=STRONG, simulator=long),
+        ],
+        engine=EngineConfig(kind="simulated"),
+    )
+    app = create_app(config, renderer=renderer, tenants=tenancy.store, registry=registry_store, sink=outcomes)
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,
+    ):
+        registry = app.state.services.registry
+        served = registry.view.resolve_model(MODEL, key="")
+        strong = msgspec.structs.replace(served.spec, engine_pool=STRONG)
+        await registry.publish("model", STRONG, "1", strong, actor="t")
+        await registry.set_alias("model", STRONG, "1", actor="t")
+        await registry.publish("route", "auto", "1", AUTO, actor="t")
+        await registry.set_alias("route", "auto", "1", actor="t")
+        huge = "Tell me about the history of Paris. " * 330
+        body = {"messages": [{"role": "user", "content": huge}], "max_tokens": 4}
+        direct = await http.post("/v1/chat/completions", json={"model": MODEL, **body})
+        assert direct.status_code == 400
+        assert direct.json()["error"]["code"] == "context_length_exceeded"
+        routed = await http.post("/v1/chat/completions", json={"model": "auto", **body})
+        assert routed.status_code == 200, routed.text
+        assert routed.headers["x-lockgate-route"] == f"auto@1 rule=long target={STRONG}"
+        assert 2048 < routed.json()["usage"]["prompt_tokens"] < 4096
