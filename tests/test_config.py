@@ -76,7 +76,7 @@ def test_example_file_documents_every_field() -> None:
     fields = _field_paths(Config)
     # TOML has no null: fields whose default is None appear commented out.
     nullable = {path for path, default in fields.items() if default is None}
-    assert nullable == {"engine.simulator.fail_after_tokens", "quota.lease"}
+    assert nullable == {"engine.simulator.fail_after_tokens", "engine.simulator.skill", "quota.lease"}
     assert _toml_paths(tomllib.loads(text)) == set(fields) - nullable
     lines = text.splitlines()
     assert "# [quota.lease]" in lines  # an optional table: commented out, with its fields
