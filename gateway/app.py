@@ -409,9 +409,10 @@ def create_app(
                 clock=clock,
             )
             active = replicas[0].engine
+            router = Router(config.routing.router)
             scheduler = Scheduler(
                 replicas,
-                Router(config.routing.router),
+                router,
                 config.admission,
                 clock,
                 refresh_interval=config.routing.replicas.refresh_interval,
@@ -429,8 +430,12 @@ def create_app(
                 config, guard_engines, given_engine=engine is not None
             ):
                 overload.use_cpu_signal()  # the process's CPU is its requests' own
-            # Guard calls on a pool of the generation fleet are spread over its replicas.
-            fleet = {pool: s for pool, s in by_pool(replicas).items() if pool not in (guard_pools or {})}
+            # Guard calls on a pool of the generation fleet go where the router's score puts them.
+            fleet = {
+                pool: s
+                for pool, s in by_pool(replicas, router, clock).items()
+                if pool not in (guard_pools or {})
+            }
             factory = GuardFactory(
                 pools={**pools, **fleet},
                 renderer=prompts,

@@ -3,26 +3,27 @@ guard's `Scorer` (`score_next_token`) over a pool's replicas, which the app hand
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from routing.replicas import Replica
-from routing.router import is_replica_failure
+from routing.router import Router, RouteRequest, is_replica_failure
 
 
 class ReplicaScorer:
-    """`score_next_token` over the replicas of one pool (a `Scorer`): each call goes to the routable replica
-    with the fewest guard calls of its own in flight, then the fewest requests as the router counts them,
-    then the next in turn; when none is routable, to any of them (its engine's error is the guard's failure,
-    which the policy's fail mode decides). A call's outcome feeds the replica's circuit breaker as a
-    generation request's does (`is_replica_failure`). Without it every guard call of the pool went to its
-    first replica."""
+    """`score_next_token` over the replicas of one pool (a `Scorer`): each call goes where the router's score
+    (`Router.prefer`: load, KV, prefix affinity, the imbalance escape) puts it among the routable replicas,
+    counting this scorer's calls in flight on each as load, so that concurrent calls spread while calls
+    that share a prompt prefix (a guard's template) go where it is cached; when none is routable, to any of
+    them (its engine's error is the guard's failure, which the policy's fail mode decides). A call's
+    outcome feeds the replica's circuit breaker as a generation request's does (`is_replica_failure`)."""
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    def __init__(self, replicas: Sequence[Replica], router: Router, clock: Callable[[], float]) -> None:
         if not replicas:
             raise ValueError("a pool has at least one replica")
         self.replicas = tuple(replicas)
+        self._router = router
+        self._clock = clock
         self._calls = {r.replica_id: 0 for r in self.replicas}
-        self._turn = 0
 
     @property
     def max_model_len(self) -> int:
@@ -38,7 +39,7 @@ class ReplicaScorer:
         cache_salt: str | None = None,
     ) -> dict[int, float]:
         """The chosen replica's first-token log-probabilities of exactly `token_ids`."""
-        replica = self._pick()
+        replica = self._pick(prompt_token_ids, cache_salt)
         self._calls[replica.replica_id] += 1
         try:
             scores = await replica.engine.score_next_token(
@@ -53,21 +54,25 @@ class ReplicaScorer:
         replica.record_success()
         return scores
 
-    def _pick(self) -> Replica:
-        count = len(self.replicas)
-        turn, self._turn = self._turn, (self._turn + 1) % count
-        candidates = [i for i, r in enumerate(self.replicas) if r.routable] or range(count)
+    def _pick(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> Replica:
+        candidates = [r for r in self.replicas if r.routable] or self.replicas
+        first = candidates[0]
+        request = RouteRequest(
+            request_id="guard",
+            weights_sha256=first.weights_sha256,
+            prompt_token_ids=tuple(prompt_token_ids),
+            max_tokens=1,
+            cache_salt=cache_salt,
+            pool=first.pool,
+        )
+        return self._router.prefer(request, candidates, self._clock(), self._calls)
 
-        def key(i: int) -> tuple[int, int, int]:
-            replica = self.replicas[i]
-            return self._calls[replica.replica_id], replica.queue_depth, (i - turn) % count
 
-        return self.replicas[min(candidates, key=key)]
-
-
-def by_pool(replicas: Sequence[Replica]) -> dict[str, ReplicaScorer]:
-    """One scorer per pool of `replicas`, in the order pools first appear."""
+def by_pool(
+    replicas: Sequence[Replica], router: Router, clock: Callable[[], float]
+) -> dict[str, ReplicaScorer]:
+    """One scorer per pool of `replicas`, in the order pools first appear, each choosing with `router`."""
     pools: dict[str, list[Replica]] = {}
     for replica in replicas:
         pools.setdefault(replica.pool, []).append(replica)
-    return {pool: ReplicaScorer(members) for pool, members in pools.items()}
+    return {pool: ReplicaScorer(members, router, clock) for pool, members in pools.items()}

@@ -25,7 +25,7 @@ replica's breaker with `Replica.record_failure`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
@@ -76,14 +76,23 @@ def session_key(session_id: str | None, user: str | None, *, tenant: str = "") -
     return f"{tenant}\x00{key}" if key else None
 
 
-def reserve(request: RouteRequest, replica: Replica) -> None:
-    """Hold the request's KV on `replica` (its prompt and growth reserve) until `Replica.release`."""
-    replica.reserve(
-        request.request_id,
-        len(request.prompt_token_ids),
-        replica.growth_reserve(request.max_tokens),
-        request.sequences,
+def reserve(request: RouteRequest, replica: Replica, choices: int | None = None) -> None:
+    """Hold the request's KV on `replica` until `Replica.release`: its prompt and the growth reserve of
+    `choices` of its choices (default all), one sequence each. Choices placed on one replica share the prompt
+    (the engine's prefix cache computes it once)."""
+    count = request.sequences if choices is None else choices
+    output = (
+        request.max_tokens if count == request.sequences else request.max_tokens // request.sequences * count
     )
+    replica.reserve(request.request_id, len(request.prompt_token_ids), replica.growth_reserve(output), count)
+
+
+def placed_on(placement: Sequence[Replica]) -> dict[Replica, int]:
+    """How many choices of a placement (one replica per choice) each replica runs, in first-use order."""
+    counts: dict[Replica, int] = {}
+    for replica in placement:
+        counts[replica] = counts.get(replica, 0) + 1
+    return counts
 
 
 def may_fail_over(exc: BaseException, *, first_token_sent: bool, attempt: int) -> bool:
@@ -99,6 +108,17 @@ def is_replica_failure(exc: BaseException) -> bool:
     """Whether `exc` counts against the replica's breaker (`Replica.record_failure`): a dead engine or a
     lost connection. Overload is load, not ill health; a request's own error is the request's."""
     return isinstance(exc, EngineDeadError | ConnectionError)
+
+
+def _check_fits_idle(healthy: Sequence[Replica], prompt: int, max_tokens: int) -> None:
+    """RequestTooLargeError when `prompt` + the growth reserve of `max_tokens` fits no replica even idle
+    (waiting cannot help)."""
+    if all(r.kv_capacity_tokens > 0 and not r.fits_idle(prompt, max_tokens) for r in healthy):
+        largest = max(r.kv_capacity_tokens for r in healthy)
+        raise RequestTooLargeError(
+            f"{prompt} prompt tokens + {healthy[0].growth_reserve(max_tokens)} reserved for output "
+            f"exceed the KV cache of every replica (largest {largest} tokens)"
+        )
 
 
 class Router:
@@ -125,30 +145,55 @@ class Router:
         Raises NoHealthyReplicaError when no healthy replica serves the weights, RequestTooLargeError when
         the request would not fit any of them even idle.
         """
-        healthy = [
-            r
-            for r in replicas
-            if r.weights_sha256 == request.weights_sha256
-            and (request.pool is None or r.pool == request.pool)
-            and r.replica_id not in exclude
-            and r.routable
-        ]
-        if not healthy:
-            raise NoHealthyReplicaError(
-                f"no healthy replica serves weights {request.weights_sha256[:12]}"
-                + (f" (excluding {', '.join(sorted(exclude))})" if exclude else "")
-            )
+        healthy = self._healthy(request, replicas, exclude)
         prompt, max_tokens = len(request.prompt_token_ids), request.max_tokens
         roomy = [r for r in healthy if r.fits(prompt, max_tokens, request.sequences)]
         if not roomy:
-            if all(r.kv_capacity_tokens > 0 and not r.fits_idle(prompt, max_tokens) for r in healthy):
-                largest = max(r.kv_capacity_tokens for r in healthy)
-                raise RequestTooLargeError(
-                    f"{prompt} prompt tokens + {healthy[0].growth_reserve(max_tokens)} reserved for output "
-                    f"exceed the KV cache of every replica (largest {largest} tokens)"
-                )
+            _check_fits_idle(healthy, prompt, max_tokens)
             return None
-        return self._pick(request, roomy, now)
+        hashes = self._hashes(request)
+        chosen = self._pick(request, roomy, now, hashes)
+        self._remember(request, [chosen], now, hashes)
+        return chosen
+
+    def place(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[Replica],
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+    ) -> list[Replica] | None:
+        """A replica for each choice of `request` (index i runs on the i-th), or None if they do not all
+        have room now. One choice: `choose`. Several: each goes where the same score puts it, counting the
+        choices placed before it as load there (a sequence and its KV), so that the choices of one request
+        spread over replicas with room, while choices on one replica share its prompt. Raises as `choose`
+        does; RequestTooLargeError only when one choice fits no healthy replica even idle."""
+        if request.sequences == 1:
+            chosen = self.choose(request, replicas, now, exclude=exclude)
+            return None if chosen is None else [chosen]
+        healthy = self._healthy(request, replicas, exclude)
+        prompt = len(request.prompt_token_ids)
+        per_choice = request.max_tokens // request.sequences
+        hashes = self._hashes(request)
+        placement: list[Replica] = []
+        added: dict[str, int] = {}
+        for _ in range(request.sequences):
+            roomy = [
+                r
+                for r in healthy
+                if r.fits(
+                    prompt, per_choice * (added.get(r.replica_id, 0) + 1), added.get(r.replica_id, 0) + 1
+                )
+            ]
+            if not roomy:
+                _check_fits_idle(healthy, prompt, per_choice)
+                return None
+            chosen = self._pick(request, roomy, now, hashes, added)
+            added[chosen.replica_id] = added.get(chosen.replica_id, 0) + 1
+            placement.append(chosen)
+        self._remember(request, placement, now, hashes)
+        return placement
 
     def dispatch(
         self,
@@ -165,39 +210,114 @@ class Router:
             reserve(request, replica)
         return replica
 
+    def dispatch_choices(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[Replica],
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+    ) -> list[Replica] | None:
+        """`place`, then reserve on each replica of the placement what its choices need (released with
+        `Replica.release(request.request_id)` on each)."""
+        placement = self.place(request, replicas, now, exclude=exclude)
+        if placement is not None:
+            for replica, count in placed_on(placement).items():
+                reserve(request, replica, count)
+        return placement
+
+    def prefer(
+        self, request: RouteRequest, candidates: Sequence[Replica], now: float, added: Mapping[str, int]
+    ) -> Replica:
+        """The replica of `candidates` that the score puts first for work that holds no KV reservation (a
+        guard call's one-token forward pass), with `added` (that work in flight, per replica id) counted as
+        load as `place` counts choices; remembered for prefix affinity like a dispatch."""
+        hashes = self._hashes(request)
+        chosen = self._pick(request, candidates, now, hashes, added)
+        self._remember(request, [chosen], now, hashes)
+        return chosen
+
     def forget(self, replica_id: str) -> None:
         """Drop what is remembered of a replica that left the pool."""
         self._prefixes.pop(replica_id, None)
 
-    def _pick(self, request: RouteRequest, roomy: Sequence[Replica], now: float) -> Replica:
+    def _healthy(
+        self, request: RouteRequest, replicas: Sequence[Replica], exclude: Collection[str]
+    ) -> list[Replica]:
+        healthy = [
+            r
+            for r in replicas
+            if r.weights_sha256 == request.weights_sha256
+            and (request.pool is None or r.pool == request.pool)
+            and r.replica_id not in exclude
+            and r.routable
+        ]
+        if not healthy:
+            raise NoHealthyReplicaError(
+                f"no healthy replica serves weights {request.weights_sha256[:12]}"
+                + (f" (excluding {', '.join(sorted(exclude))})" if exclude else "")
+            )
+        return healthy
+
+    def _hashes(self, request: RouteRequest) -> tuple[int, ...]:
         cfg = self._config
-        hashes = prefix_block_hashes(
+        return prefix_block_hashes(
             request.prompt_token_ids,
             block_size=cfg.block_size,
             depth=cfg.affinity_depth,
             salt=request.cache_salt,
         )
+
+    def _pick(
+        self,
+        request: RouteRequest,
+        roomy: Sequence[Replica],
+        now: float,
+        hashes: tuple[int, ...],
+        added: Mapping[str, int] | None = None,
+    ) -> Replica:
+        """The lowest score among `roomy` (module docstring); `added`: choices of this request already
+        placed on a replica, counted as load there (one queued sequence and its growth reserve each)."""
+        if len(roomy) == 1:  # nothing to weigh (the usual pool of one)
+            return roomy[0]
+        cfg = self._config
         bound = self._sessions.get(request.session, now) if request.session else None
+        per_choice = request.max_tokens // request.sequences
+
+        def depth(r: Replica) -> int:
+            return r.queue_depth + (added.get(r.replica_id, 0) if added else 0)
+
+        def kv(r: Replica) -> float:
+            more = added.get(r.replica_id, 0) if added else 0
+            capacity = r.kv_capacity_tokens
+            if not more or capacity <= 0:
+                return r.kv_utilisation
+            return min(1.0, r.kv_utilisation + more * r.growth_reserve(per_choice) / capacity)
 
         def score(r: Replica) -> tuple[float, int, str]:
-            value = cfg.queue_weight * r.queue_depth + cfg.kv_weight * r.kv_utilisation
+            value = cfg.queue_weight * depth(r) + cfg.kv_weight * kv(r)
             memory = self._prefixes.get(r.replica_id)
             if hashes and memory is not None:
                 value -= cfg.prefix_weight * memory.matched(hashes) / len(hashes)
             if r.replica_id == bound:
                 value -= cfg.session_weight
-            return value, r.queue_depth, r.replica_id
+            return value, depth(r), r.replica_id
 
-        if len(roomy) == 1:  # nothing to weigh (the usual pool of one): still remembered below
-            chosen = roomy[0]
-        else:
-            preferred = min(roomy, key=score)
-            least = min(roomy, key=lambda r: (r.queue_depth, r.kv_utilisation, r.replica_id))
-            # Escape hatch: affinity must not outweigh a large imbalance of load.
-            chosen = least if preferred.queue_depth - least.queue_depth > cfg.imbalance_margin else preferred
+        preferred = min(roomy, key=score)
+        least = min(roomy, key=lambda r: (depth(r), kv(r), r.replica_id))
+        # Escape hatch: affinity must not outweigh a large imbalance of load.
+        return least if depth(preferred) - depth(least) > cfg.imbalance_margin else preferred
+
+    def _remember(
+        self, request: RouteRequest, placement: Sequence[Replica], now: float, hashes: tuple[int, ...]
+    ) -> None:
+        """Remember the prompt's prefix on each replica of the placement, and bind the request's session to
+        its first (the one the next request of the session is drawn to)."""
         if hashes:
-            memory = self._prefixes.setdefault(chosen.replica_id, PrefixMemory(cfg.prefix_lru_size))
-            memory.remember(hashes)
+            for replica in dict.fromkeys(placement):
+                memory = self._prefixes.setdefault(
+                    replica.replica_id, PrefixMemory(self._config.prefix_lru_size)
+                )
+                memory.remember(hashes)
         if request.session:
-            self._sessions.bind(request.session, chosen.replica_id, now)
-        return chosen
+            self._sessions.bind(request.session, placement[0].replica_id, now)

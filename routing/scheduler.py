@@ -3,7 +3,8 @@
 A request asks for a `Lease` with `admit(ticket, route)`. It is pushed into the fair queue of the weights it
 needs (one `FairQueue` per weights hash: replicas that serve the same weights are one capacity), which may
 refuse it at once (`QueueFullError`, `DeadlineUnmeetableError`); then the dispatcher takes tickets in fair
-order and hands each one the replica the router picks, with the ticket's KV budget reserved there. The
+order and hands each one the replica the router picks (one per choice for a request of n > 1: the choices
+spread where the router's score puts them, `Router.place`), with the ticket's KV budget reserved there. The
 head of a queue waits until some replica has room for it (strict order: a smaller ticket behind it does not
 overtake, or fairness would not hold). A ticket that finds nothing of its weights queued and a replica with
 room is dispatched at once, without entering the heaps (`FairQueue.start`: the accounting of a push and a
@@ -16,7 +17,7 @@ finishes it in the fair queue and reports the work done to the queue's service r
 `Lease.observe(tokens)` counts generated tokens, and `settle()` charges what leases counted to their tenants'
 virtual counters and to their replicas' KV accounting: at the start of every dispatch and release, so a
 decision always sees every token generated before it (one charge per tenant, not one per token per stream).
-`fail_over(lease)` moves a request that failed before its first token to another replica.
+`fail_over(lease)` moves a request of one choice that failed before its first token to another replica.
 
 Exceptions::
 
@@ -36,7 +37,7 @@ from collections.abc import Callable, Sequence
 from routing.admission_types import AdmissionConfig, AdmissionError, Klass, TenantShare, Ticket
 from routing.fair_queue import FairQueue
 from routing.replicas import Replica
-from routing.router import NoHealthyReplicaError, Router, RouteRequest, reserve
+from routing.router import NoHealthyReplicaError, Router, RouteRequest, placed_on, reserve
 
 log = logging.getLogger("lockgate.routing")
 
@@ -52,32 +53,53 @@ class DeadlineExpiredError(AdmissionError):
 
 
 class Lease:
-    """A dispatched request: the replica holding its KV budget, and its place in the fair queue."""
+    """A dispatched request: the replicas holding its KV budget (one per choice), and its place in the fair
+    queue."""
 
     def __init__(
-        self, scheduler: Scheduler, ticket: Ticket, route: RouteRequest, replica: Replica, queue_wait: float
+        self,
+        scheduler: Scheduler,
+        ticket: Ticket,
+        route: RouteRequest,
+        placement: Sequence[Replica],
+        queue_wait: float,
     ) -> None:
         self._scheduler = scheduler
         self.ticket = ticket
         self.route = route
-        self.replica = replica
+        self.placement = tuple(placement)
         # Seconds the request waited in the queue before dispatch.
         self.queue_wait = queue_wait
         self.attempts = 1
         self.output = 0
-        # Generated tokens not yet charged (`Scheduler.settle`).
+        # Generated tokens not yet charged (`Scheduler.settle`): in all, and by choice when the choices run
+        # on more than one replica (each replica's KV grows with its own choices' output).
         self.unsettled = 0
+        self.unsettled_by_choice: list[int] | None = (
+            [0] * len(self.placement) if len(set(self.placement)) > 1 else None
+        )
         self._released = False
 
-    def observe(self, tokens: int) -> None:
-        """`tokens` more were generated: charged to the tenant and counted against the replica's KV budget
-        by the scheduler's next `settle()`, before its next decision."""
+    @property
+    def replica(self) -> Replica:
+        """The replica of the first choice (of the only one, for a request of one choice)."""
+        return self.placement[0]
+
+    def replica_of(self, choice: int) -> Replica:
+        """The replica that runs choice `choice` of the request."""
+        return self.placement[choice]
+
+    def observe(self, tokens: int, choice: int = 0) -> None:
+        """`tokens` more were generated for choice `choice`: charged to the tenant and counted against its
+        replica's KV budget by the scheduler's next `settle()`, before its next decision."""
         if self._released or tokens <= 0:
             return
         self.output += tokens
         if not self.unsettled:
             self._scheduler.unsettled.append(self)
         self.unsettled += tokens
+        if self.unsettled_by_choice is not None:
+            self.unsettled_by_choice[choice] += tokens
 
     def release(self) -> None:
         """The request ended: free its budget and its fair-queue slot, report its work (idempotent)."""
@@ -202,15 +224,18 @@ class Scheduler:
         it now: the order `push` and `dispatch` would give, without the queue's heaps. None: queue it."""
         self.settle()
         now = self._clock()
-        replica = self._router.choose(route, self.replicas, now)
-        if replica is None:
+        placement = self._router.place(route, self.replicas, now)
+        if placement is None:
             return None
         queue.start(ticket, now)
-        reserve(route, replica)
-        return self._lease(ticket, route, replica, 0.0)
+        for replica, count in placed_on(placement).items():
+            reserve(route, replica, count)
+        return self._lease(ticket, route, placement, 0.0)
 
-    def _lease(self, ticket: Ticket, route: RouteRequest, replica: Replica, queue_wait: float) -> Lease:
-        lease = Lease(self, ticket, route, replica, queue_wait)
+    def _lease(
+        self, ticket: Ticket, route: RouteRequest, placement: Sequence[Replica], queue_wait: float
+    ) -> Lease:
+        lease = Lease(self, ticket, route, placement, queue_wait)
         self._live.setdefault(route.weights_sha256, {})[ticket.request_id] = lease
         return lease
 
@@ -238,7 +263,13 @@ class Scheduler:
         for lease in leases:
             tokens, lease.unsettled = lease.unsettled, 0
             # Replica.grow takes the increment, not the running total.
-            lease.replica.grow(lease.ticket.request_id, tokens)
+            by_choice = lease.unsettled_by_choice
+            if by_choice is None:
+                lease.replica.grow(lease.ticket.request_id, tokens)
+            else:
+                for choice, grown in enumerate(by_choice):
+                    lease.placement[choice].grow(lease.ticket.request_id, grown)
+                    by_choice[choice] = 0
             key = (lease.route.weights_sha256, lease.ticket.tenant)
             charges[key] = charges.get(key, 0) + tokens
         now = self._clock()
@@ -262,16 +293,16 @@ class Scheduler:
                     queue.remove(ticket.request_id)
                     continue
                 try:
-                    replica = self._router.dispatch(waiter.route, self.replicas, now)
+                    placement = self._router.dispatch_choices(waiter.route, self.replicas, now)
                 except Exception as exc:  # no healthy replica any more, or too large for every replica
                     queue.remove(ticket.request_id)
                     self._fail(ticket, exc)
                     continue
-                if replica is None:
+                if placement is None:
                     break
                 queue.pop(now)  # the ticket peeked: nothing ran in between
                 del self._waiters[ticket.request_id]
-                lease = self._lease(ticket, waiter.route, replica, max(0.0, now - ticket.arrival))
+                lease = self._lease(ticket, waiter.route, placement, max(0.0, now - ticket.arrival))
                 if waiter.future.done():  # cancelled in the same instant
                     lease.release()
                 else:
@@ -286,7 +317,8 @@ class Scheduler:
         """A lease was released: free what it held, count its prompt as served (its output was, as it came),
         then dispatch what now fits."""
         self.settle()
-        lease.replica.release(lease.ticket.request_id)
+        for replica in dict.fromkeys(lease.placement):
+            replica.release(lease.ticket.request_id)
         self._live.get(lease.route.weights_sha256, {}).pop(lease.ticket.request_id, None)
         queue = self.queue(lease.route.weights_sha256)
         queue.finish(lease.ticket.request_id)
@@ -294,9 +326,10 @@ class Scheduler:
         self.dispatch()
 
     def fail_over(self, lease: Lease) -> Lease | None:
-        """Move a request that failed before its first token to another replica (its KV budget with it);
-        None when no other replica can take it now (the caller reports the original error)."""
-        if lease._released:  # reserving again would hold budget that no release frees
+        """Move a request of one choice that failed before its first token to another replica (its KV
+        budget with it); None when no other replica can take it now (the caller reports the original
+        error)."""
+        if lease._released or len(lease.placement) != 1:  # reserving again would hold what no release frees
             return None
         self.settle()
         request_id = lease.ticket.request_id
@@ -308,7 +341,7 @@ class Scheduler:
         except Exception:
             replica = None
         if replica is not None:
-            lease.replica = replica
+            lease.placement = (replica,)
             lease.attempts += 1
         # The failed replica's budget is free: queued tickets may fit there now.
         self.dispatch()

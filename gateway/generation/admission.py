@@ -184,22 +184,23 @@ def session_of(request: Inbound, user: str | None, principal: Principal) -> str 
 
 
 def sources(scheduler: Scheduler, lease: Lease, req: EngineRequest) -> Source:
-    """The engine streams of `req` on the lease's replica: one per choice (engines generate one sequence
-    each), merged by index in the flow. A single choice fails over to another replica before its first
-    token."""
+    """The engine streams of `req`, each choice on the replica the lease placed it on (engines generate one
+    sequence each), merged by index in the flow. A single choice fails over to another replica before its
+    first token."""
     choices = split_choices(req)
-    streams = [routed(scheduler, lease, c, fail_over=len(choices) == 1) for c in choices]
+    streams = [routed(scheduler, lease, c, i, fail_over=len(choices) == 1) for i, c in enumerate(choices)]
     return streams[0] if len(streams) == 1 else streams
 
 
 async def routed(
-    scheduler: Scheduler, lease: Lease, req: EngineRequest, *, fail_over: bool
+    scheduler: Scheduler, lease: Lease, req: EngineRequest, choice: int = 0, *, fail_over: bool
 ) -> AsyncGenerator[EngineDelta, None]:
-    """The engine stream of `req` on the lease's replica; a replica failure before the first token moves
-    the request to another replica once (when `fail_over`), after it never. Successes and failures before
-    the first token feed the replica's health and circuit breaker (`Replica.judge_failure`)."""
+    """The engine stream of `req` (choice `choice` of the request) on the replica the lease placed it on; a
+    replica failure before the first token moves the request to another replica once (when `fail_over`),
+    after it never. Successes and failures before the first token feed the replica's health and circuit
+    breaker (`Replica.judge_failure`)."""
     while True:
-        replica = lease.replica
+        replica = lease.replica_of(choice)
         stream = replica.engine.generate(req)
         started = False
         try:

@@ -53,18 +53,20 @@ def _choice(
     *,
     tag: bool,
 ) -> AsyncGenerator[EngineDelta, None]:
-    deltas = _counted(source, tracker)
+    deltas = _counted(source, tracker, index)
     if transform is not None:
         deltas = transform(deltas)
     return _tagged(deltas, index) if tag else deltas
 
 
 async def _counted(
-    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker
+    source: AsyncGenerator[EngineDelta, None], tracker: RequestTracker, choice: int
 ) -> AsyncGenerator[EngineDelta, None]:
+    """Count each delta of choice `choice` as the engine sent it (every choice's engine request is one of
+    a single choice: its deltas say index 0 until they are tagged)."""
     async with contextlib.aclosing(source):
         async for delta in source:
-            tracker.observe(delta)
+            tracker.observe(delta, choice)
             yield delta
 
 

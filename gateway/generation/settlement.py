@@ -102,7 +102,7 @@ class Settlement:
         return self._tracked(req, sink, None)
 
     def _tracked(
-        self, req: EngineRequest, sink: OutcomeSink, on_output: Callable[[int], None] | None
+        self, req: EngineRequest, sink: OutcomeSink, on_output: Callable[[int, int], None] | None
     ) -> RequestTracker:
         plan = self._plan
         self.tracker = RequestTracker(

@@ -37,7 +37,7 @@ class RequestTracker:
         chat_template: str = "",
         choices: int = 1,
         metadata: dict[str, str] | None = None,
-        on_output: Callable[[int], None] | None = None,
+        on_output: Callable[[int, int], None] | None = None,
         timeline: RequestTimeline | None = None,
     ) -> None:
         self.request_id = request_id
@@ -47,7 +47,8 @@ class RequestTracker:
             timeline.expect_outcome()
         self._choices = choices
         self._metadata = metadata
-        # Told how many tokens each delta brought (the admission lease charges the tenant and the replica).
+        # Told how many tokens each delta brought, and of which choice (the admission lease charges the tenant
+        # and the choice's replica).
         self._on_output = on_output
         self._model = model
         self._tokenizer = tokenizer
@@ -63,18 +64,18 @@ class RequestTracker:
         self._stalled = False
         self.outcome: Outcome | None = None
 
-    def observe(self, delta: EngineDelta) -> None:
-        """Count a delta as the engine produced it."""
+    def observe(self, delta: EngineDelta, choice: int = 0) -> None:
+        """Count a delta of choice `choice` as the engine produced it."""
         self._completion_tokens += len(delta.token_ids)
         if delta.token_ids:
             if self._timeline is not None:
                 self._timeline.token()
             if self._on_output is not None:
-                self._on_output(len(delta.token_ids))
+                self._on_output(len(delta.token_ids), choice)
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
             if delta.usage is not None:
-                self._finals[delta.index] = delta.usage
+                self._finals[choice] = delta.usage
 
     def guard_scored(self, tokens: int) -> None:
         """The output guard is scoring a window of `tokens` generated tokens (charged with the usage)."""

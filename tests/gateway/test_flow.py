@@ -51,9 +51,9 @@ class Counting:
 class _CountingTracker(RequestTracker):
     seen = 0
 
-    def observe(self, delta: EngineDelta) -> None:
+    def observe(self, delta: EngineDelta, choice: int = 0) -> None:
         self.seen += 1
-        super().observe(delta)
+        super().observe(delta, choice)
 
 
 async def engine_steps(engine: SimulatedEngine, count: int) -> None:

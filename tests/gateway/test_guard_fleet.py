@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -32,6 +33,9 @@ def judged(judge: str) -> PolicySpec:
     )
 
 
+CONCURRENT = 4
+
+
 async def test_guard_calls_on_the_served_pool_reach_every_replica(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
 ) -> None:
@@ -47,6 +51,8 @@ async def test_guard_calls_on_the_served_pool_reach_every_replica(
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         services = app.state.services
         calls: Counter[str] = Counter()
+        # The first CONCURRENT calls are held until all of them arrived: they are in flight together.
+        together = asyncio.Event()
         replicas = services.scheduler.replicas
         assert len(replicas) == 2
         for replica in replicas:
@@ -62,6 +68,9 @@ async def test_guard_calls_on_the_served_pool_reach_every_replica(
                 _score: Callable[..., Awaitable[dict[int, float]]] = score,
             ) -> dict[int, float]:
                 calls[_id] += 1
+                if calls.total() >= CONCURRENT:
+                    together.set()
+                await together.wait()
                 return await _score(prompt, ids, priority=priority, cache_salt=cache_salt)
 
             replica.engine.score_next_token = counted
@@ -74,11 +83,22 @@ async def test_guard_calls_on_the_served_pool_reach_every_replica(
             Tenant(tenant_id="judged", display_name="Judged", policy="judged"), actor="test", now=0.0
         )
         key = await add_key(tenancy.store, "judged", ("consumer",))
-        for i in range(6):
+
+        async def ask(i: int) -> None:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 4}
             response = await http.post(
                 "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
             )
             assert response.status_code == 200, response.text
             assert response.headers["x-lockgate-guard"] == "input=model"  # the judge answered
-        assert sorted(calls.values()) == [3, 3]  # one after another: in turn
+
+        await asyncio.gather(*(ask(i) for i in range(CONCURRENT)))
+        # In flight together they spread (the judge's template, cached on the first replica asked, keeps
+        # two there: the router's prefix affinity against one more call of load).
+        assert sorted(calls.values()) == [2, 2]
+        # One after another, with nothing in flight, they stay on one replica (both hold the template now).
+        before = dict(calls)
+        for i in range(3):
+            await ask(CONCURRENT + i)
+        moved = {r: calls[r] - before.get(r, 0) for r in calls}
+        assert sorted(moved.values()) == [0, 3]

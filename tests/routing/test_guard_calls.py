@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import pytest
 
 from engines.base import EngineDeadError, EngineRequestError
+from routing.config import RouterConfig
 from routing.guard_calls import ReplicaScorer, by_pool
 from routing.replicas import Replica
+from routing.router import Router
 from tests.routing.test_replicas import CONFIG, FakeClock, FakeEngine, make_replica
 
 
@@ -36,8 +38,9 @@ class HeldEngine(FakeEngine):
 
 
 def pool(*engines: HeldEngine) -> tuple[ReplicaScorer, list[Replica]]:
-    replicas = [make_replica(e, FakeClock()) for e in engines]
-    return ReplicaScorer(replicas), replicas
+    clock = FakeClock()
+    replicas = [make_replica(e, clock) for e in engines]
+    return ReplicaScorer(replicas, Router(RouterConfig()), clock), replicas
 
 
 async def test_calls_in_flight_go_to_different_replicas() -> None:
@@ -51,9 +54,24 @@ async def test_calls_in_flight_go_to_different_replicas() -> None:
     a.release.set()
     b.release.set()
     assert await asyncio.gather(*calls) == [{7: -3.0}] * 4  # the engine's answer, priority passed on
-    for _ in range(4):
-        await scorer.score_next_token([1], [7])
-    assert (a.calls, b.calls) == (4, 4)  # one after another, equally busy: in turn
+
+
+async def test_calls_sharing_a_prompt_prefix_go_where_it_was_sent() -> None:
+    a, b = HeldEngine("a"), HeldEngine("b")
+    scorer, _ = pool(a, b)
+    template = list(range(100, 164))  # four 16-token blocks: a guard's template
+    a.release.clear()
+    held = asyncio.create_task(scorer.score_next_token([1], [7]))  # "a" is busy with one call
+    await asyncio.sleep(0)
+    await scorer.score_next_token([*template, 1], [7])  # so the template's first call goes to "b"
+    a.release.set()
+    await held
+    assert (a.calls, b.calls) == (1, 1)
+    for i in range(3):  # both idle now: the template stays where it is cached
+        await scorer.score_next_token([*template, 2 + i], [7])
+    assert (a.calls, b.calls) == (1, 4)
+    await scorer.score_next_token(list(range(500, 564)), [7])  # another prompt: no pull, ties by id
+    assert (a.calls, b.calls) == (2, 4)
 
 
 async def test_with_no_call_in_flight_the_replica_the_router_counts_less_busy_is_asked() -> None:
@@ -84,7 +102,7 @@ def test_scorers_are_one_per_pool_and_their_context_is_the_shortest() -> None:
     clock = FakeClock()
     replicas = [make_replica(e, clock) for e in (short, long)]
     replicas.append(Replica(other, pool="guard", weights_sha256="b" * 64, config=CONFIG, clock=clock))
-    scorers = by_pool(replicas)
+    scorers = by_pool(replicas, Router(RouterConfig()), clock)
     assert list(scorers) == ["default", "guard"]
     assert [r.replica_id for r in scorers["default"].replicas] == ["short", "long"]
     assert scorers["default"].max_model_len == 1024

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -400,3 +401,69 @@ def test_property_chosen_replica_has_room_and_budget_balances(
     for rid, replica in live:
         assert replica.release(rid)
     assert all(r.held_tokens == 0 and r.in_flight == 0 for r in reps)
+
+
+def choices(rid: str, n: int, *, per_choice: int = 10, prompt: Sequence[int] = PREFIX) -> RouteRequest:
+    """A request for `n` choices of `per_choice` tokens each (the reserve admission asks for: n x max)."""
+    return RouteRequest(
+        request_id=rid,
+        weights_sha256=SHA_A,
+        prompt_token_ids=tuple(prompt),
+        max_tokens=n * per_choice,
+        sequences=n,
+    )
+
+
+async def test_the_choices_of_one_request_spread_over_idle_replicas() -> None:
+    reps, _ = await replicas(0, 0)
+    router = Router(RouterConfig())
+    placement = router.dispatch_choices(choices("r", 2), reps, 0.0)
+    assert placement == [reps[0], reps[1]]
+    # Each replica holds its choice: the prompt and one choice's reserve, one sequence.
+    assert [(r.held_tokens, r.sequences) for r in reps] == [(len(PREFIX) + 10, 1)] * 2
+    for r in reps:
+        assert r.release("r")
+    assert [r.held_tokens for r in reps] == [0, 0]
+
+
+async def test_choices_go_where_the_load_is_least() -> None:
+    reps, _ = await replicas(5, 0)
+    router = Router(RouterConfig(prefix_weight=0.0))
+    # Each choice placed counts as one more queued sequence: three choices fill the gap of five only partly.
+    assert router.place(choices("r", 3, prompt=()), reps, 0.0) == [reps[1]] * 3
+    assert router.place(choices("s", 8, prompt=()), reps, 0.0) == [reps[1]] * 5 + [reps[0], reps[1], reps[0]]
+
+
+async def test_a_cached_prefix_keeps_choices_together_until_their_load_outweighs_it() -> None:
+    reps, _ = await replicas(0, 0)
+    router = Router(RouterConfig(kv_weight=0.0))
+    router.dispatch(route("earlier", prompt=PREFIX), reps[1:], 0.0)  # reps[1] has the prefix
+    reps[1].release("earlier")
+    # prefix_weight 2 against queue_weight 1 per choice: two choices share the cached prompt, the third
+    # is worth the other replica.
+    assert router.place(choices("r", 3), reps, 0.0) == [reps[1], reps[1], reps[0]]
+
+
+async def test_a_request_too_large_for_one_replica_runs_spread_over_two() -> None:
+    reps, _ = await replicas(0, 0, capacity=240)
+    router = Router(RouterConfig(prefix_weight=0.0))
+    prompt = tuple(range(150))
+    # Two choices of 60 tokens: 150 + 120 reserved fits no replica alone, 150 + 60 fits each.
+    assert not any(r.fits(150, 120, 2) for r in reps)
+    assert router.dispatch_choices(choices("r", 2, per_choice=60, prompt=prompt), reps, 0.0) == reps
+    # Nothing fits now: a wait. A choice that fits no replica even idle: too large, not a wait.
+    assert router.place(choices("s", 2, per_choice=60, prompt=prompt), reps, 0.0) is None
+    with pytest.raises(RequestTooLargeError):
+        router.place(choices("t", 2, per_choice=60, prompt=tuple(range(250))), reps, 0.0)
+
+
+async def test_choices_respect_each_replicas_sequence_limit() -> None:
+    clock = FakeClock()
+    engines = [FakeEngine("a", max_running=1), FakeEngine("b", max_running=4)]
+    reps = [make_replica(e, clock, config=msgspec.structs.replace(CONFIG, engine_queue=0)) for e in engines]
+    await asyncio.gather(*(r.refresh() for r in reps))
+    router = Router(RouterConfig(prefix_weight=0.0))
+    router.dispatch(route("busy-a", prompt=()), reps[:1], 0.0)  # "a" runs its one sequence
+    router.dispatch(route("busy-b", prompt=()), reps[1:], 0.0)  # "b" has room for three more
+    assert router.place(choices("r", 3, prompt=()), reps, 0.0) == [reps[1]] * 3
+    assert router.place(choices("s", 4, prompt=()), reps, 0.0) is None

@@ -609,3 +609,23 @@ async def test_fail_over_of_a_released_lease_reserves_nothing() -> None:
     lease.release()
     assert scheduler.fail_over(lease) is None
     assert all(r.held_tokens == 0 for r in replicas)
+
+
+async def test_a_spread_lease_grows_and_frees_each_choices_replica() -> None:
+    scheduler, replicas, _, clock = build(1000, 1000)
+    t = ticket("r1", clock, max_tokens=300)
+    r = msgspec.structs.replace(route("r1", max_tokens=300), sequences=2)
+    lease = await scheduler.admit(t, r)
+    assert lease.placement == (replicas[0], replicas[1])
+    assert [rep.held_tokens for rep in replicas] == [PROMPT + 100] * 2  # each its choice's capped reserve
+    lease.observe(130, choice=1)
+    lease.observe(20, choice=0)
+    scheduler.settle()
+    # Only the choice past its reserve holds more, on its own replica; the tenant pays for both.
+    assert [rep.held_tokens for rep in replicas] == [PROMPT + 100, PROMPT + 130]
+    assert scheduler.queue(SHA_A).share("t").counter == pytest.approx(
+        PROMPT * scheduler.config.w_in + 150 * scheduler.config.w_out
+    )
+    assert scheduler.fail_over(lease) is None  # choices of a spread request never move
+    lease.release()
+    assert [(rep.held_tokens, rep.sequences) for rep in replicas] == [(0, 0), (0, 0)]
