@@ -61,3 +61,16 @@ def test_overload_quick(tmp_path: Path) -> None:
     # Past capacity the scheduler sheds load and keeps what it admits within the SLO; FCFS does not.
     assert sum(heavy["fair"]["refused"].values()) > 0
     assert heavy["fair"]["slo_attainment_admitted"] > heavy["fcfs"]["slo_attainment_admitted"]
+
+
+def test_at_three_times_capacity_what_cannot_meet_its_deadline_is_refused_at_arrival(tmp_path: Path) -> None:
+    """The issue's measure (virtual time, so the figures are the run's own): at 3x, requests that would miss
+    their queue deadline are refused at arrival (`deadline_unmeetable`), not left to expire in the queue
+    (`deadline_expired` under 5% of the refusals), and what is admitted meets the SLO."""
+    out, png = tmp_path / "overload.json", tmp_path / "overload.png"
+    assert overload.main(["--loads", "3", "--json", str(out), "--png", str(png)]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    refused = point["fair"]["refused"]
+    assert refused.get("deadline_expired", 0) < 0.05 * sum(refused.values())
+    assert point["fair"]["slo_attainment_admitted"] > 0.95
+    assert point["fair"]["goodput_per_s"] > 2 * point["fcfs"]["goodput_per_s"]

@@ -22,7 +22,7 @@ from routing.admission_types import (
     QueueFullError,
     Ticket,
 )
-from routing.fair_queue import FairQueue
+from routing.fair_queue import FairQueue, WaitCalibration
 
 FAR = 1e9
 # A rate so high that predicted waits are ~0: tests of order are not disturbed by deadline refusals.
@@ -607,3 +607,38 @@ def test_heaps_agree_with_a_brute_force_model(ops: list[tuple[object, ...]]) -> 
             assert queue.share(tenant).queued == sum(t.tenant == tenant for t, _ in model.queued.values())
         for tenant in model.active():
             assert queue.share(tenant).counter == model.counter[tenant]
+
+
+def test_the_calibration_tracks_a_high_quantile_of_actual_over_predicted_wait() -> None:
+    calibration = WaitCalibration()
+    assert calibration.factor == 1.0
+    for _ in range(100):
+        for ratio in range(1, 21):  # actual waits 1x to 20x the predicted, evenly
+            calibration.observe(1.0, float(ratio))
+    # The 95th percentile of 1..20 is 19-20.
+    assert 17.0 < calibration.factor < 21.0
+    for _ in range(2000):
+        calibration.observe(1.0, 0.1)  # predictions became pessimistic: the factor comes down, bounded
+    assert calibration.factor == pytest.approx(0.5)
+
+
+def test_waits_longer_than_predicted_make_later_predictions_longer() -> None:
+    queue = FairQueue(config())
+    now = 0.0
+    # Each ticket is predicted to wait 1 s (the engine's first request in flight ends then; nothing queued
+    # ahead), but is popped only after 5 s.
+    for i in range(60):
+        queue.push(ticket(request_id=f"r{i}", arrival=now, deadline=now + 100.0), now, first_free=1.0)
+        now += 5.0
+        assert queue.pop(now) is not None
+        queue.finish(f"r{i}")
+    assert queue.calibration.factor > 3.0
+    # A ticket whose raw prediction (1 s) fits its 2 s deadline is refused: calibrated, it does not.
+    with pytest.raises(DeadlineUnmeetableError):
+        queue.push(ticket(request_id="late", arrival=now, deadline=now + 2.0), now, first_free=1.0)
+    # Expired tickets count too: they waited at least until their deadline.
+    other = FairQueue(config())
+    for i in range(60):
+        other.push(ticket(request_id=f"e{i}", arrival=0.0, deadline=3.0), 0.0, first_free=0.5)
+    assert len(other.expire(10.0)) == 60
+    assert other.calibration.factor > 3.0
