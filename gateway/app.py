@@ -27,7 +27,14 @@ from gateway.edge.handlers import exception_handlers
 from gateway.edge.security import provide_principal
 from gateway.edge.stack import Gateway
 from gateway.embeddings import Embedders, register_packaged_encoder
-from gateway.fleet import ModelNotPreparedError, build_engine, model_dir, start_fleet
+from gateway.fleet import (
+    ModelNotPreparedError,
+    build_engine,
+    capacity_ledger,
+    lease_holder,
+    model_dir,
+    start_fleet,
+)
 from gateway.generation import tools as tool_parsers
 from gateway.generation.context import RouteCounts
 from gateway.generation.flow import TaskSet
@@ -410,13 +417,20 @@ def create_app(
             )
             active = replicas[0].engine
             router = Router(config.routing.router)
+            ledger = capacity_ledger(config)
+            if ledger is not None:
+                owned.push_async_callback(ledger.close)
             scheduler = Scheduler(
                 replicas,
                 router,
                 config.admission,
                 clock,
                 refresh_interval=config.routing.replicas.refresh_interval,
+                ledger=ledger,
+                holder=lease_holder(),
             )
+            # Leases go back before the ledger closes (the exit stack runs last in, first out).
+            owned.push_async_callback(scheduler.release_leases)
             # Capacities and health known before the first request; then kept fresh in the background.
             await scheduler.refresh()
             owned.push_async_callback(_stop, asyncio.create_task(scheduler.run()))

@@ -735,6 +735,12 @@ def _check(config: Config) -> None:
             "`console.redis_url` must be set when `console.session_store` is redis and the quota store is a "
             "Redis Cluster (console sessions use one Redis server)"
         )
+    ledger = config.routing.replicas
+    if ledger.capacity_ledger == "redis" and not ledger.capacity_ledger_url and config.quota.redis_cluster:
+        raise ConfigError(
+            "`routing.replicas.capacity_ledger_url` must be set when `routing.replicas.capacity_ledger` is "
+            "redis and the quota store is a Redis Cluster (the ledger's script uses one Redis server)"
+        )
     idempotency = config.idempotency
     if idempotency.backend == "redis" and not idempotency.redis_url and config.quota.redis_cluster:
         raise ConfigError(

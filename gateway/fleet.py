@@ -20,6 +20,9 @@ replica is shared by the `server.workers` gateway processes, each leaving the ot
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import uuid
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -28,9 +31,12 @@ from engines.base import Engine
 from engines.simulated import SimulatorConfig
 from engines.supervisor import SupervisedEngine
 from gateway.config import Config, ReplicaSpec
+from gateway.redis_client import bounded_client
 from registry.default_model import read_model_dir
 from registry.validation import model_dir_of
 from registry.view import RegistryView, ResolvedModel
+from routing.capacity.base import CapacityLedger
+from routing.capacity.redis import RedisLedger
 from routing.replicas import Replica, kv_tokens_for_bytes
 
 
@@ -174,3 +180,25 @@ async def start_fleet(
         kv_bytes = spec.kv_cache_bytes or (local_bytes if spec.kind == "vllm_local" else 0)
         replicas.append(replica(built, spec.pool, model, kv_bytes, spec.kind == "vllm_remote"))
     return replicas
+
+
+def capacity_ledger(config: Config) -> CapacityLedger | None:
+    """The ledger where this process leases its share of shared replicas (`routing.capacity`), or None:
+    `routing.replicas.capacity_ledger` ("auto": the quota store's Redis when a replica is remote)."""
+    replicas = config.routing.replicas
+    mode = replicas.capacity_ledger
+    if mode == "auto":
+        remote = any(spec.kind == "vllm_remote" for spec in config.engines)
+        # On a Redis Cluster the ledger needs a server of its own (`capacity_ledger_url`).
+        reachable = not config.quota.redis_cluster or replicas.capacity_ledger_url
+        mode = "redis" if remote and config.quota.backend == "redis" and reachable else "none"
+    if mode == "none":
+        return None
+    url = replicas.capacity_ledger_url or config.quota.redis_url
+    return RedisLedger(bounded_client(url, config.quota.op_timeout), config.quota.op_timeout)
+
+
+def lease_holder() -> str:
+    """This process's name in the capacity ledger: host, pid and a random part (a restarted process with the
+    same pid is another holder; the old one's leases lapse)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

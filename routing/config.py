@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -41,6 +41,13 @@ class ReplicaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     refresh_interval: _Pos = 1.0
     # Seconds one refresh may take (health and load together); a slower engine counts as a failed check.
     refresh_timeout: _Pos = 2.0
+    # Where gateway processes that share remote replicas lease each one's capacity (`routing.capacity`):
+    # "redis" in the quota store's Redis (or `capacity_ledger_url`); "none": each process admits against
+    # the replica's last load report less what the others used at it; "auto": "redis" when the quota store
+    # is Redis and a replica is remote (an engine other gateways may reach), else "none".
+    capacity_ledger: Literal["auto", "redis", "none"] = "auto"
+    # Redis URL of the ledger; "" = `quota.redis_url` (required with a Redis Cluster quota store).
+    capacity_ledger_url: str = ""
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

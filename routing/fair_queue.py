@@ -295,6 +295,11 @@ class FairQueue:
         """Tickets queued in one priority class."""
         return len(self._classes[klass].arrivals)
 
+    @property
+    def queued_work(self) -> int:
+        """The work of every queued ticket (prompt + max_tokens each), both classes."""
+        return sum(cls.work for cls in self._classes.values())
+
     def share(self, tenant: str) -> TenantShare:
         """Where `tenant` stands: its requests queued and in flight, its counter against the virtual time (an
         unknown tenant's counter reads as the virtual time it would start at)."""

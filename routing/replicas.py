@@ -30,7 +30,9 @@ load at once each count the others as last reported, so the engine may hold more
 next report shows it; from then on each takes nothing new until it is back within what it may use, and the
 total settles at the budget (tested). A process with nothing in flight there still takes any one request
 that fits the whole budget. With one process nothing of this applies (what others send to the engine is not
-counted).
+counted). With a capacity ledger (`routing.capacity`: gateway processes or pods that share remote replicas
+through Redis) none of that estimate applies either: the process admits within its lease of the replica's
+KV tokens and sequences, which the ledger keeps, with the other processes' leases, within the budget.
 
 Health. A breaker (`engines.breaker.CircuitBreaker`, with the injected clock) counts consecutive failures:
 failed health checks in `refresh()` and fatal errors the pipeline reports (`record_failure`). At the
@@ -56,9 +58,13 @@ from collections.abc import Callable
 from engines.base import Engine, EngineError, EngineLoad
 from engines.breaker import BreakerState, CircuitBreaker, CircuitOpenError
 from registry.view import ResolvedModel
+from routing.capacity.base import Capacity, CapacityLedger, LedgerUnavailableError
 from routing.config import ReplicaConfig
 
 log = logging.getLogger("lockgate.routing")
+
+# A lease asks for this fraction of the budget beyond what its holder uses and has waiting (a standby share).
+_STANDBY = 32
 
 # Holder of the half-open trial slot while `refresh()` probes health (request ids never look like this).
 _HEALTH_PROBE = "<health-probe>"
@@ -149,6 +155,15 @@ class Replica:
         # What the other gateway processes used of the engine at its last load report (with `shared_by` > 1).
         self._others_sequences = 0
         self._others_tokens = 0
+        # This process's lease of the engine's capacity from a shared ledger (`routing.capacity`), and when
+        # it lapses on this process's clock; None: no ledger, or none renewed in time (then the load report
+        # estimate above applies).
+        self.lease: Capacity | None = None
+        self._lease_until = 0.0
+        # While a renewal is on its way: what this process told the ledger it holds, which it must not pass
+        # until the grant is back (the ledger grants the others room on that figure).
+        self._renewing: Capacity | None = None
+        self._clock = clock
 
     @property
     def replica_id(self) -> str:
@@ -205,6 +220,18 @@ class Replica:
     def _has_room(self, prompt_tokens: int, growth_reserve: int, sequences: int) -> bool:
         capacity = self.kv_capacity_tokens
         need = prompt_tokens + growth_reserve
+        lease = self.current_lease()
+        if lease is not None:
+            # A lease of the shared ledger: what the other gateways may use is outside it.
+            limit = self.sequence_limit
+            tokens, seqs = lease.tokens, lease.sequences
+            if self._renewing is not None:
+                tokens, seqs = min(tokens, self._renewing.tokens), min(seqs, self._renewing.sequences)
+            return (
+                need <= capacity
+                and self._held_tokens + need <= tokens
+                and (not limit or self._sequences + sequences <= seqs)
+            )
         if not self._held:
             return need <= capacity
         if self._held_tokens + need > self._share(capacity, self._others_tokens):
@@ -216,6 +243,59 @@ class Replica:
         """What of `budget` this process may use: all of it less what the other processes used at the last
         report, and never less than an even share."""
         return max(budget // self.shared_by, budget - others)
+
+    # -- capacity lease ------------------------------------------------------------------------------
+
+    @property
+    def budget(self) -> Capacity:
+        """The engine's whole capacity: KV tokens and sequences (its limit plus `engine_queue`; with no
+        limit known, as many sequences as KV tokens)."""
+        capacity = self.kv_capacity_tokens
+        return Capacity(capacity, self.sequence_limit or capacity)
+
+    @property
+    def used(self) -> Capacity:
+        """What this process has in flight here."""
+        return Capacity(self._held_tokens, self._sequences)
+
+    def current_lease(self) -> Capacity | None:
+        """The lease in force: the last one granted, until it lapses."""
+        if self.lease is not None and self._clock() >= self._lease_until:
+            self.lease = None
+        return self.lease
+
+    async def renew_lease(
+        self, ledger: CapacityLedger, holder: str, demand: Capacity, ttl: float
+    ) -> Capacity | None:
+        """Renew this process's lease from `ledger` (`holder`: this process), asking for what it holds plus
+        `demand` (what waits for the replica's weights) plus a small standby share, so that the first
+        request after a quiet spell need not wait for a renewal. None when the engine's capacity is not
+        known yet; the last lease stays in force until it lapses when the ledger cannot be reached."""
+        budget = self.budget
+        if budget.tokens <= 0:
+            return None
+        if self._renewing is not None:  # one renewal at a time: grants must apply in the ledger's order
+            return self.current_lease()
+        used = self.used
+        want = Capacity(
+            min(budget.tokens, used.tokens + demand.tokens + max(1, budget.tokens // _STANDBY)),
+            min(budget.sequences, used.sequences + demand.sequences + max(1, budget.sequences // _STANDBY)),
+        )
+        now = self._clock()
+        # Until the grant is back, take nothing beyond `used`: the ledger may give the others what the old
+        # lease held above it.
+        self._renewing = used
+        try:
+            grant = await ledger.renew(
+                self.replica_id, holder, want=want, used=used, budget=budget, now=now, ttl=ttl
+            )
+        except LedgerUnavailableError as exc:
+            log.warning("replica %s: lease not renewed: %s", self.replica_id, exc)
+            return self.current_lease()
+        finally:
+            self._renewing = None
+        self.lease, self._lease_until = grant, now + ttl
+        return grant
 
     def fits_idle(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether the request would fit this replica with nothing else in flight."""

@@ -32,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 from routing.admission_types import AdmissionConfig, AdmissionError, Klass, TenantShare, Ticket
+from routing.capacity.base import Capacity, CapacityLedger, LedgerUnavailableError
 from routing.fair_queue import FairQueue
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest, placed_on, reserve
@@ -129,8 +131,22 @@ class Scheduler:
         clock: Callable[[], float],
         *,
         refresh_interval: float = 1.0,
+        ledger: CapacityLedger | None = None,
+        holder: str = "",
     ) -> None:
+        """`ledger`: the capacity ledger shared with other gateway processes (`routing.capacity`), where
+        this one (`holder`) renews its lease of each replica at every refresh, and at once when a ticket
+        finds no room; None: each replica's whole capacity is this process's (or its load reports say what
+        the others use)."""
         self.replicas = list(replicas)
+        self._ledger = ledger
+        self._holder = holder
+        # A lease lapses after three refreshes without a renewal (a stopped or partitioned process).
+        self._lease_ttl = 3 * refresh_interval
+        self._renewal: asyncio.Task[None] | None = None
+        # At most one renewal on demand per this many seconds (a saturated queue would ask at every arrival).
+        self._renewal_gap = refresh_interval / 10
+        self._renewed_at = -math.inf
         self.config = config
         self._router = router
         self._clock = clock
@@ -194,6 +210,8 @@ class Scheduler:
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = _Waiter(ticket, route, future)
         self.dispatch()
+        if not future.done():
+            self._renew_soon()
         if not future.done():
             # `run` may be waiting past this ticket's deadline: make it look at the deadlines again.
             self._wake.set()
@@ -349,9 +367,54 @@ class Scheduler:
         return lease if replica is not None else None
 
     async def refresh(self) -> None:
-        """Refresh every replica's load and health once (bounded per replica), then dispatch."""
+        """Refresh every replica's load and health once (bounded per replica), renew the capacity leases,
+        then dispatch."""
         await asyncio.gather(*(r.refresh() for r in self.replicas), return_exceptions=True)
+        await self.renew_leases()
         self.dispatch()
+
+    async def renew_leases(self) -> None:
+        """Renew this process's lease of every replica from the ledger (none: nothing to do), asking for
+        what it holds there plus the work queued for the replica's weights."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        self.settle()
+        renewals = []
+        for replica in self.replicas:
+            queue = self._queues.get(replica.weights_sha256)
+            demand = Capacity(queue.queued_work, len(queue)) if queue is not None else Capacity(0, 0)
+            renewals.append(replica.renew_lease(ledger, self._holder, demand, self._lease_ttl))
+        await asyncio.gather(*renewals)
+
+    def _renew_soon(self) -> None:
+        """A ticket found no room: renew the leases now (once at a time, at most every `refresh_interval` /
+        10), then dispatch what they let in."""
+        if self._ledger is None or (self._renewal is not None and not self._renewal.done()):
+            return
+        now = self._clock()
+        if now - self._renewed_at < self._renewal_gap:
+            return
+        self._renewed_at = now
+
+        async def renew() -> None:
+            try:
+                await self.renew_leases()
+            finally:
+                self.dispatch()
+
+        self._renewal = asyncio.get_running_loop().create_task(renew())
+
+    async def release_leases(self) -> None:
+        """Give every lease back to the ledger (a process that stops), bounded by the ledger's timeout."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        if self._renewal is not None:
+            self._renewal.cancel()
+        for replica in self.replicas:
+            with contextlib.suppress(LedgerUnavailableError):
+                await ledger.release(replica.replica_id, self._holder)
 
     async def run(self) -> None:
         """Until cancelled: refresh replicas every `refresh_interval` seconds, and dispatch when the
