@@ -33,6 +33,7 @@ from gateway.fleet import (
     capacity_ledger,
     lease_holder,
     model_dir,
+    shared_counters,
     start_fleet,
 )
 from gateway.generation import tools as tool_parsers
@@ -420,6 +421,9 @@ def create_app(
             ledger = capacity_ledger(config)
             if ledger is not None:
                 owned.push_async_callback(ledger.close)
+            counters = shared_counters(config)
+            if counters is not None:
+                owned.push_async_callback(counters.close)
             scheduler = Scheduler(
                 replicas,
                 router,
@@ -428,7 +432,11 @@ def create_app(
                 refresh_interval=config.routing.replicas.refresh_interval,
                 ledger=ledger,
                 holder=lease_holder(),
+                counters=counters,
             )
+            if counters is not None:
+                sync = scheduler.run_counter_sync(config.admission.fleet_sync_interval)
+                owned.push_async_callback(_stop, asyncio.create_task(sync))
             # Leases go back before the ledger closes (the exit stack runs last in, first out).
             owned.push_async_callback(scheduler.release_leases)
             # Capacities and health known before the first request; then kept fresh in the background.

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import redis.asyncio
+
 from engines.base import Engine
 from engines.simulated import SimulatorConfig
 from engines.supervisor import SupervisedEngine
@@ -37,6 +39,8 @@ from registry.validation import model_dir_of
 from registry.view import RegistryView, ResolvedModel
 from routing.capacity.base import CapacityLedger
 from routing.capacity.redis import RedisLedger
+from routing.fairness.base import SharedCounters
+from routing.fairness.redis import RedisCounters
 from routing.replicas import Replica, kv_tokens_for_bytes
 
 
@@ -188,14 +192,36 @@ def capacity_ledger(config: Config) -> CapacityLedger | None:
     replicas = config.routing.replicas
     mode = replicas.capacity_ledger
     if mode == "auto":
-        remote = any(spec.kind == "vllm_remote" for spec in config.engines)
         # On a Redis Cluster the ledger needs a server of its own (`capacity_ledger_url`).
         reachable = not config.quota.redis_cluster or replicas.capacity_ledger_url
-        mode = "redis" if remote and config.quota.backend == "redis" and reachable else "none"
+        mode = "redis" if shares_engines(config) and reachable else "none"
     if mode == "none":
         return None
     url = replicas.capacity_ledger_url or config.quota.redis_url
     return RedisLedger(bounded_client(url, config.quota.op_timeout), config.quota.op_timeout)
+
+
+def shares_engines(config: Config) -> bool:
+    """Whether other gateway processes may dispatch to this one's engines and share its Redis: a remote
+    replica and a Redis quota store (what "auto" means for the capacity ledger and fleet fairness)."""
+    remote = any(spec.kind == "vllm_remote" for spec in config.engines)
+    return remote and config.quota.backend == "redis"
+
+
+def shared_counters(config: Config) -> SharedCounters | None:
+    """The fleet's virtual token counters (`routing.fairness`), or None: `admission.fleet_fairness`."""
+    mode = config.admission.fleet_fairness
+    if mode == "auto":
+        mode = "redis" if shares_engines(config) else "none"
+    if mode == "none":
+        return None
+    op_timeout = config.quota.op_timeout
+    if config.quota.redis_cluster:
+        cluster = redis.asyncio.RedisCluster.from_url(
+            config.quota.redis_url, socket_timeout=op_timeout, socket_connect_timeout=op_timeout
+        )
+        return RedisCounters(cluster, op_timeout)
+    return RedisCounters(bounded_client(config.quota.redis_url, op_timeout), op_timeout)
 
 
 def lease_holder() -> str:

@@ -65,6 +65,13 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # without progress: slow readers, a stalled engine). Longer than the longest wait between two finishing
     # requests of a busy engine: a slow engine's long generations may finish many seconds apart.
     service_idle_gap: float = 30.0
+    # Fleet-wide fairness (`routing.fairness`): the tenants' virtual token counters shared by every gateway
+    # process through Redis, synced every `fleet_sync_interval` seconds. "redis": in the quota store's
+    # Redis; "none": each process's fairness is its own; "auto": "redis" when the quota store is Redis and a
+    # replica is remote (gateways that share engines), else "none".
+    fleet_fairness: Literal["auto", "redis", "none"] = "auto"
+    # Seconds between two syncs: the fleet-wide fairness bound grows by the service of this long.
+    fleet_sync_interval: float = 0.1
 
     def __post_init__(self) -> None:
         positive = {
@@ -75,6 +82,7 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             "initial_service_rate": self.initial_service_rate,
             "service_rate_halflife": self.service_rate_halflife,
             "service_idle_gap": self.service_idle_gap,
+            "fleet_sync_interval": self.fleet_sync_interval,
             "max_queued_per_class": self.max_queued_per_class,
             "max_queued_per_tenant": self.max_queued_per_tenant,
         }

@@ -75,6 +75,7 @@ Exceptions::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -87,6 +88,7 @@ from routing.admission_types import (
     TenantShare,
     Ticket,
 )
+from routing.fairness.base import CounterUpdate
 
 T = TypeVar("T")
 Key = tuple[float, int]
@@ -110,6 +112,9 @@ class _IndexedHeap(Generic[T]):
 
     def peek(self) -> tuple[Key, T]:
         return self._items[0]
+
+    def items(self) -> Iterator[tuple[Key, T]]:
+        return iter(self._items)
 
     def push(self, item: T, key: Key) -> None:
         self._items.append((key, item))
@@ -282,6 +287,9 @@ class FairQueue:
         self._vtime = 0.0
         self._seq = 0
         self._expired: list[Ticket] = []
+        # Fleet-wide fairness (`routing.fairness`): counter increments charged here since the last sync, per
+        # tenant; None while the counters are this process's own.
+        self._unsynced: dict[str, float] | None = None
 
     # -- observation -------------------------------------------------------------------------------------
 
@@ -551,8 +559,53 @@ class FairQueue:
         else:
             self._idle.push(state.name, state.key)
 
+    def share_counters(self) -> None:
+        """Keep what is charged here for `sync_updates` from now on (the fleet shares the counters)."""
+        if self._unsynced is None:
+            self._unsynced = {}
+
+    def sync_updates(self) -> list[CounterUpdate]:
+        """What to send the fleet's counters: per tenant charged here since the last call, or active here,
+        the increment and the counter held (`routing.fairness.base`). Starts the next increments from 0."""
+        unsynced, self._unsynced = self._unsynced or {}, {}
+        names = dict.fromkeys([*unsynced, *(name for _, name in self._active.items())])
+        # A tenant forgotten here since it was charged (idle at or below the virtual time) still sends its
+        # increment; its counter here is no floor any more.
+        return [
+            CounterUpdate(name, unsynced.get(name, 0.0), state.counter if state is not None else 0.0)
+            for name in names
+            for state in [self._tenants.get(name)]
+        ]
+
+    def unsent(self, updates: Sequence[CounterUpdate]) -> None:
+        """A sync of `updates` failed: their increments go with the next one."""
+        unsynced = self._unsynced
+        if unsynced is None:
+            return
+        for update in updates:
+            if update.delta:
+                unsynced[update.tenant] = unsynced.get(update.tenant, 0.0) + update.delta
+
+    def apply_synced(self, updates: Sequence[CounterUpdate], counters: Sequence[float]) -> None:
+        """The fleet's counters for the tenants of `updates` (as `sync_updates` made them): each local
+        counter becomes the fleet's plus what was charged here since (never lower than it is)."""
+        unsynced = self._unsynced or {}
+        for update, fleet in zip(updates, counters, strict=True):
+            state = self._tenants.get(update.tenant)
+            if state is None:
+                continue
+            value = fleet + unsynced.get(update.tenant, 0.0)
+            if value > state.counter:
+                self._set_counter(state, value)
+
     def _charge(self, state: _Tenant, cost: float) -> None:
-        state.counter += cost / state.weight
+        step = cost / state.weight
+        if self._unsynced is not None:
+            self._unsynced[state.name] = self._unsynced.get(state.name, 0.0) + step
+        self._set_counter(state, state.counter + step)
+
+    def _set_counter(self, state: _Tenant, value: float) -> None:
+        state.counter = value
         key = state.key
         for klass in CLASSES:
             if state.name in self._classes[klass].tenants:

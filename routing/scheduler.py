@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from routing.admission_types import AdmissionConfig, AdmissionError, Klass, TenantShare, Ticket
 from routing.capacity.base import Capacity, CapacityLedger, LedgerUnavailableError
 from routing.fair_queue import FairQueue
+from routing.fairness.base import CountersUnavailableError, SharedCounters
 from routing.replicas import Replica
 from routing.router import NoHealthyReplicaError, Router, RouteRequest, placed_on, reserve
 
@@ -133,12 +134,15 @@ class Scheduler:
         refresh_interval: float = 1.0,
         ledger: CapacityLedger | None = None,
         holder: str = "",
+        counters: SharedCounters | None = None,
     ) -> None:
         """`ledger`: the capacity ledger shared with other gateway processes (`routing.capacity`), where
         this one (`holder`) renews its lease of each replica at every refresh, and at once when a ticket
         finds no room; None: each replica's whole capacity is this process's (or its load reports say what
-        the others use)."""
+        the others use). `counters`: the fleet's virtual token counters (`routing.fairness`), synced by
+        `sync_counters`; None: each process's fairness is its own."""
         self.replicas = list(replicas)
+        self._counters = counters
         self._ledger = ledger
         self._holder = holder
         # A lease lapses after three refreshes without a renewal (a stopped or partitioned process).
@@ -164,6 +168,8 @@ class Scheduler:
         queue = self._queues.get(weights_sha256)
         if queue is None:
             queue = self._queues[weights_sha256] = FairQueue(self.config)
+            if self._counters is not None:
+                queue.share_counters()
         return queue
 
     def depth(self, klass: Klass | None = None) -> int:
@@ -373,6 +379,36 @@ class Scheduler:
         await self.renew_leases()
         self.dispatch()
 
+    async def sync_counters(self) -> None:
+        """Send the fleet's counters what each fair queue charged since the last sync and take theirs
+        (`routing.fairness`), then dispatch in the order they give. A store that fails keeps the increments
+        for the next sync."""
+        counters = self._counters
+        if counters is None:
+            return
+        self.settle()
+        for weights, queue in list(self._queues.items()):
+            updates = queue.sync_updates()
+            if not updates:
+                continue
+            try:
+                fleet = await counters.sync(weights, updates)
+            except CountersUnavailableError as exc:
+                log.warning("fairness counters not synced: %s", exc)
+                queue.unsent(updates)
+                continue
+            queue.apply_synced(updates, fleet)
+        self.dispatch()
+
+    async def run_counter_sync(self, interval: float) -> None:
+        """Until cancelled: `sync_counters` every `interval` seconds."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sync_counters()
+            except Exception:  # a sync must never stop the loop
+                log.exception("fairness counter sync failed")
+
     async def renew_leases(self) -> None:
         """Renew this process's lease of every replica from the ledger (none: nothing to do), asking for
         what it holds there plus the work queued for the replica's weights."""
@@ -422,7 +458,9 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         next_refresh = loop.time()
         while True:
-            if loop.time() >= next_refresh:
+            # Due within a microsecond counts as due: a wait of a few ulps may end before the clock reads
+            # the time it was set for (a virtual clock then never gets there).
+            if loop.time() >= next_refresh - 1e-6:
                 try:
                     await self.refresh()
                 except Exception:  # a refresh must never stop the loop

@@ -78,6 +78,9 @@ async def measure(
     engine = msgspec.structs.replace(ENGINE, kv_capacity_tokens=args.kv_tokens)
     replicas = await start_replicas(args.replicas, engine, replica)
     dispatcher = make(replicas)
+    start_dispatcher = getattr(dispatcher, "start", None)
+    if start_dispatcher is not None:
+        await start_dispatcher()
     plan = tenants(args.ratio)
     config = ADMISSION
     service = dict.fromkeys(plan, 0.0)
@@ -117,6 +120,9 @@ async def measure(
     for task in [*tasks, sampling]:
         task.cancel()
     await asyncio.gather(*tasks, sampling, return_exceptions=True)
+    close_dispatcher = getattr(dispatcher, "close", None)
+    if close_dispatcher is not None:
+        await close_dispatcher()
     await stop_replicas(replicas)
     gaps = [max(s["service"].values()) - min(s["service"].values()) for s in samples]
     # After the first wave (dispatched at once, before any queue forms) has finished.

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ops.bench import fairness, overload
+import pytest
+
+from ops.bench import fairness, fleet_fairness, overload
 
 
 def test_fairness_quick(tmp_path: Path) -> None:
@@ -74,3 +76,26 @@ def test_at_three_times_capacity_what_cannot_meet_its_deadline_is_refused_at_arr
     assert refused.get("deadline_expired", 0) < 0.05 * sum(refused.values())
     assert point["fair"]["slo_attainment_admitted"] > 0.95
     assert point["fair"]["goodput_per_s"] > 2 * point["fcfs"]["goodput_per_s"]
+
+
+@pytest.mark.parametrize("placement", ["round-robin", "sticky-heavy"])
+def test_two_gateways_sharing_counters_are_fair_as_one(tmp_path: Path, placement: str) -> None:
+    """Virtual time: two gateways in front of two engines, one heavy and three light tenants. With the
+    counters shared, each tenant gets a quarter and the steady gap stays within the fleet bound; each gateway
+    fair on its own is not fair as a fleet; FCFS gives the heavy tenant most."""
+    out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    assert (
+        fleet_fairness.main(["--quick", "--placement", placement, "--json", str(out), "--png", str(png)]) == 0
+    )
+    figures = json.loads(out.read_text())
+    runs = {run["dispatcher"]: run for run in figures["runs"]}
+    fleet, islands, fcfs = runs["fleet"], runs["islands"], runs["fcfs"]
+    assert all(abs(share - 0.25) < 0.02 for share in fleet["share"].values())
+    assert fleet["jain"] > 0.999
+    assert fleet["max_gap_steady"] < figures["bound"]
+    assert islands["jain"] < fleet["jain"]
+    assert islands["max_gap_steady"] > 5 * fleet["max_gap_steady"]
+    assert fcfs["share"]["heavy"] > 0.5
+    # The same throughput: fairness is an order, not a cost.
+    assert fleet["throughput_tokens_per_s"] > 0.95 * fcfs["throughput_tokens_per_s"]
+    assert png.stat().st_size > 0
