@@ -215,6 +215,10 @@ async def routed(
             if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
                 raise
             if scheduler.fail_over(lease) is None:
-                raise
+                # Another replica may have room beyond this process's lease of it (a capacity ledger
+                # shared with other gateways): ask for the lease now, then try once more.
+                await scheduler.renew_leases()
+                if scheduler.fail_over(lease) is None:
+                    raise
         finally:
             await stream.aclose()
