@@ -148,6 +148,9 @@ class Scheduler:
         # A lease lapses after three refreshes without a renewal (a stopped or partitioned process).
         self._lease_ttl = 3 * refresh_interval
         self._renewal: asyncio.Task[None] | None = None
+        # Set whenever room may have appeared (a request ended, leases were renewed, replicas refreshed):
+        # what a failover that found none waits for.
+        self._room = asyncio.Event()
         # At most one renewal on demand per this many seconds (a saturated queue would ask at every arrival).
         self._renewal_gap = refresh_interval / 10
         self._renewed_at = -math.inf
@@ -347,6 +350,7 @@ class Scheduler:
         queue = self.queue(lease.route.weights_sha256)
         queue.finish(lease.ticket.request_id)
         queue.record_service(lease.ticket.prompt_tokens, self._clock())
+        self._room.set()
         self.dispatch()
 
     def fail_over(self, lease: Lease) -> Lease | None:
@@ -372,11 +376,40 @@ class Scheduler:
         # None: nothing to move to; the lease keeps no budget anywhere and release() still finishes it.
         return lease if replica is not None else None
 
+    async def fail_over_waiting(self, lease: Lease) -> Lease | None:
+        """`fail_over`, waiting for room on another healthy replica (a request ending, a lease renewed, a
+        health check) until the request's queue deadline; None past it, or at once when no other healthy
+        replica serves the weights. Before its first token a request may wait as a queued one would: a
+        gateway that has just started holds small capacity leases until the other gateways' shrink."""
+        failed = lease.replica
+        route = lease.route
+        while True:
+            if self.fail_over(lease) is not None:
+                return lease
+            left = lease.ticket.deadline - self._clock()
+            healthy = [
+                r
+                for r in self.replicas
+                if r is not failed
+                and r.routable
+                and r.weights_sha256 == route.weights_sha256
+                and (route.pool is None or r.pool == route.pool)
+            ]
+            if lease._released or left <= 0 or not healthy:  # no room to wait for: the error stands
+                return None
+            self._room.clear()
+            self._renew_soon()
+            try:
+                await asyncio.wait_for(self._room.wait(), left)
+            except TimeoutError:
+                return None
+
     async def refresh(self) -> None:
         """Refresh every replica's load and health once (bounded per replica), renew the capacity leases,
         then dispatch."""
         await asyncio.gather(*(r.refresh() for r in self.replicas), return_exceptions=True)
         await self.renew_leases()
+        self._room.set()
         self.dispatch()
 
     async def sync_counters(self) -> None:
@@ -422,6 +455,7 @@ class Scheduler:
             demand = Capacity(queue.queued_work, len(queue)) if queue is not None else Capacity(0, 0)
             renewals.append(replica.renew_lease(ledger, self._holder, demand, self._lease_ttl))
         await asyncio.gather(*renewals)
+        self._room.set()
 
     def _renew_soon(self) -> None:
         """A ticket found no room: renew the leases now (once at a time, at most every `refresh_interval` /

@@ -214,11 +214,8 @@ async def routed(
                 await replica.judge_failure()
             if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
                 raise
-            if scheduler.fail_over(lease) is None:
-                # Another replica may have room beyond this process's lease of it (a capacity ledger
-                # shared with other gateways): ask for the lease now, then try once more.
-                await scheduler.renew_leases()
-                if scheduler.fail_over(lease) is None:
-                    raise
+            # No other replica with room now: wait for one as a queued request would, until its deadline.
+            if await scheduler.fail_over_waiting(lease) is None:
+                raise
         finally:
             await stream.aclose()

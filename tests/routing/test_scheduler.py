@@ -629,3 +629,26 @@ async def test_a_spread_lease_grows_and_frees_each_choices_replica() -> None:
     assert scheduler.fail_over(lease) is None  # choices of a spread request never move
     lease.release()
     assert [(rep.held_tokens, rep.sequences) for rep in replicas] == [(0, 0), (0, 0)]
+
+
+async def test_a_failover_waits_for_room_on_another_healthy_replica() -> None:
+    scheduler, replicas, _, clock = build(300, 300)
+    lease = await scheduler.admit(ticket("r1", clock), route("r1"))
+    failed = lease.replica
+    other = next(r for r in replicas if r is not failed)
+    filler = await scheduler.admit(ticket("f1", clock, prompt=150), route("f1", prompt=150))
+    assert filler.replica is other  # 210 of its 300 held: no room for r1's 100
+    waiting = asyncio.create_task(scheduler.fail_over_waiting(lease))
+    await settle()
+    assert not waiting.done()
+    filler.release()  # room on the other replica
+    assert await waiting is lease
+    assert lease.replica is other
+    lease.release()
+
+
+async def test_a_failover_with_no_other_healthy_replica_gives_up_at_once() -> None:
+    scheduler, _, _, clock = build(1000)
+    lease = await scheduler.admit(ticket("r1", clock), route("r1"))
+    assert await scheduler.fail_over_waiting(lease) is None
+    lease.release()
