@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from routing.admission_types import AdmissionConfig, AdmissionError, Klass, TenantShare, Ticket
-from routing.capacity.base import Capacity, CapacityLedger, LedgerUnavailableError
+from routing.capacity.base import NOTHING, Capacity, CapacityLedger, LedgerUnavailableError
 from routing.fair_queue import FairQueue
 from routing.fairness.base import CountersUnavailableError, SharedCounters
 from routing.replicas import Replica
@@ -79,7 +79,7 @@ class Lease:
         # on more than one replica (each replica's KV grows with its own choices' output).
         self.unsettled = 0
         self.unsettled_by_choice: list[int] | None = (
-            [0] * len(self.placement) if len(set(self.placement)) > 1 else None
+            [0] * len(self.placement) if any(r is not placement[0] for r in placement) else None
         )
         self._released = False
 
@@ -452,7 +452,7 @@ class Scheduler:
         renewals = []
         for replica in self.replicas:
             queue = self._queues.get(replica.weights_sha256)
-            demand = Capacity(queue.queued_work, len(queue)) if queue is not None else Capacity(0, 0)
+            demand = Capacity(queue.queued_work, len(queue)) if queue is not None else NOTHING
             renewals.append(replica.renew_lease(ledger, self._holder, demand, self._lease_ttl))
         await asyncio.gather(*renewals)
         self._room.set()

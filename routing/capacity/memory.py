@@ -58,7 +58,3 @@ class MemoryLedger:
 
     async def close(self) -> None:
         return None
-
-    def leases(self, replica: str) -> dict[str, Capacity]:
-        """The leases held on `replica` (expired ones included until the next renewal)."""
-        return {name: lease.lease for name, lease in self._replicas.get(replica, {}).items()}

@@ -4,18 +4,15 @@ usage the sum of the choices' own."""
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import msgspec
 import pytest
 
 from engines.simulated import SimulatorConfig
 from gateway.app import create_app
-from gateway.config import EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
-from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, make_config, serving
-from tests.gateway.test_session_affinity import _tracked
+from tests.conftest import MODEL, OutcomeLog, Tenancy, serving
+from tests.gateway.test_session_affinity import _tracked, two_replicas
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -23,13 +20,7 @@ async def test_two_choices_run_one_on_each_idle_replica(
     renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy, stream: bool
 ) -> None:
     simulator = SimulatorConfig(decode_step_s=0.001, decode_step_s_per_seq=0.0)
-    config = msgspec.structs.replace(
-        make_config(),
-        storage=StorageConfig(sqlite_path=str(SESSION_DIR / f"spread-{uuid.uuid4().hex}.sqlite3")),
-        engines=[ReplicaSpec(kind="simulated") for _ in range(2)],
-        engine=EngineConfig(kind="simulated", simulator=simulator),
-    )
-    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+    app = create_app(two_replicas(simulator), renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with (
         serving(app) as url,
         httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,

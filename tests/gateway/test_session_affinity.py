@@ -17,7 +17,7 @@ import msgspec
 from engines.base import EngineDelta, EngineRequest
 from engines.simulated import SimulatorConfig
 from gateway.app import create_app
-from gateway.config import EngineConfig, ReplicaSpec, StorageConfig
+from gateway.config import Config, EngineConfig, ReplicaSpec, StorageConfig
 from gateway.generation.prompts import PromptRenderer
 from tests.conftest import MODEL, SESSION_DIR, OutcomeLog, Tenancy, make_config, serving
 from tests.gateway.test_admission_http import DeadEngine
@@ -39,18 +39,21 @@ def _tracked(replica: Any, served: list[str]) -> None:
     engine.generate = counted
 
 
-async def test_a_sessions_steps_stay_on_the_replica_with_its_prefix_and_go_on_when_it_dies(
-    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
-) -> None:
-    base = make_config()
-    simulator = SimulatorConfig(decode_step_s=0.001, decode_step_s_per_seq=0.0, prefix_cache_block=BLOCK)
-    config = msgspec.structs.replace(
-        base,
-        storage=StorageConfig(sqlite_path=str(SESSION_DIR / f"affinity-{uuid.uuid4().hex}.sqlite3")),
+def two_replicas(simulator: SimulatorConfig) -> Config:
+    """A test config with two simulated replicas of `simulator` and a registry database of its own."""
+    return msgspec.structs.replace(
+        make_config(),
+        storage=StorageConfig(sqlite_path=str(SESSION_DIR / f"fleet-{uuid.uuid4().hex}.sqlite3")),
         engines=[ReplicaSpec(kind="simulated") for _ in range(2)],
         engine=EngineConfig(kind="simulated", simulator=simulator),
     )
-    app = create_app(config, renderer=renderer, tenants=tenancy.store, sink=outcomes)
+
+
+async def test_a_sessions_steps_stay_on_the_replica_with_its_prefix_and_go_on_when_it_dies(
+    renderer: PromptRenderer, outcomes: OutcomeLog, tenancy: Tenancy
+) -> None:
+    simulator = SimulatorConfig(decode_step_s=0.001, decode_step_s_per_seq=0.0, prefix_cache_block=BLOCK)
+    app = create_app(two_replicas(simulator), renderer=renderer, tenants=tenancy.store, sink=outcomes)
     async with (
         serving(app) as url,
         httpx.AsyncClient(base_url=url, headers=tenancy.consumer_headers, timeout=60) as http,
