@@ -42,6 +42,10 @@ class EngineDeadError(EngineError):
     """The engine has died; it serves nothing until replaced."""
 
 
+class EngineDrainingError(EngineDeadError):
+    """The engine refused a new request because it is shutting down: it finishes what it runs, then exits."""
+
+
 class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
     """Constrained decoding: the output must be JSON (`json_object`) or JSON valid against `schema`
     (`json_schema`, the schema as canonical JSON text). Engines enforce it while decoding (vLLM's structured

@@ -12,9 +12,13 @@ server has no such field; the gateway enforces deadlines by closing the stream. 
 many sequences it runs at once: `RemoteEngineConfig.max_num_seqs`, its `--max-num-seqs`, is reported in the
 load (`EngineLoad.max_running`) so that requests beyond it wait in the gateway's fair queue.
 
-Errors map onto `engines.base`: unreachable replica (refused, reset, cut mid-stream) -> `EngineDeadError`
-with `retry_after`; HTTP 429/503 or a full connection pool -> `EngineOverloadedError`; any other refusal
-(400, other 4xx, 5xx), an error event in the stream, or a stall past a timeout -> `EngineRequestError`.
+Errors map onto `engines.base`: unreachable replica (refused, reset, cut mid-stream, a stream ended
+after some tokens without a finish, no response status line within `response_timeout`) or a server error
+(5xx but 503) -> `EngineDeadError` with `retry_after`; a stream ended with no token and no finish (what a
+replica draining on SIGTERM answers a new request) -> `EngineDrainingError`, an `EngineDeadError` that keeps
+the replica out of routing until it has left (`Replica.judge_failure`); HTTP 429/503 or a full connection
+pool -> `EngineOverloadedError`; any other refusal (400, other 4xx), an error event in the stream, or a
+stall past a timeout -> `EngineRequestError`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import msgspec
 from engines.base import (
     EngineDeadError,
     EngineDelta,
+    EngineDrainingError,
     EngineLoad,
     EngineOverloadedError,
     EngineRequest,
@@ -219,6 +224,10 @@ class VllmRemoteEngine:
             retry = response.headers.get("retry-after", "")
             after = float(retry) if retry.replace(".", "", 1).isdigit() else self.config.retry_after
             raise EngineOverloadedError(message, retry_after=after)
+        if response.status_code >= 500:
+            # The server failed, not the request (vLLM answers a bad request with 400): e.g. a replica
+            # draining on SIGTERM refuses new work with 500. Failed over before a first token.
+            raise EngineDeadError(message, retry_after=self.config.retry_after)
         raise EngineRequestError(message)
 
     async def _events(
@@ -229,16 +238,17 @@ class VllmRemoteEngine:
         c = self.config
         async with self._errors_mapped():
             # Reads are bounded below by the first-token and between-token timeouts, not by httpx.
-            timeout = httpx.Timeout(None, connect=c.connect_timeout, pool=c.first_token_timeout)
+            timeout = httpx.Timeout(None, connect=c.connect_timeout, pool=c.response_timeout)
             request = self.client.build_request(
                 "POST", "/v1/completions", content=ENCODE.encode(body), headers=headers, timeout=timeout
             )
             try:
-                async with asyncio.timeout(c.first_token_timeout):
+                async with asyncio.timeout(c.response_timeout):
                     response = await self.client.send(request, stream=True)
             except TimeoutError:
-                raise EngineRequestError(
-                    f"{self.replica_id}: no answer in {c.first_token_timeout} s"
+                raise EngineDeadError(
+                    f"{self.replica_id}: no response in {c.response_timeout} s",
+                    retry_after=c.retry_after,
                 ) from None
             try:
                 if response.status_code >= 400:
@@ -296,8 +306,18 @@ class VllmRemoteEngine:
                         yield self._delta(choice, req.sampling.logprobs)
         finally:
             await events.aclose()
+        if final is None and not completion_tokens:
+            # What a replica told to stop (SIGTERM, `--shutdown-timeout`) answers a new request while it
+            # drains: a stream with no token in it, ended at once or when the drain is over.
+            raise EngineDrainingError(
+                f"{self.replica_id} refused the request: it is shutting down",
+                retry_after=self.config.retry_after,
+            )
         if final is None:
-            raise EngineRequestError(f"{self.replica_id} ended the stream without finishing the request")
+            raise EngineDeadError(
+                f"{self.replica_id} ended the stream without finishing the request",
+                retry_after=self.config.retry_after,
+            )
         if final.finish_reason == "error":
             raise EngineRequestError(f"{self.replica_id} failed the request")
         completion_tokens += len(final.token_ids or ())

@@ -21,12 +21,17 @@ class RemoteEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     served_model: str
     max_model_len: int
     connect_timeout: float = 5.0
+    # Request sent -> the response's status line (vLLM answers a stream's before it queues the request; a
+    # free connection is waited for within it too). Past it the replica counts as failed, and the request
+    # fails over before its first token: a server tearing down after a drain takes requests and never
+    # answers them.
+    response_timeout: float = 10.0
     # Request sent -> first stream event: queueing plus a whole prefill (up to max_model_len on a slow CPU).
     first_token_timeout: float = 60.0
     # Longest gap between two stream events once the stream has begun; past it the request fails.
     token_timeout: float = 30.0
     # Connections kept to the replica: the most requests in flight there at once; more wait for a free
-    # connection up to first_token_timeout, then fail as overloaded.
+    # connection up to response_timeout, then fail as overloaded.
     pool_size: int = 64
     metrics_interval: float = 1.0
     # start(): the longest to wait for /health (a CPU server takes 30-40 s to load).

@@ -37,6 +37,11 @@ class ReplicaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Consecutive failed health checks or fatal errors (EngineDeadError) that take a replica out, and the
     # seconds it stays out before one trial request or health probe may test it.
     breaker: BreakerPolicy = msgspec.field(default_factory=_replica_breaker)
+    # Seconds a replica that refused a request for shutting down (EngineDrainingError: a vLLM server told to
+    # stop drains what it runs and refuses the rest) stays out of routing, unless a health check fails first
+    # (the process has left; the breaker and health checks take over until its successor answers). vLLM's
+    # /health still answers 200 while it drains and tears down, and a request sent in its teardown hangs.
+    drain_hold: _Pos = 120.0
     # Seconds between two `Replica.refresh()` calls (load and health) made by the replica's owner.
     refresh_interval: _Pos = 1.0
     # Seconds one refresh may take (health and load together); a slower engine counts as a failed check.

@@ -47,7 +47,7 @@ class ReplicaScorer:
             )
         except Exception as exc:
             if is_replica_failure(exc):  # as a generation request's failure before its first token
-                await replica.judge_failure()
+                await replica.judge_failure(exc)
             raise
         finally:
             self._calls[replica.replica_id] -= 1

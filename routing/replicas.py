@@ -55,7 +55,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from engines.base import Engine, EngineError, EngineLoad
+from engines.base import Engine, EngineDrainingError, EngineError, EngineLoad
 from engines.breaker import BreakerState, CircuitBreaker, CircuitOpenError
 from registry.view import ResolvedModel
 from routing.capacity.base import Capacity, CapacityLedger, LedgerUnavailableError
@@ -164,6 +164,8 @@ class Replica:
         # until the grant is back (the ledger grants the others room on that figure).
         self._renewing: Capacity | None = None
         self._clock = clock
+        # Out of routing until then: the engine refused work for shutting down (`judge_failure`).
+        self._draining_until = 0.0
 
     @property
     def replica_id(self) -> str:
@@ -398,6 +400,7 @@ class Replica:
         # What a failed check may raise: the engine's own errors, our timeout, a broken connection.
         except (EngineError, TimeoutError, OSError) as exc:
             self.health_ready, self.health_detail = False, f"{type(exc).__name__}: {exc}"
+            self._draining_until = 0.0  # a draining engine has left: its successor is judged afresh
             log.warning("replica %s: check failed: %s", self.replica_id, self.health_detail)
             self.record_failure()
             return
@@ -417,11 +420,29 @@ class Replica:
         else:
             self.record_failure()
 
-    async def judge_failure(self) -> None:
-        """The replica failed a request before its first token (or a guard call): ask its health now. One
-        that says it is not ready (an engine restarting) is out of routing until it is ready again; one that
-        says it is ready but fails requests counts a failure toward its circuit breaker. (A death mid-stream
-        is one event for all its streams: the supervisor and the next health check deal with it.)"""
+    @property
+    def refresh_interval(self) -> float:
+        """Seconds between two refreshes of this replica by its owner (`ReplicaConfig.refresh_interval`)."""
+        return self._config.refresh_interval
+
+    @property
+    def draining(self) -> bool:
+        """Whether the engine refused work for shutting down within `drain_hold` seconds (and no health check
+        failed since)."""
+        return self._clock() < self._draining_until
+
+    async def judge_failure(self, exc: BaseException | None = None) -> None:
+        """The replica failed a request before its first token (or a guard call) with `exc`. One that refused
+        it for shutting down (EngineDrainingError) is out of routing for `drain_hold` seconds, or until a
+        health check fails (its process has left). Otherwise ask its health now: one that says it is not
+        ready (an engine restarting) is out of routing until it is ready again; one that says it is ready
+        but fails requests counts a failure toward its circuit breaker. (A death mid-stream is one event for
+        all its streams: the supervisor and the next health check deal with it.)"""
+        if isinstance(exc, EngineDrainingError):
+            if not self.draining:
+                log.warning("replica %s: shutting down, out of routing until it has left", self.replica_id)
+            self._draining_until = self._clock() + self._config.drain_hold
+            return
         try:
             await self.refresh()
         except Exception:  # the original failure is what the caller reports; this one only counts against it
@@ -455,9 +476,9 @@ class Replica:
 
     @property
     def routable(self) -> bool:
-        """Whether the router may send a request here now: ready at the last check, and the breaker closed
-        or half-open with its trial slot free."""
-        if not self.health_ready:
+        """Whether the router may send a request here now: ready at the last check, not draining, and the
+        breaker closed or half-open with its trial slot free."""
+        if not self.health_ready or self.draining:
             return False
         state = self.breaker.state
         return state == "closed" or (state == "half_open" and self._trial is None)

@@ -211,7 +211,7 @@ async def routed(
             return
         except Exception as exc:
             if is_replica_failure(exc) and not started:
-                await replica.judge_failure()
+                await replica.judge_failure(exc)
             if not (fail_over and may_fail_over(exc, first_token_sent=started, attempt=lease.attempts)):
                 raise
             # No other replica with room now: wait for one as a queued request would, until its deadline.

@@ -22,7 +22,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
@@ -32,7 +32,7 @@ from engines.host import detect_dtype
 from engines.vllm_local import offline_environment
 from gateway.config import load_config
 from ops.deploy import secrets
-from ops.deploy.vllm_server import server_flags
+from ops.deploy.vllm_server import SHUTDOWN_TIMEOUT, server_flags
 
 BASE = Path(__file__).resolve().parent / "kubernetes" / "base" / "lockgate.toml"
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -60,14 +60,19 @@ class Child:
                 *self.argv, env=self.env, stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True
             )
 
-    async def stop(self, grace: float = 60.0) -> None:
-        """SIGTERM (a gateway drains), then SIGKILL after `grace` seconds; its whole group either way."""
+    async def stop(self, grace: float = 60.0, *, group: bool = True) -> None:
+        """SIGTERM (a gateway drains), then SIGKILL after `grace` seconds; its whole group either way.
+        `group=False` sends the SIGTERM to the leader alone, as a kubelet does to a container's first process
+        (a vLLM server then drains; its engine process, signalled directly, would abort what it runs)."""
         proc = self.proc
         if proc is None:
             return
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                if group:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                else:
+                    proc.send_signal(signal.SIGTERM)
             try:
                 async with asyncio.timeout(grace):
                     await proc.wait()
@@ -92,10 +97,13 @@ class LocalFleet:
         postgres_dsn: str = DEFAULT_DSN,
         data_dir: str | None = None,
         extra_env: dict[str, str] | None = None,
+        engine_command: Callable[[int, int], list[str]] | None = None,
     ) -> None:
-        """`extra_env`: more LOCKGATE_* overrides for every gateway (a test's)."""
+        """`extra_env`: more LOCKGATE_* overrides for every gateway (a test's); `engine_command`: the argv of
+        engine `index` on `port` in place of a vLLM server (a test's stand-in, which must answer /health)."""
         self.dir = directory
         self.extra_env = dict(extra_env or {})
+        self.engine_command = engine_command
         self.postgres_dsn = postgres_dsn
         self.schema = f"lockgate_local_{uuid.uuid4().hex[:12]}"
         self.data_dir = data_dir or load_config(env={}).model.data_dir
@@ -165,10 +173,12 @@ class LocalFleet:
             await engine.start()
         await asyncio.gather(*(self.wait_engine(i) for i in range(len(self.engines))))
         self.gateways = [self._gateway(i) for i in range(len(self.gateway_ports))]
-        # One at a time: the first start migrates the fresh schema.
-        for i, gateway in enumerate(self.gateways):
+        # The first alone: its start migrates the fresh schema; then the others at once.
+        await self.gateways[0].start()
+        await self.wait_gateway(0)
+        for gateway in self.gateways[1:]:
             await gateway.start()
-            await self.wait_gateway(i)
+        await asyncio.gather(*(self.wait_gateway(i) for i in range(1, len(self.gateways))))
 
     async def stop(self) -> None:
         """Stop the gateways (draining), the engines, Redis; drop the schema."""
@@ -191,7 +201,9 @@ class LocalFleet:
         await self.wait_gateway(index)
 
     async def stop_engine(self, index: int) -> None:
-        await self.engines[index].stop(grace=30.0)
+        """Stop engine `index` as a rollout does: it finishes what it runs (`SHUTDOWN_TIMEOUT`), refusing
+        new requests meanwhile (the gateways fail those over), then exits."""
+        await self.engines[index].stop(grace=SHUTDOWN_TIMEOUT + 15.0, group=False)
 
     async def start_engine(self, index: int) -> None:
         await self.engines[index].start()
@@ -237,6 +249,11 @@ class LocalFleet:
         self.config_path.write_text(text, encoding="utf-8")
 
     def _engine(self, index: int) -> Child:
+        log = self.dir / f"engine-{index}.log"
+        if self.engine_command is not None:
+            return Child(
+                f"engine-{index}", self.engine_command(index, self.engine_ports[index]), {**os.environ}, log
+            )
         config = load_config(self.config_path, env=self.gateway_env(0))
         spec = config.engines[index]
         remote = spec.remote
@@ -258,7 +275,7 @@ class LocalFleet:
             ),
         ]
         env = {**os.environ, **offline_environment(Path(self.data_dir))}
-        return Child(f"engine-{index}", argv, env, self.dir / f"engine-{index}.log")
+        return Child(f"engine-{index}", argv, env, log)
 
     def _gateway(self, index: int) -> Child:
         argv = [sys.executable, "-m", "gateway.cli", "--config", str(self.config_path), "serve"]

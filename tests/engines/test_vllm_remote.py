@@ -17,6 +17,7 @@ import uvicorn
 
 from engines.base import (
     EngineDeadError,
+    EngineDrainingError,
     EngineOverloadedError,
     EngineRequest,
     EngineRequestError,
@@ -25,6 +26,7 @@ from engines.base import (
 )
 from engines.vllm_remote import RemoteEngineConfig, VllmRemoteEngine, parse_metrics
 from tests.conftest import free_port
+from tests.fake_vllm_server import read_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -81,6 +83,8 @@ class FakeVllm:
     # Seconds between events; after `stall_after` events the stream stops sending until the client leaves.
     interval: float = 0.0
     stall_after: int | None = None
+    # False: take the request and never answer, not even its status line (a vLLM tearing down after a drain).
+    responds: bool = True
     models: list[str] = field(default_factory=lambda: ["m"])
     healthy: bool = True
     metrics: str = METRICS
@@ -93,12 +97,7 @@ class FakeVllm:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_body(receive)
         path = scope["path"]
         if path == "/health":
             await self._answer(send, 200 if self.healthy else 503, b"")
@@ -131,6 +130,9 @@ class FakeVllm:
                 self.disconnected.set()
 
         watcher = asyncio.create_task(watch())
+        if not self.responds:
+            await self.disconnected.wait()
+            return
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         self.streaming.set()
@@ -296,7 +298,8 @@ async def test_http_errors_map_onto_engine_errors() -> None:
     cases: list[tuple[int, type[Exception]]] = [
         (400, EngineRequestError),
         (404, EngineRequestError),
-        (500, EngineRequestError),
+        (500, EngineDeadError),  # a server error: the replica's fault (a draining vLLM answers 500)
+        (502, EngineDeadError),
         (503, EngineOverloadedError),
         (429, EngineOverloadedError),
     ]
@@ -310,6 +313,22 @@ async def test_http_errors_map_onto_engine_errors() -> None:
             assert "bad prompt" in str(caught.value)
         if error is EngineOverloadedError:
             assert caught.value.retry_after == 7.0  # type: ignore[attr-defined]
+
+
+async def test_a_stream_ended_without_a_finish_is_the_replicas_failure() -> None:
+    # What a vLLM draining on SIGTERM sends a request it refuses: a stream with no token, ended at once or
+    # when its drain is over.
+    for events in ([], [_event([], {"prompt_tokens": 3, "completion_tokens": 0})]):
+        fake = FakeVllm(events=[*events, b"data: [DONE]\n\n"])
+        async with _engine(fake) as engine:
+            with pytest.raises(EngineDrainingError, match="shutting down"):
+                [_ async for _ in engine.generate(_request())]
+    # Cut after some output: the replica failed (not a drain).
+    fake = FakeVllm(events=[_event([_token(10, "a")]), b"data: [DONE]\n\n"])
+    async with _engine(fake) as engine:
+        with pytest.raises(EngineDeadError, match="without finishing") as caught:
+            [_ async for _ in engine.generate(_request())]
+        assert not isinstance(caught.value, EngineDrainingError)
 
 
 async def test_an_error_event_in_the_stream_fails_the_request() -> None:
@@ -372,6 +391,16 @@ async def test_no_first_token_within_its_timeout_fails_the_request() -> None:
     async with _engine(fake, first_token_timeout=0.2) as engine:
         with pytest.raises(EngineRequestError, match="stalled"):
             [_ async for _ in engine.generate(_request())]
+
+
+async def test_a_replica_that_takes_a_request_and_never_answers_is_failed_over() -> None:
+    fake = FakeVllm(responds=False)
+    async with _engine(fake, response_timeout=0.2) as engine:
+        with pytest.raises(EngineDeadError, match=r"no response in 0\.2 s"):
+            [_ async for _ in engine.generate(_request())]
+        async with asyncio.timeout(5):
+            await fake.disconnected.wait()  # the request is given up, its connection closed
+        assert engine.in_flight == 0
 
 
 async def test_closing_the_stream_closes_the_upstream_connection() -> None:

@@ -168,6 +168,11 @@ def test_the_engines_run_the_remote_engines_contract(rendered: list[Doc], config
         assert not missing, f"the vllm StatefulSet lacks {missing}"
         assert f"--model={Path(config.model.data_dir) / remote.served_model}" in args
     assert any(a.startswith("--dtype=") for a in args)
+    # A replica told to stop drains its requests for --shutdown-timeout seconds, then tears down: all
+    # before the kubelet's SIGKILL.
+    drain = int(next(a for a in args if a.startswith("--shutdown-timeout=")).split("=", 1)[1])
+    assert drain > 0
+    assert vllm["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 10
 
 
 def probe_path(c: Mapping[str, Any], probe: str) -> str:

@@ -11,7 +11,16 @@ from collections.abc import AsyncGenerator, Sequence
 import msgspec
 import pytest
 
-from engines.base import Engine, EngineDeadError, EngineDelta, EngineLoad, EngineRequest, Health, Usage
+from engines.base import (
+    Engine,
+    EngineDeadError,
+    EngineDelta,
+    EngineDrainingError,
+    EngineLoad,
+    EngineRequest,
+    Health,
+    Usage,
+)
 from engines.breaker import BreakerPolicy
 from routing.config import ReplicaConfig
 from routing.replicas import Replica, ReplicaUnavailableError, kv_tokens_for_bytes
@@ -528,3 +537,36 @@ async def test_a_cancelled_probe_does_not_hold_the_trial_slot() -> None:
     engine.hang = False
     await replica.refresh()
     assert state(replica) == "closed"
+
+
+async def test_a_replica_that_refused_work_for_shutting_down_is_out_until_it_has_left() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.refresh()
+    # A vLLM told to stop answers new requests with an empty stream while /health still says ready (and a
+    # request sent in its teardown would hang): out of routing, whatever the health checks say.
+    await replica.judge_failure(EngineDrainingError("shutting down"))
+    assert replica.draining
+    assert not replica.routable
+    for _ in range(5):
+        clock.now += 1.0
+        await replica.refresh()
+        assert not replica.routable
+    assert state(replica) == "closed"  # a drain is not a fault: nothing counts toward the breaker
+    # The process has left: the checks fail, and its successor is judged by the health checks afresh.
+    engine.raise_on_check = EngineDeadError("connection refused")
+    await replica.refresh()
+    assert not replica.draining
+    engine.raise_on_check = None
+    await replica.refresh()
+    assert replica.routable
+
+
+async def test_a_drain_that_never_ends_lapses_after_its_hold() -> None:
+    clock, engine = FakeClock(), FakeEngine("a")
+    replica = make_replica(engine, clock)
+    await replica.judge_failure(EngineDrainingError("shutting down"))
+    clock.now += CONFIG.drain_hold - 1
+    assert not replica.routable
+    clock.now += 2
+    assert replica.routable  # a refusal that was no drain (or a drain that stalled) does not ban it for good

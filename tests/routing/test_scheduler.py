@@ -647,6 +647,24 @@ async def test_a_failover_waits_for_room_on_another_healthy_replica() -> None:
     lease.release()
 
 
+async def test_a_failover_past_its_deadline_still_waits_a_refresh_for_room() -> None:
+    # A replica that hung before it failed (a vLLM tearing down) may fail a request after its queue deadline:
+    # the request may still wait for the room a lease renewal or a health check makes elsewhere.
+    scheduler, replicas, _, clock = build(300, 300)
+    lease = await scheduler.admit(ticket("r1", clock, deadline=5.0), route("r1"))
+    other = next(r for r in replicas if r is not lease.replica)
+    filler = await scheduler.admit(ticket("f1", clock, prompt=150), route("f1", prompt=150))
+    assert filler.replica is other
+    clock.now += 30.0  # long past r1's deadline
+    waiting = asyncio.create_task(scheduler.fail_over_waiting(lease))
+    await settle()
+    assert not waiting.done()
+    filler.release()
+    assert await waiting is lease
+    assert lease.replica is other
+    lease.release()
+
+
 async def test_a_failover_with_no_other_healthy_replica_gives_up_at_once() -> None:
     scheduler, _, _, clock = build(1000)
     lease = await scheduler.admit(ticket("r1", clock), route("r1"))
