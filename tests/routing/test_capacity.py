@@ -180,7 +180,10 @@ async def test_four_gateways_on_one_engine_never_hold_more_than_its_budget(ledge
     await engine.shutdown()
 
 
-def _fleet(*, quota: str, remote: bool, cluster: bool = False, mode: str = "auto", url: str = "") -> Config:
+def fleet_config(
+    *, quota: str, remote: bool, cluster: bool = False, mode: str = "auto", url: str = ""
+) -> Config:
+    """The test config with one engine (remote or simulated), the quota store and capacity ledger given."""
     engines = [
         ReplicaSpec(
             kind="vllm_remote" if remote else "simulated",
@@ -200,15 +203,15 @@ def _fleet(*, quota: str, remote: bool, cluster: bool = False, mode: str = "auto
 
 
 async def test_the_ledger_is_redis_where_gateways_may_share_an_engine() -> None:
-    shared = capacity_ledger(_fleet(quota="redis", remote=True))
+    shared = capacity_ledger(fleet_config(quota="redis", remote=True))
     assert isinstance(shared, RedisLedger)
     await shared.close()
     # Each process its own engine, or quotas in one process: nobody to share with.
-    assert capacity_ledger(_fleet(quota="redis", remote=False)) is None
-    assert capacity_ledger(_fleet(quota="memory", remote=True)) is None
-    assert capacity_ledger(_fleet(quota="redis", remote=True, mode="none")) is None
+    assert capacity_ledger(fleet_config(quota="redis", remote=False)) is None
+    assert capacity_ledger(fleet_config(quota="memory", remote=True)) is None
+    assert capacity_ledger(fleet_config(quota="redis", remote=True, mode="none")) is None
     # A Redis Cluster needs a server of the ledger's own.
-    assert capacity_ledger(_fleet(quota="redis", remote=True, cluster=True)) is None
+    assert capacity_ledger(fleet_config(quota="redis", remote=True, cluster=True)) is None
     cluster_ledger = {
         "LOCKGATE_QUOTA__BACKEND": "redis",
         "LOCKGATE_QUOTA__REDIS_CLUSTER": "true",
@@ -217,6 +220,6 @@ async def test_the_ledger_is_redis_where_gateways_may_share_an_engine() -> None:
     with pytest.raises(ConfigError, match="capacity_ledger_url"):
         load_config(env=cluster_ledger)
     load_config(env={**cluster_ledger, "LOCKGATE_ROUTING__REPLICAS__CAPACITY_LEDGER_URL": REDIS_URL})
-    named = capacity_ledger(_fleet(quota="redis", remote=True, cluster=True, url=REDIS_URL))
+    named = capacity_ledger(fleet_config(quota="redis", remote=True, cluster=True, url=REDIS_URL))
     assert isinstance(named, RedisLedger)
     await named.close()

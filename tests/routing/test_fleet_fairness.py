@@ -1,33 +1,52 @@
-"""Fleet-wide fairness (`routing.fairness`): the shared counters' contract on memory and Redis, and two fair
-queues (two gateway processes) that share them: a tenant served at one gateway waits behind the others at
-the other."""
+"""Fleet-wide fairness (`routing.fairness`): the shared counters' contract on memory, Redis and a Redis
+Cluster (each tenant's hash on the node of its slot), and two fair queues (two gateway processes) that share
+them: a tenant served at one gateway waits behind the others at the other."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import msgspec
 import pytest
 import redis.asyncio
 
+from gateway.fleet import shared_counters
 from routing.fair_queue import FairQueue
 from routing.fairness.base import CounterUpdate, SharedCounters
 from routing.fairness.memory import MemoryCounters
 from routing.fairness.redis import RedisCounters, counters_key
 from tests.backends import REDIS_URL
+from tests.redis_servers import redis_cluster
+from tests.routing.test_capacity import fleet_config
 from tests.routing.test_fair_queue import config, ticket
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def counters(request: pytest.FixtureRequest) -> AsyncIterator[SharedCounters]:
+@pytest.fixture(params=["memory", "redis", "redis_cluster"])
+async def counters(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SharedCounters]:
     if request.param == "memory":
         yield MemoryCounters()
         return
-    store = RedisCounters(redis.asyncio.Redis.from_url(REDIS_URL), op_timeout=2.0)
-    try:
-        yield store
-    finally:
-        await store.close()
+    if request.param == "redis":
+        store = RedisCounters(redis.asyncio.Redis.from_url(REDIS_URL), op_timeout=2.0)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    async with redis_cluster(tmp_path) as nodes:
+        # As a gateway builds them: the quota store's cluster, one call per tenant routed by its key.
+        config = fleet_config(quota="redis", remote=True, cluster=True, url=nodes[0].url)
+        config = msgspec.structs.replace(
+            config, quota=msgspec.structs.replace(config.quota, redis_url=nodes[0].url, op_timeout=5.0)
+        )
+        clustered = shared_counters(config)
+        assert isinstance(clustered, RedisCounters)
+        try:
+            yield clustered
+        finally:
+            await clustered.close()
 
 
 def fresh() -> str:
