@@ -379,9 +379,9 @@ class Scheduler:
     async def fail_over_waiting(self, lease: Lease) -> Lease | None:
         """`fail_over`, waiting for room on another healthy replica (a request ending, a lease renewed, a
         health check) until the request's queue deadline, or two refresh intervals if that is later; None
-        past it, or at once when no other healthy
-        replica serves the weights. Before its first token a request may wait as a queued one would: a
-        gateway that has just started holds small capacity leases until the other gateways' shrink."""
+        past it, or at once when no other healthy replica serves the weights. Before its first token a
+        request may wait as a queued one would: a gateway that has just started holds small capacity leases
+        until the other gateways' shrink."""
         failed = lease.replica
         route = lease.route
         # However late the failure came (a replica that hung before failing), a request may wait for one
