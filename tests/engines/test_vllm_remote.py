@@ -528,3 +528,46 @@ async def test_a_real_server_takes_priority_and_cache_salt(vllm_remote: VllmRemo
     assert deltas[-1].finish_reason == "length"
     assert deltas[-1].usage is not None
     assert deltas[-1].usage.completion_tokens == 2
+
+
+# What a client can shape (sampling fields, stop strings, schemas) must never look like a draining replica (a
+# stream with no token and no finish): that takes the replica out of routing for every tenant. Each request
+# below either finishes (possibly with no text) or fails as the request's own error.
+EOS = 2  # SmolLM2's <|im_end|>
+_CLIENT_SHAPES = {
+    "one_token": SamplingSpec(max_tokens=1, temperature=0.0),
+    "eos_forced_first": SamplingSpec(max_tokens=8, temperature=0.0, logit_bias=((EOS, 100.0),)),
+    "min_tokens_at_max": SamplingSpec(max_tokens=3, min_tokens=3, temperature=0.0),
+    # The first greedy token of both prompts below is "k" or "-": a stop hit at once, nothing streamed.
+    "stop_on_the_first_token": SamplingSpec(max_tokens=8, temperature=0.0, stop=("k", "-", " ", "\n")),
+    "empty_stop_string": SamplingSpec(max_tokens=8, temperature=1.0, seed=7, stop=("",), top_k=1),
+    "impossible_schema": SamplingSpec(
+        max_tokens=8,
+        temperature=0.0,
+        constraint=OutputConstraint(
+            kind="json_schema", schema='{"type": "string", "minLength": 3, "maxLength": 1}'
+        ),
+    ),
+    "empty_enum": SamplingSpec(
+        max_tokens=8, temperature=0.0, constraint=OutputConstraint(kind="json_schema", schema='{"enum": []}')
+    ),
+    "every_logprob": SamplingSpec(max_tokens=2, temperature=2.0, top_p=0.01, logprobs=20, min_p=1.0),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_CLIENT_SHAPES))
+async def test_no_client_shaped_request_makes_a_real_replica_look_like_it_is_draining(
+    vllm_remote: VllmRemoteEngine, shape: str
+) -> None:
+    prompts = {"eos_prompt": (EOS,) * 4, "plain": tuple(range(300, 320))}
+    for name, prompt in prompts.items():
+        req = EngineRequest(
+            request_id=f"shape-{shape}-{name}", prompt_token_ids=prompt, sampling=_CLIENT_SHAPES[shape]
+        )
+        try:
+            deltas = [d async for d in vllm_remote.generate(req)]
+        except EngineDeadError as exc:
+            pytest.fail(f"{shape}/{name}: a client-shaped request failed as the replica's failure: {exc!r}")
+        except EngineRequestError:
+            continue  # the request's own error (vLLM's 400): no mark on the replica
+        assert deltas[-1].finish_reason is not None, (shape, name)
