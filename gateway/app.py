@@ -501,7 +501,7 @@ def create_app(
                 owned.push_async_callback(sessions.store.aclose)
             days = config.audit.content_retention_days
             retention = run_retention(
-                audit_store, store, clock, days, config.audit.purge_interval, spool=writer
+                audit_store, store, clock, days, config.audit.purge_interval, spool=writer, evidence=appeals
             )
             owned.push_async_callback(_stop, asyncio.create_task(retention))
             recording, recording_durably = _recording(writer, guard_sink)

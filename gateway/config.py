@@ -341,6 +341,9 @@ class AppealsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # a tenant's reviewers, who still read the queue, take flagged decisions up and move appeals into
     # review). Off: a tenant's reviewers decide their own tenant's appeals.
     operator_reviewers_only: bool = False
+    # Days the content a consumer shares with an appeal (`POST /v1/appeals` `share_content` or `content`) is
+    # kept, whatever the tenant's audit retention: the review's evidence, deleted by the retention pass.
+    evidence_retention_days: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -345,3 +345,9 @@ def test_quota_leases_are_off_unless_their_table_is_given(tmp_path: Path) -> Non
 )
 def test_bad_lease_settings_name_the_field(field: str, value: str, named: str) -> None:
     assert named in config_error(None, {f"LOCKGATE_QUOTA__LEASE__{field.upper()}": value})
+
+
+@pytest.mark.parametrize("days", ["0", "-1"])
+def test_non_positive_evidence_retention_names_the_field(days: str) -> None:
+    error = config_error(None, {"LOCKGATE_APPEALS__EVIDENCE_RETENTION_DAYS": days})
+    assert "appeals.evidence_retention_days" in error

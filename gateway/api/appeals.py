@@ -2,9 +2,20 @@
 
 Consumers (role `consumer`)::
 
-    POST /v1/appeals                            {request_id, reason}: appeal the latest block, refusal or
-                                                flag recorded for that request of the caller's tenant
+    POST /v1/appeals                            {request_id, reason, share_content?, content?}: appeal
+                                                the latest block, refusal or flag recorded for that
+                                                request of the caller's tenant
     GET  /v1/appeals/{appeal_id}                the appeal and its events (own tenant only)
+
+Evidence by consent: the consumer may share the content the gate checked with the appeal, so that the
+reviewer does not decide blind. `share_content: true` copies the content the decision's record retained
+(409 `content_not_retained` where the tenant's retention kept none); `content` attaches the text itself,
+which must be exactly the text checked (its sha256 is the record's `content_hash`, else 400
+`content_mismatch`: nothing else can be substituted for it). For a conversation of plain text messages the
+text checked is the messages' contents in order joined by a blank line; for an answer, the answer's text.
+The content is kept with the appeal for `[appeals] evidence_retention_days` (whatever the audit retention),
+shown to reviewers of the tenant and of the operating organisation only (`evidence` in the reviewers'
+views; consumers read `content_shared`), and deleted by the retention pass once expired.
 
 Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
 
@@ -63,16 +74,24 @@ from policy.appeals.base import (
     Appeal,
     AppealConflictError,
     AppealEvent,
+    AppealEvidence,
     AppealNotFoundError,
     AppealState,
+    EvidenceSource,
     InvalidTransitionError,
     OwnAppealError,
+    SharedContent,
 )
 from policy.audit.base import AuditUnavailableError
+from policy.audit.records import AuditRecord, content_sha256
+from policy.audit.retention import DAY_S
 from policy.auth import Principal
 
 T = TypeVar("T")
 log = logging.getLogger("lockgate.appeals")
+# The longest content a consumer may attach to an appeal, in characters (a request's checked text can be
+# long; the body limit bounds it too).
+MAX_SHARED_CONTENT = 1_000_000
 
 
 class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +99,9 @@ class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     reason: Annotated[str, msgspec.Meta(min_length=1, max_length=4000)]
+    # Evidence by consent (module docstring): share what was retained, or attach the text checked.
+    share_content: bool = False
+    content: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SHARED_CONTENT)] | None = None
 
 
 class AppealTransition(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -90,10 +112,13 @@ class AppealTransition(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 class AppealDetail(Appeal, frozen=True, kw_only=True):
-    """An appeal with its events (n = 1 is the filing); after a decision, the review record's seq."""
+    """An appeal with its events (n = 1 is the filing); after a decision, the review record's seq; whether
+    content was shared with it, and in reviewers' views that content."""
 
     events: tuple[AppealEvent, ...]
     review_seq: int | None = None
+    content_shared: bool = False
+    evidence: AppealEvidence | None = None
 
 
 _appeal_create = Decoder(AppealCreate)
@@ -125,10 +150,50 @@ def _check_limit(limit: int) -> None:
         )
 
 
-async def _detail(services: Services, appeal: Appeal, review_seq: int | None = None) -> AppealDetail:
+async def _detail(
+    services: Services, appeal: Appeal, review_seq: int | None = None, *, reviewer: bool = True
+) -> AppealDetail:
+    """The appeal's detail; the content shared with it only in a reviewer's view."""
     events = await _store(services.appeals.events(appeal.tenant, appeal.appeal_id))
+    evidence = await _store(services.appeals.evidence(appeal.tenant, appeal.appeal_id))
     fields = msgspec.structs.asdict(appeal)
-    return AppealDetail(**fields, events=tuple(events), review_seq=review_seq)
+    return AppealDetail(
+        **fields,
+        events=tuple(events),
+        review_seq=review_seq,
+        content_shared=evidence is not None,
+        evidence=evidence if reviewer else None,
+    )
+
+
+def _shared(body: AppealCreate, record: AuditRecord, services: Services) -> SharedContent | None:
+    """The content the consumer shares with its appeal of `record` (module docstring), or None."""
+    source: EvidenceSource
+    if body.content is not None:
+        if content_sha256(body.content) != record.content_hash:
+            raise InvalidRequestError(
+                "content is not the text this decision checked (its sha256 is not the recorded content_hash)",
+                param="content",
+                code="content_mismatch",
+            )
+        content, source = body.content, "consumer"
+    elif body.share_content:
+        if record.content is None:
+            raise ConflictAPIError(
+                "the content of this decision was not retained: attach the text checked as `content`",
+                param="share_content",
+                code="content_not_retained",
+            )
+        content, source = record.content, "retained"
+    else:
+        return None
+    days = services.config.appeals.evidence_retention_days
+    return SharedContent(
+        content=content,
+        content_hash=record.content_hash,
+        source=source,
+        expires_at=services.clock() + days * DAY_S,
+    )
 
 
 @post(
@@ -156,17 +221,19 @@ async def file_appeal(
             param="request_id",
             code="decision_not_found",
         )
+    decision = decisions[-1]
     appeal = await _store(
         services.appeals.file(
             tenant=tenant,
             request_id=body.request_id,
-            decision_seq=decisions[-1].seq,
+            decision_seq=decision.seq,
             reason=body.reason,
             filed_by=principal.key.key_id,
             now=services.clock(),
+            shared=_shared(body, decision, services),
         )
     )
-    return await _detail(services, appeal)
+    return await _detail(services, appeal, reviewer=False)
 
 
 @get("/v1/appeals/{appeal_id:str}", responses=errors(400, 404))
@@ -176,7 +243,7 @@ async def get_own_appeal(
     """One of the caller's tenant's appeals, with its events."""
     allow(principal, "consumer")
     appeal = await _store(services.appeals.get(principal.tenant.tenant_id, appeal_id))
-    return await _detail(services, appeal)
+    return await _detail(services, appeal, reviewer=False)
 
 
 @get("/audit/queue", responses=errors(400))

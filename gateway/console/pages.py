@@ -156,11 +156,15 @@ async def _show(
         raise PageError(404, "no such decision", reviewer.session, reviewer.who)
     record = await call(reviewer, services.audit.get(tenant, seq))
     appeal = await call(reviewer, appeal_of(services, record))
-    events = [] if appeal is None else await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
+    events, evidence = [], None
+    if appeal is not None:
+        events = await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
+        evidence = await call(reviewer, services.appeals.evidence(tenant, appeal.appeal_id))
     body = views.decision_page(
         record,
         appeal,
         events,
+        evidence=evidence,
         decidable=decidable(record, appeal) and may_decide(services, reviewer.scope),
         outcome=outcome,
         csrf=reviewer.session.csrf,

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from html import escape
 from urllib.parse import quote
 
-from policy.appeals.base import Appeal, AppealEvent
+from policy.appeals.base import Appeal, AppealEvent, AppealEvidence
 from policy.audit.records import AuditedStage, AuditRecord
 
 _STYLE = """
@@ -148,13 +148,15 @@ def decision_page(
     appeal: Appeal | None,
     events: Iterable[AppealEvent],
     *,
+    evidence: AppealEvidence | None = None,
     decidable: bool,
     outcome: str = "",
     csrf: str,
     who: str,
 ) -> str:
-    """Every field of one recorded decision, its stages against their thresholds, its content if retained,
-    its appeal and events, and the uphold / overturn form while it can still be decided."""
+    """Every field of one recorded decision, its stages against their thresholds, its content if retained
+    (or else as the consumer shared it with the appeal), its appeal and events, and the uphold / overturn
+    form while it can still be decided."""
     fields = "".join(f"<tr><th>{name}</th><td>{_t(getattr(record, name))}</td></tr>" for name in _FIELDS)
     fields += f"<tr><th>at</th><td>{_t(when(record.at))} ({record.at})</td></tr>"
     if record.count != 1 or record.last_at is not None:  # refusals counted over an interval
@@ -162,10 +164,17 @@ def decision_page(
         fields += f"<tr><th>count</th><td>{record.count}</td></tr>"
         fields += f"<tr><th>last_at</th><td>{_t(when(last))} ({last})</td></tr>"
     stages = "".join(_stage_row(run) for run in record.stages) or "<tr><td colspan=10>None</td></tr>"
-    if record.content is None:
-        content = "<p>Not retained.</p>"
-    else:
+    if record.content is not None:
         content = f'<pre id="content">{_t(record.content)}</pre>'
+    elif evidence is not None:
+        how = "copied from the retained record" if evidence.source == "retained" else "attached"
+        content = (
+            f'<p id="content-shared">Not retained; shared by the consumer with the appeal ({how}, its sha256 '
+            f"matching content_hash), kept until {_t(when(evidence.expires_at))}.</p>"
+            f'<pre id="content">{_t(evidence.content)}</pre>'
+        )
+    else:
+        content = "<p>Not retained.</p>"
     body = f'<p class="notice" id="outcome" role="status">{_t(outcome)}</p>' if outcome else ""
     body += (
         f'<table id="fields">{fields}</table><h2>Stages</h2><table id="stages"><tr><th>Stage</th>'

@@ -11,11 +11,13 @@ from policy.appeals.base import (
     AppealConflictError,
     AppealError,
     AppealEvent,
+    AppealEvidence,
     AppealNotFoundError,
     AppealState,
     AppealStore,
     InvalidTransitionError,
     OwnAppealError,
+    SharedContent,
 )
 from policy.appeals.postgres import PostgresAppealStore
 from policy.appeals.sqlite import SqliteAppealStore
@@ -35,11 +37,13 @@ __all__ = [
     "AppealConflictError",
     "AppealError",
     "AppealEvent",
+    "AppealEvidence",
     "AppealNotFoundError",
     "AppealState",
     "AppealStore",
     "InvalidTransitionError",
     "OwnAppealError",
     "PostgresAppealStore",
+    "SharedContent",
     "SqliteAppealStore",
 ]

@@ -96,6 +96,30 @@ class AppealEvent(msgspec.Struct, frozen=True, kw_only=True):
     note: str = ""
 
 
+EvidenceSource = Literal["retained", "consumer"]
+
+
+class SharedContent(msgspec.Struct, frozen=True, kw_only=True):
+    """Content a consumer shares with the appeal it files (evidence by consent): the text the gate checked,
+    whose sha256 the caller has matched to the appealed decision's `content_hash`, kept until `expires_at`
+    (the appeals' own retention, not the audit trail's)."""
+
+    content: str
+    content_hash: str
+    # `retained`: copied from the decision's record (the tenant's retention kept it); `consumer`: the text the
+    # consumer attached (nothing was retained).
+    source: EvidenceSource
+    expires_at: float
+
+
+class AppealEvidence(SharedContent, frozen=True, kw_only=True):
+    """The content shared with one appeal, as stored (deleted once `expires_at` is past)."""
+
+    appeal_id: str
+    tenant: str
+    attached_at: float
+
+
 def new_appeal_id() -> str:
     """A fresh appeal id: 128 random bits, so ids of other tenants cannot be guessed."""
     return f"apl_{secrets.token_hex(16)}"
@@ -112,9 +136,17 @@ def check_transition(appeal: Appeal, to_state: str) -> AppealState:
 
 
 def filing(
-    *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
-) -> tuple[Appeal, AppealEvent]:
-    """A new open appeal of the tenant's decision `decision_seq`, and its filing event (n = 1)."""
+    *,
+    tenant: str,
+    request_id: str,
+    decision_seq: int,
+    reason: str,
+    filed_by: str,
+    now: float,
+    shared: SharedContent | None = None,
+) -> tuple[Appeal, AppealEvent, AppealEvidence | None]:
+    """A new open appeal of the tenant's decision `decision_seq`, its filing event (n = 1), and the
+    evidence shared with it (None: none)."""
     appeal = Appeal(
         appeal_id=new_appeal_id(),
         tenant=tenant,
@@ -129,7 +161,11 @@ def filing(
     event = AppealEvent(
         appeal_id=appeal.appeal_id, n=1, at=appeal.filed_at, actor=filed_by, from_state=None, to_state="open"
     )
-    return appeal, event
+    evidence = None
+    if shared is not None:
+        fields = msgspec.structs.asdict(shared)
+        evidence = AppealEvidence(**fields, appeal_id=appeal.appeal_id, tenant=tenant, attached_at=float(now))
+    return appeal, event, evidence
 
 
 def conflict(tenant: str, decision_seq: int) -> AppealConflictError:
@@ -170,10 +206,28 @@ class AppealStore(Protocol):
     tenant, another tenant's appeal is AppealNotFoundError."""
 
     async def file(
-        self, *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+        self,
+        *,
+        tenant: str,
+        request_id: str,
+        decision_seq: int,
+        reason: str,
+        filed_by: str,
+        now: float,
+        shared: SharedContent | None = None,
     ) -> Appeal:
-        """Open an appeal of the tenant's decision `decision_seq` (and append its filing event).
-        AppealConflictError if that decision already has one."""
+        """Open an appeal of the tenant's decision `decision_seq` (and append its filing event, and store
+        the content `shared` with it), in one transaction. AppealConflictError if that decision already has
+        one."""
+        ...
+
+    async def evidence(self, tenant: str | None, appeal_id: str) -> AppealEvidence | None:
+        """The content shared with the appeal (None: none, or it expired and was purged), or
+        AppealNotFoundError for an appeal outside the caller's view."""
+        ...
+
+    async def purge_evidence(self, now: float) -> int:
+        """Delete the shared content whose `expires_at` is past `now`; how many appeals lost theirs."""
         ...
 
     async def get(self, tenant: str | None, appeal_id: str) -> Appeal:

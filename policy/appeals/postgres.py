@@ -15,7 +15,17 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 
 from policy.appeals import sql
-from policy.appeals.base import Appeal, AppealEvent, AppealNotFoundError, AppealState, conflict, filing, step
+from policy.appeals.base import (
+    Appeal,
+    AppealEvent,
+    AppealEvidence,
+    AppealNotFoundError,
+    AppealState,
+    SharedContent,
+    conflict,
+    filing,
+    step,
+)
 from policy.audit.base import AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from policy.audit.postgres import PostgresAuditStore
@@ -26,6 +36,9 @@ _INSERT_EVENT = numbered(sql.INSERT_EVENT)
 _SET_STATE = numbered(sql.SET_STATE)
 _NEXT_EVENT = numbered(sql.NEXT_EVENT)
 _EVENTS = numbered(sql.EVENTS)
+_INSERT_EVIDENCE = numbered(sql.INSERT_EVIDENCE)
+_EVIDENCE = numbered(sql.EVIDENCE)
+_PURGE_EVIDENCE = numbered(sql.PURGE_EVIDENCE)
 _FOR_DECISIONS = (
     f"SELECT {sql.APPEAL_COLUMNS} FROM appeals WHERE tenant = $1 AND decision_seq = ANY($2::bigint[])"
 )
@@ -51,21 +64,33 @@ class PostgresAppealStore(PostgresStore):
     max_connections = 5
 
     async def file(
-        self, *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+        self,
+        *,
+        tenant: str,
+        request_id: str,
+        decision_seq: int,
+        reason: str,
+        filed_by: str,
+        now: float,
+        shared: SharedContent | None = None,
     ) -> Appeal:
-        """Open an appeal of the decision (and its filing event); AppealConflictError if it has one."""
-        appeal, filed = filing(
+        """Open an appeal of the decision (its filing event, the content shared with it);
+        AppealConflictError if it has one."""
+        appeal, filed, evidence = filing(
             tenant=tenant,
             request_id=request_id,
             decision_seq=decision_seq,
             reason=reason,
             filed_by=filed_by,
             now=now,
+            shared=shared,
         )
         try:
             async with self._conn(write=True) as conn:
                 await conn.execute(_INSERT, *sql.appeal_row(appeal))
                 await conn.execute(_INSERT_EVENT, *sql.event_row(filed))
+                if evidence is not None:
+                    await conn.execute(_INSERT_EVIDENCE, *sql.evidence_row(evidence))
         except asyncpg.UniqueViolationError as exc:
             raise conflict(tenant, decision_seq) from exc
         return appeal
@@ -113,3 +138,16 @@ class PostgresAppealStore(PostgresStore):
             await _find(conn, tenant, appeal_id)
             rows = await conn.fetch(_EVENTS, appeal_id)
         return [sql.event_from_row(row) for row in rows]
+
+    async def evidence(self, tenant: str | None, appeal_id: str) -> AppealEvidence | None:
+        """The content shared with the appeal, or None; AppealNotFoundError outside the caller's view."""
+        async with self._conn() as conn:
+            await _find(conn, tenant, appeal_id)
+            row = await conn.fetchrow(_EVIDENCE, appeal_id)
+        return None if row is None else sql.evidence_from_row(row)
+
+    async def purge_evidence(self, now: float) -> int:
+        """Delete the shared content past its `expires_at`."""
+        async with self._conn(write=True) as conn:
+            status = await conn.execute(_PURGE_EVIDENCE, now)
+        return int(status.split()[-1])

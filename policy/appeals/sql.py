@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from policy.appeals.base import Appeal, AppealEvent, AppealState, page_size, states_of
+from policy.appeals.base import Appeal, AppealEvent, AppealEvidence, AppealState, page_size, states_of
+from policy.audit.migrations import read_content, stored_content
 
 # Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
 APPEAL_FIELDS: tuple[str, ...] = Appeal.__struct_fields__
@@ -24,6 +25,13 @@ INSERT_EVENT = f"INSERT INTO appeal_events ({EVENT_COLUMNS}) VALUES ({', '.join(
 SET_STATE = "UPDATE appeals SET state = ?, updated_at = ? WHERE appeal_id = ?"
 NEXT_EVENT = "SELECT COALESCE(MAX(n), 0) + 1 FROM appeal_events WHERE appeal_id = ?"
 EVENTS = f"SELECT {EVENT_COLUMNS} FROM appeal_events WHERE appeal_id = ? ORDER BY n"
+EVIDENCE_FIELDS: tuple[str, ...] = AppealEvidence.__struct_fields__
+EVIDENCE_COLUMNS = ", ".join(EVIDENCE_FIELDS)
+INSERT_EVIDENCE = (
+    f"INSERT INTO appeal_evidence ({EVIDENCE_COLUMNS}) VALUES ({', '.join('?' for _ in EVIDENCE_FIELDS)})"
+)
+EVIDENCE = f"SELECT {EVIDENCE_COLUMNS} FROM appeal_evidence WHERE appeal_id = ?"
+PURGE_EVIDENCE = "DELETE FROM appeal_evidence WHERE expires_at < ?"
 
 
 def appeal_row(appeal: Appeal) -> tuple[Any, ...]:
@@ -34,6 +42,20 @@ def appeal_row(appeal: Appeal) -> tuple[Any, ...]:
 def event_row(event: AppealEvent) -> tuple[Any, ...]:
     """An event as a row of EVENT_COLUMNS."""
     return tuple(getattr(event, name) for name in EVENT_FIELDS)
+
+
+def evidence_row(evidence: AppealEvidence) -> tuple[Any, ...]:
+    """Shared content as a row of EVIDENCE_COLUMNS (content escaped where a store cannot hold it as is)."""
+    row = {name: getattr(evidence, name) for name in EVIDENCE_FIELDS}
+    row["content"] = stored_content(evidence.content)
+    return tuple(row.values())
+
+
+def evidence_from_row(row: Iterable[Any]) -> AppealEvidence:
+    """Shared content from a row selected as EVIDENCE_COLUMNS."""
+    fields = dict(zip(EVIDENCE_FIELDS, row, strict=True))
+    fields["content"] = read_content(fields["content"])
+    return msgspec.convert(fields, AppealEvidence)
 
 
 def appeal_from_row(row: Iterable[Any]) -> Appeal:

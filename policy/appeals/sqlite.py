@@ -12,7 +12,17 @@ import sqlite3
 from collections.abc import Collection
 
 from policy.appeals import sql
-from policy.appeals.base import Appeal, AppealEvent, AppealNotFoundError, AppealState, conflict, filing, step
+from policy.appeals.base import (
+    Appeal,
+    AppealEvent,
+    AppealEvidence,
+    AppealNotFoundError,
+    AppealState,
+    SharedContent,
+    conflict,
+    filing,
+    step,
+)
 from policy.audit.base import AuditStoreError, AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from registry.db.sqlite import Conn, SqliteStore, transaction
@@ -39,22 +49,34 @@ class SqliteAppealStore(SqliteStore):
     foreign_keys = True
 
     async def file(
-        self, *, tenant: str, request_id: str, decision_seq: int, reason: str, filed_by: str, now: float
+        self,
+        *,
+        tenant: str,
+        request_id: str,
+        decision_seq: int,
+        reason: str,
+        filed_by: str,
+        now: float,
+        shared: SharedContent | None = None,
     ) -> Appeal:
-        """Open an appeal of the decision (and its filing event); AppealConflictError if it has one."""
-        appeal, filed = filing(
+        """Open an appeal of the decision (its filing event, the content shared with it);
+        AppealConflictError if it has one."""
+        appeal, filed, evidence = filing(
             tenant=tenant,
             request_id=request_id,
             decision_seq=decision_seq,
             reason=reason,
             filed_by=filed_by,
             now=now,
+            shared=shared,
         )
 
         def file(conn: Conn) -> None:
             with transaction(conn):
                 conn.execute(sql.INSERT, sql.appeal_row(appeal))
                 conn.execute(sql.INSERT_EVENT, sql.event_row(filed))
+                if evidence is not None:
+                    conn.execute(sql.INSERT_EVIDENCE, sql.evidence_row(evidence))
 
         try:
             await self._run(file)
@@ -123,3 +145,26 @@ class SqliteAppealStore(SqliteStore):
                 conn.execute("COMMIT")
 
         return await self._run(read)
+
+    async def evidence(self, tenant: str | None, appeal_id: str) -> AppealEvidence | None:
+        """The content shared with the appeal, or None; AppealNotFoundError outside the caller's view."""
+
+        def read(conn: Conn) -> AppealEvidence | None:
+            conn.execute("BEGIN")
+            try:
+                _find(conn, tenant, appeal_id)
+                row = conn.execute(sql.EVIDENCE, (appeal_id,)).fetchone()
+            finally:
+                conn.execute("COMMIT")
+            return None if row is None else sql.evidence_from_row(row)
+
+        return await self._run(read)
+
+    async def purge_evidence(self, now: float) -> int:
+        """Delete the shared content past its `expires_at`."""
+
+        def purge(conn: Conn) -> int:
+            with transaction(conn):
+                return conn.execute(sql.PURGE_EVIDENCE, (now,)).rowcount
+
+        return await self._run(purge)

@@ -14,6 +14,9 @@ Tables (in the same database as the tenants, with their own migrations table)::
                                            allowed step (and set updated_at); no DELETE
     appeal_events(appeal_id, n, at, actor, from_state, to_state, note)
         PRIMARY KEY (appeal_id, n)         append-only: no UPDATE, no DELETE
+    appeal_evidence(appeal_id PK, tenant, content, content_hash, source, expires_at, attached_at)
+                                           content a consumer shared with its appeal; no UPDATE; deleted
+                                           once expires_at is past (`AppealStore.purge_evidence`)
 
 The triggers make the log evidence in the database itself, not by convention (as `admin_changes` is for
 the tenant store). Never edit a released migration: append a new one.
@@ -261,6 +264,32 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite=(
             "DROP TRIGGER audit_records_only_purge",
             _ONLY_PURGE_TRIGGER.format(_not_only_content_nulled(_V5_FIELDS)),
+        ),
+    ),
+    Migration(
+        version=6,
+        summary="appeal_evidence: content a consumer shares with its appeal, under the appeals' retention",
+        shared=(
+            """CREATE TABLE appeal_evidence (
+                appeal_id TEXT PRIMARY KEY REFERENCES appeals (appeal_id),
+                tenant TEXT NOT NULL,
+                content TEXT NOT NULL,
+                content_hash TEXT NOT NULL,
+                source TEXT NOT NULL CHECK (source IN ('retained', 'consumer')),
+                expires_at DOUBLE PRECISION NOT NULL,
+                attached_at DOUBLE PRECISION NOT NULL
+            )""",
+            "CREATE INDEX appeal_evidence_by_expiry ON appeal_evidence (expires_at)",
+        ),
+        sqlite=(
+            """CREATE TRIGGER appeal_evidence_no_update BEFORE UPDATE ON appeal_evidence
+               BEGIN SELECT RAISE(ABORT, 'shared content is never changed, only deleted'); END""",
+        ),
+        postgres=(
+            """CREATE FUNCTION appeal_evidence_no_update() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'shared content is never changed, only deleted'; END $$""",
+            """CREATE TRIGGER appeal_evidence_no_update BEFORE UPDATE ON appeal_evidence
+               FOR EACH ROW EXECUTE FUNCTION appeal_evidence_no_update()""",
         ),
     ),
 )

@@ -49,6 +49,14 @@ class ContentShredder(Protocol):
         ...
 
 
+class EvidencePurger(Protocol):
+    """What holds content under its own retention (the appeals' shared content, `AppealStore`)."""
+
+    async def purge_evidence(self, now: float) -> int:
+        """Delete what expired by `now`; how much. AuditUnavailableError when the database is down."""
+        ...
+
+
 def expiry(tenant: Tenant, now: float, days: float) -> float:
     """The `at` before which `tenant`'s content has expired at `now`; `days` is the default period."""
     if not tenant.retain_prompts:
@@ -101,9 +109,10 @@ async def run_retention(
     days: float,
     interval: float = PURGE_INTERVAL_S,
     spool: ContentShredder | None = None,
+    evidence: EvidencePurger | None = None,
 ) -> None:
-    """Purge expired content (from `store`, and `spool`'s) now and then every `interval` seconds, until
-    cancelled.
+    """Purge expired content (from `store`, `spool`'s, and the content shared with appeals, `evidence`)
+    now and then every `interval` seconds, until cancelled.
 
     A store that cannot answer fails only this pass: the next one retries.
     """
@@ -112,6 +121,12 @@ async def run_retention(
             await purge_expired(store, tenants, clock(), days, spool)
         except TenantStoreUnavailableError as exc:
             log.warning("audit retention pass skipped: the tenant store is unavailable: %s", exc)
+        if evidence is not None:
+            try:
+                if count := await evidence.purge_evidence(clock()):
+                    log.info("content shared with %d appeals purged", count)
+            except AuditUnavailableError as exc:
+                log.warning("content shared with appeals not purged (retried next pass): %s", exc)
         await asyncio.sleep(interval)
 
 

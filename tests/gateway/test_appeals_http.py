@@ -17,7 +17,7 @@ from gateway.app import create_app
 from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
-from policy.audit.records import AuditRecord
+from policy.audit.records import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Role, Tenant
@@ -452,3 +452,71 @@ async def test_operator_reviewers_only_leaves_deciding_to_the_operator(gateway: 
     decided = await gw.step("rev-global", appeal_id, "overturned", "checked centrally")
     assert decided.status_code == 200, decided.text
     assert [r.decision for r in await gw.services.audit.find("acme", request_id)] == ["block", "reversal"]
+
+
+async def test_a_consumer_shares_the_checked_text_with_its_appeal(gateway: Gateway) -> None:
+    request_id, record = await gateway.blocked("acme")
+    assert record.content is None  # the default retention keeps no content: the reviewer would decide blind
+    # Substituted text (a near miss of what was checked) is refused, and nothing is filed.
+    appeal = {"request_id": request_id, "reason": "harmless"}
+    response = await gateway.call("acme", "POST", "/v1/appeals", {**appeal, "content": INJECTION + " "})
+    error(response, 400, "content_mismatch", "content")
+    # Nothing retained to share.
+    response = await gateway.call("acme", "POST", "/v1/appeals", {**appeal, "share_content": True})
+    error(response, 409, "content_not_retained", "share_content")
+    assert await gateway.services.appeals.list("acme") == []
+    # The text checked (one user message: its content) is taken.
+    response = await gateway.call("acme", "POST", "/v1/appeals", {**appeal, "content": INJECTION})
+    assert response.status_code == 201, response.text
+    filed = response.json()
+    assert filed["content_shared"] is True
+    assert filed["evidence"] is None  # the consumer's view says it was shared, without echoing it
+    appeal_id = filed["appeal_id"]
+    # Reviewers of the tenant and of the operating organisation read it; another tenant's reviewer does not.
+    for who in ("rev-acme", "rev-global"):
+        seen = (await gateway.call(who, "GET", f"/audit/appeals/{appeal_id}")).json()
+        assert seen["evidence"]["content"] == INJECTION, who
+        assert seen["evidence"]["content_hash"] == record.content_hash
+        assert seen["evidence"]["source"] == "consumer"
+    error(await gateway.call("rev-beta", "GET", f"/audit/appeals/{appeal_id}"), 404, "appeal_not_found")
+    queue = (await gateway.call("rev-beta", "GET", "/audit/queue")).json()
+    assert INJECTION not in str(queue)
+    # Kept for the appeals' own retention, then purged by the retention pass; the appeal stays.
+    days = gateway.services.config.appeals.evidence_retention_days
+    expires = seen["evidence"]["expires_at"]
+    assert expires == pytest.approx(filed["filed_at"] + days * 86_400)
+    assert await gateway.services.appeals.purge_evidence(expires - 1) == 0
+    assert await gateway.services.appeals.purge_evidence(expires + 1) == 1
+    after = (await gateway.call("rev-acme", "GET", f"/audit/appeals/{appeal_id}")).json()
+    assert after["evidence"] is None
+    assert after["content_shared"] is False
+    assert after["state"] == "open"
+
+
+async def test_share_content_copies_what_the_tenants_retention_kept(
+    gateway: Gateway, tenancy: Tenancy
+) -> None:
+    services = gateway.services
+    acme = await tenancy.store.get_tenant("acme")
+    await tenancy.store.update_tenant(
+        msgspec.structs.replace(acme, retain_prompts=True), actor="t", now=services.clock()
+    )
+    kept = "a retained prompt, flagged by the band"
+    draft = AuditDraft(
+        tenant="acme",
+        key_id="k",
+        request_id="req-retained",
+        at=services.clock(),
+        stage="input",
+        decision="flag",
+        source="band",
+        flagged=True,
+        content=kept,
+    )
+    [record] = await services.audit.append([draft])
+    assert record.content == kept
+    body = {"request_id": "req-retained", "reason": "not harmful", "share_content": True}
+    response = await gateway.call("acme", "POST", "/v1/appeals", body)
+    assert response.status_code == 201, response.text
+    seen = (await gateway.call("rev-acme", "GET", f"/audit/appeals/{response.json()['appeal_id']}")).json()
+    assert (seen["evidence"]["content"], seen["evidence"]["source"]) == (kept, "retained")

@@ -24,6 +24,7 @@ from policy.appeals import (
     AppealStore,
     InvalidTransitionError,
     PostgresAppealStore,
+    SharedContent,
     SqliteAppealStore,
 )
 from policy.audit import SqliteAuditStore
@@ -319,3 +320,62 @@ def test_public_names() -> None:
         *("AppealConflictError", "InvalidTransitionError", "SqliteAppealStore", "PostgresAppealStore"),
         *("APPEAL_STATES", "TRANSITIONS", "MAX_APPEAL_LIMIT", "UNDECIDED", "APPEAL_STORE"),
     }
+
+
+async def test_content_shared_with_an_appeal_is_kept_until_it_expires(
+    store: AppealStore, backend: Backend
+) -> None:
+    text = "a question about a poem\x00 with a NUL and \ud800 a lone surrogate"
+    shared = SharedContent(content=text, content_hash="h" * 64, source="consumer", expires_at=500.0)
+    appeal = await store.file(
+        tenant="acme",
+        request_id="req-1",
+        decision_seq=1,
+        reason="false positive",
+        filed_by="k-acme",
+        now=100.0,
+        shared=shared,
+    )
+    bare = await file(store, seq=2)
+    evidence = await store.evidence("acme", appeal.appeal_id)
+    assert evidence is not None
+    assert (evidence.content, evidence.content_hash, evidence.source) == (text, "h" * 64, "consumer")
+    assert (evidence.tenant, evidence.appeal_id, evidence.attached_at, evidence.expires_at) == (
+        "acme",
+        appeal.appeal_id,
+        100.0,
+        500.0,
+    )
+    assert await store.evidence(None, appeal.appeal_id) == evidence  # a global reviewer's view
+    assert await store.evidence("acme", bare.appeal_id) is None
+    # Another tenant's view holds no such appeal: not found, never an empty answer that confirms it.
+    with pytest.raises(AppealNotFoundError):
+        await store.evidence("beta", appeal.appeal_id)
+    # Never rewritten behind the store's back.
+    with pytest.raises(REFUSED):
+        await backend.raw(
+            f"UPDATE {{schema}}.appeal_evidence SET content = 'other' WHERE appeal_id = '{appeal.appeal_id}'"
+        )
+    assert await store.purge_evidence(499.0) == 0
+    assert await store.evidence("acme", appeal.appeal_id) == evidence
+    assert await store.purge_evidence(501.0) == 1
+    assert await store.evidence("acme", appeal.appeal_id) is None
+    # The appeal and its events stay: only the content goes.
+    assert (await store.get("acme", appeal.appeal_id)).reason == "false positive"
+    assert len(await store.events("acme", appeal.appeal_id)) == 1
+
+
+async def test_an_appeal_whose_evidence_cannot_be_stored_is_not_filed(store: AppealStore) -> None:
+    first = await file(store)
+    shared = SharedContent(content="x", content_hash="h", source="consumer", expires_at=1.0)
+    with pytest.raises(AppealConflictError):
+        await store.file(
+            tenant="acme",
+            request_id="r",
+            decision_seq=1,
+            reason="again",
+            filed_by="k",
+            now=2.0,
+            shared=shared,
+        )
+    assert await store.evidence("acme", first.appeal_id) is None

@@ -250,3 +250,42 @@ async def test_reads_show_no_content_past_retention_whether_purged_or_not(
     assert await view.purge_content("keeper", NOW) == 2
     assert [r.content for r in await store.query(AuditQuery(tenant="keeper"))] == [None, None]
     await tenants.close()
+
+
+class Evidence:
+    """An `EvidencePurger` that records the times it was asked at, and fails while `down`."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.down = False
+
+    async def purge_evidence(self, now: float) -> int:
+        self.asked.append(now)
+        if self.down:
+            raise AuditUnavailableError("down (test)")
+        return 1
+
+
+async def test_the_retention_loop_purges_content_shared_with_appeals_too(
+    tmp_path: Path, tenants: SqliteTenantStore
+) -> None:
+    store = await SqliteAuditStore.open(tmp_path / "audit.sqlite3")
+    clock = FakeClock(NOW)
+    evidence = Evidence()
+    evidence.down = True  # a pass that cannot reach it fails alone: the loop goes on
+    task = asyncio.create_task(
+        run_retention(store, tenants, clock, days=30, interval=0.01, evidence=evidence)
+    )
+    await eventually(lambda: _asked(evidence, 1))
+    evidence.down = False
+    clock.advance(DAY_S)
+    await eventually(lambda: _asked(evidence, 2))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert evidence.asked[0] == NOW
+    assert NOW + DAY_S in evidence.asked
+    await store.close()
+
+
+async def _asked(evidence: Evidence, times: int) -> bool:
+    return len(evidence.asked) >= times
