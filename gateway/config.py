@@ -22,6 +22,7 @@ from engines.simulated import SimulatorConfig
 from engines.supervisor import RestartPolicy
 from engines.vllm_remote_wire import RemoteEngineConfig
 from gateway.overload import OverloadConfig
+from policy.appeals.reasons import DEFAULT_REASONS, ReasonCode, check_reasons
 from policy.audit.keys import MIN_MAC_KEY_CHARS
 from policy.quota.lease import LeasePolicy
 from policy.tenants.models import Limits
@@ -344,6 +345,12 @@ class AppealsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Days the content a consumer shares with an appeal (`POST /v1/appeals` `share_content` or `content`) is
     # kept, whatever the tenant's audit retention: the review's evidence, deleted by the retention pass.
     evidence_retention_days: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # The reasons a reviewer may give for upholding or overturning (`policy.appeals.reasons`): unique codes,
+    # at least one per outcome; each with its DSA ground and category and the text the consumer reads.
+    reasons: tuple[ReasonCode, ...] = DEFAULT_REASONS
+
+    def __post_init__(self) -> None:
+        check_reasons(self.reasons)
 
 
 class ConsoleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -351,3 +351,36 @@ def test_bad_lease_settings_name_the_field(field: str, value: str, named: str) -
 def test_non_positive_evidence_retention_names_the_field(days: str) -> None:
     error = config_error(None, {"LOCKGATE_APPEALS__EVIDENCE_RETENTION_DAYS": days})
     assert "appeals.evidence_retention_days" in error
+
+
+@pytest.mark.parametrize(
+    ("reasons", "named"),
+    [
+        # Only an upheld reason: an overturn could not be decided.
+        (
+            '[[appeals.reasons]]\ncode = "a"\noutcome = "upheld"\nground = "illegal_content"\ntext = "t"\n',
+            "overturned",
+        ),
+        # A code twice.
+        (
+            '[[appeals.reasons]]\ncode = "a"\noutcome = "upheld"\nground = "illegal_content"\ntext = "t"\n'
+            '[[appeals.reasons]]\ncode = "a"\noutcome = "overturned"\nground = "none"\ntext = "t"\n',
+            "unique",
+        ),
+        # An overturn on an illegal-content ground.
+        (
+            '[[appeals.reasons]]\ncode = "a"\noutcome = "upheld"\nground = "illegal_content"\ntext = "t"\n'
+            '[[appeals.reasons]]\ncode = "b"\noutcome = "overturned"\n'
+            'ground = "illegal_content"\ntext = "t"\n',
+            "ground none",
+        ),
+        (
+            '[[appeals.reasons]]\ncode = "Not A Code"\noutcome = "upheld"\nground = "none"\ntext = "t"\n',
+            "code",
+        ),
+    ],
+)
+def test_bad_reason_lists_are_refused_naming_the_section(tmp_path: Path, reasons: str, named: str) -> None:
+    error = config_error(write(tmp_path, reasons), {})
+    assert "appeals" in error
+    assert named in error

@@ -26,7 +26,9 @@ Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of 
                                                 reviewer's behalf, to be decided like any other
     GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
     GET  /audit/appeals/{appeal_id}             the appeal and its events
-    POST /audit/appeals/{appeal_id}/transition  {to, note}: open -> in_review -> upheld | overturned
+    POST /audit/appeals/{appeal_id}/transition  {to, note, reason_code, facts}: open -> in_review ->
+                                                upheld | overturned; a decision needs a reason_code of
+                                                `[appeals] reasons` for its outcome (400 `invalid_reason`)
 
 With `[appeals] operator_reviewers_only`, only reviewers of the operator tenant may step an appeal to upheld
 or overturned (403 `operator_only`, whether or not the appeal exists). Deciding an appeal appends a review
@@ -82,6 +84,8 @@ from policy.appeals.base import (
     OwnAppealError,
     SharedContent,
 )
+from policy.appeals.reasons import ReasonError, reason_for
+from policy.appeals.statement import StatementOfReasons, statement
 from policy.audit.base import AuditUnavailableError
 from policy.audit.records import AuditRecord, content_sha256
 from policy.audit.retention import DAY_S
@@ -105,10 +109,13 @@ class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class AppealTransition(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`POST /audit/appeals/{id}/transition`."""
+    """`POST /audit/appeals/{id}/transition`: to upheld or overturned with a `reason_code` of `[appeals]
+    reasons` for that outcome and the `facts` relied on (both public), `note` internal."""
 
     to: AppealState
     note: Annotated[str, msgspec.Meta(max_length=4000)] = ""
+    reason_code: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    facts: Annotated[str, msgspec.Meta(max_length=4000)] = ""
 
 
 class AppealDetail(Appeal, frozen=True, kw_only=True):
@@ -119,6 +126,8 @@ class AppealDetail(Appeal, frozen=True, kw_only=True):
     review_seq: int | None = None
     content_shared: bool = False
     evidence: AppealEvidence | None = None
+    # Once decided: the outcome and the public part of its reason (the consumer's statement of reasons).
+    statement: StatementOfReasons | None = None
 
 
 _appeal_create = Decoder(AppealCreate)
@@ -153,9 +162,16 @@ def _check_limit(limit: int) -> None:
 async def _detail(
     services: Services, appeal: Appeal, review_seq: int | None = None, *, reviewer: bool = True
 ) -> AppealDetail:
-    """The appeal's detail; the content shared with it only in a reviewer's view."""
+    """The appeal's detail: in a reviewer's view with the content shared with it; in the consumer's without
+    the reviewers' internal notes."""
     events = await _store(services.appeals.events(appeal.tenant, appeal.appeal_id))
     evidence = await _store(services.appeals.evidence(appeal.tenant, appeal.appeal_id))
+    said = None
+    if appeal.state in REVIEW_DECISION:
+        decided = await _store(services.audit.get(appeal.tenant, appeal.decision_seq))
+        said = statement(appeal, events, automated_detection=decided.source != "reviewer")
+    if not reviewer:
+        events = [msgspec.structs.replace(e, note="") for e in events]
     fields = msgspec.structs.asdict(appeal)
     return AppealDetail(
         **fields,
@@ -163,6 +179,7 @@ async def _detail(
         review_seq=review_seq,
         content_shared=evidence is not None,
         evidence=evidence if reviewer else None,
+        statement=said,
     )
 
 
@@ -323,6 +340,18 @@ async def transition_appeal(
     body = _appeal_transition.decode(await read_body(request))
     reviewer = principal.key.key_id
     now = services.clock()
+    reason = None
+    if body.to in REVIEW_DECISION:
+        try:
+            reason = reason_for(services.config.appeals.reasons, body.to, body.reason_code)
+        except ReasonError as exc:
+            raise InvalidRequestError(str(exc), param="reason_code", code="invalid_reason") from exc
+    elif body.reason_code is not None or body.facts:
+        raise InvalidRequestError(
+            "a reason_code and facts go with a decision (upheld or overturned) only",
+            param="reason_code" if body.reason_code is not None else "facts",
+            code="invalid_reason",
+        )
     if body.to in REVIEW_DECISION:
         if not may_decide(services, scope):
             raise PermissionDeniedError(
@@ -337,14 +366,22 @@ async def transition_appeal(
             check_not_own(decided, current, reviewer)
         except OwnAppealError as exc:
             raise PermissionDeniedError(str(exc), code="own_appeal") from exc
-    appeal = await _store(
-        services.appeals.transition(scope, appeal_id, body.to, actor=reviewer, note=body.note, now=now)
+    moved = services.appeals.transition(
+        scope,
+        appeal_id,
+        body.to,
+        actor=reviewer,
+        note=body.note,
+        now=now,
+        reason=reason,
+        facts=body.facts,
     )
+    appeal = await _store(moved)
     review_seq = None
     decision = REVIEW_DECISION.get(appeal.state)
-    if decision is not None:
+    if decision is not None and reason is not None:
         original = await _store(services.audit.get(appeal.tenant, appeal.decision_seq))
-        review_seq = await record_review(services, original, decision, reviewer, body.note, now)
+        review_seq = await record_review(services, original, decision, reviewer, body.note, now, reason)
     return await _detail(services, appeal, review_seq)
 
 

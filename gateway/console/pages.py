@@ -63,6 +63,7 @@ from gateway.console.review_queue import (
 from gateway.console.stats import collect, stats_body
 from gateway.services import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
+from policy.appeals.reasons import ReasonError, reason_for
 from policy.audit.records import AuditRecord
 from policy.auth import AuthError, ForbiddenError, ThrottledError, require_role
 from policy.auth import StoreUnavailableError as KeyStoreUnavailableError
@@ -166,6 +167,7 @@ async def _show(
         events,
         evidence=evidence,
         decidable=decidable(record, appeal) and may_decide(services, reviewer.scope),
+        reasons=services.config.appeals.reasons,
         outcome=outcome,
         csrf=reviewer.session.csrf,
         who=reviewer.who,
@@ -197,12 +199,13 @@ async def decide(
 ) -> Response[str]:
     """Uphold or overturn a decision, through its appeal (filed on the reviewer's behalf if it has none)."""
     reviewer, fields = await posted(request, services)
-    to = _OUTCOMES.get(fields.get("outcome", ""))
-    note = fields.get("note", "")
-    if to is None or len(note) > 4000:
+    choice = fields.get("outcome", "")
+    to = _OUTCOMES.get(choice)
+    note, facts = fields.get("note", ""), fields.get("facts", "")
+    if to is None or len(note) > 4000 or len(facts) > 4000:
         raise PageError(
             400,
-            "choose Uphold or Overturn (a note of at most 4000 characters)",
+            "choose Uphold or Overturn (a note and facts of at most 4000 characters each)",
             reviewer.session,
             reviewer.who,
         )
@@ -221,6 +224,10 @@ async def decide(
         check_not_own(record, appeal, actor)
     except OwnAppealError as exc:
         raise PageError(403, str(exc), reviewer.session, reviewer.who) from exc
+    try:
+        reason = reason_for(services.config.appeals.reasons, to, fields.get(f"reason_{choice}"))
+    except ReasonError as exc:
+        raise PageError(400, str(exc), reviewer.session, reviewer.who) from exc
     if appeal is None:
         appeal = await call(reviewer, take_up(services, record, actor, now))
     step = services.appeals.transition
@@ -228,9 +235,12 @@ async def decide(
         appeal = await call(
             reviewer, step(reviewer.scope, appeal.appeal_id, "in_review", actor=actor, note="", now=now)
         )
-    appeal = await call(reviewer, step(reviewer.scope, appeal.appeal_id, to, actor=actor, note=note, now=now))
+    decided = step(
+        reviewer.scope, appeal.appeal_id, to, actor=actor, note=note, now=now, reason=reason, facts=facts
+    )
+    appeal = await call(reviewer, decided)
     review = REVIEW_DECISION[appeal.state]
-    review_seq = await call(reviewer, record_review(services, record, review, actor, note, now))
+    review_seq = await call(reviewer, record_review(services, record, review, actor, note, now, reason))
     recorded = f"seq {review_seq}" if review_seq is not None else "queued for the audit store"
     outcome = f"Appeal {appeal.appeal_id} {appeal.state}: {review} record {recorded}."
     _record, _appeal, body = await _show(services, reviewer, tenant, seq, outcome)

@@ -25,6 +25,7 @@ import msgspec
 from gateway.errors import StoreUnavailableError
 from gateway.services import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
+from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
 from policy.audit.writer import AuditWriterError
@@ -174,10 +175,17 @@ async def take_up(services: Services, record: AuditRecord, actor: str, now: floa
 
 
 async def record_review(
-    services: Services, original: AuditRecord, decision: Decision, reviewer: str, note: str, now: float
+    services: Services,
+    original: AuditRecord,
+    decision: Decision,
+    reviewer: str,
+    note: str,
+    now: float,
+    reason: ReasonCode,
 ) -> int | None:
     """Append the review record of a decided appeal of `original` (decision `reversal` or `uphold`, `reverses`
-    = its seq, `actor` = the reviewer's key id), durable before the answer; its seq once it is in the store
+    = its seq, `actor` = the reviewer's key id, `detail` = the reason code and the note), durable before the
+    answer; its seq once it is in the store
     (None while it waits in the writer's spool). The API and the reviewer console both decide through this.
     The appeal is already decided: a record that cannot be made durable is a 503 (StoreUnavailableError) the
     reviewer sees, and logged, never silently dropped."""
@@ -194,7 +202,7 @@ async def record_review(
         category=original.category,
         severity=original.severity,
         content_hash=original.content_hash,
-        detail=note,
+        detail=f"{reason.code}: {note}" if note else reason.code,
         reverses=original.seq,
         actor=reviewer,
     )

@@ -7,11 +7,12 @@ Content-Security-Policy (set by `gateway.console.pages`) forbids fetching anythi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from html import escape
 from urllib.parse import quote
 
 from policy.appeals.base import Appeal, AppealEvent, AppealEvidence
+from policy.appeals.reasons import ReasonCode
 from policy.audit.records import AuditedStage, AuditRecord
 
 _STYLE = """
@@ -143,6 +144,10 @@ _FIELDS = (
 )  # fmt: skip
 
 
+# The decide form's buttons: (outcome field value, appeal state, label).
+_DECISIONS = (("uphold", "upheld", "Uphold"), ("overturn", "overturned", "Overturn"))
+
+
 def decision_page(
     record: AuditRecord,
     appeal: Appeal | None,
@@ -150,6 +155,7 @@ def decision_page(
     *,
     evidence: AppealEvidence | None = None,
     decidable: bool,
+    reasons: Sequence[ReasonCode] = (),
     outcome: str = "",
     csrf: str,
     who: str,
@@ -187,20 +193,33 @@ def decision_page(
     else:
         rows = "".join(
             f"<tr><td>{e.n}</td><td>{_t(when(e.at))}</td><td>{_t(e.actor)}</td><td>{_t(e.from_state)}</td>"
-            f"<td>{_t(e.to_state)}</td><td>{_t(e.note)}</td></tr>"
+            f"<td>{_t(e.to_state)}</td><td>{_t(e.reason.code if e.reason else '')}</td><td>{_t(e.facts)}</td>"
+            f"<td>{_t(e.note)}</td></tr>"
             for e in events
         )
         body += (
             f'<p id="appeal-state">{_t(appeal.appeal_id)}: <strong>{_t(appeal.state)}</strong> '
             f'(reason: {_t(appeal.reason)})</p><table id="events"><tr><th>n</th><th>At</th><th>Actor</th>'
-            f"<th>From</th><th>To</th><th>Note</th></tr>{rows}</table>"
+            f"<th>From</th><th>To</th><th>Reason</th><th>Facts</th><th>Note</th></tr>{rows}</table>"
         )
     if decidable:
         action = f"/console/decisions/{_t(record.tenant)}/{record.seq}/decide"
+        choices = ""
+        for button, outcome, label in _DECISIONS:
+            options = "".join(
+                f'<option value="{_t(r.code)}">{_t(r.code)}: {_t(r.text)}</option>'
+                for r in reasons
+                if r.outcome == outcome
+            )
+            choices += (
+                f'<p><label>Reason to {button} <select name="reason_{button}">{options}</select></label>'
+                f'<button type="submit" name="outcome" value="{button}">{label}</button></p>'
+            )
         body += (
             f'<h2>Decide</h2><form method="post" action="{action}">{csrf_field(csrf)}'
-            '<p><label>Note <textarea name="note" maxlength="4000"></textarea></label></p>'
-            '<button type="submit" name="outcome" value="uphold">Uphold</button>'
-            '<button type="submit" name="outcome" value="overturn">Overturn</button></form>'
+            '<p><label>Facts relied on (the consumer reads them) <textarea name="facts" maxlength="4000">'
+            "</textarea></label></p>"
+            '<p><label>Note (internal) <textarea name="note" maxlength="4000"></textarea></label></p>'
+            f"{choices}</form>"
         )
     return page(f"Decision {record.tenant} #{record.seq}", body, csrf=csrf, who=who)

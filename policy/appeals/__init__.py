@@ -20,7 +20,9 @@ from policy.appeals.base import (
     SharedContent,
 )
 from policy.appeals.postgres import PostgresAppealStore
+from policy.appeals.reasons import DEFAULT_REASONS, ReasonCode, ReasonError, reason_for
 from policy.appeals.sqlite import SqliteAppealStore
+from policy.appeals.statement import StatementOfReasons, statement
 from registry.db.stores import StoreKind
 
 APPEAL_STORE: StoreKind[AppealStore] = StoreKind(
@@ -30,6 +32,7 @@ APPEAL_STORE: StoreKind[AppealStore] = StoreKind(
 __all__ = [
     "APPEAL_STATES",
     "APPEAL_STORE",
+    "DEFAULT_REASONS",
     "MAX_APPEAL_LIMIT",
     "TRANSITIONS",
     "UNDECIDED",
@@ -44,6 +47,11 @@ __all__ = [
     "InvalidTransitionError",
     "OwnAppealError",
     "PostgresAppealStore",
+    "ReasonCode",
+    "ReasonError",
     "SharedContent",
     "SqliteAppealStore",
+    "StatementOfReasons",
+    "reason_for",
+    "statement",
 ]

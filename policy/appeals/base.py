@@ -35,6 +35,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditStoreError
 
 AppealState = Literal["open", "in_review", "upheld", "overturned"]
@@ -93,7 +94,11 @@ class AppealEvent(msgspec.Struct, frozen=True, kw_only=True):
     actor: str  # key id of the filer or reviewer
     from_state: AppealState | None
     to_state: AppealState
-    note: str = ""
+    note: str = ""  # the actor's free text, internal
+    # A decision (to upheld or overturned): the reason given, whole, and the facts relied on (both public:
+    # the consumer's statement of reasons, `policy.appeals.statement`).
+    reason: ReasonCode | None = None
+    facts: str = ""
 
 
 EvidenceSource = Literal["retained", "consumer"]
@@ -174,11 +179,21 @@ def conflict(tenant: str, decision_seq: int) -> AppealConflictError:
 
 
 def step(
-    appeal: Appeal, to_state: str, *, n: int, actor: str, note: str, now: float
+    appeal: Appeal,
+    to_state: str,
+    *,
+    n: int,
+    actor: str,
+    note: str,
+    now: float,
+    reason: ReasonCode | None = None,
+    facts: str = "",
 ) -> tuple[Appeal, AppealEvent]:
     """The appeal moved to `to_state` and its event number `n` (InvalidTransitionError for a step
-    TRANSITIONS lacks)."""
+    TRANSITIONS lacks; ValueError for a reason given to another outcome)."""
     target = check_transition(appeal, to_state)
+    if reason is not None and reason.outcome != target:
+        raise ValueError(f"reason {reason.code} is a reason for {reason.outcome}, not {target}")
     event = AppealEvent(
         appeal_id=appeal.appeal_id,
         n=int(n),
@@ -187,6 +202,8 @@ def step(
         from_state=appeal.state,
         to_state=target,
         note=note,
+        reason=reason,
+        facts=facts,
     )
     return msgspec.structs.replace(appeal, state=target, updated_at=float(now)), event
 
@@ -253,10 +270,20 @@ class AppealStore(Protocol):
         ...
 
     async def transition(
-        self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float
+        self,
+        tenant: str | None,
+        appeal_id: str,
+        to_state: str,
+        *,
+        actor: str,
+        note: str,
+        now: float,
+        reason: ReasonCode | None = None,
+        facts: str = "",
     ) -> Appeal:
-        """Move the appeal to `to_state` and append the event, in one transaction; the appeal as it is now.
-        AppealNotFoundError, or InvalidTransitionError (nothing changes) for a step TRANSITIONS lacks."""
+        """Move the appeal to `to_state` and append the event (with the reason and facts of a decision), in
+        one transaction; the appeal as it is now. AppealNotFoundError, or InvalidTransitionError (nothing
+        changes) for a step TRANSITIONS lacks."""
         ...
 
     async def events(self, tenant: str | None, appeal_id: str) -> builtins.list[AppealEvent]:

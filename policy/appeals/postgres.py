@@ -26,6 +26,7 @@ from policy.appeals.base import (
     filing,
     step,
 )
+from policy.appeals.reasons import ReasonCode
 from policy.audit.base import AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from policy.audit.postgres import PostgresAuditStore
@@ -121,13 +122,24 @@ class PostgresAppealStore(PostgresStore):
         return [sql.appeal_from_row(row) for row in rows]
 
     async def transition(
-        self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float
+        self,
+        tenant: str | None,
+        appeal_id: str,
+        to_state: str,
+        *,
+        actor: str,
+        note: str,
+        now: float,
+        reason: ReasonCode | None = None,
+        facts: str = "",
     ) -> Appeal:
         """Move the appeal to `to_state` and append the event, in one transaction."""
         async with self._conn(write=True) as conn:
             appeal = await _find(conn, tenant, appeal_id, lock=True)
             n = await conn.fetchval(_NEXT_EVENT, appeal_id)
-            after, event = step(appeal, to_state, n=n, actor=actor, note=note, now=now)
+            after, event = step(
+                appeal, to_state, n=n, actor=actor, note=note, now=now, reason=reason, facts=facts
+            )
             await conn.execute(_SET_STATE, after.state, after.updated_at, appeal_id)
             await conn.execute(_INSERT_EVENT, *sql.event_row(event))
         return after

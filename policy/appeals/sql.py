@@ -39,9 +39,14 @@ def appeal_row(appeal: Appeal) -> tuple[Any, ...]:
     return tuple(getattr(appeal, name) for name in APPEAL_FIELDS)
 
 
+_encode = msgspec.json.Encoder()
+
+
 def event_row(event: AppealEvent) -> tuple[Any, ...]:
-    """An event as a row of EVENT_COLUMNS."""
-    return tuple(getattr(event, name) for name in EVENT_FIELDS)
+    """An event as a row of EVENT_COLUMNS (its reason as JSON)."""
+    row = {name: getattr(event, name) for name in EVENT_FIELDS}
+    row["reason"] = None if event.reason is None else _encode.encode(event.reason).decode()
+    return tuple(row.values())
 
 
 def evidence_row(evidence: AppealEvidence) -> tuple[Any, ...]:
@@ -65,7 +70,10 @@ def appeal_from_row(row: Iterable[Any]) -> Appeal:
 
 def event_from_row(row: Iterable[Any]) -> AppealEvent:
     """An event from a row selected as EVENT_COLUMNS."""
-    return msgspec.convert(dict(zip(EVENT_FIELDS, row, strict=True)), AppealEvent)
+    fields = dict(zip(EVENT_FIELDS, row, strict=True))
+    if fields["reason"] is not None:
+        fields["reason"] = msgspec.json.decode(fields["reason"])
+    return msgspec.convert(fields, AppealEvent)
 
 
 def scoped(tenant: str | None, appeal_id: str) -> tuple[str, tuple[Any, ...]]:

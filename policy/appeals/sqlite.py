@@ -23,6 +23,7 @@ from policy.appeals.base import (
     filing,
     step,
 )
+from policy.appeals.reasons import ReasonCode
 from policy.audit.base import AuditStoreError, AuditUnavailableError
 from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from registry.db.sqlite import Conn, SqliteStore, transaction
@@ -118,7 +119,16 @@ class SqliteAppealStore(SqliteStore):
         return await self._run(read)
 
     async def transition(
-        self, tenant: str | None, appeal_id: str, to_state: str, *, actor: str, note: str, now: float
+        self,
+        tenant: str | None,
+        appeal_id: str,
+        to_state: str,
+        *,
+        actor: str,
+        note: str,
+        now: float,
+        reason: ReasonCode | None = None,
+        facts: str = "",
     ) -> Appeal:
         """Move the appeal to `to_state` and append the event, in one transaction."""
 
@@ -126,7 +136,9 @@ class SqliteAppealStore(SqliteStore):
             with transaction(conn):
                 appeal = _find(conn, tenant, appeal_id)
                 (n,) = conn.execute(sql.NEXT_EVENT, (appeal_id,)).fetchone()
-                after, event = step(appeal, to_state, n=n, actor=actor, note=note, now=now)
+                after, event = step(
+                    appeal, to_state, n=n, actor=actor, note=note, now=now, reason=reason, facts=facts
+                )
                 conn.execute(sql.SET_STATE, (after.state, after.updated_at, appeal_id))
                 conn.execute(sql.INSERT_EVENT, sql.event_row(event))
             return after

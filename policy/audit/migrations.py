@@ -12,7 +12,7 @@ Tables (in the same database as the tenants, with their own migrations table)::
     appeals(appeal_id PK, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at)
         UNIQUE (tenant, decision_seq)      one appeal per decision; UPDATE may only move `state` along an
                                            allowed step (and set updated_at); no DELETE
-    appeal_events(appeal_id, n, at, actor, from_state, to_state, note)
+    appeal_events(appeal_id, n, at, actor, from_state, to_state, note, reason JSON NULL, facts)
         PRIMARY KEY (appeal_id, n)         append-only: no UPDATE, no DELETE
     appeal_evidence(appeal_id PK, tenant, content, content_hash, source, expires_at, attached_at)
                                            content a consumer shared with its appeal; no UPDATE; deleted
@@ -290,6 +290,14 @@ MIGRATIONS: tuple[Migration, ...] = (
                BEGIN RAISE EXCEPTION 'shared content is never changed, only deleted'; END $$""",
             """CREATE TRIGGER appeal_evidence_no_update BEFORE UPDATE ON appeal_evidence
                FOR EACH ROW EXECUTE FUNCTION appeal_evidence_no_update()""",
+        ),
+    ),
+    Migration(
+        version=7,
+        summary="appeal_events.reason, facts: the structured reason of a decision (policy.appeals.reasons)",
+        shared=(
+            "ALTER TABLE appeal_events ADD COLUMN reason TEXT",
+            "ALTER TABLE appeal_events ADD COLUMN facts TEXT NOT NULL DEFAULT ''",
         ),
     ),
 )

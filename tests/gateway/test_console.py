@@ -37,6 +37,9 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+# What the decide form sends for each button (its reason select's first option).
+UPHOLD = {"outcome": "uphold", "reason_uphold": "harmful_request"}
+OVERTURN = {"outcome": "overturn", "reason_overturn": "false_positive"}
 HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
 
 
@@ -240,7 +243,7 @@ async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Co
     async with console.client() as http:
         csrf = await console.login(http, "rev-global")
         path = f"/console/decisions/acme/{record.seq}"
-        done = await http.post(f"{path}/decide", data={"outcome": "uphold", "note": "fine", "csrf": csrf})
+        done = await http.post(f"{path}/decide", data={**UPHOLD, "note": "fine", "csrf": csrf})
         assert done.status_code == 200, done.text
         assert "upheld" in done.text
         again = await http.post(f"{path}/decide", data={"outcome": "overturn", "csrf": csrf})
@@ -254,7 +257,7 @@ async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Co
         ("in_review", "upheld"),
     ]
     reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
-    assert [(r.decision, r.reverses, r.detail) for r in reviews] == [("uphold", record.seq, "fine")]
+    assert [(r.decision, r.reverses, r.detail) for r in reviews] == [("uphold", record.seq, "harmful_request: fine")]
 
 
 def _configured(page_size: int, operator_reviewers_only: bool) -> Config:
@@ -311,7 +314,7 @@ async def test_the_queue_pages_to_a_late_appeal_and_it_can_be_decided(console: C
         decision = await http.get(path)
         assert 'value="overturn"' in decision.text
         assert late.appeal_id in decision.text
-        done = await http.post(f"{path}/decide", data={"outcome": "overturn", "note": "ok", "csrf": csrf})
+        done = await http.post(f"{path}/decide", data={**OVERTURN, "note": "ok", "csrf": csrf})
         assert done.status_code == 200, done.text
         assert await _queue_links(http) == undecided
     assert (await store.get("acme", late.appeal_id)).state == "overturned"
@@ -337,7 +340,7 @@ async def test_operator_reviewers_only_in_the_console(console: Console) -> None:
         assert await console.services.appeals.for_decisions("acme", [record.seq]) == []
         global_csrf = await console.login(everyone, "rev-global")
         assert 'value="overturn"' in (await everyone.get(path)).text
-        done = await everyone.post(f"{path}/decide", data={"outcome": "uphold", "csrf": global_csrf})
+        done = await everyone.post(f"{path}/decide", data={**UPHOLD, "csrf": global_csrf})
         assert done.status_code == 200, done.text
     reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
     assert [r.decision for r in reviews] == ["uphold"]

@@ -421,7 +421,10 @@ async def test_admin_audit_and_appeal_answers_match_the_document(gateway: Gatewa
     url = f"/audit/appeals/{appeal_id}/transition"
     await gw.call("reviewer", "POST", url, {"to": "in_review"}, route=step, status=200)
     await gw.call("reviewer", "POST", url, {"to": "open"}, route=step, status=409)
-    await gw.call("reviewer", "POST", url, {"to": "upheld", "note": "rightly"}, route=step, status=200)
+    await gw.call("reviewer", "POST", url, {"to": "upheld", "note": "rightly"}, route=step, status=400)
+    decided = {"to": "upheld", "note": "rightly", "reason_code": "harmful_request", "facts": "asks for harm"}
+    await gw.call("reviewer", "POST", url, decided, route=step, status=200)
+    await gw.call("acme", "GET", f"/v1/appeals/{appeal_id}", route="/v1/appeals/{appeal_id}", status=200)
 
     # A flagged decision nobody appealed, taken up by a reviewer from the queue.
     asked = await gw.chat("acme", "What is the capital of France?")

@@ -16,6 +16,7 @@ import policy.appeals
 import policy.audit
 from policy.appeals import (
     APPEAL_STATES,
+    DEFAULT_REASONS,
     TRANSITIONS,
     UNDECIDED,
     Appeal,
@@ -26,6 +27,7 @@ from policy.appeals import (
     PostgresAppealStore,
     SharedContent,
     SqliteAppealStore,
+    statement,
 )
 from policy.audit import SqliteAuditStore
 from tests.backends import PG_DSN, SqlBackend, sql_backend
@@ -379,3 +381,41 @@ async def test_an_appeal_whose_evidence_cannot_be_stored_is_not_filed(store: App
             shared=shared,
         )
     assert await store.evidence("acme", first.appeal_id) is None
+
+
+async def test_a_decision_keeps_its_reason_whole_and_the_consumers_statement_reads_it(
+    store: AppealStore,
+) -> None:
+    appeal = await file(store)
+    await store.transition("acme", appeal.appeal_id, "in_review", actor="rev", note="", now=110.0)
+    [overturn] = [r for r in DEFAULT_REASONS if r.code == "false_positive"]
+    with pytest.raises(ValueError, match="reason for overturned"):  # an overturn's reason cannot uphold
+        await store.transition(
+            "acme", appeal.appeal_id, "upheld", actor="rev", note="", now=115.0, reason=overturn
+        )
+    decided = await store.transition(
+        "acme",
+        appeal.appeal_id,
+        "overturned",
+        actor="rev",
+        note="internal: the rules matched a quote",
+        now=120.0,
+        reason=overturn,
+        facts="the prompt quotes a novel",
+    )
+    events = await store.events("acme", appeal.appeal_id)
+    assert (events[-1].reason, events[-1].facts) == (overturn, "the prompt quotes a novel")
+    assert (events[0].reason, events[1].reason, events[1].facts) == (None, None, "")
+    said = statement(decided, events, automated_detection=True)
+    assert said is not None
+    assert (said.outcome, said.reason_code, said.ground, said.text, said.facts, said.decided_at) == (
+        "overturned",
+        "false_positive",
+        "none",
+        overturn.text,
+        "the prompt quotes a novel",
+        120.0,
+    )
+    assert (said.automated_detection, said.automated_decision) == (True, False)
+    assert "internal" not in str(said)
+    assert statement(await file(store, seq=2), [], automated_detection=True) is None  # undecided
