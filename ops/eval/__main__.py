@@ -9,6 +9,7 @@
     python -m ops.eval report --scores scores.jsonl --data ops/eval/data/dev.jsonl
                               [--band escalate|block] [--split test] [--json]
     python -m ops.eval replies --key KEY [--url http://127.0.0.1:8080] [--count 200] [--split test]
+    python -m ops.eval overturned --key REVIEWER_KEY [--url http://127.0.0.1:8080] --out overturned.jsonl
     python -m ops.eval calibrate --scores scores.jsonl --data ops/eval/data/guard --split calibration
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
                               [--everyday-fpr 0.03]
@@ -24,6 +25,7 @@ model stages' thresholds on the calibration split under a declared budget (`ops/
 for prompts and one for outputs, and prints them (in `--thresholds` syntax) with the budget met; replay them
 on `--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
 `--split`, when given) that have scores, and print markdown (or the report's JSON with `--json`).
+`overturned` exports the blocks reviewers overturned as labelled false positives (`ops/eval/feedback.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import httpx
 import msgspec
 
 from guard.labelled import LabelledItem, load_items
-from ops.eval import reply_check
+from ops.eval import feedback, reply_check
 from ops.eval.calibrate import Budget, calibrate
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.evaluation import (
@@ -52,6 +54,7 @@ from ops.eval.evaluation import (
     score_with_cascade,
     show_thresholds,
 )
+from ops.eval.feedback import ExportCounts, FalsePositive
 from ops.eval.reply_check import ReplyCheck
 from ops.eval.report import render
 from registry.errors import InvalidError
@@ -208,6 +211,23 @@ def _cmd_replies(args: argparse.Namespace) -> int:
     return 0 if result.verdicts["cut"] == 0 else 1
 
 
+def _cmd_overturned(args: argparse.Namespace) -> int:
+    async def run() -> tuple[list[FalsePositive], ExportCounts]:
+        headers = {"authorization": f"Bearer {args.key}"}
+        async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout) as http:
+            return await feedback.export(http)
+
+    items, counts = asyncio.run(run())
+    args.out.write_bytes(b"".join(msgspec.json.encode(item) + b"\n" for item in items))
+    print(
+        f"{counts.read} overturned appeals: {counts.exported} false positives written to {args.out}, "
+        f"{counts.not_a_block} not of a block, {counts.no_content} without content (neither retained nor "
+        "shared with the appeal)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ops.eval", description="Evaluate guard cascades.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -277,6 +297,15 @@ def _parser() -> argparse.ArgumentParser:
         "--split", choices=("train", "calibration", "test"), default="test", help="the prompts' split"
     )
     replies.set_defaults(run=_cmd_replies)
+
+    overturned = commands.add_parser(
+        "overturned", help="export the blocks reviewers overturned as labelled false positives (JSONL)"
+    )
+    overturned.add_argument("--key", required=True, help="a reviewer key (the appeals it may see)")
+    overturned.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway")
+    overturned.add_argument("--out", type=Path, required=True, help="where to write the items (JSONL)")
+    overturned.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    overturned.set_defaults(run=_cmd_overturned)
 
     for sub in (replay, report, calibration):
         sub.add_argument("--scores", type=Path, required=True, help="scores written by `score` (JSONL)")

@@ -17,6 +17,7 @@ from gateway.app import create_app
 from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
+from ops.eval import feedback
 from policy.appeals import DEFAULT_REASONS
 from policy.audit.records import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT
@@ -576,3 +577,37 @@ async def test_a_decision_needs_a_configured_reason_of_its_outcome(gateway: Gate
     assert statement["category"] == "STATEMENT_CATEGORY_ILLEGAL_OR_HARMFUL_SPEECH"
     # Another tenant never reads it.
     error(await gateway.call("beta", "GET", f"/v1/appeals/{appeal_id}"), 404, "appeal_not_found")
+
+
+async def test_overturned_blocks_export_as_labelled_false_positives(gateway: Gateway) -> None:
+    async def decide(appeal_id: str, to: str) -> None:
+        assert (await gateway.step("rev-acme", appeal_id, "in_review")).status_code == 200
+        assert (await gateway.step("rev-acme", appeal_id, to, "checked")).status_code == 200
+
+    # A block appealed with its text, overturned: the one false positive to export.
+    shared_id, shared_block = await gateway.blocked("acme")
+    body = {"request_id": shared_id, "reason": "harmless", "content": INJECTION}
+    filed = await gateway.call("acme", "POST", "/v1/appeals", body)
+    assert filed.status_code == 201, filed.text
+    await decide(filed.json()["appeal_id"], "overturned")
+    # A block overturned without any content to label; one upheld; a flag taken up and overturned.
+    bare_id, _bare = await gateway.blocked("acme")
+    await decide((await gateway.appeal("acme", bare_id))["appeal_id"], "overturned")
+    kept_id, _kept = await gateway.blocked("acme")
+    await decide((await gateway.appeal("acme", kept_id))["appeal_id"], "upheld")
+    flagged = await gateway.flagged("acme")
+    taken = await gateway.call("rev-acme", "POST", f"/audit/decisions/acme/{flagged.seq}/appeal")
+    await decide(taken.json()["appeal_id"], "overturned")
+
+    headers = {"authorization": f"Bearer {gateway.keys['rev-acme']}"}
+    async with httpx.AsyncClient(base_url=gateway.http.base_url, headers=headers, timeout=30) as http:
+        items, counts = await feedback.export(http)
+    assert (counts.read, counts.exported, counts.no_content, counts.not_a_block) == (3, 1, 1, 1)
+    [item] = items
+    assert (item.text, item.label, item.shape, item.content_from) == (INJECTION, "safe", "prompt", "appeal")
+    assert (item.tenant, item.decision_seq, item.reason_code) == ("acme", shared_block.seq, "false_positive")
+    assert (item.category, item.policy) == (shared_block.category or "", shared_block.policy)
+    # Another tenant's reviewer exports nothing of acme's.
+    headers = {"authorization": f"Bearer {gateway.keys['rev-beta']}"}
+    async with httpx.AsyncClient(base_url=gateway.http.base_url, headers=headers, timeout=30) as http:
+        assert (await feedback.export(http))[0] == []
