@@ -348,6 +348,9 @@ class AppealsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # The reasons a reviewer may give for upholding or overturning (`policy.appeals.reasons`): unique codes,
     # at least one per outcome; each with its DSA ground and category and the text the consumer reads.
     reasons: tuple[ReasonCode, ...] = DEFAULT_REASONS
+    # Seconds a reviewer's claim on an appeal lasts (`POST /audit/appeals/{id}/claim`, renewed by claiming
+    # again): meanwhile no other reviewer may step or decide it.
+    claim_lease: Annotated[float, msgspec.Meta(gt=0)] = 900.0
 
     def __post_init__(self) -> None:
         check_reasons(self.reasons)

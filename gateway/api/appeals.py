@@ -26,6 +26,10 @@ Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of 
                                                 reviewer's behalf, to be decided like any other
     GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
     GET  /audit/appeals/{appeal_id}             the appeal and its events
+    POST /audit/appeals/{appeal_id}/claim       take (or renew) the appeal for review: a lease of
+                                                `[appeals] claim_lease` s, during which no other reviewer
+                                                may step or decide it (409 `claimed`, naming the holder)
+    DELETE /audit/appeals/{appeal_id}/claim     give it back (the caller's own claim only)
     POST /audit/appeals/{appeal_id}/transition  {to, note, reason_code, facts}: open -> in_review ->
                                                 upheld | overturned; a decision needs a reason_code of
                                                 `[appeals] reasons` for its outcome (400 `invalid_reason`)
@@ -45,7 +49,7 @@ from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from litestar import Request, get, post
+from litestar import Request, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
@@ -74,6 +78,8 @@ from policy.appeals.base import (
     APPEAL_STATES,
     MAX_APPEAL_LIMIT,
     Appeal,
+    AppealClaim,
+    AppealClaimedError,
     AppealConflictError,
     AppealEvent,
     AppealEvidence,
@@ -142,6 +148,8 @@ async def _store(call: Awaitable[T]) -> T:
         raise NotFoundError(str(exc), code="appeal_not_found") from exc
     except AppealConflictError as exc:
         raise ConflictAPIError(str(exc), code="already_appealed") from exc
+    except AppealClaimedError as exc:
+        raise ConflictAPIError(str(exc), code="claimed") from exc
     except InvalidTransitionError as exc:
         raise ConflictAPIError(str(exc), param="to", code="invalid_transition") from exc
     except NotReviewableError as exc:
@@ -385,6 +393,36 @@ async def transition_appeal(
     return await _detail(services, appeal, review_seq)
 
 
+def _claim(services: Services, scope: str | None, appeal_id: str, reviewer: str) -> Awaitable[AppealClaim]:
+    lease = services.config.appeals.claim_lease
+    return services.appeals.claim(scope, appeal_id, reviewer, now=services.clock(), lease=lease)
+
+
+@post("/audit/appeals/{appeal_id:str}/claim", status_code=HTTP_200_OK, responses=errors(400, 404, 409))
+async def claim_appeal(
+    appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> AppealClaim:
+    """Take an undecided appeal for review, or renew the caller's claim on it."""
+    return await _store(_claim(services, reviewer_scope(principal), appeal_id, principal.key.key_id))
+
+
+class ClaimRelease(msgspec.Struct, frozen=True, kw_only=True):
+    """`DELETE /audit/appeals/{id}/claim`: whether the caller held a claim that is now given back."""
+
+    appeal_id: str
+    released: bool
+
+
+@delete("/audit/appeals/{appeal_id:str}/claim", status_code=HTTP_200_OK, responses=errors(400, 404))
+async def release_appeal(
+    appeal_id: FromPath[str], services: NamedDependency[Services], principal: NamedDependency[Principal]
+) -> ClaimRelease:
+    """Give back the caller's claim on an appeal (released false when it held none)."""
+    scope, reviewer = reviewer_scope(principal), principal.key.key_id
+    released = await _store(services.appeals.release(scope, appeal_id, reviewer))
+    return ClaimRelease(appeal_id=appeal_id, released=released)
+
+
 ROUTES = [
     secured(
         "appeals",
@@ -395,6 +433,8 @@ ROUTES = [
             take_up_decision,
             list_appeals,
             review_appeal,
+            claim_appeal,
+            release_appeal,
             transition_appeal,
         ],
     )

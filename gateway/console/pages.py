@@ -90,6 +90,7 @@ async def queue(
         waiting.flagged,
         truncated=waiting.truncated,
         next_after=waiting.last_id if waiting.has_more else None,
+        claims=waiting.claims,
         csrf=reviewer.session.csrf,
         who=reviewer.who,
     )
@@ -157,15 +158,18 @@ async def _show(
         raise PageError(404, "no such decision", reviewer.session, reviewer.who)
     record = await call(reviewer, services.audit.get(tenant, seq))
     appeal = await call(reviewer, appeal_of(services, record))
-    events, evidence = [], None
+    events, evidence, claim = [], None, None
     if appeal is not None:
         events = await call(reviewer, services.appeals.events(tenant, appeal.appeal_id))
         evidence = await call(reviewer, services.appeals.evidence(tenant, appeal.appeal_id))
+        claims = await call(reviewer, services.appeals.claims([appeal.appeal_id], services.clock()))
+        claim = claims.get(appeal.appeal_id)
     body = views.decision_page(
         record,
         appeal,
         events,
         evidence=evidence,
+        claim=claim,
         decidable=decidable(record, appeal) and may_decide(services, reviewer.scope),
         reasons=services.config.appeals.reasons,
         outcome=outcome,
@@ -187,6 +191,30 @@ async def decision(
     if reviewer is None:
         return Redirect("/console", status_code=303)
     _record, _appeal, body = await _show(services, reviewer, tenant, seq)
+    return html(body)
+
+
+@post("/decisions/{tenant:str}/{seq:int}/claim", status_code=200)
+async def claim(
+    tenant: FromPath[str],
+    seq: FromPath[int],
+    request: Request[Any, Any, Any],
+    services: NamedDependency[Services],
+) -> Response[str]:
+    """Claim a decision for review (taking it up first if nobody has appealed it): while the claim lasts,
+    other reviewers see who has it and cannot decide it."""
+    reviewer, _fields = await posted(request, services)
+    record, appeal, _body = await _show(services, reviewer, tenant, seq)
+    if not decidable(record, appeal):
+        raise PageError(409, "this decision cannot be reviewed (again)", reviewer.session, reviewer.who)
+    actor, now = reviewer.principal.key.key_id, services.clock()
+    if appeal is None:
+        appeal = await call(reviewer, take_up(services, record, actor, now))
+    lease = services.config.appeals.claim_lease
+    taking = services.appeals.claim(reviewer.scope, appeal.appeal_id, actor, now=now, lease=lease)
+    held = await call(reviewer, taking)
+    outcome = f"Claimed until {views.when(held.expires_at)}."
+    _record, _appeal, body = await _show(services, reviewer, tenant, seq, outcome)
     return html(body)
 
 
@@ -267,7 +295,7 @@ async def policies(request: Request[Any, Any, Any], services: NamedDependency[Se
 ROUTES = [
     Router(
         path="/console",
-        route_handlers=[queue, login, logout, decision, decide, policies],
+        route_handlers=[queue, login, logout, decision, claim, decide, policies],
         exception_handlers={PageError: error_response},
         # HTML pages for a browser (session cookie, CSRF forms), not an API: left out of the OpenAPI document.
         include_in_schema=False,

@@ -33,7 +33,12 @@ from gateway.console.sessions import (
 from gateway.edge.security import reviewer_scope
 from gateway.errors import APIError
 from gateway.services import Services
-from policy.appeals.base import AppealConflictError, AppealNotFoundError, InvalidTransitionError
+from policy.appeals.base import (
+    AppealClaimedError,
+    AppealConflictError,
+    AppealNotFoundError,
+    InvalidTransitionError,
+)
 from policy.audit.base import AuditUnavailableError
 from policy.audit.base import NotFoundError as AuditNotFoundError
 from policy.auth import AuthError, Principal
@@ -166,7 +171,7 @@ async def call(reviewer: Reviewer, step: Awaitable[T]) -> T:
         return await step
     except (AuditNotFoundError, AppealNotFoundError) as exc:
         raise PageError(404, "no such decision", reviewer.session, reviewer.who) from exc
-    except (AppealConflictError, InvalidTransitionError) as exc:
+    except (AppealConflictError, AppealClaimedError, InvalidTransitionError) as exc:
         raise PageError(409, f"{exc}; reload the page", reviewer.session, reviewer.who) from exc
     except AuditUnavailableError as exc:
         message = "the audit database is unavailable; try again shortly"

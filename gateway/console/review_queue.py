@@ -24,7 +24,7 @@ import msgspec
 
 from gateway.errors import StoreUnavailableError
 from gateway.services import Services
-from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
+from policy.appeals.base import UNDECIDED, Appeal, AppealClaim, AppealState, OwnAppealError
 from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
@@ -49,6 +49,8 @@ class AppealPage(msgspec.Struct, frozen=True, kw_only=True):
     data: list[Appeal]
     has_more: bool
     last_id: str | None
+    # The live claims on the page's appeals, by appeal id: who reviews it, until when.
+    claims: dict[str, AppealClaim] = {}
 
 
 class ReviewQueue(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +63,8 @@ class ReviewQueue(msgspec.Struct, frozen=True, kw_only=True):
     last_id: str | None
     flagged: list[AuditRecord]
     truncated: bool
+    # The live claims on the page's appeals, by appeal id.
+    claims: dict[str, AppealClaim] = {}
 
 
 class NotReviewableError(Exception):
@@ -84,7 +88,9 @@ async def appeal_page(
     page = await services.appeals.list(scope, state, limit, after)
     # A full page asks for one more row, so that the last page never claims a next one.
     more = len(page) >= limit and bool(await services.appeals.list(scope, state, 1, page[-1].appeal_id))
-    return AppealPage(data=page, has_more=more, last_id=page[-1].appeal_id if page else None)
+    undecided = [a.appeal_id for a in page if a.state in UNDECIDED]
+    claims = await services.appeals.claims(undecided, services.clock())
+    return AppealPage(data=page, has_more=more, last_id=page[-1].appeal_id if page else None, claims=claims)
 
 
 async def review_queue(
@@ -102,6 +108,7 @@ async def review_queue(
         last_id=appeals.last_id,
         flagged=flagged[:limit],
         truncated=truncated or len(flagged) > limit,
+        claims=appeals.claims,
     )
 
 

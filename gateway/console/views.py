@@ -7,11 +7,11 @@ Content-Security-Policy (set by `gateway.console.pages`) forbids fetching anythi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from urllib.parse import quote
 
-from policy.appeals.base import Appeal, AppealEvent, AppealEvidence
+from policy.appeals.base import Appeal, AppealClaim, AppealEvent, AppealEvidence
 from policy.appeals.reasons import ReasonCode
 from policy.audit.records import AuditedStage, AuditRecord
 
@@ -92,14 +92,16 @@ def queue_page(
     *,
     truncated: bool,
     next_after: str | None,
+    claims: Mapping[str, AppealClaim] | None = None,
     csrf: str,
     who: str,
 ) -> str:
-    """A page of open and in-review appeals (oldest filed first; a link to the next page after the appeal
-    `next_after`), then flagged decisions nobody has reviewed, newest first."""
+    """A page of open and in-review appeals (oldest filed first, with who has claimed each; a link to the
+    next page after the appeal `next_after`), then flagged decisions nobody has reviewed, newest first."""
+    claims = claims or {}
     appeal_rows = "".join(
         f"<tr><td>{_link(a.tenant, a.decision_seq)}</td><td>{_t(a.state)}</td><td>{_t(when(a.filed_at))}"
-        f"</td><td>{_t(a.filed_by)}</td><td>{_t(a.reason)}</td></tr>"
+        f"</td><td>{_t(a.filed_by)}</td><td>{_t(a.reason)}</td><td>{_claimed(claims.get(a.appeal_id))}</td></tr>"
         for a in appeals
     )
     flagged_rows = "".join(
@@ -113,12 +115,18 @@ def queue_page(
         more = f'<p><a id="next" href="/console?after={_q(next_after)}">Next</a></p>'
     body = (
         '<h2>Appeals</h2><table id="appeals"><tr><th>Decision</th><th>State</th><th>Filed</th><th>By</th>'
-        f"<th>Reason</th></tr>{appeal_rows or '<tr><td colspan=5>None open</td></tr>'}</table>{more}"
+        "<th>Reason</th><th>Claimed</th></tr>"
+        f"{appeal_rows or '<tr><td colspan=6>None open</td></tr>'}</table>{more}"
         '<h2>Flagged decisions</h2><table id="flagged"><tr><th>Decision</th><th>Outcome</th><th>Source</th>'
         "<th>Policy</th><th>Category</th><th>At</th></tr>"
         f"{flagged_rows or '<tr><td colspan=6>None to review</td></tr>'}</table>{note}"
     )
     return page("Review queue", body, csrf=csrf, who=who)
+
+
+def _claimed(claim: AppealClaim | None) -> str:
+    """Who has claimed an appeal, until when ("" when nobody has)."""
+    return "" if claim is None else f"{_t(claim.reviewer)} until {_t(when(claim.expires_at))}"
 
 
 def _stage_row(run: AuditedStage) -> str:
@@ -154,6 +162,7 @@ def decision_page(
     events: Iterable[AppealEvent],
     *,
     evidence: AppealEvidence | None = None,
+    claim: AppealClaim | None = None,
     decidable: bool,
     reasons: Sequence[ReasonCode] = (),
     outcome: str = "",
@@ -203,6 +212,12 @@ def decision_page(
             f"<th>From</th><th>To</th><th>Reason</th><th>Facts</th><th>Note</th></tr>{rows}</table>"
         )
     if decidable:
+        claim_action = f"/console/decisions/{_t(record.tenant)}/{record.seq}/claim"
+        held = f"Claimed by {_claimed(claim)}." if claim is not None else "Nobody has claimed it."
+        body += (
+            f'<h2>Claim</h2><p id="claim">{held}</p><form method="post" action="{claim_action}">'
+            f'{csrf_field(csrf)}<button type="submit" id="claim-button">Claim for review</button></form>'
+        )
         action = f"/console/decisions/{_t(record.tenant)}/{record.seq}/decide"
         choices = ""
         for button, outcome, label in _DECISIONS:

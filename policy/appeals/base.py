@@ -62,6 +62,16 @@ class AppealConflictError(AppealError):
     """The decision already has an appeal (one appeal per decision)."""
 
 
+class AppealClaimedError(AppealError):
+    """Another reviewer holds a live claim on the appeal: it is theirs to review until the claim expires."""
+
+    def __init__(self, claim: AppealClaim) -> None:
+        super().__init__(
+            f"appeal {claim.appeal_id} is claimed by {claim.reviewer} until {claim.expires_at:.0f} (unix s)"
+        )
+        self.claim = claim
+
+
 class InvalidTransitionError(AppealError):
     """The appeal's current state does not allow the requested step."""
 
@@ -83,6 +93,15 @@ class Appeal(msgspec.Struct, frozen=True, kw_only=True):
     filed_by: str  # key id
     filed_at: float
     updated_at: float
+
+
+class AppealClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """A reviewer's claim on an undecided appeal: others see who has it, and may not decide it, until
+    `expires_at` (a lease the holder renews by claiming again)."""
+
+    appeal_id: str
+    reviewer: str  # key id
+    expires_at: float
 
 
 class AppealEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +147,18 @@ class AppealEvidence(SharedContent, frozen=True, kw_only=True):
 def new_appeal_id() -> str:
     """A fresh appeal id: 128 random bits, so ids of other tenants cannot be guessed."""
     return f"apl_{secrets.token_hex(16)}"
+
+
+def check_claim(holder: AppealClaim | None, actor: str, now: float) -> None:
+    """AppealClaimedError when `holder` is a live claim (at `now`) of another reviewer than `actor`."""
+    if holder is not None and holder.expires_at >= now and holder.reviewer != actor:
+        raise AppealClaimedError(holder)
+
+
+def check_claimable(appeal: Appeal) -> None:
+    """InvalidTransitionError for a decided appeal: there is nothing left to claim."""
+    if appeal.state not in UNDECIDED:
+        raise InvalidTransitionError(f"appeal {appeal.appeal_id} is {appeal.state}: it cannot be claimed")
 
 
 def check_transition(appeal: Appeal, to_state: str) -> AppealState:
@@ -282,12 +313,31 @@ class AppealStore(Protocol):
         facts: str = "",
     ) -> Appeal:
         """Move the appeal to `to_state` and append the event (with the reason and facts of a decision), in
-        one transaction; the appeal as it is now. AppealNotFoundError, or InvalidTransitionError (nothing
-        changes) for a step TRANSITIONS lacks."""
+        one transaction; the appeal as it is now. AppealNotFoundError, InvalidTransitionError (nothing
+        changes) for a step TRANSITIONS lacks, AppealClaimedError while another reviewer than `actor`
+        holds a live claim on it (at `now`)."""
         ...
 
     async def events(self, tenant: str | None, appeal_id: str) -> builtins.list[AppealEvent]:
         """The appeal's events in order (n = 1, 2, ...), or AppealNotFoundError."""
+        ...
+
+    async def claim(
+        self, tenant: str | None, appeal_id: str, reviewer: str, *, now: float, lease: float
+    ) -> AppealClaim:
+        """Claim an undecided appeal for `reviewer` until now + lease (renewing the reviewer's own claim),
+        atomically: AppealClaimedError while another reviewer's claim is live, InvalidTransitionError for a
+        decided appeal, AppealNotFoundError outside the caller's view."""
+        ...
+
+    async def release(self, tenant: str | None, appeal_id: str, reviewer: str) -> bool:
+        """Drop `reviewer`'s claim on the appeal; whether there was one. AppealNotFoundError outside the
+        caller's view."""
+        ...
+
+    async def claims(self, appeal_ids: Collection[str], now: float) -> dict[str, AppealClaim]:
+        """The live claims (expires_at >= now) on these appeals, by appeal id (the caller has read the
+        appeals in its own view)."""
         ...
 
     async def close(self) -> None:

@@ -17,11 +17,14 @@ import asyncpg  # type: ignore[import-untyped]
 from policy.appeals import sql
 from policy.appeals.base import (
     Appeal,
+    AppealClaim,
     AppealEvent,
     AppealEvidence,
     AppealNotFoundError,
     AppealState,
     SharedContent,
+    check_claim,
+    check_claimable,
     conflict,
     filing,
     step,
@@ -40,6 +43,12 @@ _EVENTS = numbered(sql.EVENTS)
 _INSERT_EVIDENCE = numbered(sql.INSERT_EVIDENCE)
 _EVIDENCE = numbered(sql.EVIDENCE)
 _PURGE_EVIDENCE = numbered(sql.PURGE_EVIDENCE)
+_CLAIM = numbered(sql.CLAIM)
+_HOLDER = numbered(sql.HOLDER)
+_RELEASE = numbered(sql.RELEASE)
+_LIVE_CLAIMS = (
+    f"SELECT {sql.CLAIM_COLUMNS} FROM appeal_claims WHERE appeal_id = ANY($1::text[]) AND expires_at >= $2"
+)
 _FOR_DECISIONS = (
     f"SELECT {sql.APPEAL_COLUMNS} FROM appeals WHERE tenant = $1 AND decision_seq = ANY($2::bigint[])"
 )
@@ -136,6 +145,7 @@ class PostgresAppealStore(PostgresStore):
         """Move the appeal to `to_state` and append the event, in one transaction."""
         async with self._conn(write=True) as conn:
             appeal = await _find(conn, tenant, appeal_id, lock=True)
+            check_claim(sql.claim_from_row(await conn.fetchrow(_HOLDER, appeal_id)), actor, now)
             n = await conn.fetchval(_NEXT_EVENT, appeal_id)
             after, event = step(
                 appeal, to_state, n=n, actor=actor, note=note, now=now, reason=reason, facts=facts
@@ -163,3 +173,31 @@ class PostgresAppealStore(PostgresStore):
         async with self._conn(write=True) as conn:
             status = await conn.execute(_PURGE_EVIDENCE, now)
         return int(status.split()[-1])
+
+    async def claim(
+        self, tenant: str | None, appeal_id: str, reviewer: str, *, now: float, lease: float
+    ) -> AppealClaim:
+        """Claim (or renew the claim on) an undecided appeal, unless another reviewer's claim is live."""
+        async with self._conn(write=True) as conn:
+            check_claimable(await _find(conn, tenant, appeal_id, lock=True))
+            row = await conn.fetchrow(_CLAIM, appeal_id, reviewer, now + lease, now)
+            held = sql.claim_from_row(row or await conn.fetchrow(_HOLDER, appeal_id))
+        assert held is not None  # the insert landed, or a live claim stopped it
+        check_claim(held, reviewer, now)
+        return held
+
+    async def release(self, tenant: str | None, appeal_id: str, reviewer: str) -> bool:
+        """Drop the reviewer's claim on the appeal."""
+        async with self._conn(write=True) as conn:
+            await _find(conn, tenant, appeal_id)
+            status = await conn.execute(_RELEASE, appeal_id, reviewer)
+        return bool(int(status.split()[-1]))
+
+    async def claims(self, appeal_ids: Collection[str], now: float) -> dict[str, AppealClaim]:
+        """The live claims on these appeals."""
+        if not appeal_ids:
+            return {}
+        async with self._conn() as conn:
+            rows = await conn.fetch(_LIVE_CLAIMS, sorted(set(appeal_ids)), now)
+        claims = [sql.claim_from_row(row) for row in rows]
+        return {c.appeal_id: c for c in claims if c is not None}

@@ -11,7 +11,15 @@ from typing import Any
 
 import msgspec
 
-from policy.appeals.base import Appeal, AppealEvent, AppealEvidence, AppealState, page_size, states_of
+from policy.appeals.base import (
+    Appeal,
+    AppealClaim,
+    AppealEvent,
+    AppealEvidence,
+    AppealState,
+    page_size,
+    states_of,
+)
 from policy.audit.migrations import read_content, stored_content
 
 # Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
@@ -32,6 +40,16 @@ INSERT_EVIDENCE = (
 )
 EVIDENCE = f"SELECT {EVIDENCE_COLUMNS} FROM appeal_evidence WHERE appeal_id = ?"
 PURGE_EVIDENCE = "DELETE FROM appeal_evidence WHERE expires_at < ?"
+CLAIM_COLUMNS = "appeal_id, reviewer, expires_at"
+# Take or renew a claim in one statement: it lands unless another reviewer's claim is still live.
+CLAIM = (
+    f"INSERT INTO appeal_claims ({CLAIM_COLUMNS}) VALUES (?, ?, ?) ON CONFLICT (appeal_id) DO UPDATE"
+    " SET reviewer = excluded.reviewer, expires_at = excluded.expires_at"
+    " WHERE appeal_claims.expires_at < ? OR appeal_claims.reviewer = excluded.reviewer"
+    f" RETURNING {CLAIM_COLUMNS}"
+)
+HOLDER = f"SELECT {CLAIM_COLUMNS} FROM appeal_claims WHERE appeal_id = ?"
+RELEASE = "DELETE FROM appeal_claims WHERE appeal_id = ? AND reviewer = ?"
 
 
 def appeal_row(appeal: Appeal) -> tuple[Any, ...]:
@@ -61,6 +79,20 @@ def evidence_from_row(row: Iterable[Any]) -> AppealEvidence:
     fields = dict(zip(EVIDENCE_FIELDS, row, strict=True))
     fields["content"] = read_content(fields["content"])
     return msgspec.convert(fields, AppealEvidence)
+
+
+def claim_from_row(row: Iterable[Any] | None) -> AppealClaim | None:
+    """A claim from a row selected as CLAIM_COLUMNS (None for no row)."""
+    if row is None:
+        return None
+    appeal_id, reviewer, expires_at = row
+    return AppealClaim(appeal_id=appeal_id, reviewer=reviewer, expires_at=expires_at)
+
+
+def live_claims(count: int) -> str:
+    """The statement selecting the live claims of `count` appeal ids (then the time)."""
+    marks = ", ".join("?" for _ in range(count))
+    return f"SELECT {CLAIM_COLUMNS} FROM appeal_claims WHERE appeal_id IN ({marks}) AND expires_at >= ?"
 
 
 def appeal_from_row(row: Iterable[Any]) -> Appeal:

@@ -14,11 +14,14 @@ from collections.abc import Collection
 from policy.appeals import sql
 from policy.appeals.base import (
     Appeal,
+    AppealClaim,
     AppealEvent,
     AppealEvidence,
     AppealNotFoundError,
     AppealState,
     SharedContent,
+    check_claim,
+    check_claimable,
     conflict,
     filing,
     step,
@@ -135,6 +138,7 @@ class SqliteAppealStore(SqliteStore):
         def move(conn: Conn) -> Appeal:
             with transaction(conn):
                 appeal = _find(conn, tenant, appeal_id)
+                check_claim(sql.claim_from_row(conn.execute(sql.HOLDER, (appeal_id,)).fetchone()), actor, now)
                 (n,) = conn.execute(sql.NEXT_EVENT, (appeal_id,)).fetchone()
                 after, event = step(
                     appeal, to_state, n=n, actor=actor, note=note, now=now, reason=reason, facts=facts
@@ -180,3 +184,45 @@ class SqliteAppealStore(SqliteStore):
                 return conn.execute(sql.PURGE_EVIDENCE, (now,)).rowcount
 
         return await self._run(purge)
+
+    async def claim(
+        self, tenant: str | None, appeal_id: str, reviewer: str, *, now: float, lease: float
+    ) -> AppealClaim:
+        """Claim (or renew the claim on) an undecided appeal, unless another reviewer's claim is live."""
+
+        def take(conn: Conn) -> AppealClaim:
+            with transaction(conn):
+                check_claimable(_find(conn, tenant, appeal_id))
+                row = conn.execute(sql.CLAIM, (appeal_id, reviewer, now + lease, now)).fetchone()
+                held = sql.claim_from_row(row or conn.execute(sql.HOLDER, (appeal_id,)).fetchone())
+            assert held is not None  # the insert landed, or a live claim stopped it
+            check_claim(held, reviewer, now)
+            return held
+
+        return await self._run(take)
+
+    async def release(self, tenant: str | None, appeal_id: str, reviewer: str) -> bool:
+        """Drop the reviewer's claim on the appeal."""
+
+        def drop(conn: Conn) -> bool:
+            with transaction(conn):
+                _find(conn, tenant, appeal_id)
+                return conn.execute(sql.RELEASE, (appeal_id, reviewer)).rowcount > 0
+
+        return await self._run(drop)
+
+    async def claims(self, appeal_ids: Collection[str], now: float) -> dict[str, AppealClaim]:
+        """The live claims on these appeals."""
+        wanted = sorted(set(appeal_ids))
+
+        def read(conn: Conn) -> dict[str, AppealClaim]:
+            found: dict[str, AppealClaim] = {}
+            for start in range(0, len(wanted), _SEQS_PER_QUERY):
+                chunk = wanted[start : start + _SEQS_PER_QUERY]
+                for row in conn.execute(sql.live_claims(len(chunk)), (*chunk, now)):
+                    claim = sql.claim_from_row(row)
+                    assert claim is not None
+                    found[claim.appeal_id] = claim
+            return found
+
+        return await self._run(read) if wanted else {}

@@ -17,6 +17,8 @@ Tables (in the same database as the tenants, with their own migrations table)::
     appeal_evidence(appeal_id PK, tenant, content, content_hash, source, expires_at, attached_at)
                                            content a consumer shared with its appeal; no UPDATE; deleted
                                            once expires_at is past (`AppealStore.purge_evidence`)
+    appeal_claims(appeal_id PK, reviewer, expires_at)
+                                           who reviews an undecided appeal, until when (a lease)
 
 The triggers make the log evidence in the database itself, not by convention (as `admin_changes` is for
 the tenant store). Never edit a released migration: append a new one.
@@ -298,6 +300,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         shared=(
             "ALTER TABLE appeal_events ADD COLUMN reason TEXT",
             "ALTER TABLE appeal_events ADD COLUMN facts TEXT NOT NULL DEFAULT ''",
+        ),
+    ),
+    Migration(
+        version=8,
+        summary="appeal_claims: which reviewer has an undecided appeal, until when (a lease)",
+        shared=(
+            """CREATE TABLE appeal_claims (
+                appeal_id TEXT PRIMARY KEY REFERENCES appeals (appeal_id),
+                reviewer TEXT NOT NULL,
+                expires_at DOUBLE PRECISION NOT NULL
+            )""",
         ),
     ),
 )

@@ -611,3 +611,35 @@ async def test_overturned_blocks_export_as_labelled_false_positives(gateway: Gat
     headers = {"authorization": f"Bearer {gateway.keys['rev-beta']}"}
     async with httpx.AsyncClient(base_url=gateway.http.base_url, headers=headers, timeout=30) as http:
         assert (await feedback.export(http))[0] == []
+
+
+async def test_two_reviewers_never_work_the_same_appeal(gateway: Gateway) -> None:
+    request_id, _block = await gateway.blocked("acme")
+    appeal_id = (await gateway.appeal("acme", request_id))["appeal_id"]
+    claim = f"/audit/appeals/{appeal_id}/claim"
+    taken = await gateway.call("rev-acme", "POST", claim)
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["reviewer"] == gateway.key_ids["rev-acme"]
+    lease = gateway.services.config.appeals.claim_lease
+    assert taken.json()["expires_at"] == pytest.approx(gateway.services.clock() + lease, abs=5)
+    # The other reviewer sees who has it, and can neither claim, step nor decide it.
+    queue = (await gateway.call("rev-global", "GET", "/audit/queue")).json()
+    assert queue["claims"][appeal_id]["reviewer"] == gateway.key_ids["rev-acme"]
+    listed = (await gateway.call("rev-global", "GET", "/audit/appeals", state="open")).json()
+    assert listed["claims"][appeal_id]["reviewer"] == gateway.key_ids["rev-acme"]
+    error(await gateway.call("rev-global", "POST", claim), 409, "claimed")
+    error(await gateway.step("rev-global", appeal_id, "in_review"), 409, "claimed")
+    # Another tenant's reviewer cannot even see it.
+    error(await gateway.call("rev-beta", "POST", claim), 404, "appeal_not_found")
+    error(await gateway.call("rev-beta", "DELETE", claim), 404, "appeal_not_found")
+    # The holder works it; given back, the other reviewer takes it over and decides.
+    assert (await gateway.step("rev-acme", appeal_id, "in_review")).status_code == 200
+    assert (await gateway.call("rev-global", "DELETE", claim)).json()["released"] is False  # not its claim
+    error(await gateway.step("rev-global", appeal_id, "overturned"), 409, "claimed")
+    released = (await gateway.call("rev-acme", "DELETE", claim)).json()
+    assert released == {"appeal_id": appeal_id, "released": True}
+    assert (await gateway.call("rev-global", "POST", claim)).status_code == 200
+    assert (await gateway.step("rev-global", appeal_id, "overturned")).status_code == 200
+    # Decided: nothing left to claim, and no claim is listed.
+    error(await gateway.call("rev-acme", "POST", claim), 409, "invalid_transition")
+    assert appeal_id not in (await gateway.call("rev-global", "GET", "/audit/queue")).json()["claims"]

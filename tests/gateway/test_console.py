@@ -257,7 +257,8 @@ async def test_upholding_over_http_leaves_the_same_events_as_the_api(console: Co
         ("in_review", "upheld"),
     ]
     reviews = [r for r in await console.services.audit.find("acme", record.request_id) if r.reverses]
-    assert [(r.decision, r.reverses, r.detail) for r in reviews] == [("uphold", record.seq, "harmful_request: fine")]
+    expected = [("uphold", record.seq, "harmful_request: fine")]
+    assert [(r.decision, r.reverses, r.detail) for r in reviews] == expected
 
 
 def _configured(page_size: int, operator_reviewers_only: bool) -> Config:
@@ -439,3 +440,31 @@ async def test_content_shared_with_an_appeal_is_shown_to_the_tenants_reviewers_o
         page = await http.get(f"/console/decisions/acme/{record.seq}")
         assert page.status_code == 404
         assert escaped not in page.text
+
+
+async def test_a_reviewer_claims_a_decision_and_another_cannot_decide_it(console: Console) -> None:
+    record = await console.flagged("acme")
+    path = f"/console/decisions/acme/{record.seq}"
+    async with console.client() as first, console.client() as second:
+        first_csrf = await console.login(first, "rev-acme")
+        second_csrf = await console.login(second, "rev-global")
+        page = await first.get(path)
+        assert "Nobody has claimed it." in page.text
+        claimed = await first.post(f"{path}/claim", data={"csrf": first_csrf})
+        assert claimed.status_code == 200, claimed.text
+        assert "Claimed until" in claimed.text
+        [appeal] = await console.services.appeals.for_decisions("acme", [record.seq])  # taken up to claim it
+        holder = appeal.filed_by
+        # The other reviewer sees who has it, in the queue and on the page, and cannot take it or decide it.
+        queue = await second.get("/console")
+        assert f"{holder} until" in queue.text
+        assert f"Claimed by {holder} until" in (await second.get(path)).text
+        assert (await second.post(f"{path}/claim", data={"csrf": second_csrf})).status_code == 409
+        refused = await second.post(f"{path}/decide", data={**OVERTURN, "csrf": second_csrf})
+        assert refused.status_code == 409
+        assert "claimed by" in refused.text
+        assert (await console.services.appeals.get(None, appeal.appeal_id)).state == "open"
+        # The holder decides it.
+        done = await first.post(f"{path}/decide", data={**OVERTURN, "note": "fine", "csrf": first_csrf})
+        assert done.status_code == 200, done.text
+        assert "overturned" in done.text

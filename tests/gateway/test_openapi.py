@@ -419,6 +419,10 @@ async def test_admin_audit_and_appeal_answers_match_the_document(gateway: Gatewa
     )
     step = "/audit/appeals/{appeal_id}/transition"
     url = f"/audit/appeals/{appeal_id}/transition"
+    claim = "/audit/appeals/{appeal_id}/claim"
+    await gw.call("reviewer", "POST", f"/audit/appeals/{appeal_id}/claim", route=claim, status=200)
+    await gw.call("reviewer", "DELETE", f"/audit/appeals/{appeal_id}/claim", route=claim, status=200)
+    await gw.call("reviewer", "POST", "/audit/appeals/apl_unknown/claim", route=claim, status=404)
     await gw.call("reviewer", "POST", url, {"to": "in_review"}, route=step, status=200)
     await gw.call("reviewer", "POST", url, {"to": "open"}, route=step, status=409)
     await gw.call("reviewer", "POST", url, {"to": "upheld", "note": "rightly"}, route=step, status=400)

@@ -20,6 +20,7 @@ from policy.appeals import (
     TRANSITIONS,
     UNDECIDED,
     Appeal,
+    AppealClaimedError,
     AppealConflictError,
     AppealNotFoundError,
     AppealStore,
@@ -419,3 +420,58 @@ async def test_a_decision_keeps_its_reason_whole_and_the_consumers_statement_rea
     assert (said.automated_detection, said.automated_decision) == (True, False)
     assert "internal" not in str(said)
     assert statement(await file(store, seq=2), [], automated_detection=True) is None  # undecided
+
+
+async def test_a_claim_keeps_other_reviewers_off_an_appeal_until_it_expires(store: AppealStore) -> None:
+    appeal = await file(store)
+    other = await file(store, seq=2)
+    mine = await store.claim("acme", appeal.appeal_id, "rev-1", now=100.0, lease=60.0)
+    assert (mine.appeal_id, mine.reviewer, mine.expires_at) == (appeal.appeal_id, "rev-1", 160.0)
+    # Another reviewer can neither take it nor step it while the claim is live; the holder renews it.
+    with pytest.raises(AppealClaimedError) as info:
+        await store.claim("acme", appeal.appeal_id, "rev-2", now=150.0, lease=60.0)
+    assert info.value.claim == mine
+    with pytest.raises(AppealClaimedError):
+        await store.transition("acme", appeal.appeal_id, "in_review", actor="rev-2", note="", now=150.0)
+    assert (await store.get("acme", appeal.appeal_id)).state == "open"
+    renewed = await store.claim("acme", appeal.appeal_id, "rev-1", now=150.0, lease=60.0)
+    assert renewed.expires_at == 210.0
+    assert await store.claims([appeal.appeal_id, other.appeal_id], 200.0) == {appeal.appeal_id: renewed}
+    # The holder steps it; once the lease lapses another reviewer may take it over.
+    await store.transition("acme", appeal.appeal_id, "in_review", actor="rev-1", note="", now=160.0)
+    assert await store.claims([appeal.appeal_id], 211.0) == {}
+    taken = await store.claim("acme", appeal.appeal_id, "rev-2", now=211.0, lease=60.0)
+    assert taken.reviewer == "rev-2"
+    # Releasing: only the holder's own claim goes.
+    assert await store.release("acme", appeal.appeal_id, "rev-1") is False
+    assert await store.release("acme", appeal.appeal_id, "rev-2") is True
+    await store.transition("acme", appeal.appeal_id, "upheld", actor="rev-1", note="", now=220.0)
+    # A decided appeal cannot be claimed; another tenant's view does not hold it at all.
+    with pytest.raises(InvalidTransitionError):
+        await store.claim("acme", appeal.appeal_id, "rev-1", now=230.0, lease=60.0)
+    with pytest.raises(AppealNotFoundError):
+        await store.claim("beta", other.appeal_id, "rev-1", now=230.0, lease=60.0)
+    with pytest.raises(AppealNotFoundError):
+        await store.release("beta", other.appeal_id, "rev-1")
+    assert await store.claims([], 0.0) == {}
+
+
+async def test_two_reviewers_claiming_at_once_get_one_claim(backend: Backend) -> None:
+    stores = [await backend.open() for _ in range(2)]
+    appeal = await file(stores[0])
+
+    async def take(store: AppealStore, reviewer: str) -> str:
+        try:
+            return (await store.claim(None, appeal.appeal_id, reviewer, now=100.0, lease=60.0)).reviewer
+        except AppealClaimedError as exc:
+            return f"refused, held by {exc.claim.reviewer}"
+
+    for attempt in range(5):
+        first, second = f"a{attempt}", f"b{attempt}"
+        results = await asyncio.gather(take(stores[0], first), take(stores[1], second))
+        winners = [r for r in results if not r.startswith("refused")]
+        # The first attempt has a winner; later ones find the live claim of attempt 0's winner.
+        if attempt == 0:
+            assert len(winners) == 1, results
+            holder = winners[0]
+        assert all(r in (holder, f"refused, held by {holder}") for r in results), results
