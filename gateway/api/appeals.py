@@ -65,6 +65,7 @@ from gateway.console.review_queue import (
     ReviewQueue,
     appeal_page,
     check_not_own,
+    facets_of,
     may_decide,
     record_review,
     review_queue,
@@ -256,6 +257,7 @@ async def file_appeal(
             filed_by=principal.key.key_id,
             now=services.clock(),
             shared=_shared(body, decision, services),
+            facets=facets_of(decision),
         )
     )
     return await _detail(services, appeal, reviewer=False)

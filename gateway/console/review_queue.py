@@ -24,7 +24,7 @@ import msgspec
 
 from gateway.errors import StoreUnavailableError
 from gateway.services import Services
-from policy.appeals.base import UNDECIDED, Appeal, AppealClaim, AppealState, OwnAppealError
+from policy.appeals.base import UNDECIDED, Appeal, AppealClaim, AppealFacets, AppealState, OwnAppealError
 from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
@@ -178,6 +178,19 @@ async def take_up(services: Services, record: AuditRecord, actor: str, now: floa
         reason=FLAGGED_REASON,
         filed_by=actor,
         now=now,
+        facets=facets_of(record),
+    )
+
+
+def facets_of(record: AuditRecord) -> AppealFacets:
+    """The facets an appeal of `record` keeps (the queue filters and counts by them)."""
+    return AppealFacets(
+        decision=record.decision,
+        stage=record.stage,
+        source=record.source,
+        category=record.category or "",
+        severity=record.severity or "",
+        policy=record.policy,
     )
 
 

@@ -93,6 +93,14 @@ class Appeal(msgspec.Struct, frozen=True, kw_only=True):
     filed_by: str  # key id
     filed_at: float
     updated_at: float
+    # The appealed decision's facets, copied at filing so that the queue filters and counts by them ("" for
+    # appeals filed before they were kept, until the migration that added them filled them in).
+    decision: str = ""
+    stage: str = ""
+    source: str = ""
+    category: str = ""
+    severity: str = ""
+    policy: str = ""  # name@version
 
 
 class AppealClaim(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +110,40 @@ class AppealClaim(msgspec.Struct, frozen=True, kw_only=True):
     appeal_id: str
     reviewer: str  # key id
     expires_at: float
+
+
+# The facets a queue filters and counts appeals by (besides their age).
+FACETS: tuple[str, ...] = ("tenant", "decision", "stage", "source", "category", "severity", "policy")
+
+
+class AppealFacets(msgspec.Struct, frozen=True, kw_only=True):
+    """The appealed decision's facets, given when filing (`Appeal` keeps them)."""
+
+    decision: str = ""
+    stage: str = ""
+    source: str = ""
+    category: str = ""
+    severity: str = ""
+    policy: str = ""
+
+
+class AppealFilter(msgspec.Struct, frozen=True, kw_only=True):
+    """Which appeals a `list` or `counts` selects besides tenant and state: every facet given must match
+    (`policy` as the audit queries match it: "name@version" exactly, a bare name every version), filed in
+    [filed_from, filed_to) when given; `newest_first` reverses the order (and the keyset)."""
+
+    decision: str | None = None
+    stage: str | None = None
+    source: str | None = None
+    category: str | None = None
+    severity: str | None = None
+    policy: str | None = None
+    filed_from: float | None = None
+    filed_to: float | None = None
+    newest_first: bool = False
+
+
+NO_FILTER = AppealFilter()
 
 
 class AppealEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,6 +222,7 @@ def filing(
     filed_by: str,
     now: float,
     shared: SharedContent | None = None,
+    facets: AppealFacets | None = None,
 ) -> tuple[Appeal, AppealEvent, AppealEvidence | None]:
     """A new open appeal of the tenant's decision `decision_seq`, its filing event (n = 1), and the
     evidence shared with it (None: none)."""
@@ -193,6 +236,7 @@ def filing(
         filed_by=filed_by,
         filed_at=float(now),
         updated_at=float(now),
+        **msgspec.structs.asdict(facets or AppealFacets()),
     )
     event = AppealEvent(
         appeal_id=appeal.appeal_id, n=1, at=appeal.filed_at, actor=filed_by, from_state=None, to_state="open"
@@ -263,10 +307,11 @@ class AppealStore(Protocol):
         filed_by: str,
         now: float,
         shared: SharedContent | None = None,
+        facets: AppealFacets | None = None,
     ) -> Appeal:
-        """Open an appeal of the tenant's decision `decision_seq` (and append its filing event, and store
-        the content `shared` with it), in one transaction. AppealConflictError if that decision already has
-        one."""
+        """Open an appeal of the tenant's decision `decision_seq` (with the decision's `facets`; and append
+        its filing event, and store the content `shared` with it), in one transaction. AppealConflictError
+        if that decision already has one."""
         ...
 
     async def evidence(self, tenant: str | None, appeal_id: str) -> AppealEvidence | None:
@@ -288,11 +333,22 @@ class AppealStore(Protocol):
         state: AppealState | tuple[AppealState, ...] | None = None,
         limit: int = 100,
         after: str | None = None,
+        filters: AppealFilter = NO_FILTER,
     ) -> builtins.list[Appeal]:
         """At most `page_size(limit)` appeals (of one tenant or of all; in `state`, one of several states
-        such as UNDECIDED, or any), oldest filed first, ordered by (filed_at, appeal_id). Keyset: `after` is
-        the last appeal id of the previous page (an id the caller cannot see gives an empty page), so a
-        page costs one index range however many appeals were filed or decided before it."""
+        such as UNDECIDED, or any; matching `filters`), oldest filed first (newest with
+        `filters.newest_first`), ordered by (filed_at, appeal_id). Keyset: `after` is the last appeal id of
+        the previous page (an id the caller cannot see gives an empty page), so a page costs one index
+        range however many appeals were filed or decided before it."""
+        ...
+
+    async def counts(
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        filters: AppealFilter = NO_FILTER,
+    ) -> dict[str, dict[str, int]]:
+        """How many appeals `list` would select, by the value of each facet of FACETS (one GROUP BY each)."""
         ...
 
     async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:

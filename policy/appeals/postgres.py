@@ -16,10 +16,13 @@ import asyncpg  # type: ignore[import-untyped]
 
 from policy.appeals import sql
 from policy.appeals.base import (
+    NO_FILTER,
     Appeal,
     AppealClaim,
     AppealEvent,
     AppealEvidence,
+    AppealFacets,
+    AppealFilter,
     AppealNotFoundError,
     AppealState,
     SharedContent,
@@ -83,6 +86,7 @@ class PostgresAppealStore(PostgresStore):
         filed_by: str,
         now: float,
         shared: SharedContent | None = None,
+        facets: AppealFacets | None = None,
     ) -> Appeal:
         """Open an appeal of the decision (its filing event, the content shared with it);
         AppealConflictError if it has one."""
@@ -94,6 +98,7 @@ class PostgresAppealStore(PostgresStore):
             filed_by=filed_by,
             now=now,
             shared=shared,
+            facets=facets,
         )
         try:
             async with self._conn(write=True) as conn:
@@ -116,13 +121,28 @@ class PostgresAppealStore(PostgresStore):
         state: AppealState | tuple[AppealState, ...] | None = None,
         limit: int = 100,
         after: str | None = None,
+        filters: AppealFilter = NO_FILTER,
     ) -> builtins.list[Appeal]:
         """A page of appeals, ordered by (filed_at, appeal_id), after the appeal `after`."""
         # Code-point order on ids on every server, whatever its default collation.
-        statement, args = sql.list_query(tenant, state, limit, after, collate=' COLLATE "C"')
+        statement, args = sql.list_query(tenant, state, limit, after, filters, collate=' COLLATE "C"')
         async with self._conn() as conn:
             rows = await conn.fetch(numbered(statement), *args)
         return [sql.appeal_from_row(row) for row in rows]
+
+    async def counts(
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        filters: AppealFilter = NO_FILTER,
+    ) -> dict[str, dict[str, int]]:
+        """The selected appeals counted by each facet's value."""
+        found: dict[str, dict[str, int]] = {}
+        async with self._conn() as conn:
+            for facet, statement, args in sql.count_queries(tenant, state, filters):
+                rows = await conn.fetch(numbered(statement), *args)
+                found[facet] = {row[0]: row[1] for row in rows}
+        return found
 
     async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
         """The appeals of the tenant's decisions `seqs` (by the one-appeal-per-decision index)."""

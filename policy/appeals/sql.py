@@ -12,10 +12,13 @@ from typing import Any
 import msgspec
 
 from policy.appeals.base import (
+    FACETS,
+    NO_FILTER,
     Appeal,
     AppealClaim,
     AppealEvent,
     AppealEvidence,
+    AppealFilter,
     AppealState,
     page_size,
     states_of,
@@ -121,16 +124,10 @@ def find(tenant: str | None, appeal_id: str, *, lock: bool = False) -> tuple[str
     return f"SELECT {APPEAL_COLUMNS} FROM appeals WHERE {where}{' FOR UPDATE' if lock else ''}", args
 
 
-def list_query(
-    tenant: str | None,
-    state: AppealState | tuple[AppealState, ...] | None,
-    limit: int,
-    after: str | None,
-    *,
-    collate: str = "",
-) -> tuple[str, list[Any]]:
-    """The statement of one `AppealStore.list` page, ordered by (filed_at, appeal_id): ids compared with
-    `collate` (PostgreSQL's ` COLLATE "C"`: code-point order whatever the server's default)."""
+def _selection(
+    tenant: str | None, state: AppealState | tuple[AppealState, ...] | None, filters: AppealFilter
+) -> tuple[list[str], list[Any]]:
+    """The WHERE conditions (and arguments) of the appeals of `tenant` in `state` matching `filters`."""
     where: list[str] = []
     args: list[Any] = []
     if tenant is not None:
@@ -141,15 +138,62 @@ def list_query(
         # No states selects nothing (`IN ()` is not PostgreSQL).
         where.append(f"state IN ({', '.join('?' for _ in states)})" if states else "1 = 0")
         args.extend(states)
+    for facet in ("decision", "stage", "source", "category", "severity"):
+        value = getattr(filters, facet)
+        if value is not None:
+            where.append(f"{facet} = ?")
+            args.append(value)
+    if filters.policy is not None:
+        if "@" in filters.policy:
+            where.append("policy = ?")
+            args.append(filters.policy)
+        else:  # every version of the named policy (no LIKE: a name may hold % or _)
+            where.append("substr(policy, 1, ?) = ?")
+            args.extend([len(filters.policy) + 1, f"{filters.policy}@"])
+    if filters.filed_from is not None:
+        where.append("filed_at >= ?")
+        args.append(filters.filed_from)
+    if filters.filed_to is not None:
+        where.append("filed_at < ?")
+        args.append(filters.filed_to)
+    return where, args
+
+
+def list_query(
+    tenant: str | None,
+    state: AppealState | tuple[AppealState, ...] | None,
+    limit: int,
+    after: str | None,
+    filters: AppealFilter = NO_FILTER,
+    *,
+    collate: str = "",
+) -> tuple[str, list[Any]]:
+    """The statement of one `AppealStore.list` page, ordered by (filed_at, appeal_id) (descending for
+    `filters.newest_first`): ids compared with `collate` (PostgreSQL's ` COLLATE "C"`: code-point order
+    whatever the server's default)."""
+    where, args = _selection(tenant, state, filters)
+    direction, beyond = ("DESC", "<") if filters.newest_first else ("", ">")
     if after is not None:
         # The keyset row is looked up in the caller's view too: an unseen id matches nothing.
         key_where, key_args = scoped(tenant, after)
         where.append(
-            f"(filed_at, appeal_id{collate}) >"
+            f"(filed_at, appeal_id{collate}) {beyond}"
             f" (SELECT filed_at, appeal_id{collate} FROM appeals WHERE {key_where})"
         )
         args.extend(key_args)
     clause = f"WHERE {' AND '.join(where)}" if where else ""
     args.append(page_size(limit))
-    statement = f"SELECT {APPEAL_COLUMNS} FROM appeals {clause} ORDER BY filed_at, appeal_id{collate} LIMIT ?"
-    return statement, args
+    order = f"ORDER BY filed_at {direction}, appeal_id{collate} {direction}"
+    return f"SELECT {APPEAL_COLUMNS} FROM appeals {clause} {order} LIMIT ?", args
+
+
+def count_queries(
+    tenant: str | None, state: AppealState | tuple[AppealState, ...] | None, filters: AppealFilter
+) -> list[tuple[str, str, list[Any]]]:
+    """(facet, statement, arguments) counting the selected appeals by each facet's value."""
+    where, args = _selection(tenant, state, filters)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    return [
+        (facet, f"SELECT {facet}, COUNT(*) FROM appeals {clause} GROUP BY {facet}", list(args))
+        for facet in FACETS
+    ]

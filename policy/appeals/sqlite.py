@@ -13,10 +13,13 @@ from collections.abc import Collection
 
 from policy.appeals import sql
 from policy.appeals.base import (
+    NO_FILTER,
     Appeal,
     AppealClaim,
     AppealEvent,
     AppealEvidence,
+    AppealFacets,
+    AppealFilter,
     AppealNotFoundError,
     AppealState,
     SharedContent,
@@ -62,6 +65,7 @@ class SqliteAppealStore(SqliteStore):
         filed_by: str,
         now: float,
         shared: SharedContent | None = None,
+        facets: AppealFacets | None = None,
     ) -> Appeal:
         """Open an appeal of the decision (its filing event, the content shared with it);
         AppealConflictError if it has one."""
@@ -73,6 +77,7 @@ class SqliteAppealStore(SqliteStore):
             filed_by=filed_by,
             now=now,
             shared=shared,
+            facets=facets,
         )
 
         def file(conn: Conn) -> None:
@@ -98,11 +103,28 @@ class SqliteAppealStore(SqliteStore):
         state: AppealState | tuple[AppealState, ...] | None = None,
         limit: int = 100,
         after: str | None = None,
+        filters: AppealFilter = NO_FILTER,
     ) -> builtins.list[Appeal]:
         """A page of appeals, ordered by (filed_at, appeal_id), after the appeal `after`."""
-        statement, args = sql.list_query(tenant, state, limit, after)
+        statement, args = sql.list_query(tenant, state, limit, after, filters)
         rows = await self._run(lambda conn: conn.execute(statement, args).fetchall())
         return [sql.appeal_from_row(row) for row in rows]
+
+    async def counts(
+        self,
+        tenant: str | None,
+        state: AppealState | tuple[AppealState, ...] | None = None,
+        filters: AppealFilter = NO_FILTER,
+    ) -> dict[str, dict[str, int]]:
+        """The selected appeals counted by each facet's value."""
+
+        def read(conn: Conn) -> dict[str, dict[str, int]]:
+            return {
+                facet: {value: count for value, count in conn.execute(statement, args)}
+                for facet, statement, args in sql.count_queries(tenant, state, filters)
+            }
+
+        return await self._run(read)
 
     async def for_decisions(self, tenant: str, seqs: Collection[int]) -> builtins.list[Appeal]:
         """The appeals of the tenant's decisions `seqs` (by the one-appeal-per-decision index)."""

@@ -9,7 +9,8 @@ Tables (in the same database as the tenants, with their own migrations table)::
         UNIQUE (tenant, draft_id) where draft_id <> ''   a draft is recorded once
     audit_heads(tenant PK, seq, hash)      each tenant's last record; the row appends lock per tenant.
                                            seq only grows; no DELETE
-    appeals(appeal_id PK, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at)
+    appeals(appeal_id PK, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at,
+            decision, stage, source, category, severity, policy)
         UNIQUE (tenant, decision_seq)      one appeal per decision; UPDATE may only move `state` along an
                                            allowed step (and set updated_at); no DELETE
     appeal_events(appeal_id, n, at, actor, from_state, to_state, note, reason JSON NULL, facts)
@@ -88,8 +89,22 @@ _A_TRANSITION = (
     " OR (OLD.state = 'in_review' AND NEW.state IN ('upheld', 'overturned'))"
 )
 _APPEAL_FIXED = ("appeal_id", "tenant", "request_id", "decision_seq", "reason", "filed_by", "filed_at")
-_NOT_A_TRANSITION = " OR ".join(
-    [*(f"NEW.{c} IS NOT OLD.{c}" for c in _APPEAL_FIXED), f"NOT ({_A_TRANSITION})"]
+# Migration 9 adds the appealed decision's facets, fixed too.
+_APPEAL_FACETS = ("decision", "stage", "source", "category", "severity", "policy")
+
+
+def _not_a_transition(fixed: tuple[str, ...]) -> str:
+    return " OR ".join([*(f"NEW.{c} IS NOT OLD.{c}" for c in fixed), f"NOT ({_A_TRANSITION})"])
+
+
+_APPEALS_TRANSITION_TRIGGER = """CREATE TRIGGER appeals_transition BEFORE UPDATE ON appeals
+                WHEN {}
+                BEGIN SELECT RAISE(ABORT, 'appeals only change state along open->in_review->decided'); END"""
+# The facets of appeals filed before migration 9, from the records they appeal.
+_BACKFILL_FACETS = "UPDATE appeals SET " + ", ".join(
+    f"{c} = COALESCE((SELECT r.{c} FROM audit_records r"
+    " WHERE r.tenant = appeals.tenant AND r.seq = appeals.decision_seq), '')"
+    for c in _APPEAL_FACETS
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -197,9 +212,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
         sqlite=(
-            f"""CREATE TRIGGER appeals_transition BEFORE UPDATE ON appeals
-                WHEN {_NOT_A_TRANSITION}
-                BEGIN SELECT RAISE(ABORT, 'appeals only change state along open->in_review->decided'); END""",
+            _APPEALS_TRANSITION_TRIGGER.format(_not_a_transition(_APPEAL_FIXED)),
             """CREATE TRIGGER appeals_no_delete BEFORE DELETE ON appeals
                BEGIN SELECT RAISE(ABORT, 'appeals are never deleted'); END""",
             """CREATE TRIGGER appeal_events_no_update BEFORE UPDATE ON appeal_events
@@ -311,6 +324,27 @@ MIGRATIONS: tuple[Migration, ...] = (
                 reviewer TEXT NOT NULL,
                 expires_at DOUBLE PRECISION NOT NULL
             )""",
+        ),
+    ),
+    Migration(
+        version=9,
+        summary="appeals.decision, stage, source, category, severity, policy: the queue filters by them",
+        shared=(
+            *(f"ALTER TABLE appeals ADD COLUMN {c} TEXT NOT NULL DEFAULT ''" for c in _APPEAL_FACETS),
+            "CREATE INDEX appeals_by_state_category ON appeals (state, category, filed_at, appeal_id)",
+            "CREATE INDEX appeals_by_state_severity ON appeals (state, severity, filed_at, appeal_id)",
+        ),
+        # The existing appeals get their decisions' facets, then the new columns are fixed like the others.
+        sqlite=(
+            "DROP TRIGGER appeals_transition",
+            _BACKFILL_FACETS,
+            _APPEALS_TRANSITION_TRIGGER.format(_not_a_transition(_APPEAL_FIXED + _APPEAL_FACETS)),
+        ),
+        # PostgreSQL's trigger compares whole rows (to_jsonb), so it covers the new columns already.
+        postgres=(
+            "ALTER TABLE appeals DISABLE TRIGGER appeals_transition",
+            _BACKFILL_FACETS,
+            "ALTER TABLE appeals ENABLE TRIGGER appeals_transition",
         ),
     ),
 )

@@ -22,6 +22,8 @@ from policy.appeals import (
     Appeal,
     AppealClaimedError,
     AppealConflictError,
+    AppealFacets,
+    AppealFilter,
     AppealNotFoundError,
     AppealStore,
     InvalidTransitionError,
@@ -30,10 +32,20 @@ from policy.appeals import (
     SqliteAppealStore,
     statement,
 )
-from policy.audit import SqliteAuditStore
+from policy.audit import GENESIS_HASH, AuditDraft, SqliteAuditStore
+from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
+from policy.audit.postgres import PostgresAuditStore
+from policy.audit.records import chain
+from registry.db.postgres import open_pool
+from registry.db.sqlite import SqliteWorker, transaction
 from tests.backends import PG_DSN, SqlBackend, sql_backend
 
 Backend = SqlBackend[AppealStore]
+RECORD_COLUMNS = f"audit_records ({', '.join(RECORD_FIELDS)})"
+# The appeals table as migration 1 made it (before migration 9 added the decision's facets).
+OLD_APPEAL_COLUMNS = (
+    "appeals (appeal_id, tenant, request_id, decision_seq, reason, state, filed_by, filed_at, updated_at)"
+)
 REFUSED = (sqlite3.DatabaseError, asyncpg.PostgresError)
 
 
@@ -475,3 +487,115 @@ async def test_two_reviewers_claiming_at_once_get_one_claim(backend: Backend) ->
             assert len(winners) == 1, results
             holder = winners[0]
         assert all(r in (holder, f"refused, held by {holder}") for r in results), results
+
+
+def facets(category: str, severity: str = "high", policy: str = "strict@2", **rest: str) -> AppealFacets:
+    fields = {"decision": "block", "stage": "input", "source": "rules", **rest}
+    return AppealFacets(category=category, severity=severity, policy=policy, **fields)
+
+
+async def file_with(store: AppealStore, tenant: str, seq: int, now: float, kept: AppealFacets) -> Appeal:
+    return await store.file(
+        tenant=tenant, request_id=f"r{seq}", decision_seq=seq, reason="r", filed_by="k", now=now, facets=kept
+    )
+
+
+async def test_the_queue_filters_sorts_pages_and_counts_by_the_decisions_facets(store: AppealStore) -> None:
+    kinds = [facets("weapons"), facets("hate", "critical"), facets("weapons", policy="strict@3")]
+    filed = [await file_with(store, "acme", i + 1, 100.0 + i, kinds[i % 3]) for i in range(9)]
+    beta = await file_with(store, "beta", 1, 50.0, facets("weapons"))
+    assert (filed[0].category, filed[0].severity, filed[0].decision, filed[0].source) == (
+        "weapons",
+        "high",
+        "block",
+        "rules",
+    )
+    await store.transition("acme", filed[0].appeal_id, "in_review", actor="r", note="", now=200.0)
+    await store.transition(
+        "acme", filed[0].appeal_id, "upheld", actor="r", note="", now=201.0, reason=DEFAULT_REASONS[0]
+    )
+    undecided = filed[1:]
+    weapons = AppealFilter(category="weapons")
+    # Undecided only, of one tenant, by facet: pages of 2 by keyset, oldest first, then newest first.
+    pages: list[list[str]] = []
+    after = None
+    while page := await store.list("acme", UNDECIDED, 2, after, weapons):
+        pages.append([a.appeal_id for a in page])
+        after = page[-1].appeal_id
+    expected = [a.appeal_id for a in undecided if a.category == "weapons"]
+    assert [a for p in pages for a in p] == expected
+    assert all(len(p) <= 2 for p in pages)
+    newest = AppealFilter(category="weapons", newest_first=True)
+    first = await store.list("acme", UNDECIDED, 2, None, newest)
+    rest = await store.list("acme", UNDECIDED, 100, first[-1].appeal_id, newest)
+    assert [a.appeal_id for a in first + rest] == expected[::-1]
+    # Every facet filters; a bare policy name takes every version; age is a filing window.
+    assert len(await store.list("acme", UNDECIDED, 100, None, AppealFilter(severity="critical"))) == 3
+    assert len(await store.list("acme", UNDECIDED, 100, None, AppealFilter(policy="strict@3"))) == 3
+    assert len(await store.list("acme", UNDECIDED, 100, None, AppealFilter(policy="strict"))) == 8
+    assert await store.list("acme", UNDECIDED, 100, None, AppealFilter(policy="stri")) == []
+    window = AppealFilter(filed_from=103.0, filed_to=106.0)
+    in_window = await store.list("acme", UNDECIDED, 100, None, window)
+    assert [a.filed_at for a in in_window] == [103.0, 104.0, 105.0]
+    assert await store.list("acme", UNDECIDED, 100, None, AppealFilter(source="model", category="hate")) == []
+    # Counts per facet value, under the same filters; a global view counts every tenant.
+    counts = await store.counts("acme", UNDECIDED)
+    assert counts["category"] == {"weapons": 5, "hate": 3}
+    assert counts["severity"] == {"high": 5, "critical": 3}
+    assert counts["policy"] == {"strict@2": 5, "strict@3": 3}
+    assert counts["tenant"] == {"acme": 8}
+    assert (await store.counts("acme", UNDECIDED, weapons))["policy"] == {"strict@2": 2, "strict@3": 3}
+    assert (await store.counts(None, UNDECIDED, weapons))["tenant"] == {"acme": 5, "beta": 1}
+    assert (await store.counts("beta", ("upheld",)))["tenant"] == {}
+    assert beta.tenant == "beta"
+
+
+async def test_appeals_filed_before_facets_were_kept_get_them_from_their_decisions(backend: Backend) -> None:
+    """A database at migration 8 with a record and its appeal: opening the store fills in the appeal's
+    facets from the record it appeals, and the facets are then as fixed as the rest of the row."""
+    record = chain(
+        AuditDraft(
+            tenant="acme", key_id="k", request_id="r1", at=10.0, stage="input", decision="block",
+            source="rules", policy="strict@2", category="weapons", severity="critical", content_hash="h",
+        ),
+        1,
+        GENESIS_HASH,
+        None,
+    )  # fmt: skip
+    old = ("apl_" + "0" * 32, "acme", "r1", 1, "too strict", "open", "k", 20.0, 20.0)
+    rows = [(RECORD_COLUMNS, record_row(record)), (OLD_APPEAL_COLUMNS, old)]
+    if backend.name == "sqlite":
+        db = await SqliteWorker.open(
+            backend.location, migrations=MIGRATIONS[:8], table=MIGRATIONS_TABLE, foreign_keys=False
+        )
+
+        def write(conn: Any) -> None:
+            with transaction(conn):
+                for columns, row in rows:
+                    marks = ", ".join("?" for _ in row)
+                    conn.execute(f"INSERT INTO {columns} VALUES ({marks})", row)
+
+        await db.run(write)
+        await db.close()
+    else:
+        pool = await open_pool(
+            PG_DSN,
+            schema=backend.location,
+            migrations=MIGRATIONS[:8],
+            table=MIGRATIONS_TABLE,
+            lock_key=PostgresAuditStore.lock_key,
+            min_size=1,
+            max_size=1,
+        )
+        async with pool.acquire() as conn:
+            for columns, row in rows:
+                marks = ", ".join(f"${i}" for i in range(1, len(row) + 1))
+                await conn.execute(f"INSERT INTO {columns} VALUES ({marks})", *row)
+        await pool.close()
+    store = await backend.open()
+    appeal = await store.get("acme", old[0])
+    kept = (appeal.decision, appeal.stage, appeal.source, appeal.category, appeal.severity, appeal.policy)
+    assert kept == ("block", "input", "rules", "weapons", "critical", "strict@2")
+    assert (await store.counts("acme", UNDECIDED))["category"] == {"weapons": 1}
+    with pytest.raises(REFUSED):
+        await backend.raw(f"UPDATE {{schema}}.appeals SET category = 'hate' WHERE appeal_id = '{old[0]}'")
