@@ -19,9 +19,11 @@ views; consumers read `content_shared`), and deleted by the retention pass once 
 
 Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
 
-    GET  /audit/queue?limit=&after=             what waits for review: a page of undecided appeals, oldest
+    GET  /audit/queue?limit=&after=&<filters>   what waits for review: a page of undecided appeals, oldest
                                                 first, and flagged decisions nobody appealed yet
-                                                (gateway.console.review_queue)
+                                                (gateway.console.review_queue; filters and sort:
+                                                gateway.console.queue_filters)
+    GET  /audit/queue/counts?<filters>          how many match, in all and by each facet's value
     POST /audit/decisions/{tenant}/{seq}/appeal take up a flagged decision: files its appeal on the
                                                 reviewer's behalf, to be decided like any other
     GET  /audit/appeals?state=&limit=&after=    the appeals, oldest first
@@ -51,12 +53,13 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from litestar import Request, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery, QueryParameter
+from litestar.params import FromPath, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.api.admin import ConflictAPIError
 from gateway.api.audit import reviewer_record
 from gateway.api.openapi import errors, request_body, secured
+from gateway.console.queue_filters import QUEUE_PARAMS, queue_query
 from gateway.console.review_queue import (
     APPEALABLE,
     REVIEW_DECISION,
@@ -65,11 +68,13 @@ from gateway.console.review_queue import (
     ReviewQueue,
     appeal_page,
     check_not_own,
+    facet_counts,
     facets_of,
     may_decide,
     record_review,
     review_queue,
     take_up,
+    unappealed_flags,
 )
 from gateway.edge.decoding import Decoder, read_body
 from gateway.edge.security import allow, reviewer_scope
@@ -77,7 +82,7 @@ from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedE
 from gateway.services import Services
 from policy.appeals.base import (
     APPEAL_STATES,
-    MAX_APPEAL_LIMIT,
+    UNDECIDED,
     Appeal,
     AppealClaim,
     AppealClaimedError,
@@ -159,13 +164,6 @@ async def _store(call: Awaitable[T]) -> T:
         raise StoreUnavailableError(
             "the audit database is unavailable; try again shortly", retry_after=1, code="audit_unavailable"
         ) from exc
-
-
-def _check_limit(limit: int) -> None:
-    if not 1 <= limit <= MAX_APPEAL_LIMIT:
-        raise InvalidRequestError(
-            f"limit must be in 1..{MAX_APPEAL_LIMIT}", param="limit", code="invalid_value"
-        )
 
 
 async def _detail(
@@ -273,18 +271,48 @@ async def get_own_appeal(
     return await _detail(services, appeal, reviewer=False)
 
 
-@get("/audit/queue", responses=errors(400))
+@get("/audit/queue", responses=errors(400, 403), dependencies=QUEUE_PARAMS)
 async def waiting_for_review(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
-    limit: FromQuery[int] = 100,
-    after: FromQuery[str | None] = None,
+    queue_params: NamedDependency[dict[str, str]],
 ) -> ReviewQueue:
-    """A page of at most `limit` undecided appeals (oldest filed first, after the appeal `after`) and at
-    most `limit` flagged decisions nobody has appealed, newest first."""
-    scope = reviewer_scope(principal)
-    _check_limit(limit)
-    return await _store(review_queue(services, scope, limit, after))
+    """A page of at most `limit` undecided appeals (oldest filed first, or newest with `sort=newest`; after
+    the appeal `after`) and at most `limit` flagged decisions nobody has appealed, newest first; both
+    matching the filters (gateway.console.queue_filters)."""
+    q = queue_query(queue_params, reviewer_scope(principal), services.clock())
+    return await _store(review_queue(services, q.tenant, q.limit, q.after, q.filters))
+
+
+class QueueCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /audit/queue/counts`: the undecided appeals and the unappealed flagged decisions that match the
+    filters, in all and by the value of each facet (tenant, decision, stage, source, category, severity,
+    policy); `truncated` when the flagged decisions were read only in part."""
+
+    appeals: int
+    appeals_by: dict[str, dict[str, int]]
+    flagged: int
+    flagged_by: dict[str, dict[str, int]]
+    truncated: bool
+
+
+@get("/audit/queue/counts", responses=errors(400, 403), dependencies=QUEUE_PARAMS)
+async def queue_counts(
+    services: NamedDependency[Services],
+    principal: NamedDependency[Principal],
+    queue_params: NamedDependency[dict[str, str]],
+) -> QueueCounts:
+    """How much of the queue matches the filters, by facet: what a filter would leave."""
+    q = queue_query(queue_params, reviewer_scope(principal), services.clock(), paged=False)
+    by = await _store(services.appeals.counts(q.tenant, UNDECIDED, q.filters))
+    flagged, truncated = await _store(unappealed_flags(services, q.tenant, q.filters))
+    return QueueCounts(
+        appeals=sum(by["tenant"].values()),
+        appeals_by=by,
+        flagged=len(flagged),
+        flagged_by=facet_counts(flagged),
+        truncated=truncated,
+    )
 
 
 @post(
@@ -304,24 +332,24 @@ async def take_up_decision(
     return await _detail(services, appeal)
 
 
-@get("/audit/appeals", responses=errors(400))
+@get("/audit/appeals", responses=errors(400, 403), dependencies=QUEUE_PARAMS)
 async def list_appeals(
     services: NamedDependency[Services],
     principal: NamedDependency[Principal],
     # `state` is a name Litestar reserves for the app state.
+    queue_params: NamedDependency[dict[str, str]],
     state_: Annotated[str | None, QueryParameter(name="state")] = None,
-    limit: FromQuery[int] = 100,
-    after: FromQuery[str | None] = None,
 ) -> AppealPage:
-    """The appeals the reviewer may see (in `state`, or all), oldest filed first."""
-    scope = reviewer_scope(principal)
+    """The appeals the reviewer may see (in `state`, or all; matching the queue's filters), oldest filed
+    first (newest with `sort=newest`)."""
     if state_ is not None and state_ not in APPEAL_STATES:
         raise InvalidRequestError(
             f"state must be one of {', '.join(APPEAL_STATES)}", param="state", code="invalid_value"
         )
-    _check_limit(limit)
+    params = {name: value for name, value in queue_params.items() if name != "state"}
+    q = queue_query(params, reviewer_scope(principal), services.clock())
     wanted: AppealState | None = next((s for s in APPEAL_STATES if s == state_), None)
-    return await _store(appeal_page(services, scope, wanted, limit, after))
+    return await _store(appeal_page(services, q.tenant, wanted, q.limit, q.after, q.filters))
 
 
 @get("/audit/appeals/{appeal_id:str}", responses=errors(400, 404))
@@ -432,6 +460,7 @@ ROUTES = [
             file_appeal,
             get_own_appeal,
             waiting_for_review,
+            queue_counts,
             take_up_decision,
             list_appeals,
             review_appeal,

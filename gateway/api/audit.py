@@ -38,6 +38,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from gateway.api.openapi import errors, query, query_parameters, secured
+from gateway.edge.query import single_params
 from gateway.edge.security import reviewer_scope
 from gateway.errors import (
     ErrorBody,
@@ -163,21 +164,9 @@ def _one_of(param: str, text: str, allowed: tuple[str, ...]) -> str:
     return text
 
 
-def _single(request: Request[Any, Any, Any], allowed: frozenset[str]) -> dict[str, str]:
-    """The query parameters, each given at most once and each one this route knows."""
-    params: dict[str, str] = {}
-    for name, value in request.query_params.multi_items():
-        if name not in allowed:
-            raise InvalidRequestError(f"unknown parameter {name!r}", param=name, code="unknown_parameter")
-        if name in params:
-            raise _bad(name, f"{name} may be given once")
-        params[name] = value
-    return params
-
-
 def parse_query(request: Request[Any, Any, Any], scope: str | None, allowed: frozenset[str]) -> AuditQuery:
     """The store query the request's parameters ask for, within the caller's scope."""
-    p = _single(request, allowed)
+    p = single_params(request, allowed)
     tenant = p.get("tenant", scope)
     if scope is not None and tenant != scope:
         raise PermissionDeniedError(
@@ -342,7 +331,7 @@ async def verify_chains(
 ) -> Response[bytes]:
     """Verify the hash chain of the named tenant (scoped reviewers: their own), or of every tenant."""
     scope = reviewer_scope(principal)
-    tenant = _single(request, frozenset({"tenant"})).get("tenant", scope)
+    tenant = single_params(request, frozenset({"tenant"})).get("tenant", scope)
     if scope is not None and tenant != scope:
         raise PermissionDeniedError(
             "this key may only review its own tenant", param="tenant", code="other_tenant"

@@ -28,7 +28,7 @@ from typing import Any
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery
+from litestar.params import FromPath
 from litestar.response import Redirect
 
 from gateway.console import views
@@ -50,6 +50,7 @@ from gateway.console.plumbing import (
     sessions_of,
     signed_in,
 )
+from gateway.console.queue_filters import QUEUE_PARAMS, queue_query
 from gateway.console.review_queue import (
     REVIEW_DECISION,
     appeal_of,
@@ -61,6 +62,7 @@ from gateway.console.review_queue import (
     take_up,
 )
 from gateway.console.stats import collect, stats_body
+from gateway.errors import APIError
 from gateway.services import Services
 from policy.appeals.base import UNDECIDED, Appeal, AppealState, OwnAppealError
 from policy.appeals.reasons import ReasonError, reason_for
@@ -72,25 +74,34 @@ from policy.auth_limit import source_of
 _OUTCOMES: dict[str, AppealState] = {"uphold": "upheld", "overturn": "overturned"}
 
 
-@get("/")
+@get("/", dependencies=QUEUE_PARAMS)
 async def queue(
     request: Request[Any, Any, Any],
     services: NamedDependency[Services],
-    after: FromQuery[str | None] = None,
+    queue_params: NamedDependency[dict[str, str]],
 ) -> Response[str]:
-    """The sign-in form, or the queue: a page of open and in-review appeals (after the appeal `after`),
-    then unreviewed flagged decisions."""
+    """The sign-in form, or the queue: a filter form with the counts of what each filter leaves, a page of
+    open and in-review appeals (after the appeal `after`), then unreviewed flagged decisions; the filters
+    and sort of `GET /audit/queue` (gateway.console.queue_filters)."""
     reviewer = await signed_in(request, services)
     if reviewer is None:
         return login_page(request, services)
+    params = {name: value for name, value in queue_params.items() if value and name != "limit"}
+    try:
+        q = queue_query(params, reviewer.scope, services.clock())
+    except APIError as exc:
+        raise PageError(exc.status_code, str(exc), reviewer.session, reviewer.who) from exc
     size = services.config.console.queue_page_size
-    waiting = await call(reviewer, review_queue(services, reviewer.scope, size, after))
+    waiting = await call(reviewer, review_queue(services, q.tenant, size, q.after, q.filters))
+    counts = await call(reviewer, services.appeals.counts(q.tenant, UNDECIDED, q.filters))
     body = views.queue_page(
         waiting.appeals,
         waiting.flagged,
         truncated=waiting.truncated,
         next_after=waiting.last_id if waiting.has_more else None,
         claims=waiting.claims,
+        filters={name: value for name, value in params.items() if name != "after"},
+        counts=counts,
         csrf=reviewer.session.csrf,
         who=reviewer.who,
     )

@@ -24,7 +24,17 @@ import msgspec
 
 from gateway.errors import StoreUnavailableError
 from gateway.services import Services
-from policy.appeals.base import UNDECIDED, Appeal, AppealClaim, AppealFacets, AppealState, OwnAppealError
+from policy.appeals.base import (
+    FACETS,
+    NO_FILTER,
+    UNDECIDED,
+    Appeal,
+    AppealClaim,
+    AppealFacets,
+    AppealFilter,
+    AppealState,
+    OwnAppealError,
+)
 from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
 from policy.audit.records import AuditDraft, AuditRecord, Decision
@@ -83,25 +93,32 @@ async def appeal_page(
     state: AppealState | tuple[AppealState, ...] | None,
     limit: int,
     after: str | None,
+    filters: AppealFilter = NO_FILTER,
 ) -> AppealPage:
-    """At most `limit` appeals of `scope` (a tenant, or None for every tenant) in `state`, after `after`."""
-    page = await services.appeals.list(scope, state, limit, after)
+    """At most `limit` appeals of `scope` (a tenant, or None for every tenant) in `state` matching
+    `filters`, after `after`."""
+    page = await services.appeals.list(scope, state, limit, after, filters)
     # A full page asks for one more row, so that the last page never claims a next one.
-    more = len(page) >= limit and bool(await services.appeals.list(scope, state, 1, page[-1].appeal_id))
+    more = len(page) >= limit and bool(
+        await services.appeals.list(scope, state, 1, page[-1].appeal_id, filters)
+    )
     undecided = [a.appeal_id for a in page if a.state in UNDECIDED]
     claims = await services.appeals.claims(undecided, services.clock())
     return AppealPage(data=page, has_more=more, last_id=page[-1].appeal_id if page else None, claims=claims)
 
 
 async def review_queue(
-    services: Services, scope: str | None, limit: int, after: str | None = None
+    services: Services,
+    scope: str | None,
+    limit: int,
+    after: str | None = None,
+    filters: AppealFilter = NO_FILTER,
 ) -> ReviewQueue:
     """The queue of `scope` (a tenant, or None for every tenant): a page of at most `limit` undecided
-    appeals after `after`, and at most `limit` flagged decisions nobody has appealed."""
-    appeals = await appeal_page(services, scope, UNDECIDED, limit, after)
-    read, truncated = await _flagged(services, scope)
-    appealed = await _appealed(services, read)
-    flagged = sorted((r for r in read if (r.tenant, r.seq) not in appealed), key=lambda r: -r.at)
+    appeals matching `filters` after `after`, and at most `limit` flagged decisions nobody has appealed
+    (matching `filters` too), newest first."""
+    appeals = await appeal_page(services, scope, UNDECIDED, limit, after, filters)
+    flagged, truncated = await unappealed_flags(services, scope, filters)
     return ReviewQueue(
         appeals=appeals.data,
         has_more=appeals.has_more,
@@ -110,6 +127,43 @@ async def review_queue(
         truncated=truncated or len(flagged) > limit,
         claims=appeals.claims,
     )
+
+
+async def unappealed_flags(
+    services: Services, scope: str | None, filters: AppealFilter
+) -> tuple[list[AuditRecord], bool]:
+    """The flagged decisions of `scope` nobody has appealed that match `filters` (their facets, `at` in the
+    filing window), newest first; and whether the read was cut short."""
+    read, truncated = await _flagged(services, scope)
+    appealed = await _appealed(services, read)
+    kept = [r for r in read if (r.tenant, r.seq) not in appealed and _matches(r, filters)]
+    return sorted(kept, key=lambda r: -r.at), truncated
+
+
+def _matches(record: AuditRecord, filters: AppealFilter) -> bool:
+    facets = facets_of(record)
+    for name in ("decision", "stage", "source", "category", "severity"):
+        wanted = getattr(filters, name)
+        if wanted is not None and getattr(facets, name) != wanted:
+            return False
+    wanted = filters.policy
+    # A bare name takes every version of the policy.
+    every_version = wanted is not None and "@" not in wanted and record.policy.startswith(f"{wanted}@")
+    if wanted is not None and record.policy != wanted and not every_version:
+        return False
+    if filters.filed_from is not None and record.at < filters.filed_from:
+        return False
+    return filters.filed_to is None or record.at < filters.filed_to
+
+
+def facet_counts(records: list[AuditRecord]) -> dict[str, dict[str, int]]:
+    """`records` counted by each facet's value (as `AppealStore.counts` counts appeals)."""
+    counts: dict[str, dict[str, int]] = {facet: {} for facet in FACETS}
+    for record in records:
+        values = msgspec.structs.asdict(facets_of(record)) | {"tenant": record.tenant}
+        for facet in FACETS:
+            counts[facet][values[facet]] = counts[facet].get(values[facet], 0) + 1
+    return counts
 
 
 async def appeal_of(services: Services, record: AuditRecord) -> Appeal | None:

@@ -93,12 +93,16 @@ def queue_page(
     truncated: bool,
     next_after: str | None,
     claims: Mapping[str, AppealClaim] | None = None,
+    filters: Mapping[str, str] | None = None,
+    counts: Mapping[str, Mapping[str, int]] | None = None,
     csrf: str,
     who: str,
 ) -> str:
-    """A page of open and in-review appeals (oldest filed first, with who has claimed each; a link to the
-    next page after the appeal `next_after`), then flagged decisions nobody has reviewed, newest first."""
-    claims = claims or {}
+    """The filter form (each facet's values with how many undecided appeals each leaves), a page of open
+    and in-review appeals (oldest filed first unless sorted newest first, with who has claimed each; a link
+    to the next page after the appeal `next_after`, filters kept), then flagged decisions nobody has
+    reviewed, newest first."""
+    claims, filters, counts = claims or {}, filters or {}, counts or {}
     appeal_rows = "".join(
         f"<tr><td>{_link(a.tenant, a.decision_seq)}</td><td>{_t(a.state)}</td><td>{_t(when(a.filed_at))}"
         f"</td><td>{_t(a.filed_by)}</td><td>{_t(a.reason)}</td><td>{_claimed(claims.get(a.appeal_id))}</td></tr>"
@@ -112,8 +116,11 @@ def queue_page(
     note = "<p>Only the most recent flagged decisions were read.</p>" if truncated else ""
     more = ""
     if next_after is not None:
-        more = f'<p><a id="next" href="/console?after={_q(next_after)}">Next</a></p>'
-    body = (
+        kept = "".join(f"&{_q(name)}={_q(value)}" for name, value in filters.items())
+        more = f'<p><a id="next" href="/console?after={_q(next_after)}{kept}">Next</a></p>'
+    total = sum(counts.get("tenant", {}).values())
+    body = _filter_form(filters, counts) + f'<p id="matching">{total} undecided appeals match.</p>'
+    body += (
         '<h2>Appeals</h2><table id="appeals"><tr><th>Decision</th><th>State</th><th>Filed</th><th>By</th>'
         "<th>Reason</th><th>Claimed</th></tr>"
         f"{appeal_rows or '<tr><td colspan=6>None open</td></tr>'}</table>{more}"
@@ -122,6 +129,46 @@ def queue_page(
         f"{flagged_rows or '<tr><td colspan=6>None to review</td></tr>'}</table>{note}"
     )
     return page("Review queue", body, csrf=csrf, who=who)
+
+
+# The queue's filter form: (parameter, label) of each facet select.
+_FILTERS = (
+    ("tenant", "Tenant"),
+    ("category", "Category"),
+    ("severity", "Severity"),
+    ("decision", "Outcome"),
+    ("stage", "Stage"),
+    ("source", "Source"),
+    ("policy", "Policy version"),
+)
+
+
+def _filter_form(filters: Mapping[str, str], counts: Mapping[str, Mapping[str, int]]) -> str:
+    """A GET form over the queue: a select per facet listing its values with their counts (the chosen
+    value kept even when nothing matches it), age bounds and the sort."""
+    fields = ""
+    for name, label in _FILTERS:
+        chosen = filters.get(name, "")
+        values = dict(counts.get(name, {}))
+        if chosen:
+            values.setdefault(chosen, 0)
+        options = '<option value="">any</option>' + "".join(
+            f'<option value="{_t(v)}"{" selected" if v == chosen else ""}>{_t(v or "(none)")} ({n})</option>'
+            for v, n in sorted(values.items(), key=lambda item: (-item[1], item[0]))
+        )
+        fields += f'<label>{label} <select name="{name}">{options}</select></label> '
+    for name, label in (("older_than", "Older than (s)"), ("newer_than", "Newer than (s)")):
+        fields += (
+            f'<label>{label} <input name="{name}" inputmode="numeric" size="8" '
+            f'value="{_t(filters.get(name, ""))}"></label> '
+        )
+    newest = filters.get("sort") == "newest"
+    sort = (
+        f'<label>Sort <select name="sort"><option value="oldest">oldest first</option><option value="newest"'
+        f"{' selected' if newest else ''}>newest first</option></select></label>"
+    )
+    button = '<button type="submit">Filter</button>'
+    return f'<form id="filters" method="get" action="/console">{fields}{sort} {button}</form>'
 
 
 def _claimed(claim: AppealClaim | None) -> str:

@@ -18,7 +18,7 @@ from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
 from ops.eval import feedback
-from policy.appeals import DEFAULT_REASONS
+from policy.appeals import DEFAULT_REASONS, AppealFacets
 from policy.audit.records import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
@@ -643,3 +643,60 @@ async def test_two_reviewers_never_work_the_same_appeal(gateway: Gateway) -> Non
     # Decided: nothing left to claim, and no claim is listed.
     error(await gateway.call("rev-acme", "POST", claim), 409, "invalid_transition")
     assert appeal_id not in (await gateway.call("rev-global", "GET", "/audit/queue")).json()["claims"]
+
+
+async def test_the_queue_filters_sorts_pages_and_counts(gateway: Gateway) -> None:
+    store, now = gateway.services.appeals, gateway.services.clock()
+    kinds = [("weapons", "critical"), ("hate", "high"), ("weapons", "high")]
+    filed = []
+    for i in range(30):
+        category, severity = kinds[i % 3]
+        facets = AppealFacets(decision="block", source="rules", category=category, severity=severity)
+        filed.append(
+            await store.file(
+                tenant="acme", request_id=f"r{i}", decision_seq=1000 + i, reason="r", filed_by="k",
+                now=now - 3600 + i, facets=facets,
+            )
+        )  # fmt: skip
+    await store.file(
+        tenant="beta", request_id="b", decision_seq=1, reason="r", filed_by="k", now=now,
+        facets=AppealFacets(category="weapons"),
+    )  # fmt: skip
+    weapons = [a.appeal_id for a in filed if a.category == "weapons"]
+    # Newest first, pages of 7 by keyset, weapons only.
+    seen: list[str] = []
+    params: dict[str, Any] = {"category": "weapons", "sort": "newest", "limit": 7}
+    while True:
+        page = (await gateway.call("rev-acme", "GET", "/audit/queue", **params)).json()
+        assert len(page["appeals"]) <= 7
+        seen += [a["appeal_id"] for a in page["appeals"]]
+        if not page["has_more"]:
+            break
+        params["after"] = page["last_id"]
+    assert seen == weapons[::-1]
+    # Severity and age filter the appeal list too; counts say what each filter would leave.
+    listed = "/audit/appeals"
+    critical = (await gateway.call("rev-acme", "GET", listed, severity="critical", limit=100)).json()
+    expected = [a.appeal_id for a in filed if a.severity == "critical"]
+    assert [a["appeal_id"] for a in critical["data"]] == expected
+    young = (await gateway.call("rev-acme", "GET", listed, newer_than=3600 - 24.5, limit=100)).json()
+    assert [a["appeal_id"] for a in young["data"]] == [a.appeal_id for a in filed[25:]]
+    counts = (await gateway.call("rev-acme", "GET", "/audit/queue/counts", category="weapons")).json()
+    assert counts["appeals"] == 20
+    assert counts["appeals_by"]["severity"] == {"critical": 10, "high": 10}
+    assert counts["appeals_by"]["tenant"] == {"acme": 20}
+    everyone = (await gateway.call("rev-global", "GET", "/audit/queue/counts", category="weapons")).json()
+    assert everyone["appeals_by"]["tenant"] == {"acme": 20, "beta": 1}
+    only_beta = (await gateway.call("rev-global", "GET", "/audit/queue/counts", tenant="beta")).json()
+    assert only_beta["appeals"] == 1
+    # A tenant's reviewer names no other tenant; bad parameters are named.
+    refused = {
+        ("/audit/queue", "tenant", "beta"): (403, "other_tenant"),
+        ("/audit/queue", "sort", "best"): (400, "invalid_value"),
+        ("/audit/queue", "limit", 0): (400, "invalid_value"),
+        ("/audit/queue", "older_than", -1): (400, "invalid_value"),
+        ("/audit/queue", "colour", "red"): (400, "unknown_parameter"),
+        ("/audit/queue/counts", "limit", 5): (400, "unknown_parameter"),
+    }
+    for (path, name, value), (status, code) in refused.items():
+        error(await gateway.call("rev-acme", "GET", path, **{name: value}), status, code, name)

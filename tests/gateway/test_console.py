@@ -19,6 +19,7 @@ from gateway.console.plumbing import COOKIE
 from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
 from guard.figures import Figures
+from policy.appeals import AppealFacets
 from policy.audit import AuditDraft, AuditRecord
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import Tenant
@@ -468,3 +469,27 @@ async def test_a_reviewer_claims_a_decision_and_another_cannot_decide_it(console
         done = await first.post(f"{path}/decide", data={**OVERTURN, "note": "fine", "csrf": first_csrf})
         assert done.status_code == 200, done.text
         assert "overturned" in done.text
+
+
+async def test_the_queue_page_filters_counts_and_pages_with_its_filters(console: Console) -> None:
+    store, now = console.services.appeals, console.services.clock()
+    for i in range(12):
+        category = "weapons" if i % 2 else "hate"
+        await store.file(
+            tenant="acme", request_id=f"q{i}", decision_seq=5000 + i, reason="r", filed_by="k",
+            now=now - 100 + i, facets=AppealFacets(decision="block", category=category, severity="high"),
+        )  # fmt: skip
+    async with console.client() as http:
+        await console.login(http, "rev-acme")
+        page = await http.get("/console", params={"category": "weapons", "sort": "newest"})
+        assert page.status_code == 200
+        assert "6 undecided appeals match." in page.text
+        assert '<option value="weapons" selected>weapons (6)</option>' in page.text
+        assert '<option value="high">high (6)</option>' in page.text
+        assert "q11" not in page.text  # request ids are not listed; the decision links are
+        assert f"/console/decisions/acme/{5000 + 11}" in page.text
+        assert f"/console/decisions/acme/{5000 + 10}" not in page.text  # hate
+        bad = await http.get("/console", params={"sort": "best"})
+        assert bad.status_code == 400
+        other = await http.get("/console", params={"tenant": "beta"})
+        assert other.status_code == 403
