@@ -1,7 +1,9 @@
-"""The console's policy statistics: per policy version, decisions per hour, and per guard stage its score
-histogram over the window and its scores hour by hour (median, and the 10th to 90th percentile), drawn as
-inline SVG so that drift (scores moving over time) and a threshold change (a second threshold line) are
-visible without any script or external asset.
+"""The console's policy statistics: per policy version, decisions per hour (a flagged allow drawn as a flag,
+not as an allow), how often reviewers overturned its blocks, and per guard stage its score histogram over the
+window and its scores hour by hour (median, and the 10th to 90th percentile), drawn as inline SVG so that
+drift (scores moving over time) and a threshold change (a second threshold line) are visible without any
+script or external asset. Every chart says what it counts: its scale's top, its total, and on time axes the
+UTC hours.
 
 Bounded: at most `MAX_RECORDS` records of the last `WINDOW_S` seconds in the reviewer's scope are read
 (`AuditStore.query` pages); the page says when that cut the window short.
@@ -10,6 +12,7 @@ Bounded: at most `MAX_RECORDS` records of the last `WINDOW_S` seconds in the rev
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from html import escape
 
@@ -23,10 +26,15 @@ WINDOW_S = 48 * 3600.0
 MAX_RECORDS = 5000
 BINS = 20
 _HOUR = 3600.0
+# Decisions as the charts count them: an allow flagged for review counts as `flagged`.
 _COLOURS = {
-    "allow": "#3a9d5d", "flag": "#e0a526", "block": "#c8372d", "refuse": "#8e44ad",
-    "deny": "#555e6b", "reversal": "#2a6fdb", "uphold": "#1d2330",
+    "allow": "#3a9d5d", "flagged": "#e0a526", "flag": "#e0a526", "block": "#c8372d", "refuse": "#8e44ad",
+    "deny": "#555e6b",
 }  # fmt: skip
+# A time axis is labelled every this many hours (UTC).
+_TICK_HOURS = 6
+# The decisions whose reviews give a policy version's overturn rate.
+_BLOCKS = ("block", "refuse")
 
 
 class StageScores(msgspec.Struct, kw_only=True):
@@ -59,10 +67,31 @@ def spread(scores: list[float]) -> HourSpread:
 
 
 class PolicyStats(msgspec.Struct, kw_only=True):
-    """One policy version's decisions by hour and the score distribution of each of its stages."""
+    """One policy version's decisions by hour, the reviews of its decisions in the window (reversal and
+    uphold records, by what they reviewed), and the score distribution of each of its stages."""
 
-    hourly: dict[int, Counter[str]]  # hour index (unix hour) -> decision -> count
+    hourly: dict[int, Counter[str]]  # hour index (unix hour) -> decision (flagged allows: "flagged") -> count
     stages: dict[str, StageScores]
+    # (decision reviewed, review decision) -> count, e.g. ("block", "reversal"): a block overturned.
+    reviews: Counter[tuple[str, str]] = msgspec.field(default_factory=Counter)
+
+    def blocks(self) -> int:
+        """Blocks and refusals in the window."""
+        return sum(counts[d] for counts in self.hourly.values() for d in _BLOCKS)
+
+    def overturned_blocks(self) -> tuple[int, int]:
+        """(blocks reviewed, blocks overturned): the window's blocks and refusals that a review in the window
+        upheld or overturned."""
+        reviewed = sum(n for (what, _review), n in self.reviews.items() if what in _BLOCKS)
+        overturned = sum(
+            n for (what, review), n in self.reviews.items() if what in _BLOCKS and review == "reversal"
+        )
+        return reviewed, overturned
+
+
+def charted(record: AuditRecord) -> str:
+    """The decision a chart counts a record under: an allow flagged for review is a flag."""
+    return "flagged" if record.flagged and record.decision == "allow" else record.decision
 
 
 async def collect(store: AuditStore, scope: str | None, now: float) -> tuple[dict[str, PolicyStats], bool]:
@@ -70,11 +99,14 @@ async def collect(store: AuditStore, scope: str | None, now: float) -> tuple[dic
     `MAX_RECORDS` cut it short."""
     q = AuditQuery(tenant=scope, since=now - WINDOW_S, limit=MAX_QUERY_LIMIT)
     stats: dict[str, PolicyStats] = {}
+    # (tenant, seq) -> the decision as charted, for the reviews that follow (a review comes after what it
+    # reviews in its tenant's chain, and the pages are in (tenant, seq) order).
+    reviewed: dict[tuple[str, int], str] = {}
     read = 0
     while read < MAX_RECORDS:
         page = await store.query(q)
         for record in page[: MAX_RECORDS - read]:
-            _add(stats, record)
+            _add(stats, record, reviewed)
         read += len(page)
         if len(page) < q.page_size():
             return stats, False
@@ -82,11 +114,16 @@ async def collect(store: AuditStore, scope: str | None, now: float) -> tuple[dic
     return stats, True
 
 
-def _add(stats: dict[str, PolicyStats], record: AuditRecord) -> None:
-    if record.stage == "review":
-        return
+def _add(stats: dict[str, PolicyStats], record: AuditRecord, reviewed: dict[tuple[str, int], str]) -> None:
     policy = stats.setdefault(record.policy or "(none)", PolicyStats(hourly={}, stages={}))
-    policy.hourly.setdefault(int(record.at // _HOUR), Counter())[record.decision] += 1
+    if record.stage == "review":
+        # A review record carries the reviewed decision's policy; what it reviewed was read earlier in the
+        # same pass when it is in the window (a decision before the window: "earlier", not in the rate).
+        what = reviewed.get((record.tenant, record.reverses or 0), "earlier")
+        policy.reviews[(what, record.decision)] += 1
+        return
+    reviewed[(record.tenant, record.seq)] = charted(record)
+    policy.hourly.setdefault(int(record.at // _HOUR), Counter())[charted(record)] += 1
     for run in record.stages:
         if run.score is None:
             continue
@@ -102,13 +139,32 @@ def _add(stats: dict[str, PolicyStats], record: AuditRecord) -> None:
             scores.block_above.add(run.block_above)
 
 
+def _time_axis(hours: int, last: int, step: int, height: int) -> str:
+    """Labels under a time axis of `hours` columns `step` px wide ending at unix hour `last`: the UTC hour
+    every `_TICK_HOURS`, with the date at midnight."""
+    parts = []
+    for i in range(hours):
+        hour = last - hours + 1 + i
+        if hour % _TICK_HOURS:
+            continue
+        at = time.gmtime(hour * _HOUR)
+        label = time.strftime("%d %b" if at.tm_hour == 0 else "%H:00", at)
+        parts.append(
+            f'<line x1="{i * step}" y1="{height}" x2="{i * step}" y2="{height + 4}" stroke="#555"/>'
+            f'<text x="{i * step}" y="{height + 15}" font-size="10">{label}</text>'
+        )
+    return "".join(parts)
+
+
 def hourly_svg(hourly: dict[int, Counter[str]], now: float) -> str:
-    """Stacked bars: decisions per hour over the window, oldest left, coloured by decision."""
+    """Stacked bars: decisions per hour over the window, oldest left, coloured by decision (flagged allows
+    as flags); the scale's top and the window's total written on it, the hours (UTC) under it."""
     hours = int(WINDOW_S // _HOUR)
     last = int(now // _HOUR)
     width, height, bar = hours * 12, 120, 10
     peak = max((sum(c.values()) for c in hourly.values()), default=0) or 1
-    parts = [f'<svg class="hourly" width="{width}" height="{height + 20}" role="img">']
+    total = sum(sum(c.values()) for c in hourly.values())
+    parts = [f'<svg class="hourly" width="{width + 60}" height="{height + 35}" role="img">']
     for i in range(hours):
         counts = hourly.get(last - hours + 1 + i, Counter())
         y = float(height)
@@ -120,8 +176,12 @@ def hourly_svg(hourly: dict[int, Counter[str]], now: float) -> str:
                 f'<rect x="{i * 12}" y="{y:.1f}" width="{bar}" height="{h:.1f}" fill="{colour}">'
                 f"<title>{escape(decision)}: {counts[decision]}</title></rect>"
             )
-    parts.append(f'<text x="0" y="{height + 15}" font-size="10">{hours} h ago</text>')
-    parts.append(f'<text x="{width - 30}" y="{height + 15}" font-size="10">now</text></svg>')
+    parts.append(
+        f'<text x="{width + 4}" y="10" font-size="10">{peak}/h</text>'
+        f'<text x="{width + 4}" y="{height}" font-size="10">0</text>'
+        f'<text class="total" x="0" y="{height + 30}" font-size="10">{total} decisions, hours in UTC</text>'
+    )
+    parts.append(_time_axis(hours, last, 12, height) + "</svg>")
     return "".join(parts)
 
 
@@ -130,7 +190,7 @@ def histogram_svg(scores: StageScores) -> str:
     the threshold changed in the window)."""
     width, height = BINS * 16, 100
     peak = max(scores.bins) or 1
-    parts = [f'<svg class="histogram" width="{width}" height="{height + 20}" role="img">']
+    parts = [f'<svg class="histogram" width="{width + 60}" height="{height + 35}" role="img">']
     for i, n in enumerate(scores.bins):
         h = n / peak * height
         lo = i / BINS
@@ -147,7 +207,12 @@ def histogram_svg(scores: StageScores) -> str:
                 f"<title>{label} {value}</title></line>"
             )
     parts.append(f'<text x="0" y="{height + 15}" font-size="10">0</text>')
-    parts.append(f'<text x="{width - 10}" y="{height + 15}" font-size="10">1</text></svg>')
+    parts.append(f'<text x="{width - 10}" y="{height + 15}" font-size="10">1</text>')
+    parts.append(
+        f'<text x="{width + 4}" y="10" font-size="10">{peak}</text>'
+        f'<text x="{width + 4}" y="{height}" font-size="10">0</text>'
+        f'<text class="total" x="0" y="{height + 30}" font-size="10">{sum(scores.bins)} scores</text></svg>'
+    )
     return "".join(parts)
 
 
@@ -157,7 +222,7 @@ def drift_svg(hourly: dict[int, list[float]], now: float) -> str:
     hours = int(WINDOW_S // _HOUR)
     last = int(now // _HOUR)
     width, height = hours * 12, 100
-    parts = [f'<svg class="drift" width="{width}" height="{height + 20}" role="img">']
+    parts = [f'<svg class="drift" width="{width + 60}" height="{height + 35}" role="img">']
     for i in range(hours):
         scores = hourly.get(last - hours + 1 + i)
         if not scores:
@@ -171,8 +236,13 @@ def drift_svg(hourly: dict[int, list[float]], now: float) -> str:
             f"{title}</line>"
             f'<circle cx="{x}" cy="{mid:.1f}" r="3" fill="#2a6fdb">{title}</circle>'
         )
-    parts.append(f'<text x="0" y="{height + 15}" font-size="10">{hours} h ago</text>')
-    parts.append(f'<text x="{width - 30}" y="{height + 15}" font-size="10">now</text></svg>')
+    counted = sum(len(v) for v in hourly.values())
+    parts.append(
+        f'<text x="{width + 4}" y="10" font-size="10">score 1</text>'
+        f'<text x="{width + 4}" y="{height}" font-size="10">score 0</text>'
+        f'<text class="total" x="0" y="{height + 30}" font-size="10">{counted} scores, hours in UTC</text>'
+    )
+    parts.append(_time_axis(hours, last, 12, height) + "</svg>")
     return "".join(parts)
 
 
@@ -191,8 +261,14 @@ def stats_body(stats: dict[str, PolicyStats], now: float, truncated: bool) -> st
         for counts in policy.hourly.values():
             total.update(counts)
         summary = ", ".join(f"{escape(d)} {n}" for d, n in sorted(total.items()))
+        reviewed, overturned = policy.overturned_blocks()
+        rate = f"{overturned / reviewed:.0%}" if reviewed else "none reviewed"
+        appeals = (
+            f'<p class="overturns">Blocks and refusals: {policy.blocks()}; reviewed: {reviewed}, '
+            f"overturned: {overturned} ({rate} of those reviewed)</p>"
+        )
         sections.append(
-            f'<section class="policy"><h2>{escape(name)}</h2><p>{summary}</p>'
+            f'<section class="policy"><h2>{escape(name)}</h2><p>{summary}</p>{appeals}'
             f"<h3>Decisions per hour</h3>{hourly_svg(policy.hourly, now)}"
         )
         for stage in sorted(policy.stages):

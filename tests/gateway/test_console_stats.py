@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from gateway.console.stats import WINDOW_S, collect, drift_svg, spread, stats_body
+from gateway.console.stats import WINDOW_S, collect, drift_svg, hourly_svg, spread, stats_body
 from policy.audit.base import AuditQuery, AuditStore
 from policy.audit.records import AuditedStage, AuditRecord
 
@@ -70,3 +70,45 @@ def test_an_empty_window_draws_an_empty_chart() -> None:
     svg = drift_svg({}, NOW)
     assert "<circle" not in svg
     assert svg.endswith("</svg>")
+
+
+def _decision(
+    seq: int, at: float, decision: str, *, flagged: bool = False, reverses: int | None = None
+) -> AuditRecord:
+    return AuditRecord(
+        tenant="acme", key_id="k", request_id=f"d{seq}", at=at, stage="review" if reverses else "input",
+        decision=decision, source="reviewer" if reverses else "rules", policy="strict@2", flagged=flagged,
+        reverses=reverses, seq=seq, prev_hash="", hash="",
+    )  # fmt: skip
+
+
+async def test_flags_are_drawn_as_flags_and_each_version_shows_the_overturn_rate_of_its_blocks() -> None:
+    at = NOW - 2 * HOUR
+    records = [
+        _decision(1, at, "allow"),
+        _decision(2, at, "allow", flagged=True),
+        _decision(3, at, "allow", flagged=True),
+        _decision(4, at, "block"),
+        _decision(5, at, "block"),
+        _decision(6, at, "refuse"),
+        _decision(7, at + 10, "reversal", reverses=4),  # a block overturned
+        _decision(8, at + 11, "uphold", reverses=5),  # a block upheld
+        _decision(9, at + 12, "reversal", reverses=2),  # a flag overturned: not a block's
+    ]
+    store = cast(AuditStore, _Store(records))
+    stats, _truncated = await collect(store, "acme", NOW)
+    policy = stats["strict@2"]
+    [hour] = policy.hourly.values()
+    assert hour == {"allow": 1, "flagged": 2, "block": 2, "refuse": 1}  # reviews are not decisions
+    assert policy.blocks() == 3
+    assert policy.overturned_blocks() == (2, 1)
+    page = stats_body(stats, NOW, False)
+    assert "flagged 2" in page
+    assert "Blocks and refusals: 3; reviewed: 2, overturned: 1 (50% of those reviewed)" in page
+    svg = hourly_svg(policy.hourly, NOW)
+    assert "<title>flagged: 2</title>" in svg
+    assert ">6 decisions, hours in UTC<" in svg  # the total, on the chart
+    assert ">6/h<" in svg  # the scale's top
+    # The time axis is labelled with UTC hours every few hours, the date at midnight.
+    assert svg.count('font-size="10">') >= WINDOW_S // HOUR // 6
+    assert ":00<" in svg
