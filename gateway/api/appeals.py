@@ -12,7 +12,10 @@ reviewer does not decide blind. `share_content: true` copies the content the dec
 (409 `content_not_retained` where the tenant's retention kept none); `content` attaches the text itself,
 which must be exactly the text checked (its sha256 is the record's `content_hash`, else 400
 `content_mismatch`: nothing else can be substituted for it). For a conversation of plain text messages the
-text checked is the messages' contents in order joined by a blank line; for an answer, the answer's text.
+text checked is the messages' contents in order joined by a blank line; for an answer, the answer's text. An
+appeal of an answer may carry the request's input too (`request_content`, checked against the input
+decision's hash the same way; `share_content` copies it where it was retained), so the answer is read in
+context.
 The content is kept with the appeal for `[appeals] evidence_retention_days` (whatever the audit retention),
 shown to reviewers of the tenant and of the operating organisation only (`evidence` in the reviewers'
 views; consumers read `content_shared`), and deleted by the retention pass once expired.
@@ -118,6 +121,8 @@ class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Evidence by consent (module docstring): share what was retained, or attach the text checked.
     share_content: bool = False
     content: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SHARED_CONTENT)] | None = None
+    # With an appeal of an answer: the request's input as checked, shown beside the answer.
+    request_content: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SHARED_CONTENT)] | None = None
 
 
 class AppealTransition(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -190,16 +195,14 @@ async def _detail(
     )
 
 
-def _shared(body: AppealCreate, record: AuditRecord, services: Services) -> SharedContent | None:
-    """The content the consumer shares with its appeal of `record` (module docstring), or None."""
+def _shared(
+    body: AppealCreate, record: AuditRecord, records: list[AuditRecord], services: Services
+) -> SharedContent | None:
+    """The content the consumer shares with its appeal of `record` (module docstring), or None; `records`
+    are the request's, so that an appeal of an answer can carry the request's input too."""
     source: EvidenceSource
     if body.content is not None:
-        if content_sha256(body.content) != record.content_hash:
-            raise InvalidRequestError(
-                "content is not the text this decision checked (its sha256 is not the recorded content_hash)",
-                param="content",
-                code="content_mismatch",
-            )
+        _check_text(body.content, record, "content")
         content, source = body.content, "consumer"
     elif body.share_content:
         if record.content is None:
@@ -209,15 +212,42 @@ def _shared(body: AppealCreate, record: AuditRecord, services: Services) -> Shar
                 code="content_not_retained",
             )
         content, source = record.content, "retained"
+    elif body.request_content is not None:
+        message = "request_content goes with content or share_content"
+        raise InvalidRequestError(message, param="request_content", code="invalid_value")
     else:
         return None
+    inputs = [r for r in records if r.stage == "input" and r.seq < record.seq]
+    request_content = None
+    if body.request_content is not None:
+        if record.stage != "output" or not inputs:
+            raise InvalidRequestError(
+                "request_content goes with an appeal of an answer (the appealed decision checked the input)",
+                param="request_content",
+                code="invalid_value",
+            )
+        _check_text(body.request_content, inputs[-1], "request_content")
+        request_content = body.request_content
+    elif body.share_content and record.stage == "output" and inputs:
+        request_content = inputs[-1].content  # where retained
     days = services.config.appeals.evidence_retention_days
     return SharedContent(
         content=content,
         content_hash=record.content_hash,
         source=source,
         expires_at=services.clock() + days * DAY_S,
+        request_content=request_content,
     )
+
+
+def _check_text(text: str, record: AuditRecord, param: str) -> None:
+    """400 `content_mismatch` unless `text` is what `record` checked (its sha256 is the content_hash)."""
+    if content_sha256(text) != record.content_hash:
+        raise InvalidRequestError(
+            f"{param} is not the text this decision checked (its sha256 is not the recorded content_hash)",
+            param=param,
+            code="content_mismatch",
+        )
 
 
 @post(
@@ -254,7 +284,7 @@ async def file_appeal(
             reason=body.reason,
             filed_by=principal.key.key_id,
             now=services.clock(),
-            shared=_shared(body, decision, services),
+            shared=_shared(body, decision, records, services),
             facets=facets_of(decision),
         )
     )

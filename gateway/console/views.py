@@ -235,6 +235,11 @@ def decision_page(
             f"matching content_hash), kept until {_t(when(evidence.expires_at))}.</p>"
             f'<pre id="content">{_t(evidence.content)}</pre>'
         )
+        if evidence.request_content is not None:
+            content += (
+                "<p>The request this answer was given to, shared with it:</p>"
+                f'<pre id="request-content">{_t(evidence.request_content)}</pre>'
+            )
     else:
         content = "<p>Not retained.</p>"
     body = f'<p class="notice" id="outcome" role="status">{_t(outcome)}</p>' if outcome else ""

@@ -176,6 +176,9 @@ class SharedContent(msgspec.Struct, frozen=True, kw_only=True):
     # consumer attached (nothing was retained).
     source: EvidenceSource
     expires_at: float
+    # For an appeal of an answer: the request's input as its own check read it (its sha256 matched to that
+    # record's content_hash too), so the reviewer reads the answer in context. None: not shared.
+    request_content: str | None = None
 
 
 class AppealEvidence(SharedContent, frozen=True, kw_only=True):

@@ -74,6 +74,7 @@ def evidence_row(evidence: AppealEvidence) -> tuple[Any, ...]:
     """Shared content as a row of EVIDENCE_COLUMNS (content escaped where a store cannot hold it as is)."""
     row = {name: getattr(evidence, name) for name in EVIDENCE_FIELDS}
     row["content"] = stored_content(evidence.content)
+    row["request_content"] = stored_content(evidence.request_content)
     return tuple(row.values())
 
 
@@ -81,6 +82,7 @@ def evidence_from_row(row: Iterable[Any]) -> AppealEvidence:
     """Shared content from a row selected as EVIDENCE_COLUMNS."""
     fields = dict(zip(EVIDENCE_FIELDS, row, strict=True))
     fields["content"] = read_content(fields["content"])
+    fields["request_content"] = read_content(fields["request_content"])
     return msgspec.convert(fields, AppealEvidence)
 
 

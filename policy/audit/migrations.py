@@ -15,7 +15,8 @@ Tables (in the same database as the tenants, with their own migrations table)::
                                            allowed step (and set updated_at); no DELETE
     appeal_events(appeal_id, n, at, actor, from_state, to_state, note, reason JSON NULL, facts)
         PRIMARY KEY (appeal_id, n)         append-only: no UPDATE, no DELETE
-    appeal_evidence(appeal_id PK, tenant, content, content_hash, source, expires_at, attached_at)
+    appeal_evidence(appeal_id PK, tenant, content, content_hash, source, expires_at, attached_at,
+                    request_content NULL)
                                            content a consumer shared with its appeal; no UPDATE; deleted
                                            once expires_at is past (`AppealStore.purge_evidence`)
     appeal_claims(appeal_id PK, reviewer, expires_at)
@@ -346,6 +347,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             _BACKFILL_FACETS,
             "ALTER TABLE appeals ENABLE TRIGGER appeals_transition",
         ),
+    ),
+    Migration(
+        version=10,
+        summary="appeal_evidence.request_content: the request's input shared with an appeal of its answer",
+        shared=("ALTER TABLE appeal_evidence ADD COLUMN request_content TEXT",),
     ),
 )
 

@@ -19,7 +19,7 @@ from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
 from ops.eval import feedback
 from policy.appeals import DEFAULT_REASONS, AppealFacets
-from policy.audit.records import AuditDraft, AuditRecord
+from policy.audit.records import AuditDraft, AuditRecord, content_sha256
 from policy.auth import SYSTEM_TENANT
 from policy.tenants import keys
 from policy.tenants.models import ApiKey, Role, Tenant
@@ -700,3 +700,39 @@ async def test_the_queue_filters_sorts_pages_and_counts(gateway: Gateway) -> Non
     }
     for (path, name, value), (status, code) in refused.items():
         error(await gateway.call("rev-acme", "GET", path, **{name: value}), status, code, name)
+
+
+async def test_an_appeal_of_an_answer_carries_the_request_it_answered(gateway: Gateway) -> None:
+    services, now = gateway.services, gateway.services.clock()
+    prompt, answer = "How do I pick a lock?", "Insert a tension wrench, then rake the pins."
+
+    def checked(stage: Any, decision: Any, text: str) -> AuditDraft:
+        return AuditDraft(
+            tenant="acme", key_id="k", request_id="req-answer", at=now, stage=stage, decision=decision,
+            source="model", content_hash=content_sha256(text),
+        )  # fmt: skip
+
+    await services.audit.append([checked("input", "allow", prompt), checked("output", "block", answer)])
+    base = {"request_id": "req-answer", "reason": "locksport is a hobby", "content": answer}
+    # The request's input is checked against its own record's hash; alone it is refused.
+    for extra, param in (
+        ({"request_content": prompt + "!"}, "request_content"),
+        ({"content": "x"}, "content"),
+    ):
+        error(
+            await gateway.call("acme", "POST", "/v1/appeals", {**base, **extra}),
+            400,
+            "content_mismatch",
+            param,
+        )
+    lone = {"request_id": "req-answer", "reason": "r", "request_content": prompt}
+    error(await gateway.call("acme", "POST", "/v1/appeals", lone), 400, "invalid_value", "request_content")
+    filed = await gateway.call("acme", "POST", "/v1/appeals", {**base, "request_content": prompt})
+    assert filed.status_code == 201, filed.text
+    seen = (await gateway.call("rev-acme", "GET", f"/audit/appeals/{filed.json()['appeal_id']}")).json()
+    assert (seen["evidence"]["content"], seen["evidence"]["request_content"]) == (answer, prompt)
+    assert seen["stage"] == "output"
+    # An appeal of a request's input takes no request_content: there is no answer to put it beside.
+    request_id, _block = await gateway.blocked("acme")
+    body = {"request_id": request_id, "reason": "r", "content": INJECTION, "request_content": INJECTION}
+    error(await gateway.call("acme", "POST", "/v1/appeals", body), 400, "invalid_value", "request_content")

@@ -599,3 +599,15 @@ async def test_appeals_filed_before_facets_were_kept_get_them_from_their_decisio
     assert (await store.counts("acme", UNDECIDED))["category"] == {"weapons": 1}
     with pytest.raises(REFUSED):
         await backend.raw(f"UPDATE {{schema}}.appeals SET category = 'hate' WHERE appeal_id = '{old[0]}'")
+
+
+async def test_an_answers_evidence_keeps_the_request_beside_it(store: AppealStore) -> None:
+    shared = SharedContent(
+        content="the answer", content_hash="h", source="consumer", expires_at=500.0, request_content="a\x00b"
+    )
+    appeal = await store.file(
+        tenant="acme", request_id="r", decision_seq=7, reason="r", filed_by="k", now=1.0, shared=shared
+    )
+    evidence = await store.evidence("acme", appeal.appeal_id)
+    assert evidence is not None
+    assert (evidence.content, evidence.request_content) == ("the answer", "a\x00b")

@@ -646,7 +646,7 @@ async def test_migrations_are_idempotent_and_share_the_tenant_database(backend: 
     second = await backend.open()
     assert await second.get("acme", 1) == await first.get("acme", 1)
     rows = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
-    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == list(range(1, 10))
+    assert [row[0] for row in rows] == [m.version for m in policy.audit.MIGRATIONS] == list(range(1, 11))
     # The tenant store lives beside it, in the same file or schema, with its own migrations.
     if backend.name == "sqlite":
         tenants: Any = await SqliteTenantStore.open(backend.location)
