@@ -33,11 +33,9 @@ from policy.appeals import (
     statement,
 )
 from policy.audit import GENESIS_HASH, AuditDraft, SqliteAuditStore
-from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
-from policy.audit.postgres import PostgresAuditStore
+from policy.audit.migrations import RECORD_FIELDS, record_row
 from policy.audit.records import chain
-from registry.db.postgres import open_pool
-from registry.db.sqlite import SqliteWorker, transaction
+from tests.audit_versions import write_at_migration
 from tests.backends import PG_DSN, SqlBackend, sql_backend
 
 Backend = SqlBackend[AppealStore]
@@ -563,35 +561,7 @@ async def test_appeals_filed_before_facets_were_kept_get_them_from_their_decisio
         None,
     )  # fmt: skip
     old = ("apl_" + "0" * 32, "acme", "r1", 1, "too strict", "open", "k", 20.0, 20.0)
-    rows = [(RECORD_COLUMNS, record_row(record)), (OLD_APPEAL_COLUMNS, old)]
-    if backend.name == "sqlite":
-        db = await SqliteWorker.open(
-            backend.location, migrations=MIGRATIONS[:8], table=MIGRATIONS_TABLE, foreign_keys=False
-        )
-
-        def write(conn: Any) -> None:
-            with transaction(conn):
-                for columns, row in rows:
-                    marks = ", ".join("?" for _ in row)
-                    conn.execute(f"INSERT INTO {columns} VALUES ({marks})", row)
-
-        await db.run(write)
-        await db.close()
-    else:
-        pool = await open_pool(
-            PG_DSN,
-            schema=backend.location,
-            migrations=MIGRATIONS[:8],
-            table=MIGRATIONS_TABLE,
-            lock_key=PostgresAuditStore.lock_key,
-            min_size=1,
-            max_size=1,
-        )
-        async with pool.acquire() as conn:
-            for columns, row in rows:
-                marks = ", ".join(f"${i}" for i in range(1, len(row) + 1))
-                await conn.execute(f"INSERT INTO {columns} VALUES ({marks})", *row)
-        await pool.close()
+    await write_at_migration(backend, 8, [(RECORD_COLUMNS, record_row(record)), (OLD_APPEAL_COLUMNS, old)])
     store = await backend.open()
     appeal = await store.get("acme", old[0])
     kept = (appeal.decision, appeal.stage, appeal.source, appeal.category, appeal.severity, appeal.policy)

@@ -35,12 +35,11 @@ from policy.audit import (
     verify_chain,
 )
 from policy.audit.keys import MacKey
-from policy.audit.migrations import MIGRATIONS, MIGRATIONS_TABLE, RECORD_FIELDS, record_row
+from policy.audit.migrations import MIGRATIONS, RECORD_FIELDS, record_row
 from policy.audit.records import canonical_json, chain, normalize
 from policy.audit.writer import AuditWriter
 from policy.tenants import PostgresTenantStore, SqliteTenantStore, Tenant
-from registry.db.postgres import open_pool
-from registry.db.sqlite import SqliteWorker, transaction
+from tests.audit_versions import write_at_migration
 from tests.backends import PG_DSN, SqlBackend, postgres_schema, sql_backend
 
 Backend = SqlBackend[AuditStore]
@@ -373,34 +372,8 @@ async def test_records_from_before_draft_ids_and_counts_verify_after_the_upgrade
     columns = ", ".join(RECORD_FIELDS[:width])
     rows = [record_row(record)[:width] for record in old]
     head = (old[-1].tenant, old[-1].seq, old[-1].hash)
-    if backend.name == "sqlite":
-        db = await SqliteWorker.open(
-            backend.location, migrations=MIGRATIONS[:version], table=MIGRATIONS_TABLE, foreign_keys=False
-        )
-
-        def write(conn: Any) -> None:
-            with transaction(conn):
-                marks = ", ".join("?" for _ in rows[0])
-                conn.executemany(f"INSERT INTO audit_records ({columns}) VALUES ({marks})", rows)
-                conn.execute("INSERT INTO audit_heads (tenant, seq, hash) VALUES (?, ?, ?)", head)
-
-        await db.run(write)
-        await db.close()
-    else:
-        pool = await open_pool(
-            PG_DSN,
-            schema=backend.location,
-            migrations=MIGRATIONS[:version],
-            table=MIGRATIONS_TABLE,
-            lock_key=PostgresAuditStore.lock_key,
-            min_size=1,
-            max_size=1,
-        )
-        marks = ", ".join(f"${i}" for i in range(1, len(rows[0]) + 1))
-        async with pool.acquire() as conn:
-            await conn.executemany(f"INSERT INTO audit_records ({columns}) VALUES ({marks})", rows)
-            await conn.execute("INSERT INTO audit_heads (tenant, seq, hash) VALUES ($1, $2, $3)", *head)
-        await pool.close()
+    inserts = [(f"audit_records ({columns})", row) for row in rows]
+    await write_at_migration(backend, version, [*inserts, ("audit_heads (tenant, seq, hash)", head)])
     store = await backend.open()
     versions = await backend.raw("SELECT version FROM {schema}.audit_schema_migrations ORDER BY version")
     assert [row[0] for row in versions] == list(range(1, len(MIGRATIONS) + 1))
