@@ -7,7 +7,7 @@ from typing import cast
 
 from gateway.console.stats import WINDOW_S, collect, drift_svg, hourly_svg, spread, stats_body
 from policy.audit.base import AuditQuery, AuditStore
-from policy.audit.records import AuditedStage, AuditRecord
+from policy.audit.records import AuditedStage, AuditRecord, Decision
 
 HOUR = 3600.0
 NOW = 1_000 * HOUR + 1800.0
@@ -73,7 +73,7 @@ def test_an_empty_window_draws_an_empty_chart() -> None:
 
 
 def _decision(
-    seq: int, at: float, decision: str, *, flagged: bool = False, reverses: int | None = None
+    seq: int, at: float, decision: Decision, *, flagged: bool = False, reverses: int | None = None
 ) -> AuditRecord:
     return AuditRecord(
         tenant="acme", key_id="k", request_id=f"d{seq}", at=at, stage="review" if reverses else "input",
