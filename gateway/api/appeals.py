@@ -2,23 +2,16 @@
 
 Consumers (role `consumer`)::
 
-    POST /v1/appeals                            {request_id, reason, share_content?, content?}: appeal
+    POST /v1/appeals                            {request_id, reason, share_content?, content?,
+                                                request_content?}: appeal
                                                 the latest block, refusal or flag recorded for that
                                                 request of the caller's tenant
     GET  /v1/appeals/{appeal_id}                the appeal and its events (own tenant only)
 
-Evidence by consent: the consumer may share the content the gate checked with the appeal, so that the
-reviewer does not decide blind. `share_content: true` copies the content the decision's record retained
-(409 `content_not_retained` where the tenant's retention kept none); `content` attaches the text itself,
-which must be exactly the text checked (its sha256 is the record's `content_hash`, else 400
-`content_mismatch`: nothing else can be substituted for it). For a conversation of plain text messages the
-text checked is the messages' contents in order joined by a blank line; for an answer, the answer's text. An
-appeal of an answer may carry the request's input too (`request_content`, checked against the input
-decision's hash the same way; `share_content` copies it where it was retained), so the answer is read in
-context.
-The content is kept with the appeal for `[appeals] evidence_retention_days` (whatever the audit retention),
-shown to reviewers of the tenant and of the operating organisation only (`evidence` in the reviewers'
-views; consumers read `content_shared`), and deleted by the retention pass once expired.
+Evidence by consent (gateway.api.appeal_evidence): the consumer may share the content the gate checked with
+the appeal, so that the reviewer does not decide blind; it is shown to reviewers of the tenant and of the
+operating organisation only (`evidence` in the reviewers' views; consumers read `content_shared`), and
+deleted by the retention pass once expired.
 
 Reviewers (role `reviewer`; of their own tenant, or of every tenant for keys of the operator tenant)::
 
@@ -60,6 +53,7 @@ from litestar.params import FromPath, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.api.admin import ConflictAPIError
+from gateway.api.appeal_evidence import MAX_SHARED_CONTENT, shared_content
 from gateway.api.audit import reviewer_record
 from gateway.api.openapi import errors, request_body, secured
 from gateway.console.queue_filters import QUEUE_PARAMS, queue_query
@@ -94,23 +88,16 @@ from policy.appeals.base import (
     AppealEvidence,
     AppealNotFoundError,
     AppealState,
-    EvidenceSource,
     InvalidTransitionError,
     OwnAppealError,
-    SharedContent,
 )
 from policy.appeals.reasons import ReasonError, reason_for
 from policy.appeals.statement import StatementOfReasons, statement
 from policy.audit.base import AuditUnavailableError
-from policy.audit.records import AuditRecord, content_sha256
-from policy.audit.retention import DAY_S
 from policy.auth import Principal
 
 T = TypeVar("T")
 log = logging.getLogger("lockgate.appeals")
-# The longest content a consumer may attach to an appeal, in characters (a request's checked text can be
-# long; the body limit bounds it too).
-MAX_SHARED_CONTENT = 1_000_000
 
 
 class AppealCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -195,61 +182,6 @@ async def _detail(
     )
 
 
-def _shared(
-    body: AppealCreate, record: AuditRecord, records: list[AuditRecord], services: Services
-) -> SharedContent | None:
-    """The content the consumer shares with its appeal of `record` (module docstring), or None; `records`
-    are the request's, so that an appeal of an answer can carry the request's input too."""
-    source: EvidenceSource
-    if body.content is not None:
-        _check_text(body.content, record, "content")
-        content, source = body.content, "consumer"
-    elif body.share_content:
-        if record.content is None:
-            raise ConflictAPIError(
-                "the content of this decision was not retained: attach the text checked as `content`",
-                param="share_content",
-                code="content_not_retained",
-            )
-        content, source = record.content, "retained"
-    elif body.request_content is not None:
-        message = "request_content goes with content or share_content"
-        raise InvalidRequestError(message, param="request_content", code="invalid_value")
-    else:
-        return None
-    inputs = [r for r in records if r.stage == "input" and r.seq < record.seq]
-    request_content = None
-    if body.request_content is not None:
-        if record.stage != "output" or not inputs:
-            raise InvalidRequestError(
-                "request_content goes with an appeal of an answer (the appealed decision checked the input)",
-                param="request_content",
-                code="invalid_value",
-            )
-        _check_text(body.request_content, inputs[-1], "request_content")
-        request_content = body.request_content
-    elif body.share_content and record.stage == "output" and inputs:
-        request_content = inputs[-1].content  # where retained
-    days = services.config.appeals.evidence_retention_days
-    return SharedContent(
-        content=content,
-        content_hash=record.content_hash,
-        source=source,
-        expires_at=services.clock() + days * DAY_S,
-        request_content=request_content,
-    )
-
-
-def _check_text(text: str, record: AuditRecord, param: str) -> None:
-    """400 `content_mismatch` unless `text` is what `record` checked (its sha256 is the content_hash)."""
-    if content_sha256(text) != record.content_hash:
-        raise InvalidRequestError(
-            f"{param} is not the text this decision checked (its sha256 is not the recorded content_hash)",
-            param=param,
-            code="content_mismatch",
-        )
-
-
 @post(
     "/v1/appeals",
     status_code=HTTP_201_CREATED,
@@ -284,7 +216,7 @@ async def file_appeal(
             reason=body.reason,
             filed_by=principal.key.key_id,
             now=services.clock(),
-            shared=_shared(body, decision, records, services),
+            shared=shared_content(body, decision, records, services),
             facets=facets_of(decision),
         )
     )
