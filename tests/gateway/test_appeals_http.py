@@ -4,6 +4,7 @@ tenant, for the operator's reviewers), and a decision appends a review record to
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from gateway.config import AppealsConfig
 from gateway.generation.prompts import PromptRenderer
 from gateway.services import Services
 from ops.eval import feedback
+from ops.eval.__main__ import main as eval_main
 from policy.appeals import DEFAULT_REASONS, AppealFacets
 from policy.audit.records import AuditDraft, AuditRecord, content_sha256
 from policy.auth import SYSTEM_TENANT
@@ -579,7 +581,7 @@ async def test_a_decision_needs_a_configured_reason_of_its_outcome(gateway: Gate
     error(await gateway.call("beta", "GET", f"/v1/appeals/{appeal_id}"), 404, "appeal_not_found")
 
 
-async def test_overturned_blocks_export_as_labelled_false_positives(gateway: Gateway) -> None:
+async def test_overturned_blocks_export_as_labelled_false_positives(gateway: Gateway, tmp_path: Path) -> None:
     async def decide(appeal_id: str, to: str) -> None:
         assert (await gateway.step("rev-acme", appeal_id, "in_review")).status_code == 200
         assert (await gateway.step("rev-acme", appeal_id, to, "checked")).status_code == 200
@@ -607,6 +609,21 @@ async def test_overturned_blocks_export_as_labelled_false_positives(gateway: Gat
     assert (item.text, item.label, item.shape, item.content_from) == (INJECTION, "safe", "prompt", "appeal")
     assert (item.tenant, item.decision_seq, item.reason_code) == ("acme", shared_block.seq, "false_positive")
     assert (item.category, item.policy) == (shared_block.category or "", shared_block.policy)
+    # The command line writes the same items (JSONL).
+    out = tmp_path / "overturned.jsonl"
+    argv = [
+        "overturned",
+        "--key",
+        gateway.keys["rev-acme"],
+        "--url",
+        str(gateway.http.base_url),
+        "--out",
+        str(out),
+    ]
+    assert await asyncio.to_thread(eval_main, argv) == 0
+    assert [
+        msgspec.json.decode(line, type=feedback.FalsePositive) for line in out.read_bytes().splitlines()
+    ] == items
     # Another tenant's reviewer exports nothing of acme's.
     headers = {"authorization": f"Bearer {gateway.keys['rev-beta']}"}
     async with httpx.AsyncClient(base_url=gateway.http.base_url, headers=headers, timeout=30) as http:
