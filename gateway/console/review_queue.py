@@ -19,6 +19,7 @@ own answer (JSON errors for the API, error pages for the console).
 from __future__ import annotations
 
 import logging
+from typing import get_args
 
 import msgspec
 
@@ -37,7 +38,7 @@ from policy.appeals.base import (
 )
 from policy.appeals.reasons import ReasonCode
 from policy.audit.base import MAX_QUERY_LIMIT, AuditQuery, AuditUnavailableError
-from policy.audit.records import AuditDraft, AuditRecord, Decision
+from policy.audit.records import AuditDraft, AuditRecord, Decision, Stage
 from policy.audit.writer import AuditWriterError
 
 log = logging.getLogger("lockgate.appeals")
@@ -134,26 +135,10 @@ async def unappealed_flags(
 ) -> tuple[list[AuditRecord], bool]:
     """The flagged decisions of `scope` nobody has appealed that match `filters` (their facets, `at` in the
     filing window), newest first; and whether the read was cut short."""
-    read, truncated = await _flagged(services, scope)
+    read, truncated = await _flagged(services, scope, filters)
     appealed = await _appealed(services, read)
-    kept = [r for r in read if (r.tenant, r.seq) not in appealed and _matches(r, filters)]
+    kept = [r for r in read if (r.tenant, r.seq) not in appealed]
     return sorted(kept, key=lambda r: -r.at), truncated
-
-
-def _matches(record: AuditRecord, filters: AppealFilter) -> bool:
-    facets = facets_of(record)
-    for name in ("decision", "stage", "source", "category", "severity"):
-        wanted = getattr(filters, name)
-        if wanted is not None and getattr(facets, name) != wanted:
-            return False
-    wanted = filters.policy
-    # A bare name takes every version of the policy.
-    every_version = wanted is not None and "@" not in wanted and record.policy.startswith(f"{wanted}@")
-    if wanted is not None and record.policy != wanted and not every_version:
-        return False
-    if filters.filed_from is not None and record.at < filters.filed_from:
-        return False
-    return filters.filed_to is None or record.at < filters.filed_to
 
 
 def facet_counts(records: list[AuditRecord]) -> dict[str, dict[str, int]]:
@@ -183,16 +168,40 @@ async def _appealed(services: Services, records: list[AuditRecord]) -> set[tuple
     return found
 
 
-async def _flagged(services: Services, scope: str | None) -> tuple[list[AuditRecord], bool]:
+async def _flagged(
+    services: Services, scope: str | None, filters: AppealFilter
+) -> tuple[list[AuditRecord], bool]:
+    """The flagged decisions of `scope` in the queue's window matching `filters`: the facets the audit query
+    knows (decision, stage, category, policy, time) are the store's filter, so the read bound counts
+    matching records only; source and severity are checked here."""
+    decision = next((d for d in get_args(Decision) if d == filters.decision), None)
+    stage = next((s for s in get_args(Stage) if s == filters.stage), None)
+    if (filters.decision, filters.stage) != (decision, stage):
+        return [], False  # no record holds such a decision or stage
+    since = services.clock() - QUEUE_WINDOW_S
     q = AuditQuery(
-        tenant=scope, flagged_only=True, since=services.clock() - QUEUE_WINDOW_S, limit=MAX_QUERY_LIMIT
+        tenant=scope,
+        flagged_only=True,
+        since=since if filters.filed_from is None else max(since, filters.filed_from),
+        until=filters.filed_to,
+        decision=decision,
+        stage=stage,
+        category=filters.category,
+        policy=filters.policy,
+        limit=MAX_QUERY_LIMIT,
     )
     found: list[AuditRecord] = []
     read = 0
     while read < QUEUE_MAX_RECORDS:
         page = await services.audit.query(q)
         read += len(page)
-        found.extend(r for r in page if r.stage != "review")
+        found.extend(
+            r
+            for r in page
+            if r.stage != "review"
+            and filters.source in (None, r.source)
+            and filters.severity in (None, r.severity or "")
+        )
         if len(page) < q.page_size():
             return found, False
         q = q.after(page[-1])

@@ -24,6 +24,7 @@ from policy.appeals.base import (
     states_of,
 )
 from policy.audit.migrations import read_content, stored_content
+from policy.audit.query import policy_condition
 
 # Column order of the appeals and appeal_events tables; rows decode by position on both drivers.
 APPEAL_FIELDS: tuple[str, ...] = Appeal.__struct_fields__
@@ -146,12 +147,12 @@ def _selection(
             where.append(f"{facet} = ?")
             args.append(value)
     if filters.policy is not None:
-        if "@" in filters.policy:
-            where.append("policy = ?")
-            args.append(filters.policy)
-        else:  # every version of the named policy (no LIKE: a name may hold % or _)
-            where.append("substr(policy, 1, ?) = ?")
-            args.extend([len(filters.policy) + 1, f"{filters.policy}@"])
+
+        def arg(value: Any) -> str:
+            args.append(value)
+            return "?"
+
+        where.append(policy_condition(filters.policy, arg))
     if filters.filed_from is not None:
         where.append("filed_at >= ?")
         args.append(filters.filed_from)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from policy.audit.base import AuditQuery
@@ -10,6 +11,16 @@ from registry.db.migrations import Dialect
 
 # Tenants order by code point on both databases, whatever PostgreSQL's default collation.
 _TENANT: dict[Dialect, str] = {"sqlite": "tenant", "postgres": 'tenant COLLATE "C"'}
+
+
+def policy_condition(policy: str, arg: Callable[[Any], str]) -> str:
+    """The condition on a `policy` column that a policy filter means: "name@version" exactly, a bare name
+    every version of it (substr, not LIKE, so "_" and "%" in a name are literal); `arg` adds a value and
+    returns its placeholder."""
+    if "@" in policy:
+        return f"policy = {arg(policy)}"
+    prefix = f"{policy}@"
+    return f"substr(policy, 1, {arg(len(prefix))}) = {arg(prefix)}"
 
 
 def query_sql(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
@@ -35,12 +46,7 @@ def query_sql(q: AuditQuery, dialect: Dialect) -> tuple[str, list[Any]]:
     if q.category is not None:
         where.append(f"category = {arg(q.category)}")
     if q.policy is not None:
-        if "@" in q.policy:
-            where.append(f"policy = {arg(q.policy)}")
-        else:
-            # Every version of the named policy; substr, not LIKE, so "_" and "%" in a name are literal.
-            prefix = f"{q.policy}@"
-            where.append(f"substr(policy, 1, {arg(len(prefix))}) = {arg(prefix)}")
+        where.append(policy_condition(q.policy, arg))
     if q.fail_open_only:
         where.append("source = 'fail_open'")
     if q.flagged_only:

@@ -707,6 +707,18 @@ async def test_the_queue_filters_sorts_pages_and_counts(gateway: Gateway) -> Non
     only_beta = (await gateway.call("rev-global", "GET", "/audit/queue/counts", tenant="beta")).json()
     assert only_beta["appeals"] == 1
     # A tenant's reviewer names no other tenant; bad parameters are named.
+    # The flagged decisions nobody appealed are filtered by the same facets.
+    flag = await gateway.flagged("acme")
+
+    async def flagged_seqs(**params: Any) -> list[int]:
+        answer = (await gateway.call("rev-acme", "GET", "/audit/queue", **params)).json()
+        return [r["seq"] for r in answer["flagged"]]
+
+    assert flag.seq in await flagged_seqs(
+        stage=flag.stage, source=flag.source, policy=flag.policy.split("@")[0]
+    )
+    for params in ({"source": "nope"}, {"severity": "nope"}, {"decision": "nope"}, {"older_than": 3600}):
+        assert flag.seq not in await flagged_seqs(**params), params
     refused = {
         ("/audit/queue", "tenant", "beta"): (403, "other_tenant"),
         ("/audit/queue", "sort", "best"): (400, "invalid_value"),
