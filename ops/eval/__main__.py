@@ -14,6 +14,9 @@
                               [--lookalike-fpr 0.05] [--band-share 0.10] [--safe-output-fpr 0]
                               [--everyday-fpr 0.03]
                               [--step 0.05] [--keep INDEX] [--json]
+    python -m ops.eval combine --scores C.jsonl --split calibration --measure-scores T.jsonl
+                              [--measure-split test] --data ops/eval/data/guard --stages 1 2
+                              [--lookalike-fpr 0.05] [--everyday-fpr 0.03] [--json]
 
 `score` runs every stage on every item (unless `--early-exit`), so `replay` is exact for any thresholds. With
 `--policy` it scores a registry policy with the guards and engines the service builds from its configuration;
@@ -25,7 +28,9 @@ model stages' thresholds on the calibration split under a declared budget (`ops/
 for prompts and one for outputs, and prints them (in `--thresholds` syntax) with the budget met; replay them
 on `--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
 `--split`, when given) that have scores, and print markdown (or the report's JSON with `--json`).
-`overturned` exports the blocks reviewers overturned as labelled false positives (`ops/eval/feedback.py`).
+`combine` fits one score over the named stages on the first scores' split and sets it, and each stage
+alone, against the same false-positive rule on the second's (`ops/eval/combine.py`). `overturned` exports
+the blocks reviewers overturned as labelled false positives (`ops/eval/feedback.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import httpx
 import msgspec
 
 from guard.labelled import LabelledItem, load_items
-from ops.eval import feedback, reply_check
+from ops.eval import combine, feedback, reply_check
 from ops.eval.calibrate import Budget, calibrate
 from ops.eval.cascades import UnsupportedStageError, default_rules_cascade, load_policy, policy_cascade
 from ops.eval.evaluation import (
@@ -190,6 +195,28 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_combine(args: argparse.Namespace) -> int:
+    items = load_items(args.data)
+    fit_scores, measure_scores = load_scores(args.scores), load_scores(args.measure_scores)
+    budget = Budget(lookalike_fpr=args.lookalike_fpr, everyday_prompts=args.everyday_fpr)
+    try:
+        comparison = combine.compare(
+            _evaluated(items, args.split, fit_scores),
+            fit_scores,
+            _evaluated(items, args.measure_split, measure_scores),
+            measure_scores,
+            args.stages,
+            budget,
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(comparison)).decode() + "\n")
+    else:
+        sys.stdout.write(combine.render(comparison))
+    return 0
+
+
 def _cmd_replies(args: argparse.Namespace) -> int:
 
     prompts = reply_check.everyday_prompts(load_items(args.data), args.split, args.count)
@@ -279,6 +306,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     calibration.set_defaults(run=_cmd_calibrate)
 
+    combination = commands.add_parser(
+        "combine",
+        help="fit one score over some stages' scores on one split and measure it against each stage alone "
+        "on another (ops/eval/combine.py)",
+    )
+    combination.add_argument(
+        "--stages", type=int, nargs="+", required=True, help="indices of the stages to combine, e.g. 1 2"
+    )
+    combination.add_argument(
+        "--measure-scores", type=Path, required=True, help="scores of the split to measure on (JSONL)"
+    )
+    combination.add_argument(
+        "--measure-split", choices=("train", "calibration", "test"), default="test", help="(default: test)"
+    )
+    combination.add_argument("--lookalike-fpr", type=float, default=0.05, help="look-alikes blocked, at most")
+    combination.add_argument(
+        "--everyday-fpr", type=float, default=0.03, help="everyday prompts blocked, at most"
+    )
+    combination.add_argument("--scores", type=Path, required=True, help="scores of the split to fit on")
+    combination.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    combination.set_defaults(run=_cmd_combine)
+
     replies = commands.add_parser(
         "replies", help="send everyday prompts to a running gateway; count the answers the output guard cuts"
     )
@@ -313,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
             "--band", choices=("escalate", "block"), default="escalate", help="past the last stage"
         )
         sub.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
-    for sub in (score, replay, report, calibration):
+    for sub in (score, replay, report, calibration, combination):
         sub.add_argument(
             "--data", type=Path, required=True, help="labelled items (a JSONL file or a guard data directory)"
         )
