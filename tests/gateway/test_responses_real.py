@@ -10,13 +10,14 @@ the streamed deltas are the final text, and a continuation's prompt holds the co
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import agents
 import jsonschema
 import openai
 import pytest
 from openai.types.responses import FunctionToolParam
+from pydantic import Field
 
 from tests.conftest import MODEL
 from tests.gateway.test_clients import City
@@ -111,8 +112,10 @@ async def test_an_agent_with_its_default_model_class(client: openai.AsyncOpenAI)
         instructions="Use the tool.",
         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
         tools=[get_weather],
-        # A 135M model's free text rarely ends before its limit: the tool's result is the run's output.
-        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=80),
+        # A 135M model's free text rarely ends before its limit: the tool's result is the run's output. One
+        # call: allowed several, the model may go on calling (three calls took 59 tokens in one run, and
+        # another ran into the limit, `incomplete`, which the agent raises).
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=80),
         tool_use_behavior="stop_on_first_tool",
     )
     result = await agents.Runner.run(agent, "What is the weather in Rome?", max_turns=2)
@@ -122,14 +125,15 @@ async def test_an_agent_with_its_default_model_class(client: openai.AsyncOpenAI)
 
 async def test_an_agent_tool_loop_of_three_turns(client: openai.AsyncOpenAI) -> None:
     # Each turn must call the tool and sees every earlier call and result; the run ends after the third
-    # turn's tool (a 135M model's free text would run to its limit, so the loop's end is the tool's). Each
-    # turn may take 160 tokens: the model's note is free text, and with 60 a long one (batch composition
-    # changes a CPU engine's numerics) ended a turn `incomplete` in a whole-suite run pinned to one core.
+    # turn's tool (a 135M model's free text would run to its limit, so the loop's end is the tool's). The
+    # note is free text: unbounded, a long one ended a turn `incomplete` at 60 tokens (batch composition
+    # changes a CPU engine's numerics) and, in bfloat16 on a CPU with native bf16, at 160; its schema now
+    # bounds it (the gateway's grammar holds the model to `maxLength`), so 160 tokens a turn always suffice.
     agents.set_tracing_disabled(True)
     seen: list[str] = []
 
     @agents.function_tool
-    def next_step(note: str) -> str:
+    def next_step(note: Annotated[str, Field(max_length=60)]) -> str:
         """Record a step of the plan and get the next one."""
         seen.append(note)
         return f"Step {len(seen)} recorded."
