@@ -14,6 +14,7 @@ out (a failure settles nothing, and a combination cannot read it).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
@@ -90,7 +91,7 @@ def stage_logits(
 def kind_weights(items: Sequence[LabelledItem]) -> Floats:
     """Weights under which each kind of item (kind and label) weighs the same in all, mean 1."""
     keys = [(item.kind, item.label) for item in items]
-    counts = {key: keys.count(key) for key in set(keys)}
+    counts = Counter(keys)
     weights = np.array([1.0 / counts[key] for key in keys])
     result: Floats = weights * len(weights) / weights.sum()
     return result
