@@ -84,6 +84,9 @@ class VllmRemoteEngine:
         self._token_text = token_text
         self._client: httpx.AsyncClient | None = None
         self._metrics = ServerMetrics()
+        # This engine's requests open at the replica while the last scrape was taken (the most at once of
+        # its start and its end): the part of the scrape that was this engine's own.
+        self._own_at_scrape = 0
         self._metrics_task: asyncio.Task[None] | None = None
         # Requests this engine has open at the replica (generate and score_next_token).
         self.in_flight = 0
@@ -155,14 +158,18 @@ class VllmRemoteEngine:
     async def load(self) -> EngineLoad:
         """The server's last scraped figures, combined with this engine's own requests there.
 
-        Rule: `running` is what the server reports; `waiting` is at least this engine's in-flight count
-        minus that (its requests the scrape has not seen running yet are waiting, as `VllmLocalEngine`
-        counts them). The scrape is up to `metrics_interval` s old; other clients' requests are only in it."""
+        Rule: the requests are the others' part of the scrape (what it counted beyond this engine's own
+        requests open while it was taken) plus this engine's in-flight requests now, so that own requests
+        that ended since the scrape (up to `metrics_interval` s old) are not load, and those begun since
+        are; of them, `running` is at most what the server reports, the rest wait (own requests the scrape
+        has not seen running yet wait, as `VllmLocalEngine` counts them)."""
         m = self._metrics
+        total = max(0, m.running + m.waiting - self._own_at_scrape) + self.in_flight
         # Invariant: running + waiting >= in_flight (what this engine holds there is never hidden).
+        running = min(m.running, total)
         return EngineLoad(
-            running=m.running,
-            waiting=max(m.waiting, self.in_flight - m.running),
+            running=running,
+            waiting=total - running,
             kv_tokens_used=int(m.kv_usage * m.kv_capacity),
             kv_tokens_capacity=m.kv_capacity,
             steps=m.steps,
@@ -175,6 +182,7 @@ class VllmRemoteEngine:
             await self._refresh_metrics()
 
     async def _refresh_metrics(self) -> None:
+        own = self.in_flight
         try:
             response = await self.client.get("/metrics", timeout=self.config.connect_timeout)
             response.raise_for_status()
@@ -183,6 +191,7 @@ class VllmRemoteEngine:
             log.warning("metrics of %s unavailable: %s: %s", self.replica_id, type(exc).__name__, exc)
             return
         self._metrics = parse_metrics(response.text)
+        self._own_at_scrape = max(own, self.in_flight)
 
     def _check_room(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.max_model_len:

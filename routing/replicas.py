@@ -98,14 +98,13 @@ def kv_tokens_for_bytes(budget_bytes: int, kv_bytes_per_token: int | ResolvedMod
 class _Held:
     """What one in-flight request holds of a replica's KV cache."""
 
-    __slots__ = ("output", "prompt", "reserve", "seq", "sequences")
+    __slots__ = ("output", "prompt", "reserve", "sequences")
 
-    def __init__(self, prompt: int, reserve: int, seq: int, sequences: int) -> None:
+    def __init__(self, prompt: int, reserve: int, sequences: int) -> None:
         self.prompt = prompt
         self.reserve = reserve
         self.sequences = sequences  # sequences the engine runs for it (its choices)
         self.output = 0  # output tokens generated so far (`Replica.grow`)
-        self.seq = seq  # dispatch number: later than the replica's last load report = not yet in it
 
     @property
     def tokens(self) -> int:
@@ -148,11 +147,10 @@ class Replica:
         # sum(h.sequences for h in _held.values()).
         self._held_tokens = 0
         self._sequences = 0
-        self._dispatched = 0  # dispatches so far; each reservation takes the next number
-        self._reported_upto = 0  # dispatches made before the start of the last successful load report
         self._trial: str | None = None  # holder of the half-open trial slot
         self.shared_by = shared_by
-        # What the other gateway processes used of the engine at its last load report (with `shared_by` > 1).
+        # What the engine's last load report counted beyond this process's own requests then: other gateway
+        # processes' (with `shared_by` > 1) or other clients' work.
         self._others_sequences = 0
         self._others_tokens = 0
         # This process's lease of the engine's capacity from a shared ledger (`routing.capacity`), and when
@@ -317,8 +315,7 @@ class Replica:
         if not self._has_room(prompt_tokens, growth_reserve, sequences):
             raise ReplicaUnavailableError(f"replica {self.replica_id} has no room for {request_id}")
         self._take_trial(request_id)
-        self._dispatched += 1
-        held = _Held(prompt_tokens, growth_reserve, self._dispatched, sequences)
+        held = _Held(prompt_tokens, growth_reserve, sequences)
         self._held[request_id] = held
         self._held_tokens += held.tokens
         self._sequences += sequences
@@ -350,25 +347,20 @@ class Replica:
     # -- load --------------------------------------------------------------------------------------
 
     @property
-    def unreported(self) -> int:
-        """Own in-flight requests dispatched after the engine's last load report began (not in it yet)."""
-        return sum(1 for h in self._held.values() if h.seq > self._reported_upto)
-
-    @property
     def queue_depth(self) -> int:
-        """Requests running and waiting as last reported, plus own in-flight ones not yet reported."""
-        reported = self.last_load.running + self.last_load.waiting if self.last_load is not None else 0
-        return reported + self.unreported
+        """Sequences running and waiting on the engine: the others' part of the last report (what it counted
+        beyond this gateway's own sequences then) plus this gateway's own now. Own requests that ended since
+        the report no longer count, and those dispatched since it already do."""
+        return self._others_sequences + self._sequences
 
     @property
     def kv_utilisation(self) -> float:
-        """Fraction of the KV cache in use: the larger of the gateway's holding and the engine's report
-        (others may use the engine too); 1.0 when the capacity is unknown."""
+        """Fraction of the KV cache in use: the others' part of the last report plus what this gateway's
+        requests hold now (prompt and growth reserve each); 1.0 when the capacity is unknown."""
         capacity = self.kv_capacity_tokens
         if capacity <= 0:
             return 1.0
-        used = max(self._held_tokens, self.last_load.kv_tokens_used if self.last_load is not None else 0)
-        return min(1.0, used / capacity)
+        return min(1.0, (self._others_tokens + self._held_tokens) / capacity)
 
     async def refresh(self) -> None:
         """Ask the engine for its health and load, within `refresh_timeout`; the owner calls it every
@@ -381,9 +373,8 @@ class Replica:
         probing = state == "half_open" and self._trial is None
         if probing:
             self._take_trial(_HEALTH_PROBE)
-        started = self._dispatched
         own_sequences = self._sequences
-        own_tokens = sum(h.prompt + h.output for h in self._held.values()) if self.shared_by > 1 else 0
+        own_tokens = sum(h.prompt + h.output for h in self._held.values())
         check_health = state == "closed" or probing
         try:
             async with asyncio.timeout(self._config.refresh_timeout):
@@ -406,10 +397,8 @@ class Replica:
             return
         if load is not None:
             self.last_load = load
-            self._reported_upto = started
-            if self.shared_by > 1:
-                self._others_sequences = max(0, load.running + load.waiting - own_sequences)
-                self._others_tokens = max(0, load.kv_tokens_used - own_tokens)
+            self._others_sequences = max(0, load.running + load.waiting - own_sequences)
+            self._others_tokens = max(0, load.kv_tokens_used - own_tokens)
             self._check_capacity(load.kv_tokens_capacity)
         if not check_health or not probing:
             # A replica that answers "not ready" (an engine restarting) is out of routing until it answers

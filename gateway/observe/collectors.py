@@ -188,7 +188,7 @@ class ServiceCollector:
         gauges = {
             "queue_depth": GaugeMetricFamily(
                 f"{p}queue_depth",
-                "Requests running and waiting on the replica, as the router counts them.",
+                "Sequences running and waiting on the replica, as the router counts them.",
                 labels=labels,
             ),
             "kv_utilisation": GaugeMetricFamily(

@@ -72,6 +72,11 @@ def _stream(n: int, logprobs: bool = False, finish: str = "length") -> list[byte
     return events
 
 
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
+
+
 @dataclass
 class FakeVllm:
     """What the fake server answers, and what it saw."""
@@ -88,6 +93,9 @@ class FakeVllm:
     models: list[str] = field(default_factory=lambda: ["m"])
     healthy: bool = True
     metrics: str = METRICS
+    # /metrics answers once this is set (clear it to hold scrapes back); `scrapes` counts those answered.
+    metrics_open: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+    scrapes: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     # The request headers of each completion, by name.
     sent_headers: list[dict[bytes, bytes]] = field(default_factory=list)
@@ -102,6 +110,8 @@ class FakeVllm:
         if path == "/health":
             await self._answer(send, 200 if self.healthy else 503, b"")
         elif path == "/metrics":
+            await self.metrics_open.wait()
+            self.scrapes += 1
             await self._answer(send, 200, self.metrics.encode(), b"text/plain")
         elif path == "/v1/models":
             data = [{"id": m, "object": "model"} for m in self.models]
@@ -435,6 +445,27 @@ async def test_metrics_are_parsed_into_load_and_combined_with_in_flight() -> Non
                 await asyncio.sleep(0.01)
         assert (await engine.load()).waiting == 2
         await stream.aclose()
+
+
+async def test_own_requests_that_ended_since_the_last_scrape_are_not_load() -> None:
+    # The server reports one running request: this engine's own, in flight while it was scraped.
+    one = METRICS.replace("} 3.0", "} 1.0").replace("} 2.0", "} 0.0")
+    fake = FakeVllm(metrics=one, events=_stream(5), stall_after=1)
+    async with _engine(fake) as engine:
+        stream = engine.generate(_request())
+        await anext(stream)
+        seen = fake.scrapes
+        async with asyncio.timeout(5):
+            while fake.scrapes < seen + 2:  # noqa: ASYNC110 - a whole scrape taken while it ran
+                await asyncio.sleep(0.01)
+        load = await engine.load()
+        assert (load.running, load.waiting) == (1, 0)  # counted once, not as its own and the server's
+        fake.metrics_open.clear()  # no newer scrape: the last one still shows the request running
+        await stream.aclose()
+        assert engine.in_flight == 0
+        load = await engine.load()
+        assert (load.running, load.waiting) == (0, 0)
+        fake.metrics_open.set()
 
 
 def test_parse_metrics_sums_engines_and_takes_capacity_from_cache_config_info() -> None:

@@ -383,20 +383,24 @@ async def test_grow_counts_output_past_the_reserve() -> None:
     assert replica.held_tokens == 0
 
 
-async def test_queue_depth_counts_own_requests_until_reported() -> None:
+async def test_load_is_the_last_reports_other_work_plus_own_requests_now() -> None:
     engine = FakeEngine("a", running=3, waiting=1)
     replica = make_replica(engine, FakeClock())
     await replica.refresh()
-    assert replica.queue_depth == 4
+    assert replica.queue_depth == 4  # others' work only
     replica.reserve("r1", 10, 10)
     replica.reserve("r2", 10, 10)
-    assert replica.unreported == 2
-    assert replica.queue_depth == 6
+    assert replica.queue_depth == 6  # own requests count at once, before a report shows them
     engine.set_load(running=5, waiting=1, used=40)
     await replica.refresh()
-    assert replica.unreported == 0
-    assert replica.queue_depth == 6
-    assert replica.kv_utilisation == pytest.approx(0.04)
+    assert replica.queue_depth == 6  # the report's 6 include the two own ones: not counted twice
+    # 40 KV tokens used, 20 of them the own prompts: others use 20, own requests hold 40 with reserves.
+    assert replica.kv_utilisation == pytest.approx(0.06)
+    # Own requests that end after the report stop counting at once: the report is stale about them.
+    replica.release("r1")
+    replica.release("r2")
+    assert replica.queue_depth == 4
+    assert replica.kv_utilisation == pytest.approx(0.02)
 
 
 async def test_fatal_errors_open_the_breaker_then_half_open_trial_closes_it() -> None:

@@ -88,6 +88,22 @@ async def test_own_unreported_requests_count_as_load() -> None:
     assert {first, second} == set(reps)
 
 
+async def test_a_stale_report_of_own_finished_requests_is_not_load() -> None:
+    """Two idle engines, one of which last reported a request of this gateway's that has since ended: two
+    requests at once go one to each (the report would otherwise make the engine look busy)."""
+    engines = [FakeEngine("a", capacity=1000), FakeEngine("b", capacity=1000)]
+    reps = [make_replica(e, FakeClock()) for e in engines]
+    await reps[0].refresh()
+    reps[0].reserve("old", 300, 50)
+    engines[0].set_load(running=1, waiting=0, used=300)
+    for r in reps:
+        await r.refresh()
+    reps[0].release("old")  # ended after the report
+    router = Router(RouterConfig(prefix_weight=0.0))
+    chosen = [router.dispatch(route(str(i), prompt=tuple(range(100))), reps, 0.0) for i in range(2)]
+    assert {c.replica_id for c in chosen if c is not None} == {"a", "b"}
+
+
 async def test_no_room_returns_none_until_a_release() -> None:
     reps, _ = await replicas(0, capacity=1000)
     router = Router(RouterConfig())
