@@ -35,6 +35,7 @@ from gateway.config import GuardConfig
 from gateway.errors import APIError, ErrorBody
 from gateway.guard_factory import GuardFactory, LoadingGuard
 from guard.base import Classifier
+from guard.cascade import Stage
 from guard.figures import Figures, Regression, Suite, Tolerance, measure, regressions
 from guard.labelled import load_items
 from guard.redteam import load_templates, probes, spread
@@ -283,7 +284,7 @@ class PublishCheck:
 
         cascade = build_cascade(policy, classifier, executor=self._executor)
         for stage in cascade.stages:
-            if isinstance(stage.classifier, LoadingGuard):
+            if isinstance(stage, Stage) and isinstance(stage.classifier, LoadingGuard):
                 try:
                     await stage.classifier.ready()
                 except Exception as exc:  # a guard that cannot load: the publish is refused, not crashed

@@ -10,6 +10,8 @@ was responsible for. Only the guard's own failures count on its breaker, never a
 an error means (fail open or closed) is the policy's decision, not the cascade's (see `policy/safety.py`).
 Every stage run is recorded, with its score, thresholds, latency and the versions it ran, for the audit trail.
 
+A `CombineStage` calls no model: it scores what earlier stages scored the item (`guard.combination`).
+
 `route` is the pure decision over stored scores, so evaluation can replay new thresholds without models.
 """
 
@@ -36,6 +38,8 @@ from guard.base import (
     ItemSized,
     Queued,
 )
+from guard.combination import combined
+from registry.models import StageCombination
 
 StageVerdict = Literal["allow", "block", "next", "error"]
 Verdict = Literal["allow", "block", "escalate", "error"]
@@ -198,6 +202,48 @@ class Stage:
             self.breaker.release()
 
 
+class CombineStage:
+    """A stage that scores what earlier stages scored the item (`guard.combination`), at its thresholds;
+    it calls no model, so it has no timeout, breaker or queue."""
+
+    name = "combine"
+
+    def __init__(
+        self,
+        combination: StageCombination,
+        *,
+        allow_below: float,
+        block_above: float,
+        categories: tuple[str, ...],
+        output_thresholds: tuple[float, float] | None = None,
+    ) -> None:
+        self.combination = combination
+        self.allow_below = allow_below
+        self.block_above = block_above
+        self.output_thresholds = output_thresholds
+        self.categories = categories
+
+    def thresholds(self, direction: Direction) -> tuple[float, float]:
+        """(allow_below, block_above) for items of `direction`."""
+        if direction == "output" and self.output_thresholds is not None:
+            return self.output_thresholds
+        return self.allow_below, self.block_above
+
+    def score(self, runs: Sequence[StageRun]) -> GuardScore:
+        """The combination of the read stages' scores among `runs`; GuardError when one of them did not run
+        or failed. Its category is that of the most unsafe stage read."""
+        read: list[StageRun] = []
+        for index in self.combination.reads:
+            run = next((r for r in runs if r.index == index), None)
+            if run is None or run.p_unsafe is None:
+                why = "did not run" if run is None else f"failed: {run.error or run.failure}"
+                raise GuardError(f"the combine stage cannot score: stage {index}, which it reads, {why}")
+            read.append(run)
+        p_unsafe = combined(self.combination, [r.p_unsafe or 0.0 for r in read])
+        most = max(read, key=lambda r: r.p_unsafe or 0.0)
+        return GuardScore(p_unsafe=p_unsafe, category=most.category, guard=self.name)
+
+
 def failure_of(exc: GuardError) -> StageFailure:
     """What kind of failure a stage's GuardError is."""
     if isinstance(exc, GuardInputError):
@@ -243,7 +289,9 @@ def route(runs: Sequence[StageRun], band: BandAction) -> CascadeResult:
 class Cascade:
     """A policy version's stages, run in order on one item at a time."""
 
-    def __init__(self, stages: Sequence[Stage], band: BandAction, categories: Sequence[str]) -> None:
+    def __init__(
+        self, stages: Sequence[Stage | CombineStage], band: BandAction, categories: Sequence[str]
+    ) -> None:
         self.stages = tuple(stages)
         self.band = band
         self.categories = tuple(categories)
@@ -252,22 +300,32 @@ class Cascade:
         """Run stages until one settles the item (see `route`); record every run."""
         runs: list[StageRun] = []
         for index, stage in enumerate(self.stages):
-            runs.append(await self._run_stage(index, stage, item))
+            runs.append(await self._run_stage(index, stage, item, runs))
             result = route(runs, self.band)
             if result.decided_by == index:
                 return result
         return route(runs, self.band)
 
-    async def _run_stage(self, index: int, stage: Stage, item: GuardInput) -> StageRun:
+    async def run_every_stage(self, item: GuardInput) -> tuple[StageRun, ...]:
+        """Every stage's run on `item`, none settling it (evaluation: any threshold replay is exact); each
+        recorded as `run` records it."""
+        runs: list[StageRun] = []
+        for index, stage in enumerate(self.stages):
+            runs.append(await self._run_stage(index, stage, item, runs))
+        return tuple(runs)
+
+    async def _run_stage(
+        self, index: int, stage: Stage | CombineStage, item: GuardInput, runs: Sequence[StageRun]
+    ) -> StageRun:
         categories = stage.categories or self.categories
         allow_below, block_above = stage.thresholds(item.direction)
         started = time.perf_counter()
         try:
-            score = await stage.score(item)
+            score = stage.score(runs) if isinstance(stage, CombineStage) else await stage.score(item)
         except GuardError as exc:
             return StageRun(
                 index=index,
-                guard=stage.classifier.name,
+                guard=stage.name if isinstance(stage, CombineStage) else stage.classifier.name,
                 allow_below=allow_below,
                 block_above=block_above,
                 categories=categories,

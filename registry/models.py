@@ -121,13 +121,23 @@ class PolicyCategory(_Input, frozen=True, kw_only=True):
     severity: Severity
 
 
-StageKind = Literal["rules", "model"]
+StageKind = Literal["rules", "model", "combine"]
+
+
+class StageCombination(_Input, frozen=True, kw_only=True):
+    """A combine stage's score: sigmoid(bias + sum(weights[i] * logit(score of stage reads[i]))), over
+    earlier stages of the policy (`guard.combination`)."""
+
+    reads: tuple[Annotated[int, Meta(ge=0)], ...]
+    weights: tuple[float, ...]
+    bias: float = 0.0
 
 
 class CascadeStage(_Input, frozen=True, kw_only=True):
     """One guard stage: allow below one score, block above another, pass on to the next stage between.
 
-    A `rules` stage runs the policy's own rules (no guard model); a `model` stage runs guard model `guard`.
+    A `rules` stage runs the policy's own rules (no guard model); a `model` stage runs guard model `guard`;
+    a `combine` stage scores what earlier stages scored the item (`combine`, `guard.combination`).
     `allow_below`/`block_above` judge inputs, and outputs too unless the stage has its own output pair
     (`output_allow_below`/`output_block_above`, both or neither): a guard scores a harmful prompt and a
     harmful answer differently, and everyday answers must never be cut.
@@ -146,6 +156,8 @@ class CascadeStage(_Input, frozen=True, kw_only=True):
     categories: tuple[str, ...] = ()
     # Seconds one call may take before it counts as a guard failure.
     timeout_s: Annotated[float, Meta(gt=0.0, le=60.0)] = 5.0
+    # Combine stages: which earlier stages' scores, and how they combine.
+    combine: StageCombination | msgspec.UnsetType = msgspec.UNSET
 
     def thresholds(self, direction: Literal["input", "output"]) -> tuple[float, float]:
         """(allow_below, block_above) for items of `direction`."""

@@ -27,6 +27,7 @@ from registry.models import (
     PolicySpec,
     RouteSpec,
     Spec,
+    StageCombination,
     TokenizerSpec,
     check_name,
     parse_ref,
@@ -179,11 +180,15 @@ def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
         strange = sorted(set(stage.categories) - set(names))
         if strange:
             raise InvalidError(f"{where} names unknown categories {strange}")
-        if stage.kind == "rules":
-            if stage.guard:
-                raise InvalidError(f"{where}: a rules stage runs the policy's rules and names no guard")
-        else:
+        combine = stage.combine if not isinstance(stage.combine, msgspec.UnsetType) else None
+        if stage.kind != "combine" and combine is not None:
+            raise InvalidError(f"{where}: only a combine stage has `combine`")
+        if stage.kind == "model":
             check_reference(where, "guard_model", stage.guard, known)
+        elif stage.guard:
+            raise InvalidError(f"{where}: a {stage.kind} stage names no guard")
+        if stage.kind == "combine":
+            _check_combination(where, i, combine)
     for i, rule in enumerate(spec.rules.block):
         where = f"{owner} rules.block[{i}]"
         if rule.category not in names:
@@ -195,6 +200,23 @@ def check_policy(ref: str, spec: PolicySpec, known: Known) -> None:
                 re.compile(rule.pattern)
             except re.error as exc:
                 raise InvalidError(f"{where}: pattern {rule.pattern!r} does not compile: {exc}") from exc
+
+
+def _check_combination(where: str, index: int, combine: StageCombination | None) -> None:
+    """A combine stage reads earlier stages, each once, with one weight each (finite: the spec's JSON has
+    no infinity or NaN, and msgspec refuses the null they become)."""
+    if combine is None:
+        raise InvalidError(
+            f"{where}: a combine stage needs `combine` (the stages it reads and their weights)"
+        )
+    reads = combine.reads
+    if not reads or len(set(reads)) != len(reads) or any(r >= index for r in reads):
+        raise InvalidError(f"{where}: combine.reads must name earlier stages, each once; got {list(reads)}")
+    if len(combine.weights) != len(reads):
+        raise InvalidError(
+            f"{where}: combine.weights needs one weight per stage read ({len(reads)}), "
+            f"got {len(combine.weights)}"
+        )
 
 
 def _check_output_pair(where: str, stage: CascadeStage) -> None:

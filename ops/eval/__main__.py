@@ -29,7 +29,8 @@ for prompts and one for outputs, and prints them (in `--thresholds` syntax) with
 on `--split test` for the figures to report. `report` and `replay` evaluate the items of the data file (of
 `--split`, when given) that have scores, and print markdown (or the report's JSON with `--json`).
 `combine` fits one score over the named stages on the first scores' split and sets it, and each stage
-alone, against the same false-positive rule on the second's (`ops/eval/combine.py`). `overturned` exports
+alone, against the same false-positive rule on the second's (`ops/eval/combine.py`), then prints the
+combination as a policy's `combine` stage, ready to publish. `overturned` exports
 the blocks reviewers overturned as labelled false positives (`ops/eval/feedback.py`).
 """
 

@@ -13,7 +13,6 @@ out (a failure settles nothing, and a combination cannot read it).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -21,12 +20,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from guard.combination import logit, sigmoid
 from guard.labelled import LabelledItem
 from ops.eval.calibrate import Budget
 from ops.eval.evaluation import ItemScores
+from registry.models import CascadeStage, StageCombination
 
 Floats = npt.NDArray[np.float64]
-_CLIP = 1e-4  # scores of exactly 0 or 1 have no logit
 
 
 class Combination(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +37,13 @@ class Combination(msgspec.Struct, frozen=True, kw_only=True):
     scale: tuple[float, ...]
     coef: tuple[float, ...]  # per standardised logit
     bias: float
+
+    def as_stage(self) -> StageCombination:
+        """The combination as a policy's combine stage computes it: weights on the stages' raw logits, the
+        standardisation folded into them and the bias."""
+        weights = [c / s for c, s in zip(self.coef, self.scale, strict=True)]
+        bias = self.bias - sum(w * m for w, m in zip(weights, self.mean, strict=True))
+        return StageCombination(reads=self.stages, weights=tuple(weights), bias=bias)
 
     def score(self, logits: Floats) -> Floats:
         """The combined log-odds of rows of the stages' logits (in `stages` order)."""
@@ -63,11 +70,6 @@ class Comparison(msgspec.Struct, frozen=True, kw_only=True):
     candidates: tuple[Candidate, ...]  # each stage alone, then the combination
 
 
-def _logit(p: float) -> float:
-    p = min(max(p, _CLIP), 1.0 - _CLIP)
-    return math.log(p / (1.0 - p))
-
-
 def stage_logits(
     items: Sequence[LabelledItem], scores: Sequence[ItemScores], stages: Sequence[int]
 ) -> tuple[list[LabelledItem], Floats]:
@@ -84,7 +86,7 @@ def stage_logits(
         if any(p is None for p in chosen):
             continue
         kept.append(item)
-        rows.append([_logit(p) for p in chosen if p is not None])
+        rows.append([logit(p) for p in chosen if p is not None])
     return kept, np.array(rows, dtype=np.float64).reshape(len(rows), len(stages))
 
 
@@ -223,4 +225,21 @@ def render(comparison: Comparison) -> str:
             f"| {c.name} | {c.threshold:.3f} | {c.harmful_blocked:.1%} | {c.lookalikes_blocked:.1%} | "
             f"{c.everyday_blocked:.1%} | {per} |"
         )
+    stage = combine_stage(comparison)
+    lines += ["", "As a policy's stage (no band: it decides every item it reads):", "", _json(stage)]
     return "\n".join(lines) + "\n"
+
+
+def combine_stage(comparison: Comparison) -> CascadeStage:
+    """The combination as a policy's combine stage at the rule's threshold (the fitting split's), no band."""
+    threshold = sigmoid(comparison.candidates[-1].threshold)
+    return CascadeStage(
+        kind="combine",
+        allow_below=threshold,
+        block_above=threshold,
+        combine=comparison.combination.as_stage(),
+    )
+
+
+def _json(stage: CascadeStage) -> str:
+    return msgspec.json.encode(stage).decode()

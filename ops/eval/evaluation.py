@@ -173,11 +173,8 @@ async def score_with_cascade(
         guarded = guard_input(item, cascade.categories)
         started = time.perf_counter()
         if all_stages:
-            # The cascade's own recording (private, same package: cascade.py has no public per-stage run),
-            # so a stored run is exactly what the service would have audited.
-            runs = tuple(
-                [await cascade._run_stage(i, stage, guarded) for i, stage in enumerate(cascade.stages)]
-            )
+            # The cascade's own recording, so a stored run is exactly what the service would have audited.
+            runs = await cascade.run_every_stage(guarded)
         else:
             runs = (await cascade.run(guarded)).runs
         out.append(

@@ -55,7 +55,7 @@ class AuditedStage(msgspec.Struct, frozen=True, kw_only=True):
     the cascade's own, fuller account of the run)."""
 
     stage: str  # "rules" or the guard version name@version
-    kind: Literal["rules", "model"]
+    kind: Literal["rules", "model", "combine"]
     model: str | None = None  # model@version the guard ran on
     template_hash: str | None = None
     score: float | None = None

@@ -23,7 +23,7 @@ import msgspec
 
 from engines.breaker import BreakerPolicy, CircuitBreaker
 from guard.base import Classifier, Direction, GuardInput
-from guard.cascade import Cascade, Stage
+from guard.cascade import Cascade, CombineStage, Stage
 from guard.rules import RulesClassifier
 from policy.audit.writer import AuditBackpressureError
 from policy.safety.decision import (
@@ -59,10 +59,21 @@ def build_cascade(
     spec = policy.spec
     categories = tuple(c.name for c in spec.categories)
     guards = iter(policy.guards)
-    stages = []
+    stages: list[Stage | CombineStage] = []
     for stage in spec.stages:
         classifier: Classifier
         guard_breaker = None  # rules are deterministic and local: nothing to break
+        if not isinstance(stage.combine, msgspec.UnsetType):  # a combine stage (validated on publish)
+            stages.append(
+                CombineStage(
+                    stage.combine,
+                    allow_below=stage.allow_below,
+                    block_above=stage.block_above,
+                    categories=stage.categories,
+                    output_thresholds=stage.thresholds("output"),
+                )
+            )
+            continue
         if stage.kind == "rules":
             classifier = RulesClassifier(spec.rules, stage.categories or categories, executor=executor)
         else:

@@ -50,7 +50,7 @@ def audit_draft(record: GuardRecord) -> AuditDraft:
         stages=tuple(
             AuditedStage(
                 stage=run.guard,
-                kind="rules" if run.guard == "rules" else "model",
+                kind="rules" if run.guard == "rules" else "combine" if run.guard == "combine" else "model",
                 model=run.model or None,
                 template_hash=run.template_sha256 or None,
                 score=run.p_unsafe,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from engines.breaker import BreakerPolicy, CircuitBreaker, CircuitOpenError
 from guard.base import Classifier, GuardInput, GuardOverloadedError, GuardScore, Span
-from guard.cascade import BandAction, Cascade, Stage
+from guard.cascade import BandAction, Cascade, CombineStage, Stage
+from registry.models import StageCombination
 from tests.guard.fakes import Crafted, Hanging, Queued, Scripted, Sized
 
 ITEM = GuardInput(direction="input", spans=(Span(text="hello", source="user"),))
@@ -27,7 +29,7 @@ def stage(classifier: Classifier, allow_below: float = 0.2, block_above: float =
     )
 
 
-def cascade(*stages: Stage, band: BandAction = "escalate") -> Cascade:
+def cascade(*stages: Stage | CombineStage, band: BandAction = "escalate") -> Cascade:
     return Cascade(stages, band, CATEGORIES)
 
 
@@ -417,3 +419,79 @@ async def test_a_stage_without_an_output_pair_judges_outputs_at_its_input_pair()
     result = await cascade(stage(Scripted("a@1", 0.6), block_above=0.5)).run(OUTPUT)
     assert result.verdict == "block"
     assert (result.runs[0].allow_below, result.runs[0].block_above) == (0.2, 0.5)
+
+
+def combining(
+    reads: tuple[int, ...], weights: tuple[float, ...], bias: float, threshold: float
+) -> CombineStage:
+    return CombineStage(
+        StageCombination(reads=reads, weights=weights, bias=bias),
+        allow_below=threshold,
+        block_above=threshold,
+        categories=("violence",),
+        output_thresholds=(0.0, 1.0),
+    )
+
+
+def log_odds(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+@pytest.mark.parametrize(
+    ("scores", "verdict"),
+    [
+        ((0.4, 0.7), "block"),  # neither stage blocks alone; together past the threshold
+        ((0.4, 0.3), "allow"),
+        ((0.05, 0.97), "block"),
+    ],
+)
+async def test_a_combine_stage_scores_what_the_stages_it_reads_scored(
+    scores: tuple[float, float], verdict: str
+) -> None:
+    words, meaning = Scripted("ngram@1", scores[0], "weapons"), Scripted("embedding@1", scores[1], "violence")
+    # The stages it reads settle nothing: they pass every item on to it.
+    result = await cascade(
+        stage(words, 0.0, 1.0), stage(meaning, 0.0, 1.0), combining((0, 1), (1.5, 2.0), 0.5, 0.6)
+    ).run(ITEM)
+    expected = 1 / (1 + math.exp(-(0.5 + 1.5 * log_odds(scores[0]) + 2.0 * log_odds(scores[1]))))
+    run = result.runs[2]
+    assert (run.guard, run.index, run.allow_below, run.block_above) == ("combine", 2, 0.6, 0.6)
+    assert run.p_unsafe == pytest.approx(expected)
+    assert (result.verdict, result.decided_by) == (verdict, 2)
+    assert run.category == ("weapons" if scores[0] > scores[1] else "violence")  # the most unsafe stage's
+    assert (words.calls, meaning.calls) == (1, 1)  # it calls no model: the scores are read, not asked again
+
+
+async def test_a_combine_stage_fails_when_a_stage_it_reads_failed() -> None:
+    # A failed read: the combine stage fails too, its categories unjudged (the policy's fail mode decides).
+    down = Scripted("embedding@1", 0.9, fail=True)
+    result = await cascade(
+        stage(Scripted("ngram@1", 0.9), 0.0, 1.0),
+        stage(down, 0.0, 1.0),
+        combining((0, 1), (1.0, 1.0), 0.0, 0.5),
+    ).run(ITEM)
+    assert result.verdict == "error"
+    assert (result.runs[2].verdict, result.runs[2].p_unsafe) == ("error", None)
+    assert "stage 1, which it reads, failed" in result.runs[2].error
+    assert result.failed_categories == ("violence", "spam")  # the failed stage's (all), then its own
+    # Scores near 0 and 1 are clipped before their logit: no infinity, no NaN.
+    extreme = await cascade(
+        stage(Scripted("ngram@1", 1.0), 0.0, 1.0),
+        stage(Scripted("e@1", 0.0), 0.0, 1.0),
+        combining((0, 1), (1.0, 2.0), 0.0, 0.5),
+    ).run(ITEM)
+    # Log-odds 9.21 - 2 x 9.21 = -9.21: the clipped score 1e-4.
+    assert extreme.runs[2].p_unsafe == pytest.approx(1e-4)
+    assert extreme.verdict == "allow"
+
+
+async def test_every_stage_runs_for_evaluation_and_a_combine_stage_reads_them() -> None:
+    chain = cascade(
+        stage(Scripted("a@1", 0.9)), stage(Scripted("b@1", 0.9)), combining((0, 1), (1.0, 1.0), 0.0, 0.5)
+    )
+    assert [r.index for r in (await chain.run(ITEM)).runs] == [0]  # in service the first stage blocks
+    runs = await chain.run_every_stage(ITEM)
+    assert [(r.index, r.verdict) for r in runs] == [(0, "block"), (1, "block"), (2, "block")]
+    # Outputs: its output pair passes everything on (a combination fitted on prompts judges no output).
+    output_runs = await chain.run_every_stage(OUTPUT)
+    assert output_runs[2].verdict == "next"

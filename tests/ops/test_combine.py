@@ -5,15 +5,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
-from guard.cascade import StageRun
+from guard.cascade import CombineStage, StageRun
 from guard.labelled import LabelledItem
 from ops.eval.__main__ import main
 from ops.eval.calibrate import Budget
-from ops.eval.combine import compare, stage_logits
+from ops.eval.combine import combine_stage, compare, stage_logits
 from ops.eval.evaluation import ItemScores, save_items, save_scores
+from registry.models import CascadeStage
 
 KINDS = (("request", "unsafe", 1.5), ("lookalike", "safe", 0.0), ("everyday", "safe", -1.0))
 
@@ -139,5 +141,28 @@ def test_the_command_prints_each_stage_and_the_combination(
     assert "| stage 1 |" in out
     assert "| stage 2 |" in out
     assert "| combined |" in out
+    assert '{"kind":"combine",' in out  # the stage to publish
     with pytest.raises(SystemExit, match="no prompt has a score"):
         main([*args[:-3], "--stages", "7"])
+
+
+async def test_the_printed_stage_decides_as_the_measured_combination() -> None:
+    """The combine stage the command prints, run by the cascade on stored runs, blocks exactly the items the
+    comparison's combination blocks at its threshold."""
+    fit_items, fit_scores = split("calibration", seed=1)
+    result = compare(fit_items, fit_scores, fit_items, fit_scores, [1, 2], Budget())
+    stage = combine_stage(result)
+    assert stage.kind == "combine"
+    assert msgspec.json.decode(msgspec.json.encode(stage), type=CascadeStage) == stage  # publishable as is
+    fitted, logits = stage_logits(fit_items, fit_scores, [1, 2])
+    measured = result.combination.score(logits) > result.candidates[-1].threshold
+    combine = CombineStage(
+        stage.combine,  # type: ignore[arg-type]  # set: a combine stage
+        allow_below=stage.allow_below,
+        block_above=stage.block_above,
+        categories=(),
+    )
+    by_id = {s.id: s for s in fit_scores}
+    staged = [combine.score(by_id[item.id].runs).p_unsafe > stage.block_above for item in fitted]
+    assert staged == list(measured)
+    assert 0 < sum(staged) < len(staged)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -9,9 +11,20 @@ from engines.breaker import BreakerPolicy
 from guard.base import Classifier, GuardInput, Span
 from policy.safety.decision import GuardRecord
 from policy.safety.gate import RecordContext, SafetyGate
-from registry.models import CascadeStage, PolicyCategory, PolicySpec, Published, RulePattern, RulesSpec
+from policy.safety.records import audit_draft
+from registry.models import (
+    CascadeStage,
+    GuardModelSpec,
+    PolicyCategory,
+    PolicySpec,
+    Published,
+    RulePattern,
+    RulesSpec,
+    StageCombination,
+)
 from registry.view import ResolvedGuard, ResolvedPolicy
 from tests.gateway.test_prompts import CountingPool
+from tests.guard.fakes import Scripted
 
 SPEC = PolicySpec(
     categories=(PolicyCategory(name="violence", severity="high"),),
@@ -83,3 +96,40 @@ async def test_the_record_holds_the_text_only_when_the_policy_and_the_tenant_bot
 
 def test_a_context_keeps_no_text_unless_told_the_tenant_retains_prompts() -> None:
     assert CONTEXT.retain_prompts is False
+
+
+async def test_a_published_combine_stage_decides_from_the_scores_before_it_and_is_audited_as_one() -> None:
+    guard = ResolvedGuard(
+        ref="words@1",
+        guard=msgspec.structs.replace(POLICY.policy, kind="guard_model", name="words", version="1"),
+        spec=GuardModelSpec(kind="ngram", artifact="words"),
+        model=None,
+    )
+    spec = msgspec.structs.replace(
+        SPEC,
+        stages=(
+            CascadeStage(guard="words@1", allow_below=0.0, block_above=1.0),  # settles nothing: read below
+            msgspec.structs.replace(SPEC.stages[0], allow_below=0.25),  # no rule matches: 0.5, passed on
+            CascadeStage(
+                kind="combine",
+                allow_below=0.5,
+                block_above=0.5,
+                combine=StageCombination(reads=(0,), weights=(2.0,), bias=1.0),
+            ),
+        ),
+    )
+    policy = msgspec.structs.replace(POLICY, spec=spec, guards=(guard,))
+    words = Scripted("words@1", 0.3, "violence")
+    records: list[GuardRecord] = []
+    gate = SafetyGate(lambda g: words, records.append, lambda: 0.0, BreakerPolicy())
+    # logit(0.3) = -0.85: 1 + 2 x -0.85 = -0.69 < logit(0.5), allowed by the combine stage; at 0.45, blocked.
+    assert (await gate.check(policy, user("harmless"), CONTEXT)).action == "allow"
+    words.p_unsafe = 0.45
+    assert (await gate.check(policy, user("harmless"), CONTEXT)).action == "block"
+    block = audit_draft(records[-1])
+    assert [(s.kind, s.stage) for s in block.stages] == [
+        ("model", "words@1"),
+        ("rules", "rules"),
+        ("combine", "combine"),
+    ]
+    assert block.stages[2].score == pytest.approx(1 / (1 + math.exp(-(1 + 2 * math.log(0.45 / 0.55)))))

@@ -222,7 +222,7 @@ def test_public_names() -> None:
         *("RegistryError", "NotFoundError", "ConflictError", "InvalidError", "UnavailableError"),
         *("Kind", "KINDS", "Severity", "Spec", "SPEC_TYPES", "ModelArch", "ModelSpec", "TokenizerSpec"),
         *("ChatTemplateSpec", "GuardModelSpec", "PolicySpec", "PolicyCategory", "CascadeStage"),
-        *("RulePattern", "RulesSpec", "PromptSpec"),
+        *("RulePattern", "RulesSpec", "PromptSpec", "StageCombination"),
         *("Published", "Alias", "AliasTarget", "AliasChange", "RegistrySnapshot", "parse_ref", "decode_spec"),
         "FiguresRecord",
         *("canonical_json", "content_hash", "spec_hash", "canary_pick", "check_tokenizer"),

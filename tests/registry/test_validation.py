@@ -8,6 +8,7 @@ import pytest
 from policy.safety.defaults import rules_policy
 from registry import (
     AliasTarget,
+    CascadeStage,
     ConflictError,
     GuardModelSpec,
     InvalidError,
@@ -16,6 +17,7 @@ from registry import (
     PolicySpec,
     Registry,
     Spec,
+    StageCombination,
     check_tokenizer,
     parse_ref,
 )
@@ -184,3 +186,48 @@ def test_a_policy_without_output_thresholds_keeps_its_published_hash() -> None:
     assert "output_" not in canonical_json(spec)
     assert spec_hash(spec) == "375119dd22580b6912d8cb8f43d42bbadcaaf55aa11da232ae326f54ea48dc98"
     assert spec.stages[0].thresholds("output") == spec.stages[0].thresholds("input") == (0.25, 0.75)
+
+
+def _combining(*extra: CascadeStage) -> PolicySpec:
+    """specs.policy() with a rules stage after its model stage, then `extra`."""
+    spec = specs.policy()
+    rules = CascadeStage(kind="rules", allow_below=0.25, block_above=0.75)
+    return msgspec.structs.replace(spec, stages=(*spec.stages, rules, *extra))
+
+
+async def test_a_combine_stage_reads_earlier_stages_with_one_weight_each(registry: Registry) -> None:
+    await specs.seed(registry, "1")
+    await registry.publish("guard_model", "guard", "1", specs.guard(), actor="t")
+
+    def combine(reads: tuple[int, ...], weights: tuple[float, ...], **kw: object) -> CascadeStage:
+        fields: dict[str, object] = {"kind": "combine", "allow_below": 0.5, "block_above": 0.5}
+        fields["combine"] = StageCombination(reads=reads, weights=weights, bias=-1.0)
+        return CascadeStage(**(fields | kw))  # type: ignore[arg-type]
+
+    cases: list[tuple[PolicySpec, str]] = [
+        (_combining(combine((0, 2), (1.0, 1.0))), r"stages\[2\]: combine.reads must name earlier stages"),
+        (_combining(combine((0, 0), (1.0, 1.0))), r"must name earlier stages, each once"),
+        (_combining(combine((), ())), r"must name earlier stages"),
+        (_combining(combine((0, 1), (1.0,))), r"one weight per stage read \(2\), got 1"),
+        # JSON has no infinity: the spec's JSON holds null there, which msgspec refuses, naming the field.
+        (_combining(combine((0,), (float("inf"),))), r"\$.stages\[2\].combine.weights\[0\]"),
+        (_combining(combine((0,), (1.0,), guard="guard@1")), r"a combine stage names no guard"),
+        (_combining(CascadeStage(kind="combine", allow_below=0.5, block_above=0.5)), "needs `combine`"),
+        (
+            _combining(
+                CascadeStage(
+                    guard="guard@1", allow_below=0.5, block_above=0.5, combine=combine((0,), (1.0,)).combine
+                )
+            ),
+            r"stages\[2\]: only a combine stage has `combine`",
+        ),
+    ]
+    for policy_spec, message in cases:
+        with pytest.raises(InvalidError, match=message):
+            await registry.publish("policy", "mixed", "1", policy_spec, actor="t")
+    published = await registry.publish(
+        "policy", "mixed", "1", _combining(combine((0, 1), (0.8, 0.3))), actor="t"
+    )
+    assert '"combine":{"reads":[0,1],"weights":[0.8,0.3],"bias":-1.0}' in published.spec_json
+    # A stage without `combine` keeps its canonical JSON (and so every policy published before, its hash).
+    assert "combine" not in canonical_json(specs.policy())
