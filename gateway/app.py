@@ -193,10 +193,11 @@ async def _trained_guards(config: Config, registry: Registry, served: str) -> Tr
         embedding=refs.embedding,
         one_token=refs.one_token,
         ngram=refs.ngram,
-        ngram_allow_below=refs.ngram_allow_below,
-        ngram_block_above=refs.ngram_block_above,
         ngram_output_allow_below=refs.ngram_output_allow_below,
         ngram_output_block_above=refs.ngram_output_block_above,
+        combine_weights=refs.combine_weights,
+        combine_bias=refs.combine_bias,
+        combine_threshold=refs.combine_threshold,
         categories=refs.categories,
     )
 

@@ -13,7 +13,8 @@ no-op and a retrained guard becomes new versions instead of a conflict:
 - guard_model `<embedding.name>@<12 hex digits of the spec's hash>`: kind embedding, the head's directory
   and its weights' sha256, and the training data's sha256.
 - guard_model `<ngram.name>@<12 hex digits of the spec's hash>`: kind ngram, likewise, naming the sha256 of
-  the labelled directory it was trained on; the thresholds chosen for it come back with the references.
+  the labelled directory it was trained on; the thresholds chosen for it come back with the references, as
+  do the weights and threshold of the combine stage fitted over it and the embedding guard.
 
 Artifacts are recorded relative to the guards directory's parent (the model data directory), as
 registry/default_model.py records the served model's, so replicas with their data elsewhere publish
@@ -60,11 +61,19 @@ class _Ngram(msgspec.Struct, frozen=True):
     output_block_above: float
 
 
+class _Combination(msgspec.Struct, frozen=True):
+    ngram_weight: float
+    embedding_weight: float
+    bias: float
+    threshold: float
+
+
 class _Manifest(msgspec.Struct, frozen=True):
     training_data_sha256: str
     one_token: _OneToken
     embedding: _Embedding
     ngram: _Ngram
+    combination: _Combination
 
 
 class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +89,11 @@ class GuardRefs(msgspec.Struct, frozen=True, kw_only=True):
     ngram_block_above: float
     ngram_output_allow_below: float
     ngram_output_block_above: float
+    # The combine stage over the n-gram and embedding guards, fitted on the same calibration split: its
+    # weights on their log-odds (n-gram, embedding), its bias and its threshold.
+    combine_weights: tuple[float, float]
+    combine_bias: float
+    combine_threshold: float
     # The categories the one-token guard's prompt listed in training, in that order: a stage that passes
     # these (the policy's categories) asks the guard exactly the question it was trained on.
     categories: tuple[str, ...] = ()
@@ -100,7 +114,7 @@ async def register_guards(
     registry: Registry, guards_dir: Path, *, base_model_ref: str, actor: str
 ) -> GuardRefs | None:
     """Publish the guards of a prepared `guards_dir` (idempotent); None when it holds no prepared guards (or
-    guards prepared by an older release, without the n-gram guard).
+    guards prepared by an older release, without the n-gram guard or the combine stage).
 
     `base_model_ref` (name@version, published) is the model the one-token guard was trained from: its
     tokenizer and chat template versions are reused when the guard model's files match them.
@@ -177,5 +191,8 @@ async def register_guards(
         ngram_block_above=manifest.ngram.block_above,
         ngram_output_allow_below=manifest.ngram.output_allow_below,
         ngram_output_block_above=manifest.ngram.output_block_above,
+        combine_weights=(manifest.combination.ngram_weight, manifest.combination.embedding_weight),
+        combine_bias=manifest.combination.bias,
+        combine_threshold=manifest.combination.threshold,
         categories=manifest.one_token.categories,
     )

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway import cli
+from guard.combination import combined
 from guard.dataset import SPLIT_RULE, dataset_dir_sha256
-from guard.embedding import LogisticHead
-from guard.labelled import LabelledItem, load_items
+from guard.embedding import LogisticHead, load_embedding_guard
+from guard.labelled import LabelledItem, guard_input, load_items
+from guard.ngram import load_ngram_guard
 from guard.one_token import SYSTEM_PROMPT
 from ops.eval.evaluation import save_items
 from ops.guard_training import prepare as guards_prepare
@@ -42,7 +45,7 @@ from ops.guard_training.prepare import (
 )
 from registry.default_guards import GUARDS_MANIFEST, register_guards
 from registry.default_model import register_default_model
-from registry.models import GuardModelSpec, ModelSpec, parse_ref
+from registry.models import GuardModelSpec, ModelSpec, StageCombination, parse_ref
 from registry.service import Registry
 from registry.store.sqlite import SqliteRegistryStore
 from tests.ops.tiny_guard_data import write_tiny_guard_data
@@ -207,6 +210,51 @@ def test_the_ngram_guard_is_prepared_with_its_calibrated_thresholds(
     assert prepared.manifest.ngram_settings == NgramSettings()
 
 
+async def test_the_combine_stage_is_fitted_on_the_calibration_prompts_as_the_guards_score_them(
+    prepared: GuardsResult, guard_data: Path
+) -> None:
+    combination = prepared.manifest.combination
+    calibration = [i for i in load_items(guard_data) if i.split == "calibration" and i.shape == "prompt"]
+    assert combination.fitted_on == len(calibration)  # the calibration prompts, nothing of the test split
+    assert [c.name for c in combination.calibration] == ["stage 1", "stage 2", "combined"]
+    assert 0.0 < combination.threshold < 1.0
+    # The weights are the served guards' own: their scores of a prompt, combined, fall on the side of the
+    # threshold the fit's figures say (the tiny set's harmful prompts are far from its benign ones).
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        ngram = await load_ngram_guard(
+            "ngram",
+            GuardModelSpec(
+                kind="ngram",
+                artifact=str(prepared.path / NGRAM_NAME),
+                weights_sha256=prepared.manifest.ngram.weights_sha256,
+            ),
+            Path("/"),
+            executor,
+        )
+        embedding = await load_embedding_guard(
+            "embedding",
+            GuardModelSpec(
+                kind="embedding",
+                artifact=str(prepared.path / EMBEDDING_NAME),
+                weights_sha256=prepared.manifest.embedding.weights_sha256,
+            ),
+            Path("/"),
+            executor,
+        )
+        stage = StageCombination(
+            reads=(1, 2),
+            weights=(combination.ngram_weight, combination.embedding_weight),
+            bias=combination.bias,
+        )
+        blocked = []
+        for item in calibration:
+            guarded = guard_input(item)
+            scores = [(await g.classify(guarded)).p_unsafe for g in (ngram, embedding)]
+            blocked.append(combined(stage, scores) > combination.threshold)
+    harmful = [b for b, i in zip(blocked, calibration, strict=True) if i.label == "unsafe"]
+    assert sum(harmful) / len(harmful) == pytest.approx(combination.calibration[-1].harmful_blocked)
+
+
 def test_the_test_split_is_never_trained_on(prepared: GuardsResult, guard_data: Path) -> None:
     train_ids = {i for i, *_, split in _TEXTS if split == "train"}
     test_ids = {i for i, *_, split in _TEXTS if split == "test"}
@@ -279,6 +327,15 @@ async def test_register_guards_publishes_trained_versions_idempotently(
             prepared.manifest.ngram.block_above,
             prepared.manifest.ngram.output_allow_below,
             prepared.manifest.ngram.output_block_above,
+        )
+
+        assert refs.combine_weights == (
+            prepared.manifest.combination.ngram_weight,
+            prepared.manifest.combination.embedding_weight,
+        )
+        assert (refs.combine_bias, refs.combine_threshold) == (
+            prepared.manifest.combination.bias,
+            prepared.manifest.combination.threshold,
         )
 
         generation = view.generation

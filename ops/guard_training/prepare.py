@@ -15,6 +15,9 @@ Layout of a guards directory (`<data_dir>/guards/` for the default guards):
         ngram.npz, ngram.json   the head (guard/ngram.py)
         guard.json              NgramReport: its thresholds, chosen on the set's calibration split
 
+The manifest also holds the combine stage over the n-gram and embedding guards, fitted on the calibration
+split's prompts once both are trained (`ops.guard_training.combination`).
+
 The one-token guard is trained on a labelled file (ops/eval/data/dev.jsonl by default: training it on the
 multilingual set does not fit the budget, see README "Safety guard"); the n-gram guard on the train split
 of a labelled directory (ops/eval/data/guard/ by default), its thresholds chosen on that directory's
@@ -43,12 +46,14 @@ from guard.default_guard import JUDGE_PROMPT
 from guard.embedding import HEAD_WEIGHTS as EMBEDDING_HEAD
 from guard.ngram import HEAD_WEIGHTS as NGRAM_HEAD
 from guard.one_token import SYSTEM_PROMPT
+from ops.guard_training.combination import PreparedCombination, fit_combination
 from ops.guard_training.data import Metrics, TrainError, load_training_set
 from ops.guard_training.embedding import EmbeddingSettings, train_embedding
 from ops.guard_training.ngram import DEFAULT_GUARD_DATA, DirectedFigures, NgramSettings, train_ngram
 from ops.guard_training.one_token import OneTokenSettings, train_one_token
 from ops.models.prepare import PrepareError, verify
 from registry.hashing import sha256_file
+from registry.models import GuardModelSpec
 
 GUARDS_DIR = "guards"
 MANIFEST = "lockgate-guards.json"  # registry/default_guards.py reads it under the same name
@@ -115,6 +120,9 @@ class PreparedGuards(msgspec.Struct, frozen=True, kw_only=True):
     one_token: PreparedOneToken
     embedding: PreparedEmbedding
     ngram: PreparedNgram
+    # The combine stage over the n-gram and embedding guards (`ops.guard_training.combination`). A manifest
+    # without it (an older layout) fails to decode, so its guards are trained again.
+    combination: PreparedCombination
     elapsed_s: float
     # The rule that split the multilingual set (`guard.dataset.SPLIT_RULE`; directories prepared before it
     # was recorded followed rule 1): a new rule moves items between splits, so the guards are trained again.
@@ -230,6 +238,30 @@ def prepare_guards(
         emb_data = load_training_set(ngram_data_dir, "train")
         emb = train_embedding(emb_data, work / EMBEDDING_NAME, embedding, say=say)
         say(f"embedding guard trained ({time.perf_counter() - started:.0f} s)")
+        combination = fit_combination(
+            ngram_data_dir,
+            GuardModelSpec(
+                kind="ngram",
+                artifact=str(work / NGRAM_NAME),
+                weights_sha256=ngram_report.weights_sha256,
+                training_data_sha256=ngram_report.training_data_sha256,
+            ),
+            GuardModelSpec(
+                kind="embedding",
+                artifact=str(work / EMBEDDING_NAME),
+                weights_sha256=emb.weights_sha256,
+                training_data_sha256=emb.training_data_sha256,
+            ),
+        )
+        say(
+            f"combine stage fitted on {combination.fitted_on} calibration prompts "
+            f"({time.perf_counter() - started:.0f} s): "
+            + "; ".join(
+                f"{c.name} blocks {c.harmful_blocked:.0%} of harmful, {c.lookalikes_blocked:.0%} of "
+                f"look-alike, {c.everyday_blocked:.0%} of everyday prompts"
+                for c in combination.calibration
+            )
+        )
         one = train_one_token(data, base_model_dir, work / ONE_TOKEN_NAME, one_token, say=say)
         manifest = PreparedGuards(
             split_rule=SPLIT_RULE,
@@ -270,6 +302,7 @@ def prepare_guards(
                 calibration=ngram_report.calibration,
                 test=ngram_report.test,
             ),
+            combination=combination,
             elapsed_s=round(time.perf_counter() - started, 1),
         )
         (work / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))

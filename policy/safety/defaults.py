@@ -4,10 +4,10 @@ Every tenant is bound to the `default` policy alias until an administrator binds
 
 - `default@1`: no guard stages (what tenants had before the guard cascade; kept so old records resolve).
 - `default@rules-1`: the deterministic rules stage alone (`guard.rules.default_rules`).
-- `default@trained-<hash>`: rules, then the n-gram guard, then the embedding guard, then the trained
-  one-token guard, all of which `lockgate models prepare` builds offline; `<hash>` follows the guard versions
-  and the policy's thresholds, so retraining or new thresholds publish a new policy version instead of
-  changing one.
+- `default@trained-<hash>`: rules, then the n-gram guard, the embedding guard, one score from those two,
+  and the trained one-token guard, all of which `lockgate models prepare` builds offline; `<hash>` follows
+  the guard versions and the policy's thresholds and weights, so retraining or new thresholds publish a new
+  policy version instead of changing one.
 - `default@embedding-<hash>`: rules, then the embedding guard alone (`embedding_policy`), versioned alike.
 
 At start-up the alias is created when missing, and moved to the configured choice only while it was last set
@@ -25,7 +25,14 @@ from typing import Literal
 import msgspec
 
 from guard.rules import default_rules
-from registry.models import CascadeStage, FailMode, PolicyCategory, PolicySpec, Severity
+from registry.models import (
+    CascadeStage,
+    FailMode,
+    PolicyCategory,
+    PolicySpec,
+    Severity,
+    StageCombination,
+)
 from registry.service import Registry
 
 DEFAULT_POLICY = "default"
@@ -60,12 +67,15 @@ class TrainedGuards(msgspec.Struct, frozen=True, kw_only=True):
     embedding: str
     one_token: str
     ngram: str
-    # The n-gram stage's thresholds, chosen on the calibration split of its training data: for inputs (on
-    # its prompts) and for outputs (on its outputs).
-    ngram_allow_below: float
-    ngram_block_above: float
+    # The n-gram stage's output thresholds, chosen on the outputs of the calibration split of its training
+    # data (its input pair, chosen on the prompts, is not used: the combine stage judges inputs).
     ngram_output_allow_below: float
     ngram_output_block_above: float
+    # The combine stage over the n-gram and embedding stages, fitted on the same calibration split: its
+    # weights on their log-odds (n-gram, embedding), its bias and its threshold (`trained_policy`).
+    combine_weights: tuple[float, float]
+    combine_bias: float
+    combine_threshold: float
     # The categories the one-token guard's prompt listed in training, in order ("" = not recorded).
     categories: tuple[str, ...] = ()
 
@@ -88,12 +98,17 @@ def rules_policy() -> PolicySpec:
     return _policy((RULES_STAGE,))
 
 
-def _embedding_stage(guards: TrainedGuards) -> CascadeStage:
-    """The embedding guard's stage, at the pairs chosen for it in the trained policy (`trained_policy`)."""
+# A stage's pair that settles nothing: it passes every item on (to the combine stage that reads its score).
+PASS_ON = (0.0, 1.0)
+
+
+def _embedding_stage(guards: TrainedGuards, inputs: tuple[float, float]) -> CascadeStage:
+    """The embedding guard's stage at the input pair `inputs`, and the output pair chosen for it in the
+    trained policy by `ops.eval calibrate`."""
     return CascadeStage(
         guard=guards.embedding,
-        allow_below=0.55,
-        block_above=0.65,
+        allow_below=inputs[0],
+        block_above=inputs[1],
         output_allow_below=0.65,
         output_block_above=0.95,
         timeout_s=2.0,
@@ -101,38 +116,51 @@ def _embedding_stage(guards: TrainedGuards) -> CascadeStage:
 
 
 def embedding_policy(guards: TrainedGuards) -> PolicySpec:
-    """Rules, then the embedding guard alone, at its pairs of the trained policy: the cheapest gate with a
-    model in it (MiniLM on the CPU, no guard engine), and weaker than `trained_policy`, whose other stages
-    it lacks (its band, 0.55-0.65 there, is escalated here). For a deployment without a guard engine, and
-    for measuring what a model stage costs the hot path (`ops.bench.overhead --guard embedding`)."""
-    return _policy((RULES_STAGE, _embedding_stage(guards)))
+    """Rules, then the embedding guard alone (inputs: allowed below 0.55, blocked above 0.65, as `ops.eval
+    calibrate` chose for it when it followed the n-gram stage; outputs at its pair of the trained policy):
+    the cheapest gate with a model in it (MiniLM on the CPU, no guard engine), and weaker than
+    `trained_policy`. For a deployment without a guard engine, and for measuring what a model stage costs
+    the hot path (`ops.bench.overhead --guard embedding`)."""
+    return _policy((RULES_STAGE, _embedding_stage(guards, (0.55, 0.65))))
 
 
 def trained_policy(guards: TrainedGuards) -> PolicySpec:
-    """Rules, then the n-gram guard, then the embedding guard, then the trained one-token guard.
+    """Rules, then the n-gram guard, the embedding guard, one score from those two, and the trained one-token
+    guard.
 
-    The n-gram stage's thresholds are its own, chosen when it was trained, on the calibration split of the
-    multilingual set (ops/guard_training/ngram.py `choose_thresholds`), a pair for inputs chosen on its
-    prompts and a pair for outputs chosen on its outputs: it blocks what it is sure of in any language,
-    allows what it is sure is benign, and passes the rest on. The later stages' pairs were chosen on the
-    same calibration split by `python -m ops.eval calibrate --keep 1` (the n-gram stage kept at its own)
-    under its default budget: look-alikes blocked at most 5%, everyday prompts at most 3%, escalations at
-    most 10%, no safe output blocked; the most harmful items blocked within it. The one-token guard decides
-    what reaches it (no band).
+    Inputs: what the rules do not settle, the combine stage decides (`guard.combination`): a logistic
+    regression over the n-gram and embedding guards' log-odds and its threshold, both fitted when the guards
+    were trained, on the calibration split of the multilingual set (`ops.guard_training.combination`: at
+    most 5% of look-alike and 3% of everyday prompts blocked there), no band. The n-gram and embedding
+    stages pass inputs on to it, so the one-token guard sees none unless the combine stage fails.
+    Outputs: the n-gram stage at its own output pair (chosen on the set's outputs when it was trained), the
+    embedding stage at the pair `ops.eval calibrate --keep 1` chose, no safe output blocked; the combine stage
+    (fitted on prompts) passes them on, and the one-token guard decides what reaches it (no band).
     Figures on the test split are in README.md ("Safety guard").
     """
+    threshold = guards.combine_threshold
     return _policy(
         (
             RULES_STAGE,
             CascadeStage(
                 guard=guards.ngram,
-                allow_below=guards.ngram_allow_below,
-                block_above=guards.ngram_block_above,
+                allow_below=PASS_ON[0],
+                block_above=PASS_ON[1],
                 output_allow_below=guards.ngram_output_allow_below,
                 output_block_above=guards.ngram_output_block_above,
                 timeout_s=2.0,
             ),
-            _embedding_stage(guards),
+            _embedding_stage(guards, PASS_ON),
+            CascadeStage(
+                kind="combine",
+                allow_below=threshold,
+                block_above=threshold,
+                output_allow_below=PASS_ON[0],
+                output_block_above=PASS_ON[1],
+                combine=StageCombination(
+                    reads=(1, 2), weights=guards.combine_weights, bias=guards.combine_bias
+                ),
+            ),
             CascadeStage(
                 guard=guards.one_token,
                 allow_below=0.4,

@@ -1,5 +1,5 @@
-"""The built-in trained policy: its stages in order, the n-gram stage's own thresholds, and a version that
-follows every guard and threshold in it."""
+"""The built-in trained policy: its stages in order, the combine stage that decides inputs, the n-gram
+stage's own output thresholds, and a version that follows every guard, threshold and weight in it."""
 
 from __future__ import annotations
 
@@ -20,48 +20,58 @@ GUARDS = TrainedGuards(
     embedding="minilm-guard@aaaaaaaaaaaa",
     one_token="SmolLM2-135M-guard@bbbbbbbbbbbb",
     ngram="ngram-guard@cccccccccccc",
-    ngram_allow_below=0.31,
-    ngram_block_above=0.77,
     ngram_output_allow_below=0.12,
     ngram_output_block_above=0.93,
+    combine_weights=(1.3, 0.4),
+    combine_bias=-0.8,
+    combine_threshold=0.74,
 )
 
 
-def test_the_ngram_stage_runs_after_the_rules_and_before_the_embedding_guard() -> None:
-    stages = trained_policy(GUARDS).stages
+def test_inputs_are_decided_by_one_score_from_the_ngram_and_embedding_stages() -> None:
+    spec = trained_policy(GUARDS)
+    stages = spec.stages
     assert stages[0] == RULES_STAGE
-    assert [s.guard for s in stages[1:]] == [GUARDS.ngram, GUARDS.embedding, GUARDS.one_token]
-    assert stages[1].thresholds("input") == (0.31, 0.77)
+    assert [s.kind for s in stages] == ["rules", "model", "model", "combine", "model"]
+    assert [s.guard for s in stages] == ["", GUARDS.ngram, GUARDS.embedding, "", GUARDS.one_token]
+    # Inputs: the n-gram and embedding stages settle nothing; the combine stage reads both and decides.
+    assert stages[1].thresholds("input") == stages[2].thresholds("input") == (0.0, 1.0)
+    combine = stages[3].combine
+    assert not isinstance(combine, msgspec.UnsetType)
+    assert (combine.reads, combine.weights, combine.bias) == ((1, 2), (1.3, 0.4), -0.8)
+    assert stages[3].thresholds("input") == (0.74, 0.74)  # no band: the one-token guard sees no input
+    # Outputs: the n-gram stage at its own pair, the embedding stage at its calibrated one; the combine
+    # stage (fitted on prompts) passes them on, and the one-token guard decides, no band.
     assert stages[1].thresholds("output") == (0.12, 0.93)
-    # The rules judge both directions at one pair (their output pair is unset); the later model stages have
-    # a pair per direction (chosen by `ops.eval calibrate`).
-    assert stages[0].output_block_above is msgspec.UNSET
-    assert all(s.output_block_above is not msgspec.UNSET for s in stages[2:])
-    # The last stage decides what reaches it in either direction: no band, so nothing escalates past it.
-    for direction in ("input", "output"):
-        allow_below, block_above = stages[-1].thresholds(direction)
-        assert allow_below == block_above
-    assert trained_policy(GUARDS).past_last_stage == "escalate"
+    assert stages[2].thresholds("output") == (0.65, 0.95)
+    assert stages[3].thresholds("output") == (0.0, 1.0)
+    assert stages[4].thresholds("output") == (0.65, 0.65)
+    assert stages[0].output_block_above is msgspec.UNSET  # the rules judge both directions at one pair
+    assert spec.past_last_stage == "escalate"
 
 
-def test_the_version_follows_the_ngram_guard_and_its_thresholds() -> None:
+def test_the_version_follows_the_guards_and_the_combination() -> None:
     version = _trained_version(GUARDS)
     assert version.startswith("trained-")
     assert _trained_version(GUARDS) == version
     for change in (
         {"ngram": "ngram-guard@dddddddddddd"},
-        {"ngram_allow_below": 0.3},
-        {"ngram_block_above": 0.8},
         {"ngram_output_allow_below": 0.2},
         {"ngram_output_block_above": 0.95},
+        {"combine_weights": (1.3, 0.5)},
+        {"combine_bias": -0.7},
+        {"combine_threshold": 0.7},
     ):
         assert _trained_version(msgspec.structs.replace(GUARDS, **change)) != version, change
 
 
 def test_the_embedding_policy_is_the_trained_embedding_stage_after_the_rules() -> None:
     stages = embedding_policy(GUARDS).stages
-    assert stages == (RULES_STAGE, trained_policy(GUARDS).stages[2])
+    assert stages[0] == RULES_STAGE
     assert stages[1].guard == GUARDS.embedding
+    # Alone, it decides inputs in a band of its own; outputs at its pair of the trained policy.
+    assert stages[1].thresholds("input") == (0.55, 0.65)
+    assert stages[1].thresholds("output") == trained_policy(GUARDS).stages[2].thresholds("output")
     version = _embedding_version(GUARDS)
     assert version.startswith("embedding-")
     assert version.removeprefix("embedding-") != _trained_version(GUARDS).removeprefix("trained-")
