@@ -89,7 +89,34 @@ class CascadeResult(msgspec.Struct, frozen=True, kw_only=True):
     failed_categories: tuple[str, ...] = ()
 
 
-class Stage:
+class _Judged:
+    """A stage's thresholds: a pair for inputs, and one for outputs (None: the input pair judges both)."""
+
+    def __init__(
+        self,
+        *,
+        allow_below: float,
+        block_above: float,
+        categories: tuple[str, ...],
+        output_thresholds: tuple[float, float] | None,
+    ) -> None:
+        self.allow_below = allow_below
+        self.block_above = block_above
+        self.output_thresholds = output_thresholds
+        self.categories = categories
+
+    def thresholds(self, direction: Direction) -> tuple[float, float]:
+        """(allow_below, block_above) for items of `direction`."""
+        if direction == "output" and self.output_thresholds is not None:
+            return self.output_thresholds
+        return self.allow_below, self.block_above
+
+    def verdict(self, p_unsafe: float, direction: Direction = "input") -> StageVerdict:
+        """What a score means at this stage's thresholds for items of `direction`."""
+        return stage_verdict(p_unsafe, *self.thresholds(direction))
+
+
+class Stage(_Judged):
     """A classifier in the cascade with its thresholds, categories, timeout and breaker.
 
     `output_thresholds`: (allow_below, block_above) for output items; None: the input pair judges both.
@@ -106,25 +133,17 @@ class Stage:
         breaker: CircuitBreaker | None = None,
         output_thresholds: tuple[float, float] | None = None,
     ) -> None:
+        super().__init__(
+            allow_below=allow_below,
+            block_above=block_above,
+            categories=categories,
+            output_thresholds=output_thresholds,
+        )
         self.classifier = classifier
         # Checked once: isinstance against a runtime-checkable protocol costs tens of microseconds a call.
         self._queued = classifier if isinstance(classifier, Queued) else None
-        self.allow_below = allow_below
-        self.block_above = block_above
-        self.output_thresholds = output_thresholds
-        self.categories = categories
         self.timeout_s = timeout_s
         self.breaker = breaker
-
-    def thresholds(self, direction: Direction) -> tuple[float, float]:
-        """(allow_below, block_above) for items of `direction`."""
-        if direction == "output" and self.output_thresholds is not None:
-            return self.output_thresholds
-        return self.allow_below, self.block_above
-
-    def verdict(self, p_unsafe: float, direction: Direction = "input") -> StageVerdict:
-        """What a score means at this stage's thresholds for items of `direction`."""
-        return stage_verdict(p_unsafe, *self.thresholds(direction))
 
     async def score(self, item: GuardInput) -> GuardScore:
         """The classifier's score within the timeout, through the breaker; GuardError on any failure.
@@ -202,7 +221,7 @@ class Stage:
             self.breaker.release()
 
 
-class CombineStage:
+class CombineStage(_Judged):
     """A stage that scores what earlier stages scored the item (`guard.combination`), at its thresholds;
     it calls no model, so it has no timeout, breaker or queue."""
 
@@ -217,17 +236,13 @@ class CombineStage:
         categories: tuple[str, ...],
         output_thresholds: tuple[float, float] | None = None,
     ) -> None:
+        super().__init__(
+            allow_below=allow_below,
+            block_above=block_above,
+            categories=categories,
+            output_thresholds=output_thresholds,
+        )
         self.combination = combination
-        self.allow_below = allow_below
-        self.block_above = block_above
-        self.output_thresholds = output_thresholds
-        self.categories = categories
-
-    def thresholds(self, direction: Direction) -> tuple[float, float]:
-        """(allow_below, block_above) for items of `direction`."""
-        if direction == "output" and self.output_thresholds is not None:
-            return self.output_thresholds
-        return self.allow_below, self.block_above
 
     def score(self, runs: Sequence[StageRun]) -> GuardScore:
         """The combination of the read stages' scores among `runs`; GuardError when one of them did not run
