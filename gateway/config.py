@@ -238,9 +238,10 @@ class GuardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """The safety guards every request passes."""
 
     # Which built-in policy the `default` alias gets when the registry has none yet. `trained`: rules, then
-    # the n-gram guard, the embedding guard and the one-token guard that `lockgate models prepare` trains
-    # offline (the embedded default); `embedding`: rules, then the embedding guard alone (no guard engine);
-    # `rules`: the deterministic rules stage alone; `none`: no guard stages (testing only).
+    # the n-gram and embedding guards, one score from those two (deciding inputs) and the one-token guard
+    # (outputs), all of which `lockgate models prepare` trains offline (the embedded default); `embedding`:
+    # rules, then the embedding guard alone (no guard engine); `rules`: the deterministic rules stage alone;
+    # `none`: no guard stages (testing only).
     default_policy: Literal["trained", "embedding", "rules", "none"] = "trained"
     # Engine priority of guard calls (lower runs earlier): guards are not queued behind batch generation.
     priority: int = -10
