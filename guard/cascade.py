@@ -245,16 +245,17 @@ class CombineStage(_Judged):
         self.combination = combination
 
     def score(self, runs: Sequence[StageRun]) -> GuardScore:
-        """The combination of the read stages' scores among `runs`; GuardError when one of them did not run
-        or failed. Its category is that of the most unsafe stage read."""
-        read: list[StageRun] = []
-        for index in self.combination.reads:
-            run = next((r for r in runs if r.index == index), None)
-            if run is None or run.p_unsafe is None:
-                why = "did not run" if run is None else f"failed: {run.error or run.failure}"
-                raise GuardError(f"the combine stage cannot score: stage {index}, which it reads, {why}")
-            read.append(run)
-        p_unsafe = combined(self.combination, [r.p_unsafe or 0.0 for r in read])
+        """The combination of the read stages' scores; `runs` are the earlier stages' runs in stage order
+        (the cascade reaches this stage only after every earlier one ran). GuardError when a stage it reads
+        failed. Its category is that of the most unsafe stage read."""
+        read = [runs[index] for index in self.combination.reads]
+        failed = next((run for run in read if run.p_unsafe is None), None)
+        if failed is not None:
+            raise GuardError(
+                f"the combine stage cannot score: stage {failed.index}, which it reads, failed: "
+                f"{failed.error or failed.failure}"
+            )
+        p_unsafe = combined(self.combination, [run.p_unsafe or 0.0 for run in read])
         most = max(read, key=lambda r: r.p_unsafe or 0.0)
         return GuardScore(p_unsafe=p_unsafe, category=most.category, guard=self.name)
 

@@ -9,7 +9,7 @@ reads the words, the embedding guard the meaning. A combine stage scores
 a score of 0 or 1 has no logit) and judges it at its own thresholds like any stage. It calls no model and
 costs nothing but the arithmetic. The stages it reads must have run on the item: a stage they follow must
 not settle it (give them a pair that passes everything on, allow_below 0 and block_above 1, for the
-direction the combination is for). When one of them failed or did not run, the combine stage fails too
+direction the combination is for). When one of them failed, the combine stage fails too
 (`GuardError`): its categories are then unjudged, and the policy's fail mode decides, as for any stage.
 `guard.cascade.CombineStage` runs it; `python -m ops.eval combine` fits the weights on stored scores and
 prints them as a stage's `combine`.
